@@ -1,0 +1,85 @@
+"""How much train.py costs over a bare deepspeed.initialize loop: same model, batch and DeepSpeed config.
+
+    python benchmarks/train_overhead.py [--recipe tiny_llama] [--steps 60] [--repeats 2] [--num-gpus 1] [key.path=value ...]
+
+Runs train.py and benchmarks/bare_loop.py through the `deepspeed` launcher, alternating
+(train, bare, train, bare, ...) so that drifts in machine speed hit both, and prints a table of
+tokens/s (mean after the first step). train.py runs with its default logging (a metrics line,
+metrics.jsonl and TensorBoard every 10 steps) and with periodic checkpoints off, since the bare loop
+saves none.
+"""
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from training.recipe import load_recipe  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(script: str, args: list[str], num_gpus: int) -> None:
+    launcher = Path(sys.executable).parent / "deepspeed"
+    command = [str(launcher), "--num_gpus", str(num_gpus), "--master_port", str(free_port()), script, *args]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    if result.returncode != 0:
+        sys.exit(f"{script} failed:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}")
+
+
+def run_train(recipe: str, steps: int, num_gpus: int, overrides: list[str], out: Path) -> dict:
+    launch("train.py", ["--recipe", recipe, "--output-dir", str(out), "--overwrite", f"training.max_steps={steps}",
+                        "checkpointing.every_steps=null", *overrides], num_gpus)
+    return json.loads((out / "summary.json").read_text())
+
+
+def run_bare(model_config: str, ds_config: Path, seq_len: int, steps: int, num_gpus: int, result: Path) -> float:
+    launch("benchmarks/bare_loop.py", ["--model-config", model_config, "--ds-config", str(ds_config),
+                                       "--seq-len", str(seq_len), "--steps", str(steps), "--result", str(result)], num_gpus)
+    return json.loads(result.read_text())["mean_tokens_per_s"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default="tiny_llama")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--num-gpus", type=int, default=1, help="ranks per run (CPU ranks without a GPU)")
+    parser.add_argument("overrides", nargs="*", metavar="key.path=value")
+    args = parser.parse_args()
+    recipe = load_recipe(args.recipe, args.overrides)
+    if recipe.model.config is None:
+        sys.exit("train_overhead.py builds the model from model.config; this recipe loads a checkpoint")
+
+    speeds = {"train.py": [], "bare loop": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "train"
+        for _ in range(args.repeats):
+            summary = run_train(args.recipe, args.steps, args.num_gpus, args.overrides, out)
+            speeds["train.py"].append(summary["mean_tokens_per_s"])
+            speeds["bare loop"].append(run_bare(recipe.model.config, out / "ds_config.json", recipe.data.seq_len,
+                                                args.steps, args.num_gpus, Path(tmp) / "bare.json"))
+    baseline = statistics.median(speeds["bare loop"])
+    print(f"{args.recipe}: {args.steps} steps x {recipe.training.global_batch_size} rows x {recipe.data.seq_len} tokens, "
+          f"{summary['world_size']} rank(s), ZeRO-{summary['zero_stage']}, {summary['precision']}")
+    print(f"| loop | tokens/s per repeat | median tokens/s | vs bare loop |")
+    print(f"|---|---|---|---|")
+    for name, values in speeds.items():
+        median = statistics.median(values)
+        print(f"| {name} | {', '.join(f'{v:,.0f}' for v in values)} | {median:,.0f} | {median / baseline:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

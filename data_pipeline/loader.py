@@ -1,0 +1,48 @@
+"""Deterministic global batches over packed rows, sharded across data-parallel ranks."""
+import datasets
+import numpy as np
+import torch
+
+from data_pipeline import DataError
+
+
+class StepBatches:
+    """The micro-batches each rank trains on at a given optimizer step.
+
+    Epoch e visits the rows in a permutation seeded by (seed, e); step s takes the next
+    `global_batch_size` rows of it, and an incomplete last batch of an epoch is skipped. The
+    global batch is the same for any number of ranks, so runs on 1 or N ranks (and under any
+    ZeRO stage) see the same data. The position is the step number alone, which is what makes
+    resuming exact: no iterator state needs saving.
+
+    Rank r's micro-batch m holds rows [(m * ranks + r) * micro, ... + micro) of the global batch.
+    """
+
+    def __init__(self, rows: datasets.Dataset, micro_batch_size: int, accumulation_steps: int,
+                 dp_rank: int, dp_size: int, seed: int):
+        self.rows = rows.with_format("numpy")
+        self.micro_batch_size, self.accumulation_steps = micro_batch_size, accumulation_steps
+        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
+        self.global_batch_size = micro_batch_size * accumulation_steps * dp_size
+        self.steps_per_epoch = len(rows) // self.global_batch_size
+        if self.steps_per_epoch == 0:
+            raise DataError(f"the data set has {len(rows)} rows, fewer than one global batch of "
+                             f"{self.global_batch_size}; add data or lower training.global_batch_size")
+        self._epoch, self._order = None, None
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._order = np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
+        return self._order
+
+    def micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
+        epoch, index = divmod(step, self.steps_per_epoch)
+        start = index * self.global_batch_size
+        rows = self.epoch_order(epoch)[start:start + self.global_batch_size]
+        rows = rows.reshape(self.accumulation_steps, self.dp_size, self.micro_batch_size)[:, self.dp_rank]
+        return [self.fetch(np.sort(micro)) for micro in rows]
+
+    def fetch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
+        batch = self.rows[indices]
+        return {name: torch.from_numpy(batch[name].astype(np.int64)) for name in ("input_ids", "labels", "position_ids")}

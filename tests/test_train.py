@@ -1,0 +1,135 @@
+"""train.py as a user meets it: bad input, --dry-run, a single-process run and its output files."""
+import json
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+import train
+from tests.conftest import SMALL_MODEL, run_train
+
+
+@pytest.fixture
+def no_model_building(monkeypatch):
+    """Fail the test if train.py gets as far as building a model or a process group."""
+    def forbidden(*args, **kwargs):
+        raise AssertionError("train.py went past validation")
+    monkeypatch.setattr(train, "build_model", forbidden)
+    monkeypatch.setattr(train.distributed, "init_distributed", forbidden)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--recipe", "tiny_lama"], "unknown recipe 'tiny_lama'.*Available recipes: .*tiny_llama"),
+    (["--recipe", "tiny_llama", "training.micro_batch=4"], "training.micro_batch: unknown key; did you mean 'micro_batch_size'"),
+    (["--recipe", "tiny_llama", "deepspeed.config=zero4"], "no DeepSpeed config 'zero4'.*Available: zero0"),
+    (["--recipe", "tiny_llama", "data.seq_len=4096"], "data.seq_len=4096 is longer than the model's max_position_embeddings=1024"),
+    (["--recipe", "tiny_llama", "training.global_batch_size=12"], r"global_batch_size=12 is not a multiple of .* = 8"),
+])
+def test_bad_input_exits_2_before_anything_is_built(args, message, no_model_building, capsys, tmp_path):
+    assert train.main(args + ["--output-dir", str(tmp_path / "out")]) == 2
+    assert re.search(message, capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()
+
+
+def test_batch_arithmetic_uses_the_launchers_world_size(no_model_building, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert train.main(["--recipe", "tiny_llama", "--output-dir", str(tmp_path)]) == 2
+    assert "training.micro_batch_size (8) x data-parallel ranks (3) = 24" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(train.resolve_precision("auto", {}) != "fp32", reason="checks the CPU refusal")
+def test_fp16_on_cpu_exits_2(no_model_building, capsys, tmp_path):
+    assert train.main(["--recipe", "tiny_llama", "--output-dir", str(tmp_path), "precision=fp16"]) == 2
+    assert "precision=fp16 needs an NVIDIA GPU" in capsys.readouterr().err
+
+
+def test_an_earlier_run_is_not_overwritten_silently(no_model_building, capsys, tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert train.main(["--recipe", "tiny_llama", "--output-dir", str(tmp_path)]) == 2
+    assert "already holds a run; pass --resume" in capsys.readouterr().err
+    assert train.main(["--recipe", "tiny_llama", "--output-dir", str(tmp_path / "new"), "--resume"]) == 2
+    assert "holds no checkpoint to continue from" in capsys.readouterr().err
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(no_model_building, capsys, tmp_path):
+    assert train.main(["--recipe", "tiny_llama", "--dry-run", "--output-dir", str(tmp_path / "out")]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # undo the console's line wrapping
+    assert "4,999,424 parameters" in out
+    assert "8 rows/rank x 2 accumulation x 1 ranks = 16 rows x 256 tokens = 4,096 tokens per step" in out
+    assert "weights + gradients + AdamW per rank, 1 rank(s)" in out and "1 (this run)" in out
+    assert not (tmp_path / "out").exists()
+
+
+def test_single_process_run_writes_the_documented_outputs(tmp_path, data_cache):
+    out = tmp_path / "run"
+    result = run_train(["--recipe", "tiny_llama", "--output-dir", str(out), SMALL_MODEL, data_cache,
+                        "training.max_steps=6", "training.warmup_steps=1", "logging.every_steps=2",
+                        "checkpointing.every_steps=2", "checkpointing.keep_last=2"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 4, 6]
+    for record in records:
+        assert set(record) >= {"step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_bytes"}
+        assert record["tokens_per_s"] > 0 and record["peak_mem_bytes"] > 0 and record["grad_norm"] > 0
+    assert records[-1]["loss"] < records[0]["loss"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["recipe"], summary["world_size"], summary["zero_stage"], summary["precision"]) == ("tiny_llama", 1, 1, "fp32")
+    assert summary["final_loss"] == records[-1]["loss"] and summary["steps"] == 6
+    assert summary["ds_config"] == json.loads((out / "ds_config.json").read_text())
+    assert "training:\n" in (out / "resolved_recipe.yaml").read_text()
+    # DeepSpeed's own layout, the last two tags kept
+    checkpoints = out / "checkpoints"
+    assert (checkpoints / "latest").read_text() == "global_step6"
+    assert sorted(p.name for p in checkpoints.glob("global_step*")) == ["global_step4", "global_step6"]
+    assert (checkpoints / "zero_to_fp32.py").exists()
+    # hf/ holds exactly the trained weights and loads with from_pretrained
+    trained = torch.load(checkpoints / "global_step6" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    exported = load_file(out / "hf" / "model.safetensors")
+    assert exported.keys() == trained.keys()
+    for name, tensor in trained.items():
+        torch.testing.assert_close(exported[name], tensor, rtol=0, atol=0)
+    model = AutoModelForCausalLM.from_pretrained(out / "hf")
+    assert model.config.num_hidden_layers == 2 and model.dtype == torch.float32
+    assert torch.isfinite(model(torch.tensor([[1, 100, 200]])).logits).all()
+
+
+def test_loss_is_the_token_mean_of_the_whole_global_batch(monkeypatch):
+    """Two micro-batches with 3 and 60 targets: the step's loss and gradient are those of the mean over
+    all 63 tokens, not the mean of the two micro-batch means."""
+    import deepspeed
+    from training import distributed
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    distributed.init_distributed()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, use_cache=False)
+    model = LlamaForCausalLM(config)
+    input_ids = torch.randint(0, 64, (2, 2, 31))
+    labels = input_ids.clone()
+    labels[0, :, :-1] = -100  # the first micro-batch keeps the last target of each row, plus one more
+    labels[0, 0, 5] = input_ids[0, 0, 5]
+    micro_batches = [{"input_ids": input_ids[i], "labels": labels[i],
+                      "position_ids": torch.arange(31).expand(2, 31)} for i in range(2)]
+    reference = LlamaForCausalLM(config)
+    reference.load_state_dict(model.state_dict())
+    token_losses = [F.cross_entropy(reference(input_ids=b["input_ids"]).logits[:, :-1].reshape(-1, 64),
+                                    b["labels"][:, 1:].reshape(-1), ignore_index=-100, reduction="none") for b in micro_batches]
+    targets = [(b["labels"][:, 1:] != -100).sum() for b in micro_batches]
+    assert [int(t) for t in targets] == [3, 60]
+    global_mean = sum(t.sum() for t in token_losses) / sum(targets)
+    global_mean.backward()
+    expected_norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
+    mean_of_means = sum(t.sum() / n for t, n in zip(token_losses, targets)) / 2
+
+    ds_config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
+                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    loss, grad_norm = train.train_step(engine, micro_batches, dp_size=1)
+    torch.testing.assert_close(loss, global_mean.detach(), rtol=1e-6, atol=1e-6)
+    assert abs(mean_of_means.item() - global_mean.item()) > 0.01  # the two definitions really differ here
+    assert grad_norm == pytest.approx(expected_norm.item(), rel=1e-5)
+    torch.distributed.destroy_process_group()

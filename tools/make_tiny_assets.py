@@ -1,0 +1,98 @@
+"""Rebuild the offline assets of the `tiny_llama` recipe: its corpus and its tokenizer.
+
+The corpus is English prose every CPython install carries: the language reference topics
+behind `help()` (pydoc_data.topics) and the docstrings of the standard library. The output
+depends on the Python version, so the files are committed and this script only documents
+(and can redo) how they were made:
+
+    python tools/make_tiny_assets.py   # writes recipes/tiny_llama/{corpus.jsonl,tokenizer/}
+"""
+import contextlib
+import importlib
+import inspect
+import io
+import json
+import re
+import sys
+import warnings
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
+
+RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes" / "tiny_llama"
+VOCAB_SIZE = 4096
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
+SKIPPED_MODULES = {"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "lib2to3", "test",
+                   "ensurepip", "venv", "pydoc_data"}
+MIN_DOC_CHARS = 80
+
+
+def reference_topics() -> list[dict]:
+    """Each `help()` topic, split at its section headings into documents of a few KB."""
+    from pydoc_data.topics import topics
+    docs = []
+    for name, text in sorted(topics.items()):
+        sections = re.split(r"\n(?=[^\n]+\n[*=\-]{4,}\n)", text)
+        docs += [{"text": s.strip(), "source": f"pydoc:{name}"} for s in sections if len(s.strip()) >= MIN_DOC_CHARS]
+    return docs
+
+
+def stdlib_docstrings() -> list[dict]:
+    """Docstrings of public standard-library modules, classes, functions and methods."""
+    docs, seen = [], set()
+
+    def add(obj, where: str) -> None:
+        text = inspect.getdoc(obj)
+        if text and len(text) >= MIN_DOC_CHARS and id(obj) not in seen:
+            seen.add(id(obj))
+            docs.append({"text": text, "source": f"docstring:{where}"})
+
+    warnings.filterwarnings("ignore")
+    for name in sorted(sys.stdlib_module_names):
+        if name in SKIPPED_MODULES or name.startswith("_"):
+            continue
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                module = importlib.import_module(name)
+        except Exception:
+            continue
+        add(module, name)
+        for attr, obj in sorted(vars(module).items()):
+            if attr.startswith("_") or getattr(obj, "__module__", None) != name:
+                continue
+            if inspect.isclass(obj) or inspect.isfunction(obj):
+                add(obj, f"{name}.{attr}")
+            if inspect.isclass(obj):
+                for method, fn in sorted(vars(obj).items()):
+                    if not method.startswith("_") and inspect.isfunction(fn):
+                        add(fn, f"{name}.{attr}.{method}")
+    return docs
+
+
+def train_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
+    """Byte-level BPE (no unknown bytes) that prepends <s> like Llama's tokenizer."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer)
+    bos = tokenizer.token_to_id("<s>")
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                             special_tokens=[("<s>", bos)])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", pad_token="<pad>", model_max_length=1024)
+
+
+def main() -> None:
+    docs = reference_topics() + stdlib_docstrings()
+    with open(RECIPE_DIR / "corpus.jsonl", "w") as f:
+        for doc in docs:
+            f.write(json.dumps(doc) + "\n")
+    train_tokenizer([d["text"] for d in docs]).save_pretrained(RECIPE_DIR / "tokenizer")
+    print(f"{len(docs)} documents, {sum(len(d['text']) for d in docs) / 1e6:.2f} MB of text -> {RECIPE_DIR}")
+
+
+if __name__ == "__main__":
+    main()

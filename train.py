@@ -1,0 +1,210 @@
+"""Train a recipe with DeepSpeed.
+
+    deepspeed [launcher args] train.py --recipe NAME_OR_DIR [--output-dir DIR] [--dry-run] [--resume] [key.path=value ...]
+    python train.py --recipe tiny_llama training.max_steps=20      # one process, no launcher
+
+The story: validate the recipe and DeepSpeed config (exit 2 on bad input) -> prepare the data
+(cached) -> build the model -> deepspeed.initialize -> train -> checkpoint and export to hf/.
+"""
+import argparse
+import json
+import logging
+import shutil
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+import yaml
+from transformers import AutoTokenizer
+
+from data_pipeline import DataError
+from data_pipeline.loader import StepBatches
+from data_pipeline.prepare import prepare_dataset
+from training import distributed
+from training.checkpoint import export_hf, load_latest_checkpoint, save_checkpoint
+from training.ds_config import accumulation_steps, load_ds_config, resolve_ds_config
+from training.errors import ConfigError
+from training.metrics import MetricsLogger, peak_memory_bytes, print_summary
+from training.model import build_model, check_recipe_against_model, load_model_config
+from training.optimizer import lr_schedule, weight_decay_groups
+from training.plan import RunPlan, print_plan
+from training.precision import resolve_precision
+from training.recipe import load_recipe
+
+OUTPUT_ROOT = Path("outputs")
+RUN_FILES = ("metrics.jsonl", "summary.json", "resolved_recipe.yaml", "ds_config.json", "checkpoints", "hf", "tensorboard")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", required=True, help="a name under recipes/, a recipe folder or a YAML file")
+    parser.add_argument("--output-dir", type=Path, help="default: outputs/<recipe name>")
+    parser.add_argument("--dry-run", action="store_true", help="validate everything, print the plan, train nothing")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the output dir")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier run in the output dir")
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # set by the launcher
+    parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="e.g. training.max_steps=20")
+    return parser.parse_args(argv)
+
+
+def check_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
+    has_run = (output_dir / "checkpoints" / "latest").exists() or (output_dir / "metrics.jsonl").exists()
+    if resume and not (output_dir / "checkpoints" / "latest").exists():
+        raise ConfigError(f"--resume: {output_dir}/checkpoints holds no checkpoint to continue from")
+    if has_run and not (resume or overwrite):
+        raise ConfigError(f"{output_dir} already holds a run; pass --resume to continue it, --overwrite to "
+                          f"replace it, or --output-dir for a new one")
+
+
+def make_plan(args: argparse.Namespace) -> RunPlan:
+    """Every check that needs no model, data or process group: bad input fails here, fast."""
+    recipe = load_recipe(args.recipe, args.overrides)
+    model_config = load_model_config(recipe.model)
+    tokenizer = AutoTokenizer.from_pretrained(recipe.tokenizer_path)
+    check_recipe_against_model(recipe, model_config, len(tokenizer))
+    raw_ds_config, ds_config_path = load_ds_config(recipe)
+    precision = resolve_precision(recipe.precision, raw_ds_config)
+    world_size = distributed.world_size()
+    ds_config = resolve_ds_config(raw_ds_config, ds_config_path, recipe, model_config.hidden_size, world_size, precision)
+    output_dir = args.output_dir or OUTPUT_ROOT / recipe.name
+    if not args.dry_run:
+        check_output_dir(output_dir, args.resume, args.overwrite)
+    return RunPlan(recipe, model_config, tokenizer, precision, ds_config, ds_config_path, world_size,
+                   accumulation_steps(recipe.training, world_size), output_dir)
+
+
+def start_output_dir(plan: RunPlan, overwrite: bool) -> None:
+    """Rank 0 clears an earlier run (with --overwrite) and writes exactly what will run."""
+    if dist.get_rank() == 0:
+        if overwrite:
+            for name in RUN_FILES:
+                path = plan.output_dir / name
+                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        plan.output_dir.mkdir(parents=True, exist_ok=True)
+        recipe_tree = plan.recipe.model_dump(mode="json")
+        (plan.output_dir / "resolved_recipe.yaml").write_text(yaml.safe_dump(recipe_tree, sort_keys=False))
+        (plan.output_dir / "ds_config.json").write_text(json.dumps(plan.ds_config, indent=2) + "\n")
+    dist.barrier()
+
+
+def grad_norm_before_step(engine: deepspeed.DeepSpeedEngine) -> torch.Tensor | None:
+    """DeepSpeed reports the gradient norm for its ZeRO and half-precision optimizers only; for a plain
+    stage-0 optimizer it is computed here from the (already all-reduced) gradients."""
+    if engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled():
+        return None
+    norm = torch.nn.utils.get_total_norm([p.grad for p in engine.module.parameters() if p.grad is not None])
+    scaler = engine.torch_autocast_z0_gradscaler
+    return norm / scaler.get_scale() if scaler else norm
+
+
+def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict], dp_size: int) -> tuple[torch.Tensor, float]:
+    """One optimizer step; returns the loss averaged over every target token of the global batch.
+
+    Each micro-batch's loss is its summed token loss divided by (global target count / (micro-batches
+    x ranks)): DeepSpeed's averaging over accumulation steps and ranks then yields exactly the global
+    token mean, not a mean of micro-batch means."""
+    targets = sum((batch["labels"][:, 1:] != -100).sum() for batch in micro_batches).to(engine.device)
+    targets_per_micro_batch = distributed.all_reduce(targets.float()) / (len(micro_batches) * dp_size)
+    loss_sum, grad_norm = torch.zeros((), device=engine.device), None
+    for batch in micro_batches:
+        batch = {name: tensor.to(engine.device) for name, tensor in batch.items()}
+        loss = engine(**batch, num_items_in_batch=targets_per_micro_batch).loss
+        engine.backward(loss)
+        if engine.is_gradient_accumulation_boundary():
+            grad_norm = grad_norm_before_step(engine)
+        engine.step()
+        loss_sum += loss.detach()
+    grad_norm = engine.get_global_grad_norm() if grad_norm is None else grad_norm
+    return distributed.all_reduce(loss_sum) / (len(micro_batches) * dp_size), float(grad_norm)
+
+
+def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, plan: RunPlan, start_step: int,
+          total_steps: int) -> dict:
+    """The loop: batch, forward/backward/step, log every N steps, checkpoint every M. Returns run totals."""
+    recipe = plan.recipe
+    logger = MetricsLogger(plan.output_dir, total_steps, start_step, recipe.logging.tensorboard, dist.get_rank() == 0)
+    tokens_per_step = recipe.training.global_batch_size * recipe.data.seq_len
+    records, timed_tokens, timed_seconds = [], 0, 0.0
+    interval_start, interval_steps = time.perf_counter(), 0
+    for step in range(start_step + 1, total_steps + 1):
+        lr = engine.get_lr()[0]
+        loss, grad_norm = train_step(engine, batches.micro_batches(step - 1), plan.world_size)
+        interval_steps += 1
+        logger.advance()
+        if step == start_step + 1 or step % recipe.logging.every_steps == 0 or step == total_steps:
+            now = time.perf_counter()
+            peak = distributed.all_reduce(torch.tensor(peak_memory_bytes(), device=engine.device), dist.ReduceOp.MAX)
+            records.append({"step": step, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm,
+                            "tokens_per_s": interval_steps * tokens_per_step / (now - interval_start),
+                            "peak_mem_bytes": int(peak.item())})
+            logger.log(records[-1])
+            if step > start_step + 1:  # the first step pays for warm-up and is left out of the mean
+                timed_tokens, timed_seconds = timed_tokens + interval_steps * tokens_per_step, timed_seconds + now - interval_start
+            interval_start, interval_steps = now, 0
+        if recipe.checkpointing.every_steps and step % recipe.checkpointing.every_steps == 0 and step < total_steps:
+            save_checkpoint(engine, plan.output_dir / "checkpoints", step, {"step": step}, recipe.checkpointing.keep_last)
+    logger.close()
+    return {"first_loss": records[0]["loss"], "final_loss": records[-1]["loss"],
+            "mean_tokens_per_s": timed_tokens / timed_seconds if timed_seconds else records[0]["tokens_per_s"],
+            "peak_mem_bytes": max(r["peak_mem_bytes"] for r in records)}
+
+
+def report(error: Exception) -> int:
+    if distributed.rank() == 0:
+        print(f"error: {error}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")  # DeepSpeed's old c10d calls
+    try:
+        plan = make_plan(args)
+    except ConfigError as error:
+        return report(error)
+    if args.dry_run:
+        print_plan(plan)
+        return 0
+    recipe, training = plan.recipe, plan.recipe.training
+    distributed.init_distributed()
+    start_output_dir(plan, args.overwrite)
+    try:
+        with distributed.local_main_first():
+            rows, data_stats = prepare_dataset(recipe.data, plan.tokenizer)
+        batches = StepBatches(rows, training.micro_batch_size, plan.accumulation_steps, dist.get_rank(),
+                              plan.world_size, training.seed)
+    except DataError as error:
+        return report(error)
+    total_steps = training.max_steps or training.epochs * batches.steps_per_epoch
+
+    run_start = time.perf_counter()
+    model = build_model(recipe, plan.model_config)
+    engine, *_ = deepspeed.initialize(model=model, config=plan.ds_config,
+                                      model_parameters=weight_decay_groups(model, training.weight_decay),
+                                      lr_scheduler=lr_schedule(training, total_steps))
+    checkpoint_dir = plan.output_dir / "checkpoints"
+    start_step = load_latest_checkpoint(engine, checkpoint_dir)["step"] if args.resume else 0
+    if start_step >= total_steps:
+        return report(ConfigError(f"--resume: the checkpoint is at step {start_step}; the recipe ends at "
+                                  f"{total_steps} steps, so there is nothing left to train"))
+    totals = train(engine, batches, plan, start_step, total_steps)
+    save_checkpoint(engine, checkpoint_dir, total_steps, {"step": total_steps}, recipe.checkpointing.keep_last)
+    export_hf(engine, plan.tokenizer, plan.output_dir / "hf", DTYPES[plan.precision])
+    if dist.get_rank() == 0:
+        summary = {"recipe": recipe.name, "world_size": plan.world_size, "zero_stage": plan.zero_stage,
+                   "precision": plan.precision, "steps": total_steps, "start_step": start_step, **totals,
+                   "wall_time_s": time.perf_counter() - run_start, "output_dir": str(plan.output_dir),
+                   "data": data_stats, "ds_config": plan.ds_config}
+        (plan.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        print_summary(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

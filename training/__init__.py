@@ -1,0 +1,1 @@
+"""Library code behind train.py: recipes, DeepSpeed configs, model building, metrics, checkpoints."""

@@ -1,0 +1,54 @@
+"""Process-group set-up and the few collectives train.py needs (torch.distributed under DeepSpeed)."""
+import os
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def world_size() -> int:
+    """Known from the launcher's environment before the process group exists (1 without a launcher)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> None:
+    """Join the launcher's process group; `python train.py` without a launcher runs as rank 0 of 1."""
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), verbose=False)
+    if get_accelerator().device_name() == "cuda":
+        torch.cuda.set_device(local_rank())
+
+
+@contextmanager
+def local_main_first() -> Iterator[None]:
+    """Local rank 0 runs the block first (e.g. prepares and caches the data); the other ranks wait, then run it."""
+    if local_rank() != 0:
+        dist.barrier()
+    yield
+    if local_rank() == 0:
+        dist.barrier()
+
+
+def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    dist.all_reduce(tensor, op=op)
+    return tensor

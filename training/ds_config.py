@@ -1,0 +1,165 @@
+"""DeepSpeed JSON configs: find, merge the recipe's overrides, resolve every "auto" from the recipe and the model.
+
+"auto" means what it means to the Hugging Face Trainer, so the files under ds_configs/ serve both:
+batch sizes, clipping and the AdamW hyper-parameters come from the recipe's `training` section,
+bucket sizes from the model's hidden size, bf16/fp16 from the recipe's precision. A concrete value
+in the JSON that contradicts the recipe is an error naming both files.
+"""
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+from training.errors import ConfigError
+from training.recipe import Recipe, TrainingSection
+
+DS_CONFIGS_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
+MISSING = object()
+
+
+def available_ds_configs() -> list[str]:
+    return sorted(p.stem for p in DS_CONFIGS_DIR.glob("*.json"))
+
+
+def ds_config_file(name_or_path: str) -> Path:
+    for candidate in (DS_CONFIGS_DIR / f"{name_or_path}.json", Path(name_or_path)):
+        if candidate.is_file():
+            return candidate.resolve()
+    raise ConfigError(f"deepspeed.config: no DeepSpeed config '{name_or_path}': neither {DS_CONFIGS_DIR}/"
+                      f"{name_or_path}.json nor a file at that path. Available: {', '.join(available_ds_configs())}")
+
+
+def deep_merge(base: dict, overrides: dict) -> dict:
+    merged = copy.deepcopy(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def load_ds_config(recipe: Recipe) -> tuple[dict, Path]:
+    """The JSON named by `deepspeed.config` with `deepspeed.overrides` merged in, and its path."""
+    path = ds_config_file(recipe.deepspeed.config)
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{path}: not valid JSON at line {error.lineno}, column {error.colno}: {error.msg}") from None
+    return deep_merge(config, recipe.deepspeed.overrides), path
+
+
+def zero_stage(ds_config: dict) -> int:
+    return int(ds_config.get("zero_optimization", {}).get("stage", 0))
+
+
+def accumulation_steps(training: TrainingSection, dp_size: int) -> int:
+    """global = micro x accumulation x data-parallel ranks, with accumulation a whole number."""
+    per_pass = training.micro_batch_size * dp_size
+    if training.global_batch_size % per_pass:
+        raise ConfigError(
+            f"training.global_batch_size={training.global_batch_size} is not a multiple of "
+            f"training.micro_batch_size ({training.micro_batch_size}) x data-parallel ranks ({dp_size}) = {per_pass}; "
+            f"global = micro x accumulation x ranks, so choose a global batch size that {per_pass} divides")
+    return training.global_batch_size // per_pass
+
+
+def get_key(tree: dict, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return MISSING
+        tree = tree[part]
+    return tree
+
+
+def set_key(tree: dict, dotted: str, value: Any) -> None:
+    *parents, last = dotted.split(".")
+    for part in parents:
+        tree = tree.setdefault(part, {})
+    tree[last] = value
+
+
+def auto_keys(tree: Any, prefix: str = "") -> list[str]:
+    if isinstance(tree, dict):
+        return [k for key, value in tree.items() for k in auto_keys(value, f"{prefix}{key}.")]
+    return [prefix.rstrip(".")] if tree == "auto" else []
+
+
+def default_grad_accum_dtype(config: dict, stage: int) -> str:
+    """fp32, except where a stage-0 config enables bf16/fp16 outright: DeepSpeed's half-precision path
+    without ZeRO can only accumulate in that dtype, and that is what such a config asks for."""
+    if stage == 0:
+        for name in ("bf16", "fp16"):
+            if get_key(config, f"{name}.enabled") is True:
+                return name
+    return "fp32"
+
+
+def precision_sections(precision: str, stage: int, grad_accum_dtype: str) -> dict[str, Any]:
+    """The DeepSpeed keys that realise the recipe's precision.
+
+    DeepSpeed refuses fp32 gradient accumulation for bf16/fp16 weights without ZeRO ("unsupported
+    mix of model_dtype and grad_accum_dtype"), and its stage-0 half-precision path accumulates and
+    all-reduces gradients in 16 bits, which drifts from the ZeRO stages (DeepSpeed #1800). So at
+    stage 0 mixed precision runs as DeepSpeed's torch_autocast: fp32 weights and gradients, matmuls
+    in 16 bits. Memory per parameter is the same 16 bytes as DeepSpeed's bf16 path.
+    """
+    half = precision in ("bf16", "fp16")
+    if half and stage == 0 and grad_accum_dtype == "fp32":
+        dtype = "bfloat16" if precision == "bf16" else "float16"
+        return {"bf16.enabled": False, "fp16.enabled": False, "torch_autocast": {"enabled": True, "dtype": dtype}}
+    return {"bf16.enabled": precision == "bf16", "fp16.enabled": precision == "fp16",
+            "data_types.grad_accum_dtype": grad_accum_dtype}
+
+
+def resolve_ds_config(raw: dict, source: Path, recipe: Recipe, hidden_size: int, dp_size: int,
+                      precision: str) -> dict:
+    """A complete DeepSpeed config with no "auto" left, or a ConfigError listing every problem."""
+    config = copy.deepcopy(raw)
+    training = recipe.training
+    problems = []
+    if "scheduler" in config:
+        problems.append(f"{source}: remove the 'scheduler' section; the schedule comes from the recipe's "
+                        f"training.schedule ({recipe.path})")
+    optimizer_type = get_key(config, "optimizer.type")
+    if optimizer_type != "AdamW":
+        problems.append(f"{source}: optimizer.type must be \"AdamW\" (found {optimizer_type if optimizer_type is not MISSING else 'none'}); "
+                        f"its hyper-parameters come from the recipe's training section")
+    from_recipe = {
+        "train_micro_batch_size_per_gpu": ("training.micro_batch_size", training.micro_batch_size),
+        "gradient_accumulation_steps": ("training.global_batch_size / (micro_batch_size x ranks)",
+                                        accumulation_steps(training, dp_size)),
+        "train_batch_size": ("training.global_batch_size", training.global_batch_size),
+        "gradient_clipping": ("training.grad_clip", training.grad_clip),
+        "optimizer.params.lr": ("training.lr", training.lr),
+        "optimizer.params.betas": ("training.betas", list(training.betas)),
+        "optimizer.params.eps": ("training.eps", training.eps),
+        "optimizer.params.weight_decay": ("training.weight_decay", training.weight_decay),
+    }
+    stage = zero_stage(config)
+    grad_accum_dtype = get_key(config, "data_types.grad_accum_dtype")
+    if grad_accum_dtype is MISSING:
+        grad_accum_dtype = default_grad_accum_dtype(config, stage)
+    for key, value in precision_sections(precision, stage, grad_accum_dtype).items():
+        from_recipe[key] = (f"precision={precision} (ZeRO stage {stage})", value)
+    for key, (recipe_key, value) in from_recipe.items():
+        current = get_key(config, key)
+        if current is MISSING or current == "auto":
+            set_key(config, key, value)
+        elif current != value:
+            problems.append(f"{key}={json.dumps(current)} in {source} contradicts {recipe_key}={json.dumps(value)} "
+                            f"in {recipe.path}; make them equal or set the DeepSpeed value to \"auto\"")
+    model_sizes = {  # the HF Trainer's formulas
+        "zero_optimization.reduce_bucket_size": hidden_size * hidden_size,
+        "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+        "zero_optimization.stage3_param_persistence_threshold": 10 * hidden_size,
+    }
+    for key, value in model_sizes.items():
+        if get_key(config, key) == "auto":
+            set_key(config, key, value)
+    unresolved = auto_keys(config)
+    if unresolved:
+        problems.append(f"{source}: train.py has no value for {', '.join(unresolved)}; replace \"auto\" with a value")
+    if problems:
+        raise ConfigError("the DeepSpeed config cannot run:\n" + "\n".join(f"  {p}" for p in problems))
+    return config

@@ -1,0 +1,79 @@
+"""What a run reports: a progress bar and a line every N steps, metrics.jsonl, TensorBoard and a summary."""
+import json
+import resource
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from tqdm import tqdm
+
+
+def peak_memory_bytes() -> int:
+    """Peak GPU memory allocated by this process, or on a CPU-only machine its peak resident set size."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def format_line(record: dict, total_steps: int) -> str:
+    return (f"step {record['step']:>{len(str(total_steps))}}/{total_steps}  loss {record['loss']:.4f}  "
+            f"lr {record['lr']:.2e}  grad_norm {record['grad_norm']:.3f}  "
+            f"{record['tokens_per_s']:,.0f} tokens/s  peak mem {record['peak_mem_bytes'] / 2**30:.2f} GiB")
+
+
+class MetricsLogger:
+    """Rank 0's reporting; on other ranks every method does nothing."""
+
+    def __init__(self, output_dir: Path, total_steps: int, start_step: int, tensorboard: bool, enabled: bool):
+        self.enabled, self.total_steps = enabled, total_steps
+        if not enabled:
+            return
+        path = output_dir / "metrics.jsonl"
+        kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= start_step] \
+            if start_step and path.exists() else []  # a resumed run rewrites what came after its checkpoint
+        path.write_text("".join(line + "\n" for line in kept))
+        self.file = path.open("a")
+        self.writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(str(output_dir / "tensorboard"), purge_step=start_step + 1)
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="training", unit="step", dynamic_ncols=True)
+
+    def advance(self) -> None:
+        if self.enabled:
+            self.bar.update(1)
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.writer:
+            for key, value in record.items():
+                if key != "step":
+                    self.writer.add_scalar(f"train/{key}", value, record["step"])
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+        self.bar.write(format_line(record, self.total_steps))
+
+    def close(self) -> None:
+        if self.enabled:
+            self.bar.close()
+            self.file.close()
+            if self.writer:
+                self.writer.close()
+
+
+def print_summary(summary: dict) -> None:
+    table = Table(title=f"{summary['recipe']}: {summary['steps']} steps", show_header=False)
+    rows = [
+        ("ranks x ZeRO stage x precision", f"{summary['world_size']} x ZeRO-{summary['zero_stage']} x {summary['precision']}"),
+        ("loss (first -> final)", f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}"),
+        ("mean tokens/s (after step 1)", f"{summary['mean_tokens_per_s']:,.0f}"),
+        ("peak memory per rank", f"{summary['peak_mem_bytes'] / 2**30:.2f} GiB"),
+        ("wall time", f"{summary['wall_time_s']:.0f} s"),
+        ("output", summary["output_dir"]),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    Console().print(table)

@@ -1,0 +1,30 @@
+"""Which precision a run uses on this machine, decided before anything is built."""
+import torch
+from deepspeed.accelerator import get_accelerator
+
+from training.errors import ConfigError
+
+
+def device_type() -> str:
+    """DeepSpeed's accelerator: 'cuda' on NVIDIA GPUs, 'cpu' where it falls back to its CPU accelerator."""
+    return get_accelerator().device_name()
+
+
+def bf16_is_native() -> bool:
+    return device_type() == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+def resolve_precision(requested: str, ds_config: dict) -> str:
+    """`auto` follows a DeepSpeed config that enables bf16 or fp16 outright; otherwise bf16 where the
+    hardware computes it natively and fp32 elsewhere (bf16 on a CPU is emulated and slower)."""
+    if requested == "auto":
+        for name in ("bf16", "fp16"):
+            if ds_config.get(name, {}).get("enabled") is True:
+                requested = name
+                break
+        else:
+            return "bf16" if bf16_is_native() else "fp32"
+    if requested == "fp16" and device_type() != "cuda":
+        raise ConfigError(f"precision=fp16 needs an NVIDIA GPU: DeepSpeed refuses fp16 on its {device_type()} "
+                          f"accelerator. Use precision=bf16 or precision=fp32 here.")
+    return requested

@@ -1,0 +1,229 @@
+"""Recipes: a typed schema (pydantic, unknown keys rejected) loaded from YAML plus `key.path=value` overrides.
+
+Every problem is reported at once, naming the file or override, the key and the fix, before
+anything expensive starts.
+"""
+import difflib
+import typing
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (AfterValidator, BaseModel, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat,
+                      PositiveInt, PrivateAttr, ValidationError, ValidationInfo, model_validator)
+
+from data_pipeline.config import DataConfig, LocalPath, StrictModel
+from training.errors import ConfigError
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+
+
+def local_path_or_hub_id(value: str, info: ValidationInfo) -> str:
+    """A folder that exists relative to the recipe (or absolute) becomes an absolute path; anything
+    else is kept as written, as a Hugging Face hub id such as `meta-llama/Llama-2-7b-hf`."""
+    base_dir = Path((info.context or {}).get("base_dir", "."))
+    candidate = (base_dir / Path(value).expanduser())
+    return str(candidate.resolve()) if candidate.exists() else value
+
+
+HubIdOrPath = Annotated[str, AfterValidator(local_path_or_hub_id)]
+
+
+class ModelSection(StrictModel):
+    config: LocalPath | None = None  # architecture (config.json or its folder) to train from scratch
+    name_or_path: HubIdOrPath | None = None  # checkpoint to fine-tune: hub id or local folder
+    config_overrides: dict[str, Any] = {}  # e.g. {num_hidden_layers: 2} to shrink a model for a smoke test
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+
+    @model_validator(mode="after")
+    def one_source(self) -> "ModelSection":
+        if (self.config is None) == (self.name_or_path is None):
+            raise ValueError("set exactly one of model.config (an architecture to train from scratch) and "
+                             "model.name_or_path (a checkpoint to start from)")
+        return self
+
+
+class TokenizerSection(StrictModel):
+    name_or_path: HubIdOrPath | None = None  # default: model.name_or_path
+
+
+class TrainingSection(StrictModel):
+    micro_batch_size: PositiveInt  # rows per rank per forward pass
+    global_batch_size: PositiveInt  # rows per optimizer step = micro x accumulation x data-parallel ranks
+    max_steps: PositiveInt | None = None
+    epochs: PositiveInt | None = None
+    lr: PositiveFloat
+    schedule: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
+    warmup_steps: NonNegativeInt = 0
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)  # cosine and wsd end at lr x min_lr_ratio; linear ends at 0
+    decay_ratio: float = Field(0.2, gt=0, le=1)  # wsd: share of the steps spent in the final decay
+    weight_decay: NonNegativeFloat = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: PositiveFloat = 1e-8
+    grad_clip: NonNegativeFloat = 1.0  # 0 turns clipping off
+    seed: int = 1234
+
+    @model_validator(mode="after")
+    def steps_or_epochs(self) -> "TrainingSection":
+        if (self.max_steps is None) == (self.epochs is None):
+            raise ValueError("set exactly one of training.max_steps and training.epochs")
+        return self
+
+
+class DeepSpeedSection(StrictModel):
+    config: str = "zero1"  # a name under ds_configs/ (zero0..zero3, zero2_offload, ...) or a path to a JSON file
+    overrides: dict[str, Any] = {}  # merged into that JSON, e.g. {zero_optimization: {overlap_comm: false}}
+
+
+class CheckpointingSection(StrictModel):
+    every_steps: PositiveInt | None = None  # None: only at the end
+    keep_last: PositiveInt | None = None  # None: keep every checkpoint
+
+
+class LoggingSection(StrictModel):
+    every_steps: PositiveInt = 10
+    tensorboard: bool = False
+
+
+class Recipe(StrictModel):
+    model: ModelSection
+    tokenizer: TokenizerSection = TokenizerSection()
+    data: DataConfig
+    training: TrainingSection
+    deepspeed: DeepSpeedSection = DeepSpeedSection()
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    activation_checkpointing: bool = False
+    checkpointing: CheckpointingSection = CheckpointingSection()
+    logging: LoggingSection = LoggingSection()
+
+    _name: str = PrivateAttr("")
+    _path: Path = PrivateAttr(Path())
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def path(self) -> Path:
+        """The YAML file the recipe came from."""
+        return self._path
+
+    @model_validator(mode="after")
+    def tokenizer_source(self) -> "Recipe":
+        if self.tokenizer.name_or_path is None and self.model.name_or_path is None:
+            raise ValueError("tokenizer.name_or_path is needed when the model is built from model.config")
+        return self
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer.name_or_path or self.model.name_or_path
+
+
+def available_recipes() -> list[str]:
+    return sorted(p.parent.name for p in RECIPES_DIR.glob("*/recipe.yaml"))
+
+
+def recipe_file(name_or_path: str) -> Path:
+    """A name under recipes/, a recipe folder, or a YAML file."""
+    path = Path(name_or_path)
+    if path.is_dir() and (path / "recipe.yaml").is_file():
+        return path / "recipe.yaml"
+    if path.is_file():
+        return path
+    if (RECIPES_DIR / name_or_path / "recipe.yaml").is_file():
+        return RECIPES_DIR / name_or_path / "recipe.yaml"
+    raise ConfigError(f"unknown recipe '{name_or_path}': not a folder under {RECIPES_DIR} nor a recipe file. "
+                      f"Available recipes: {', '.join(available_recipes())}")
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override '{text}' is not of the form key.path=value (e.g. training.max_steps=20)")
+    return key.split("."), yaml.safe_load(value)
+
+
+def apply_override(tree: dict, path: list[str], value: Any, text: str) -> None:
+    """Set `value` at `path`, creating missing mappings; list items are addressed by their index."""
+    node = tree
+    for depth, part in enumerate(path[:-1]):
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, dict):
+            node = node.setdefault(part, {})
+        else:
+            raise ConfigError(f"override '{text}': {'.'.join(path[:depth + 1])} is a {type(node).__name__}, "
+                              f"not a mapping")
+    last = path[-1]
+    if isinstance(node, list) and last.isdigit() and int(last) < len(node):
+        node[int(last)] = value
+    elif isinstance(node, dict):
+        node[last] = value
+    else:
+        raise ConfigError(f"override '{text}': {'.'.join(path[:-1])} is a {type(node).__name__}, not a mapping")
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    """The schema section that the (parent) location of a pydantic error points into."""
+    model = Recipe
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part)
+        model = _first_model(field.annotation) if field else None
+        if model is None:
+            return None
+    return model
+
+
+def _first_model(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next(filter(None, (_first_model(arg) for arg in typing.get_args(annotation))), None)
+
+
+def describe_error(error: dict) -> str:
+    loc = tuple(part for part in error["loc"] if not isinstance(part, str) or not part.startswith("function-"))
+    where = ".".join(str(part) for part in loc) or "(top level)"
+    if error["type"] == "extra_forbidden":
+        section = _model_at(loc[:-1])
+        known = list(section.model_fields) if section else []
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        return f"{where}: unknown key; {hint}valid keys here: {', '.join(known)}"
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] not in ("missing", "value_error"):
+        message += f" (got {error['input']!r})"
+    return f"{where}: {message}"
+
+
+def validate(tree: dict, base_dir: Path, source: str) -> Recipe:
+    try:
+        return Recipe.model_validate(tree, context={"base_dir": base_dir})
+    except ValidationError as error:
+        problems = "\n".join(f"  {describe_error(e)}" for e in error.errors())
+        raise ConfigError(f"{source} has {error.error_count()} problem(s):\n{problems}") from None
+
+
+def load_recipe(name_or_path: str, overrides: list[str] = ()) -> Recipe:
+    """Validate the recipe file, then the file with the command-line overrides applied.
+
+    Paths written in the file count from the file's folder; paths given as overrides from the
+    current folder."""
+    path = recipe_file(name_or_path).resolve()
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path} is not valid YAML: {error}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: a recipe is a mapping of sections (model, data, training, ...)")
+    recipe = validate(tree, path.parent, str(path))
+    if overrides:
+        tree = recipe.model_dump(exclude_unset=True)
+        for text in overrides:
+            keys, value = parse_override(text)
+            apply_override(tree, keys, value, text)
+        recipe = validate(tree, Path.cwd(), f"{path} with the overrides {' '.join(overrides)}")
+    recipe._name = path.parent.name if path.name == "recipe.yaml" else path.stem
+    recipe._path = path
+    return recipe
