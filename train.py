@@ -102,17 +102,19 @@ def grad_norm_before_step(engine: deepspeed.DeepSpeedEngine) -> torch.Tensor | N
     return norm / scaler.get_scale() if scaler else norm
 
 
-def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict], dp_size: int) -> tuple[torch.Tensor, float]:
-    """One optimizer step; returns the loss averaged over every target token of the global batch.
+def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict],
+               dp_size: int) -> tuple[torch.Tensor, torch.Tensor | float]:
+    """One optimizer step. Returns this rank's share of the step's loss (the shares of all ranks sum to the
+    mean over every target token of the global batch) and the gradient norm before clipping.
 
     Each micro-batch's loss is its summed token loss divided by (global target count / (micro-batches
     x ranks)): DeepSpeed's averaging over accumulation steps and ranks then yields exactly the global
-    token mean, not a mean of micro-batch means."""
+    token mean, not a mean of micro-batch means. Nothing here waits for the device to finish."""
     targets = sum((batch["labels"][:, 1:] != -100).sum() for batch in micro_batches).to(engine.device)
     targets_per_micro_batch = distributed.all_reduce(targets.float()) / (len(micro_batches) * dp_size)
     loss_sum, grad_norm = torch.zeros((), device=engine.device), None
     for batch in micro_batches:
-        batch = {name: tensor.to(engine.device) for name, tensor in batch.items()}
+        batch = {name: tensor.to(engine.device, non_blocking=True) for name, tensor in batch.items()}
         loss = engine(**batch, num_items_in_batch=targets_per_micro_batch).loss
         engine.backward(loss)
         if engine.is_gradient_accumulation_boundary():
@@ -120,7 +122,7 @@ def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict], dp_
         engine.step()
         loss_sum += loss.detach()
     grad_norm = engine.get_global_grad_norm() if grad_norm is None else grad_norm
-    return distributed.all_reduce(loss_sum) / (len(micro_batches) * dp_size), float(grad_norm)
+    return loss_sum / (len(micro_batches) * dp_size), grad_norm
 
 
 def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, plan: RunPlan, start_step: int,
@@ -133,13 +135,14 @@ def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, plan: RunPlan
     interval_start, interval_steps = time.perf_counter(), 0
     for step in range(start_step + 1, total_steps + 1):
         lr = engine.get_lr()[0]
-        loss, grad_norm = train_step(engine, batches.micro_batches(step - 1), plan.world_size)
+        loss_share, grad_norm = train_step(engine, batches.micro_batches(step - 1), plan.world_size)
         interval_steps += 1
         logger.advance()
         if step == start_step + 1 or step % recipe.logging.every_steps == 0 or step == total_steps:
             now = time.perf_counter()
             peak = distributed.all_reduce(torch.tensor(peak_memory_bytes(), device=engine.device), dist.ReduceOp.MAX)
-            records.append({"step": step, "loss": loss.item(), "lr": lr, "grad_norm": grad_norm,
+            loss = distributed.all_reduce(loss_share).item()
+            records.append({"step": step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
                             "tokens_per_s": interval_steps * tokens_per_step / (now - interval_start),
                             "peak_mem_bytes": int(peak.item())})
             logger.log(records[-1])
@@ -198,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     export_hf(engine, plan.tokenizer, plan.output_dir / "hf", DTYPES[plan.precision])
     if dist.get_rank() == 0:
         summary = {"recipe": recipe.name, "world_size": plan.world_size, "zero_stage": plan.zero_stage,
-                   "precision": plan.precision, "steps": total_steps, "start_step": start_step, **totals,
+                   "precision": plan.precision, "activation_checkpointing": recipe.activation_checkpointing,
+                   "steps": total_steps, "start_step": start_step, **totals,
                    "wall_time_s": time.perf_counter() - run_start, "output_dir": str(plan.output_dir),
                    "data": data_stats, "ds_config": plan.ds_config}
         (plan.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -1,14 +1,16 @@
 """The baseline for train_overhead.py: the least code that trains the same model with the same DeepSpeed config.
 
     deepspeed benchmarks/bare_loop.py --model-config recipes/tiny_llama/config.json --ds-config RUN/ds_config.json \
-        --seq-len 256 --steps 60 --result bare.json
+        --rows PREPARED_DIR --steps 60 --result bare.json
 
-Random tokens of the recipe's batch shape; no data pipeline, no logging, no scheduler, no checkpoints.
+The same packed rows train.py reads, taken in order; no shuffling, token counting, logging, scheduler
+or checkpoints.
 """
 import argparse
 import json
 import time
 
+import datasets
 import deepspeed
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -18,7 +20,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-config", required=True)
     parser.add_argument("--ds-config", required=True)
-    parser.add_argument("--seq-len", type=int, required=True)
+    parser.add_argument("--rows", required=True, help="a prepared data set (datasets.save_to_disk folder)")
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--result", required=True)
     parser.add_argument("--local_rank", type=int)
@@ -32,19 +34,21 @@ def main() -> None:
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     micro, accumulation = ds_config["train_micro_batch_size_per_gpu"], ds_config["gradient_accumulation_steps"]
-    input_ids = torch.randint(0, config.vocab_size, (micro, args.seq_len), device=engine.device)
-    position_ids = torch.arange(args.seq_len, device=engine.device).expand(micro, -1)
+    rows = datasets.load_from_disk(args.rows).with_format("torch")
+    seq_len = len(rows[0]["input_ids"])
 
     for step in range(args.steps):
         if step == 1:  # as train.py: the first step is warm-up
             start = time.perf_counter()
-        for _ in range(accumulation):
-            loss = engine(input_ids=input_ids, labels=input_ids, position_ids=position_ids).loss
+        for micro_step in range(accumulation):
+            first = (step * accumulation + micro_step) * micro % (len(rows) - micro)
+            batch = {name: tensor.long().to(engine.device) for name, tensor in rows[first:first + micro].items()}
+            loss = engine(**batch).loss
             engine.backward(loss)
             engine.step()
         loss.item()
     elapsed = time.perf_counter() - start
-    tokens = (args.steps - 1) * ds_config["train_batch_size"] * args.seq_len
+    tokens = (args.steps - 1) * ds_config["train_batch_size"] * seq_len
     if torch.distributed.get_rank() == 0:
         json.dump({"mean_tokens_per_s": tokens / elapsed}, open(args.result, "w"))
 

@@ -2,8 +2,8 @@
 
     python benchmarks/train_overhead.py [--recipe tiny_llama] [--steps 60] [--repeats 2] [--num-gpus 1] [key.path=value ...]
 
-Runs train.py and benchmarks/bare_loop.py through the `deepspeed` launcher, alternating
-(train, bare, train, bare, ...) so that drifts in machine speed hit both, and prints a table of
+Runs train.py and benchmarks/bare_loop.py through the `deepspeed` launcher, alternating which runs
+first in each repeat so that drifts in machine speed hit both, and prints a table of
 tokens/s (mean after the first step). train.py runs with its default logging (a metrics line,
 metrics.jsonl and TensorBoard every 10 steps) and with periodic checkpoints off, since the bare loop
 saves none.
@@ -21,6 +21,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from transformers import AutoTokenizer  # noqa: E402
+
+from data_pipeline.prepare import cached_path, prepare_dataset  # noqa: E402
 from training.recipe import load_recipe  # noqa: E402
 
 
@@ -45,9 +48,9 @@ def run_train(recipe: str, steps: int, num_gpus: int, overrides: list[str], out:
     return json.loads((out / "summary.json").read_text())
 
 
-def run_bare(model_config: str, ds_config: Path, seq_len: int, steps: int, num_gpus: int, result: Path) -> float:
+def run_bare(model_config: str, ds_config: Path, rows: Path, steps: int, num_gpus: int, result: Path) -> float:
     launch("benchmarks/bare_loop.py", ["--model-config", model_config, "--ds-config", str(ds_config),
-                                       "--seq-len", str(seq_len), "--steps", str(steps), "--result", str(result)], num_gpus)
+                                       "--rows", str(rows), "--steps", str(steps), "--result", str(result)], num_gpus)
     return json.loads(result.read_text())["mean_tokens_per_s"]
 
 
@@ -63,14 +66,21 @@ def main() -> None:
     if recipe.model.config is None:
         sys.exit("train_overhead.py builds the model from model.config; this recipe loads a checkpoint")
 
+    tokenizer = AutoTokenizer.from_pretrained(recipe.tokenizer_path)
+    prepare_dataset(recipe.data, tokenizer)  # once here, so neither timed run pays for it
+    rows = cached_path(recipe.data, tokenizer)
     speeds = {"train.py": [], "bare loop": []}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "train"
-        for _ in range(args.repeats):
-            summary = run_train(args.recipe, args.steps, args.num_gpus, args.overrides, out)
-            speeds["train.py"].append(summary["mean_tokens_per_s"])
-            speeds["bare loop"].append(run_bare(recipe.model.config, out / "ds_config.json", recipe.data.seq_len,
-                                                args.steps, args.num_gpus, Path(tmp) / "bare.json"))
+        for repeat in range(args.repeats):
+            # train.py goes first in even repeats (its ds_config.json feeds the bare loop), second in odd ones
+            for name in list(speeds)[::-1 if repeat % 2 else 1]:
+                if name == "train.py":
+                    summary = run_train(args.recipe, args.steps, args.num_gpus, args.overrides, out)
+                    speeds[name].append(summary["mean_tokens_per_s"])
+                else:
+                    speeds[name].append(run_bare(recipe.model.config, out / "ds_config.json", rows, args.steps,
+                                                 args.num_gpus, Path(tmp) / "bare.json"))
     baseline = statistics.median(speeds["bare loop"])
     print(f"{args.recipe}: {args.steps} steps x {recipe.training.global_batch_size} rows x {recipe.data.seq_len} tokens, "
           f"{summary['world_size']} rank(s), ZeRO-{summary['zero_stage']}, {summary['precision']}")

@@ -61,12 +61,17 @@ def build_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tup
     return rows_to_dataset(rows), stats
 
 
+def cached_path(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Path:
+    """Where prepare_dataset keeps this preparation (a `datasets.save_to_disk` folder plus stats.json)."""
+    return Path(config.cache_dir) / fingerprint(config, tokenizer)
+
+
 def prepare_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[datasets.Dataset, dict]:
     """The packed data set and its stats, from the cache when an identical preparation exists.
 
     The cache entry is written to a temporary folder and renamed into place, so a concurrent or
     interrupted preparation never leaves a half-written entry that a later run would trust."""
-    path = Path(config.cache_dir) / fingerprint(config, tokenizer)
+    path = cached_path(config, tokenizer)
     if not (path / "stats.json").exists():
         dataset, stats = build_dataset(config, tokenizer)
         partial = path.with_name(f"{path.name}.partial-{os.getpid()}")

@@ -8,6 +8,7 @@ Tolerances, on losses near 8 over 10 steps:
   ZeRO-0 runs as torch autocast from fp32 weights (DeepSpeed cannot accumulate fp32 gradients for bf16
   weights without ZeRO), rounding the same matmul inputs but keeping fp32 elsewhere. Measured: 5.5e-4.
 - CPU offload: 1e-4, as fp32 (DeepSpeed's CPU Adam computes the same update as torch's AdamW).
+- Activation checkpointing recomputes the same forward pass: 1e-4 in fp32, under ZeRO-3.
 """
 import json
 
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.slow
 STEPS = 10
 TOLERANCE = {"fp32": 1e-4, "bf16": 2e-3}
 RUNS = [(precision, f"zero{stage}", 2) for precision in ("fp32", "bf16") for stage in range(4)] + [
-    ("fp32", "zero2_offload", 2), ("fp32", "zero3_offload", 2), ("fp32", "zero1", 1)]
+    ("fp32", "zero2_offload", 2), ("fp32", "zero3_offload", 2), ("fp32", "zero1", 1), ("fp32", "zero3+checkpointing", 2)]
 
 
 def loss_curve(out) -> list[float]:
@@ -34,16 +35,18 @@ def max_difference(a: list[float], b: list[float]) -> float:
 def curves(tmp_path_factory, data_cache) -> dict:
     """Loss curves keyed by (precision, ds_config, ranks)."""
     results = {}
-    for precision, ds_config, ranks in RUNS:
-        out = tmp_path_factory.mktemp(f"{precision}_{ds_config}_{ranks}ranks")
+    for precision, run_name, ranks in RUNS:
+        ds_config, _, checkpointing = run_name.partition("+")
+        out = tmp_path_factory.mktemp(f"{precision}_{run_name.replace('+', '_')}_{ranks}ranks")
         result = run_train(["--recipe", "tiny_llama", "--output-dir", str(out), "--overwrite", SMALL_MODEL, data_cache,
                             f"deepspeed.config={ds_config}", f"precision={precision}", f"training.max_steps={STEPS}",
-                            "training.warmup_steps=2", "logging.every_steps=1"], ranks=ranks)
+                            "training.warmup_steps=2", "logging.every_steps=1",
+                            f"activation_checkpointing={bool(checkpointing)}"], ranks=ranks)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
         summary = json.loads((out / "summary.json").read_text())
         assert (summary["world_size"], summary["precision"]) == (ranks, precision)
         assert f"zero{summary['zero_stage']}" == ds_config.removesuffix("_offload")
-        results[precision, ds_config, ranks] = loss_curve(out)
+        results[precision, run_name, ranks] = loss_curve(out)
     return results
 
 
@@ -64,6 +67,10 @@ def test_zero_stages_agree_with_stage_0(curves, precision, ds_config):
 @pytest.mark.parametrize("ds_config", ["zero2_offload", "zero3_offload"])
 def test_cpu_offload_agrees_with_stage_0(curves, ds_config):
     assert max_difference(curves["fp32", "zero0", 2], curves["fp32", ds_config, 2]) <= TOLERANCE["fp32"]
+
+
+def test_activation_checkpointing_recomputes_the_same_loss(curves):
+    assert max_difference(curves["fp32", "zero3", 2], curves["fp32", "zero3+checkpointing", 2]) <= TOLERANCE["fp32"]
 
 
 def test_fp32_agrees_more_tightly_than_bf16(curves):

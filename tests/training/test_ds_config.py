@@ -124,3 +124,30 @@ def test_invalid_json_names_file_and_line(tmp_path):
     recipe = load_recipe("tiny_llama", [f"deepspeed.config={path}"])
     with pytest.raises(ConfigError, match=f"{path}: not valid JSON at line 2"):
         load_ds_config(recipe)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_the_hf_trainer_fills_the_same_values(name, precision):
+    """The same file through the HF Trainer's own "auto" filling (HfTrainerDeepSpeedConfig) gives the same
+    config as train.py, so one set of files serves both. (At ZeRO-0 train.py turns bf16 into torch
+    autocast, a documented difference.)"""
+    from types import SimpleNamespace
+
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+    args = SimpleNamespace(world_size=2, per_device_train_batch_size=8, gradient_accumulation_steps=1, max_grad_norm=1.0,
+                           learning_rate=3.0e-3, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, weight_decay=0.1,
+                           save_on_each_node=False, fp16=False, fp16_full_eval=False, bf16=precision == "bf16",
+                           bf16_full_eval=False, get_warmup_steps=lambda steps: 0)
+    hf = HfTrainerDeepSpeedConfig(str(DS_CONFIGS_DIR / f"{name}.json"))
+    hf.trainer_config_process(args)
+    hf.trainer_config_finalize(args, SimpleNamespace(config=SimpleNamespace(hidden_size=256)), num_training_steps=200)
+    ours = resolve(name, precision, 2, 256)
+    if name == "zero0" and precision == "bf16":
+        assert ours.pop("torch_autocast") == {"enabled": True, "dtype": "bfloat16"}
+        assert hf.config["bf16"]["enabled"] is True
+        hf.config["bf16"]["enabled"] = False
+    if name == "zero0":  # train.py states fp32 gradient accumulation, which the zero1-3 files state themselves
+        ours.pop("data_types", None)
+    assert '"auto"' not in json.dumps(hf.config)
+    assert ours == hf.config
