@@ -11,7 +11,6 @@ saves none.
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,13 +23,8 @@ sys.path.insert(0, str(REPO))
 from transformers import AutoTokenizer  # noqa: E402
 
 from data_pipeline.prepare import cached_path, prepare_dataset  # noqa: E402
+from training.distributed import free_port  # noqa: E402
 from training.recipe import load_recipe  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(script: str, args: list[str], num_gpus: int) -> None:

@@ -1,5 +1,4 @@
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -9,15 +8,11 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from training.distributed import free_port  # noqa: E402
+
 # A 2-layer, 64-wide shrink of tiny_llama: the same code path in seconds.
 SMALL_MODEL = ("model.config_overrides={num_hidden_layers: 2, hidden_size: 64, intermediate_size: 128, "
                "num_attention_heads: 4, num_key_value_heads: 2, head_dim: 16}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_train(args: list[str], ranks: int | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
