@@ -43,7 +43,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", required=True, help="a name under recipes/, a recipe folder or a YAML file")
-    parser.add_argument("--output-dir", type=Path, help="default: outputs/<recipe name>")
+    parser.add_argument("--output-dir", type=Path,
+                        help="default: outputs/<recipe>, or outputs/<recipe>-N when earlier runs are there")
     parser.add_argument("--dry-run", action="store_true", help="validate everything, print the plan, train nothing")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the output dir")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier run in the output dir")
@@ -52,13 +53,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def holds_run(path: Path) -> bool:
+    return (path / "checkpoints" / "latest").exists() or (path / "metrics.jsonl").exists()
+
+
+def default_output_dir(recipe_name: str, resume: bool) -> Path:
+    """outputs/<recipe>, or outputs/<recipe>-2, -3, ... when earlier runs hold those; --resume takes the latest."""
+    runs = [OUTPUT_ROOT / recipe_name]
+    while holds_run(runs[-1]):
+        runs.append(OUTPUT_ROOT / f"{recipe_name}-{len(runs) + 1}")
+    return runs[-2] if resume and len(runs) > 1 else runs[-1]
+
+
 def check_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
-    has_run = (output_dir / "checkpoints" / "latest").exists() or (output_dir / "metrics.jsonl").exists()
     if resume and not (output_dir / "checkpoints" / "latest").exists():
         raise ConfigError(f"--resume: {output_dir}/checkpoints holds no checkpoint to continue from")
-    if has_run and not (resume or overwrite):
+    if holds_run(output_dir) and not (resume or overwrite):
         raise ConfigError(f"{output_dir} already holds a run; pass --resume to continue it, --overwrite to "
-                          f"replace it, or --output-dir for a new one")
+                          f"replace it, or another --output-dir")
 
 
 def make_plan(args: argparse.Namespace) -> RunPlan:
@@ -71,7 +83,7 @@ def make_plan(args: argparse.Namespace) -> RunPlan:
     precision = resolve_precision(recipe.precision, raw_ds_config)
     world_size = distributed.world_size()
     ds_config = resolve_ds_config(raw_ds_config, ds_config_path, recipe, model_config.hidden_size, world_size, precision)
-    output_dir = args.output_dir or OUTPUT_ROOT / recipe.name
+    output_dir = args.output_dir or default_output_dir(recipe.name, args.resume)
     if not args.dry_run:
         check_output_dir(output_dir, args.resume, args.overwrite)
     return RunPlan(recipe, model_config, tokenizer, precision, ds_config, ds_config_path, world_size,

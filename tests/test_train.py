@@ -54,6 +54,19 @@ def test_an_earlier_run_is_not_overwritten_silently(no_model_building, capsys, t
     assert "holds no checkpoint to continue from" in capsys.readouterr().err
 
 
+def test_default_output_dirs_never_replace_an_earlier_run(monkeypatch, tmp_path):
+    monkeypatch.setattr(train, "OUTPUT_ROOT", tmp_path)
+    assert train.default_output_dir("tiny_llama", resume=False) == tmp_path / "tiny_llama"
+    (tmp_path / "tiny_llama" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "tiny_llama" / "checkpoints" / "latest").write_text("global_step5")
+    assert train.default_output_dir("tiny_llama", resume=False) == tmp_path / "tiny_llama-2"
+    assert train.default_output_dir("tiny_llama", resume=True) == tmp_path / "tiny_llama"
+    (tmp_path / "tiny_llama-2").mkdir()
+    (tmp_path / "tiny_llama-2" / "metrics.jsonl").write_text("")
+    assert train.default_output_dir("tiny_llama", resume=False) == tmp_path / "tiny_llama-3"
+    assert train.default_output_dir("tiny_llama", resume=True) == tmp_path / "tiny_llama-2"
+
+
 def test_dry_run_prints_the_plan_and_writes_nothing(no_model_building, capsys, tmp_path):
     assert train.main(["--recipe", "tiny_llama", "--dry-run", "--output-dir", str(tmp_path / "out")]) == 0
     out = " ".join(capsys.readouterr().out.split())  # undo the console's line wrapping
