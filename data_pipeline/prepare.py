@@ -29,12 +29,13 @@ def fingerprint(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def rows_to_dataset(rows: dict[str, np.ndarray]) -> datasets.Dataset:
-    """Fixed-length rows as an Arrow table, built from the arrays without a Python loop."""
+def rows_to_dataset(rows: dict[str, np.ndarray], fingerprint: str) -> datasets.Dataset:
+    """Fixed-length rows as an Arrow table, built from the arrays without a Python loop or a copy. The
+    fingerprint is given because `datasets` would otherwise hash every row to make one."""
     seq_len = rows["input_ids"].shape[1]
-    columns = {name: pa.FixedSizeListArray.from_arrays(pa.array(array.reshape(-1)), seq_len)
-               for name, array in rows.items()}
-    return datasets.Dataset(pa.table(columns))
+    columns = {name: pa.FixedSizeListArray.from_arrays(pa.array(array.reshape(-1)), seq_len) if array.ndim == 2
+               else pa.array(array) for name, array in rows.items()}
+    return datasets.Dataset(pa.table(columns), fingerprint=fingerprint)
 
 
 def build_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[datasets.Dataset, dict]:
@@ -58,7 +59,7 @@ def build_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tup
         "packing": config.packing,
         "packing_efficiency": 1.0,  # concat fills every slot with a real token
     }
-    return rows_to_dataset(rows), stats
+    return rows_to_dataset(rows, fingerprint(config, tokenizer)), stats
 
 
 def cached_path(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Path:

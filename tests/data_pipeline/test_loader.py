@@ -10,7 +10,8 @@ from data_pipeline.prepare import rows_to_dataset
 def numbered_rows(n: int, seq_len: int = 4) -> datasets.Dataset:
     """Row i holds the token i everywhere, so a batch shows which rows it took."""
     ids = np.repeat(np.arange(n, dtype=np.int32)[:, None], seq_len, axis=1)
-    return rows_to_dataset({"input_ids": ids, "labels": ids, "position_ids": np.tile(np.arange(seq_len, dtype=np.int32), (n, 1))})
+    return rows_to_dataset({"input_ids": ids, "labels": ids, "position_ids": np.tile(np.arange(seq_len, dtype=np.int32), (n, 1))},
+                           fingerprint=f"numbered-{n}")
 
 
 def rows_seen(batches: StepBatches, step: int) -> list[int]:

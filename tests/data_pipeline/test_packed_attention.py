@@ -24,7 +24,7 @@ def test_documents_do_not_attend_across_boundaries(attn_implementation):
     lengths = np.array([7, 12, 5, 9])
     documents = [rng.integers(1, 97, size=n) for n in lengths]
     rows = pack_concat(np.concatenate(documents), lengths, seq_len=int(lengths.sum()))
-    row = {name: torch.from_numpy(rows[name][0]).long() for name in rows}
+    row = {name: torch.from_numpy(rows[name][0]).long() for name in ("input_ids", "labels", "position_ids")}
     with torch.no_grad():
         packed = per_token_loss(model, row["input_ids"], row["position_ids"], row["labels"])
         start = 0

@@ -1,0 +1,211 @@
+"""Exact and near-duplicate detection, vectorized with NumPy.
+
+Near duplicates are found with MinHash + LSH. Each document becomes a set of shingles (word n-grams
+or character n-grams of its normalized text), each shingle a well-mixed 32-bit hash, and the document
+a signature of `num_perm` minima of random permutations of the 32-bit space (x -> a*x + b mod 2^32,
+a odd). Two documents agree on any one minimum with probability about their Jaccard similarity.
+Everything per shingle is whole-array NumPy over a batch of documents: no Python loop per shingle or
+per hash function. benchmarks/data_pipeline.py compares it with datasketch.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # odd constant of the polynomial hashes over bytes and words
+
+
+def normalize(text: str) -> str:
+    """Lowercase, whitespace runs collapsed to one space: what counts as 'the same text'."""
+    return " ".join(text.lower().split())
+
+
+def exact_duplicate_mask(texts: list[str]) -> np.ndarray:
+    """True for every document whose normalized text appeared earlier in the list."""
+    hashes = np.fromiter((xxhash.xxh3_64_intdigest(normalize(t).encode()) for t in texts), dtype=np.uint64, count=len(texts))
+    _, first = np.unique(hashes, return_index=True)
+    duplicate = np.ones(len(texts), dtype=bool)
+    duplicate[first] = False
+    return duplicate
+
+
+def mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer: every output bit depends on every input bit."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def index_in_segment(lengths: np.ndarray) -> np.ndarray:
+    starts = np.cumsum(lengths) - lengths
+    return np.arange(int(lengths.sum())) - np.repeat(starts, lengths)
+
+
+def segment_hashes(units: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """One polynomial hash per segment of consecutive units (sum of unit * GOLDEN^(i+1), wrapping)."""
+    powers = np.cumprod(np.full(int(lengths.max(initial=0)) + 1, GOLDEN, dtype=np.uint64))
+    nonempty = lengths > 0
+    hashes = np.zeros(len(lengths), dtype=np.uint64)
+    if nonempty.any():
+        terms = units * powers[index_in_segment(lengths)]
+        starts = (np.cumsum(lengths) - lengths)[nonempty]
+        hashes[nonempty] = np.add.reduceat(terms, starts)
+    return hashes
+
+
+def word_units(data: np.ndarray, doc_of_byte: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A mixed 64-bit hash per space-separated word of the byte stream, and each word's document."""
+    is_space = data == ord(" ")
+    is_start = ~is_space
+    is_start[1:] &= is_space[:-1]
+    starts = np.flatnonzero(is_start)
+    is_end = ~is_space
+    is_end[:-1] &= is_space[1:]
+    lengths = np.flatnonzero(is_end) + 1 - starts
+    letters = data[~is_space].astype(np.uint64) + np.uint64(1)
+    return mix64(segment_hashes(letters, lengths)), doc_of_byte[starts]
+
+
+def shingles(units: np.ndarray, doc_of_unit: np.ndarray, n_docs: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Hashes of every run of n consecutive units inside one document, grouped by document, and the
+    count per document. A document with fewer than n units is one shingle of all of them."""
+    per_doc = np.bincount(doc_of_unit, minlength=n_docs)
+    m = max(len(units) - n + 1, 0)
+    grams = np.zeros(m, dtype=np.uint64)
+    for j in range(n):
+        grams = grams * GOLDEN + units[j:j + m]
+    inside = doc_of_unit[:m] == doc_of_unit[n - 1:n - 1 + m]
+    grams, doc_of_gram = grams[inside], doc_of_unit[:m][inside]
+    short = per_doc < n
+    if short.any():
+        in_short = np.repeat(short, per_doc)
+        grams = np.concatenate([grams, segment_hashes(units[in_short], per_doc[short])])
+        doc_of_gram = np.concatenate([doc_of_gram, np.flatnonzero(short)])
+        order = np.argsort(doc_of_gram, kind="stable")
+        grams, doc_of_gram = grams[order], doc_of_gram[order]
+    return mix64(grams), np.bincount(doc_of_gram, minlength=n_docs)
+
+
+@dataclass(frozen=True)
+class MinHasher:
+    """MinHash signatures; the same parameters always give the same signatures."""
+    num_perm: int = 128
+    shingle: str = "word"  # "word": word n-grams; "char": character (byte) n-grams of the normalized text
+    ngram: int = 5
+    seed: int = 1
+
+    def permutations(self) -> tuple[np.ndarray, np.ndarray]:
+        rng = np.random.default_rng(self.seed)
+        a = rng.integers(0, 2**32, self.num_perm, dtype=np.uint32) | np.uint32(1)
+        return a, rng.integers(0, 2**32, self.num_perm, dtype=np.uint32)
+
+    def shingle_hashes(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """32-bit shingle hashes of the batch, grouped by document, and how many each document has."""
+        encoded = [normalize(t).encode() for t in texts]
+        data = np.frombuffer(b" ".join(encoded), dtype=np.uint8)
+        doc_bytes = np.fromiter((len(e) for e in encoded), dtype=np.int64, count=len(encoded))
+        doc_of_byte = np.repeat(np.arange(len(texts)), doc_bytes + 1)[:len(data)]
+        if self.shingle == "word":
+            units, doc_of_unit = word_units(data, doc_of_byte)
+        else:
+            keep = data != ord(" ")
+            units, doc_of_unit = data[keep].astype(np.uint64) + np.uint64(1), doc_of_byte[keep]
+        hashes, counts = shingles(units, doc_of_unit, len(texts), self.ngram)
+        return (hashes >> np.uint64(32)).astype(np.uint32), counts
+
+    def signatures(self, texts: list[str], max_cells: int = 1 << 22) -> np.ndarray:
+        """(documents, num_perm) uint32 signatures, in chunks of whole documents of about `max_cells` values."""
+        hashes, counts = self.shingle_hashes(texts)
+        a, b = self.permutations()
+        ends = np.cumsum(counts)
+        starts = ends - counts
+        signatures = np.empty((len(texts), self.num_perm), dtype=np.uint32)
+        doc = 0
+        while doc < len(texts):
+            last = max(doc + 1, int(np.searchsorted(ends, starts[doc] + max_cells // self.num_perm, "right")))
+            values = np.multiply.outer(a, hashes[starts[doc]:ends[last - 1]])  # (num_perm, shingles): rows contiguous
+            values += b[:, None]
+            signatures[doc:last] = np.minimum.reduceat(values, starts[doc:last] - starts[doc], axis=1).T
+            doc = last
+        return signatures
+
+
+def candidate_probability(similarity: np.ndarray, bands: int, rows: int) -> np.ndarray:
+    """LSH's S-curve: the chance that two documents of this Jaccard similarity share at least one band."""
+    return 1 - (1 - similarity ** rows) ** bands
+
+
+def lsh_bands(threshold: float, num_perm: int) -> tuple[int, int]:
+    """(bands, rows) with bands x rows <= num_perm whose S-curve best separates similarities below
+    `threshold` (false positives, area under the curve) from those above (false negatives, area over it)."""
+    below, above = np.linspace(0, threshold, 200), np.linspace(threshold, 1, 200)
+    best, best_error = (1, num_perm), np.inf
+    for bands in range(1, num_perm + 1):
+        rows = num_perm // bands
+        error = (np.trapezoid(candidate_probability(below, bands, rows), below)
+                 + np.trapezoid(1 - candidate_probability(above, bands, rows), above))
+        if error < best_error:
+            best, best_error = (bands, rows), error
+    return best
+
+
+def band_keys(signatures: np.ndarray, band: int, rows: int) -> np.ndarray:
+    part = signatures[:, band * rows:(band + 1) * rows].astype(np.uint64)
+    key = np.zeros(len(signatures), dtype=np.uint64)
+    for column in range(rows):
+        key = key * GOLDEN + part[:, column]
+    return mix64(key)
+
+
+def candidate_pairs(signatures: np.ndarray, bands: int, rows: int) -> np.ndarray:
+    """(pairs, 2) documents that share a whole band: each document with the first one (lowest index) of
+    its bucket, per band, without repeats."""
+    found = []
+    for band in range(bands):
+        keys = band_keys(signatures, band, rows)
+        order = np.argsort(keys, kind="stable")  # equal keys stay in document order
+        sorted_keys = keys[order]
+        opens_bucket = np.concatenate([[True], sorted_keys[1:] != sorted_keys[:-1]])
+        first = order[np.maximum.accumulate(np.where(opens_bucket, np.arange(len(order)), 0))]
+        found.append(np.stack([first[~opens_bucket], order[~opens_bucket]], axis=1))
+    pairs = np.concatenate(found) if found else np.zeros((0, 2), dtype=np.int64)
+    return np.unique(pairs, axis=0)
+
+
+def first_of_group(n: int, pairs: np.ndarray) -> np.ndarray:
+    """For each of n items, the lowest index in its connected component of the pair graph."""
+    labels = np.arange(n)
+    left, right = pairs[:, 0], pairs[:, 1]
+    while True:
+        low = np.minimum(labels[left], labels[right])
+        before = labels.copy()
+        np.minimum.at(labels, left, low)
+        np.minimum.at(labels, right, low)
+        labels = labels[labels]  # pointer jumping: follow each label to its own label
+        if np.array_equal(labels, before):
+            return labels
+
+
+@dataclass(frozen=True)
+class NearDuplicates:
+    """Finds near-duplicate documents from their MinHash signatures.
+
+    Candidates come from LSH bands tuned for `threshold - candidate_margin`, so that pairs just above
+    the threshold are rarely missed; each candidate pair is then kept only if its signatures agree on
+    at least `threshold` of their positions (the estimated Jaccard similarity), which removes most false
+    positives."""
+    threshold: float = 0.8
+    num_perm: int = 128
+    candidate_margin: float = 0.1
+
+    def pairs(self, signatures: np.ndarray) -> np.ndarray:
+        bands, rows = lsh_bands(max(self.threshold - self.candidate_margin, 0.05), self.num_perm)
+        pairs = candidate_pairs(signatures, bands, rows)
+        agreement = (signatures[pairs[:, 0]] == signatures[pairs[:, 1]]).mean(axis=1)
+        return pairs[agreement >= self.threshold]
+
+    def duplicate_mask(self, signatures: np.ndarray) -> np.ndarray:
+        """True for every document in a group of near duplicates that is not the group's first."""
+        return first_of_group(len(signatures), self.pairs(signatures)) != np.arange(len(signatures))

@@ -1,0 +1,147 @@
+import json
+import random
+
+import numpy as np
+import pytest
+
+from data_pipeline.dedup import (MinHasher, NearDuplicates, candidate_pairs, exact_duplicate_mask, first_of_group,
+                                 lsh_bands, normalize)
+from training.recipe import RECIPES_DIR
+
+
+def word_shingles(text: str, n: int = 5) -> set:
+    words = normalize(text).split()
+    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+
+def jaccard(a: str, b: str) -> float:
+    x, y = word_shingles(a), word_shingles(b)
+    return len(x & y) / len(x | y)
+
+
+@pytest.fixture(scope="module")
+def documents() -> list[str]:
+    """300 real documents (Python's documentation) of 80+ words, no two with an exact word 5-gram
+    Jaccard similarity above 0.3 (the corpus itself holds near duplicates: help topics repeated with
+    other heading underlines)."""
+    kept, kept_shingles = [], []
+    for line in (RECIPES_DIR / "tiny_llama" / "corpus.jsonl").open():
+        text = json.loads(line)["text"]
+        shingles = word_shingles(text)
+        if len(text.split()) >= 80 and all(len(shingles & s) / len(shingles | s) <= 0.3 for s in kept_shingles):
+            kept.append(text)
+            kept_shingles.append(shingles)
+        if len(kept) == 300:
+            return kept
+    raise AssertionError("the corpus has fewer than 300 distinct long documents")
+
+
+def edit(text: str, rng: random.Random, rate: float) -> str:
+    words = text.split()
+    for _ in range(max(1, int(rate * len(words)))):
+        i = rng.randrange(len(words))
+        match rng.randrange(3):
+            case 0: words[i] = "replaced"
+            case 1: del words[i]
+            case 2: words.insert(i, "inserted")
+    return " ".join(words)
+
+
+def reorder(text: str) -> str:
+    """Swap the two halves: only the shingles across the cut change."""
+    words = text.split()
+    return " ".join(words[len(words) // 2:] + words[:len(words) // 2])
+
+
+def whitespace_and_case(text: str) -> str:
+    return "  " + text.upper().replace(" ", " \n\t ") + "\n"
+
+
+def test_normalize():
+    assert normalize("  Hello,\n\tWORLD  again ") == "hello, world again"
+
+
+def test_exact_duplicates_keep_the_first_in_input_order():
+    texts = ["a b c", "x y", "A  B\nc", "x y", "new"]
+    assert exact_duplicate_mask(texts).tolist() == [False, False, True, True, False]
+
+
+def test_the_corpus_own_near_duplicates_are_found():
+    """The help() topics 'The "async for" statement' and its copy with another heading underline."""
+    texts = [json.loads(line)["text"] for line in (RECIPES_DIR / "tiny_llama" / "corpus.jsonl").open()]
+    pairs = [(i, j) for i, j in NearDuplicates().pairs(MinHasher().signatures(texts)).tolist()]
+    assert len(pairs) > 10
+    assert all(jaccard(texts[i], texts[j]) >= 0.6 for i, j in pairs)  # estimated >= 0.8; exact a little lower at worst
+
+
+def test_planted_near_duplicates_are_found_and_originals_kept(documents):
+    rng = random.Random(0)
+    originals = documents[:100]
+    shuffled_words = []  # same vocabulary, different text: must survive
+    for text in documents[100:130]:
+        words = text.split()
+        rng.shuffle(words)
+        shuffled_words.append(" ".join(words))
+    planted = ([edit(t, rng, 0.01) for t in originals[:40]] + [reorder(t) for t in originals[40:70]]
+               + [whitespace_and_case(t) for t in originals[70:100]])
+    assert min(jaccard(a, b) for a, b in zip(originals, planted)) >= 0.85  # what "near duplicate" means here
+    assert max(jaccard(a, b) for a, b in zip(documents[100:130], shuffled_words)) < 0.1
+    corpus = originals + shuffled_words + documents[100:130] + planted
+    signatures = MinHasher().signatures(corpus)
+    duplicate = NearDuplicates(threshold=0.8).duplicate_mask(signatures)
+    n_kept = len(originals) + len(shuffled_words) + 30
+    assert not duplicate[:n_kept].any()
+    assert duplicate[n_kept:].all()
+
+
+def test_character_shingles_find_the_same_plants(documents):
+    rng = random.Random(1)
+    corpus = documents[:50] + [edit(t, rng, 0.01) for t in documents[:50]]
+    signatures = MinHasher(shingle="char", ngram=5).signatures(corpus)
+    assert NearDuplicates(threshold=0.8).duplicate_mask(signatures).tolist() == [False] * 50 + [True] * 50
+
+
+def test_signatures_are_deterministic_and_independent_of_batching(documents):
+    hasher = MinHasher(num_perm=64)
+    whole = hasher.signatures(documents[:40])
+    in_parts = np.concatenate([hasher.signatures(documents[:13]), hasher.signatures(documents[13:40])])
+    np.testing.assert_array_equal(whole, in_parts)
+    np.testing.assert_array_equal(whole, MinHasher(num_perm=64).signatures(documents[:40]))
+    assert not np.array_equal(whole, MinHasher(num_perm=64, seed=2).signatures(documents[:40]))
+
+
+def test_signature_agreement_estimates_jaccard(documents):
+    """Over many edited pairs the estimate is unbiased, with the binomial spread of 256 permutations."""
+    rng = random.Random(2)
+    hasher = MinHasher(num_perm=256)
+    errors = []
+    for text in documents[:150]:
+        other = edit(text, rng, rng.uniform(0.01, 0.2))
+        a, b = hasher.signatures([text, other])
+        errors.append((a == b).mean() - jaccard(text, other))
+    assert abs(np.mean(errors)) < 0.01
+    assert np.std(errors) < 0.04  # at most sqrt(0.25 / 256) = 0.031 plus hash noise
+
+
+def test_short_and_empty_documents_get_signatures():
+    signatures = MinHasher().signatures(["one", "", "two words", "one", ""])
+    np.testing.assert_array_equal(signatures[0], signatures[3])
+    np.testing.assert_array_equal(signatures[1], signatures[4])
+    assert not np.array_equal(signatures[0], signatures[2])
+
+
+def test_lsh_bands_fit_the_permutations():
+    for threshold in (0.5, 0.7, 0.8, 0.9):
+        bands, rows = lsh_bands(threshold, 128)
+        assert bands * rows <= 128
+    assert lsh_bands(0.9, 128)[1] > lsh_bands(0.5, 128)[1]  # stricter threshold, longer bands
+
+
+def test_candidates_pair_each_bucket_member_with_its_first():
+    signatures = np.array([[1, 1], [2, 2], [1, 1], [3, 3], [1, 1], [2, 2]], dtype=np.uint32)
+    assert candidate_pairs(signatures, bands=1, rows=2).tolist() == [[0, 2], [0, 4], [1, 5]]
+
+
+def test_groups_keep_their_lowest_index():
+    labels = first_of_group(7, np.array([[5, 6], [2, 5], [3, 4]]))
+    assert labels.tolist() == [0, 1, 2, 3, 3, 2, 2]
