@@ -115,26 +115,29 @@ def grad_norm_before_step(engine: deepspeed.DeepSpeedEngine) -> torch.Tensor | N
 
 
 def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict],
-               dp_size: int) -> tuple[torch.Tensor, torch.Tensor | float]:
+               dp_size: int) -> tuple[torch.Tensor, torch.Tensor | float, torch.Tensor]:
     """One optimizer step. Returns this rank's share of the step's loss (the shares of all ranks sum to the
-    mean over every target token of the global batch) and the gradient norm before clipping.
+    mean over every target token of the global batch), the gradient norm before clipping, and the real
+    (non-padding) tokens of the global batch.
 
     Each micro-batch's loss is its summed token loss divided by (global target count / (micro-batches
     x ranks)): DeepSpeed's averaging over accumulation steps and ranks then yields exactly the global
     token mean, not a mean of micro-batch means. Nothing here waits for the device to finish."""
-    targets = sum((batch["labels"][:, 1:] != -100).sum() for batch in micro_batches).to(engine.device)
-    targets_per_micro_batch = distributed.all_reduce(targets.float()) / (len(micro_batches) * dp_size)
+    counts = torch.stack([sum((batch["labels"][:, 1:] != -100).sum() for batch in micro_batches),
+                          sum(batch["length"].sum() for batch in micro_batches)]).to(engine.device)
+    targets, tokens = distributed.all_reduce(counts.float())
+    targets_per_micro_batch = targets / (len(micro_batches) * dp_size)
     loss_sum, grad_norm = torch.zeros((), device=engine.device), None
     for batch in micro_batches:
-        batch = {name: tensor.to(engine.device, non_blocking=True) for name, tensor in batch.items()}
-        loss = engine(**batch, num_items_in_batch=targets_per_micro_batch).loss
+        inputs = {name: batch[name].to(engine.device, non_blocking=True) for name in ("input_ids", "labels", "position_ids")}
+        loss = engine(**inputs, num_items_in_batch=targets_per_micro_batch).loss
         engine.backward(loss)
         if engine.is_gradient_accumulation_boundary():
             grad_norm = grad_norm_before_step(engine)
         engine.step()
         loss_sum += loss.detach()
     grad_norm = engine.get_global_grad_norm() if grad_norm is None else grad_norm
-    return loss_sum / (len(micro_batches) * dp_size), grad_norm
+    return loss_sum / (len(micro_batches) * dp_size), grad_norm, tokens
 
 
 def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, plan: RunPlan, start_step: int,
@@ -142,25 +145,24 @@ def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, plan: RunPlan
     """The loop: batch, forward/backward/step, log every N steps, checkpoint every M. Returns run totals."""
     recipe = plan.recipe
     logger = MetricsLogger(plan.output_dir, total_steps, start_step, recipe.logging.tensorboard, dist.get_rank() == 0)
-    tokens_per_step = recipe.training.global_batch_size * recipe.data.seq_len
     records, timed_tokens, timed_seconds = [], 0, 0.0
-    interval_start, interval_steps = time.perf_counter(), 0
+    interval_start, interval_tokens = time.perf_counter(), 0
     for step in range(start_step + 1, total_steps + 1):
         lr = engine.get_lr()[0]
-        loss_share, grad_norm = train_step(engine, batches.micro_batches(step - 1), plan.world_size)
-        interval_steps += 1
+        loss_share, grad_norm, tokens = train_step(engine, batches.micro_batches(step - 1), plan.world_size)
+        interval_tokens += tokens
         logger.advance()
         if step == start_step + 1 or step % recipe.logging.every_steps == 0 or step == total_steps:
             now = time.perf_counter()
             peak = distributed.all_reduce(torch.tensor(peak_memory_bytes(), device=engine.device), dist.ReduceOp.MAX)
             loss = distributed.all_reduce(loss_share).item()
+            interval_tokens = float(interval_tokens)
             records.append({"step": step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
-                            "tokens_per_s": interval_steps * tokens_per_step / (now - interval_start),
-                            "peak_mem_bytes": int(peak.item())})
+                            "tokens_per_s": interval_tokens / (now - interval_start), "peak_mem_bytes": int(peak.item())})
             logger.log(records[-1])
             if step > start_step + 1:  # the first step pays for warm-up and is left out of the mean
-                timed_tokens, timed_seconds = timed_tokens + interval_steps * tokens_per_step, timed_seconds + now - interval_start
-            interval_start, interval_steps = now, 0
+                timed_tokens, timed_seconds = timed_tokens + interval_tokens, timed_seconds + now - interval_start
+            interval_start, interval_tokens = now, 0
         if recipe.checkpointing.every_steps and step % recipe.checkpointing.every_steps == 0 and step < total_steps:
             save_checkpoint(engine, plan.output_dir / "checkpoints", step, {"step": step}, recipe.checkpointing.keep_last)
     logger.close()
@@ -191,9 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     start_output_dir(plan, args.overwrite)
     try:
         with distributed.local_main_first():
-            rows, data_stats = prepare_dataset(recipe.data, plan.tokenizer)
-        batches = StepBatches(rows, training.micro_batch_size, plan.accumulation_steps, dist.get_rank(),
-                              plan.world_size, training.seed)
+            prepared, data_stats = prepare_dataset(recipe.data, plan.tokenizer)
+        batches = StepBatches(prepared["train"], training.micro_batch_size, plan.accumulation_steps,
+                              dist.get_rank(), plan.world_size, training.seed)
     except DataError as error:
         return report(error)
     total_steps = training.max_steps or training.epochs * batches.steps_per_epoch

@@ -2,7 +2,8 @@
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PositiveInt, ValidationInfo
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationInfo,
+                      model_validator)
 
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt")
 
@@ -31,17 +32,88 @@ def existing_data_file(value: str) -> str:
     return value
 
 
+def existing_prepared_dir(value: str) -> str:
+    if not (Path(value) / "stats.json").is_file():
+        raise ValueError(f"{value} is not a prepared data set (no stats.json); make one with "
+                         f"`python -m data_pipeline prepare --recipe R --output {value}`")
+    return value
+
+
 LocalPath = Annotated[str, AfterValidator(resolve_path)]
 
 
 class DataSource(StrictModel):
-    path: Annotated[LocalPath, AfterValidator(existing_data_file)]
-    text_field: str = "text"
+    """One data set: a local file or a Hugging Face hub data set, with text for pretraining or chat
+    `messages` (a list of {role, content}) for SFT."""
+    path: Annotated[LocalPath, AfterValidator(existing_data_file)] | None = None
+    hub: str | None = None  # e.g. HuggingFaceFW/fineweb-edu (needs the network)
+    subset: str | None = None  # the hub data set's configuration name
+    split: str = "train"
+    text_field: str | None = None  # default "text" unless messages_field is set
+    messages_field: str | None = None
+    weight: PositiveFloat = 1.0  # a sampling rate, not a probability: 0.5 = a random half, 2 = every document twice
+
+    @model_validator(mode="after")
+    def one_location_one_kind(self) -> "DataSource":
+        if (self.path is None) == (self.hub is None):
+            raise ValueError("set exactly one of path (a local file) and hub (a Hugging Face data set name)")
+        if self.text_field is not None and self.messages_field is not None:
+            raise ValueError("set text_field (pretraining) or messages_field (chat SFT), not both")
+        if self.messages_field is None and self.text_field is None:
+            self.text_field = "text"
+        return self
+
+    @property
+    def name(self) -> str:
+        return self.path or f"{self.hub}:{self.subset or 'default'}:{self.split}"
+
+
+class DedupConfig(StrictModel):
+    exact: bool = True  # identical text after lowercasing and collapsing whitespace
+    near: bool = False  # MinHash + LSH near duplicates
+    threshold: float = Field(0.8, gt=0, le=1)  # Jaccard similarity of the shingle sets
+    num_perm: PositiveInt = 128
+    shingle: Literal["word", "char"] = "word"
+    ngram: PositiveInt = 5
+
+
+class EvalConfig(StrictModel):
+    fraction: float = Field(0.0, ge=0, lt=1)  # hold out this share of the documents, after deduplication
+    sources: list[DataSource] = []  # or evaluate on these instead
+    decontaminate: bool = True  # drop training documents that near-duplicate an evaluation document
+
+    @model_validator(mode="after")
+    def one_kind(self) -> "EvalConfig":
+        if self.fraction and self.sources:
+            raise ValueError("set eval.fraction or eval.sources, not both")
+        return self
 
 
 class DataConfig(StrictModel):
-    sources: list[DataSource] = Field(min_length=1)
+    sources: list[DataSource] = []
+    prepared: Annotated[LocalPath, AfterValidator(existing_prepared_dir)] | None = None  # from `prepare`
     seq_len: PositiveInt
-    packing: Literal["concat"] = "concat"
+    packing: Literal["concat", "bfd", "none"] = "concat"
+    long_documents: Literal["split", "truncate", "drop"] = "split"  # for bfd and none; concat splits
+    dedup: DedupConfig = DedupConfig()
+    eval: EvalConfig = EvalConfig()
+    seed: int = 1234  # mixture sampling and the evaluation split
     num_proc: PositiveInt = 1
+    streaming: bool = False
+    shuffle_buffer: PositiveInt = 10_000  # streaming only: documents held for shuffling
     cache_dir: LocalPath = Field("~/.cache/deepspeed-recipes/data", validate_default=True)
+
+    @model_validator(mode="after")
+    def consistent(self) -> "DataConfig":
+        if (not self.sources) == (self.prepared is None):
+            raise ValueError("set data.sources (to prepare) or data.prepared (a folder `python -m data_pipeline "
+                             "prepare` wrote), not both")
+        if self.streaming:
+            unsupported = [name for name, on in (("packing other than concat", self.packing != "concat"),
+                                                 ("dedup.near", self.dedup.near), ("eval", self.eval.fraction
+                                                                                   or self.eval.sources),
+                                                 ("prepared", self.prepared)) if on]
+            if unsupported:
+                raise ValueError(f"data.streaming does not support {', '.join(unsupported)}: it sees each document "
+                                 f"once, in order, without the whole data set")
+        return self

@@ -20,13 +20,23 @@ def normalize(text: str) -> str:
     return " ".join(text.lower().split())
 
 
+def text_hashes(texts: list[str]) -> np.ndarray:
+    """A 64-bit hash of each normalized text."""
+    return np.fromiter((xxhash.xxh3_64_intdigest(normalize(t).encode()) for t in texts), dtype=np.uint64,
+                       count=len(texts))
+
+
+def repeated_mask(hashes: np.ndarray) -> np.ndarray:
+    """True for every item whose hash appeared earlier (the first of each group is kept)."""
+    _, first = np.unique(hashes, return_index=True)
+    repeated = np.ones(len(hashes), dtype=bool)
+    repeated[first] = False
+    return repeated
+
+
 def exact_duplicate_mask(texts: list[str]) -> np.ndarray:
     """True for every document whose normalized text appeared earlier in the list."""
-    hashes = np.fromiter((xxhash.xxh3_64_intdigest(normalize(t).encode()) for t in texts), dtype=np.uint64, count=len(texts))
-    _, first = np.unique(hashes, return_index=True)
-    duplicate = np.ones(len(texts), dtype=bool)
-    duplicate[first] = False
-    return duplicate
+    return repeated_mask(text_hashes(texts))
 
 
 def mix64(x: np.ndarray) -> np.ndarray:
@@ -209,3 +219,11 @@ class NearDuplicates:
     def duplicate_mask(self, signatures: np.ndarray) -> np.ndarray:
         """True for every document in a group of near duplicates that is not the group's first."""
         return first_of_group(len(signatures), self.pairs(signatures)) != np.arange(len(signatures))
+
+    def matching_mask(self, references: np.ndarray, signatures: np.ndarray) -> np.ndarray:
+        """True for every document of `signatures` that near-duplicates one of `references` (decontamination)."""
+        pairs = self.pairs(np.concatenate([references, signatures]))
+        hits = pairs[(pairs[:, 0] < len(references)) & (pairs[:, 1] >= len(references)), 1] - len(references)
+        mask = np.zeros(len(signatures), dtype=bool)
+        mask[hits] = True
+        return mask

@@ -5,6 +5,8 @@ import torch
 
 from data_pipeline import DataError
 
+ROW_COLUMNS = ("input_ids", "labels", "position_ids", "length")
+
 
 class StepBatches:
     """The micro-batches each rank trains on at a given optimizer step.
@@ -44,5 +46,6 @@ class StepBatches:
         return [self.fetch(np.sort(micro)) for micro in rows]
 
     def fetch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
+        """input_ids, labels and position_ids for the model, and each row's `length` in real tokens."""
         batch = self.rows[indices]
-        return {name: torch.from_numpy(batch[name].astype(np.int64)) for name in ("input_ids", "labels", "position_ids")}
+        return {name: torch.from_numpy(batch[name].astype(np.int64)) for name in ROW_COLUMNS}

@@ -1,4 +1,9 @@
-"""The data stage of a recipe: load, tokenize and pack, cached on disk and reused while nothing changed."""
+"""The data stage of a recipe: load, deduplicate, split off evaluation, tokenize, mix and pack.
+
+The result is a `datasets.DatasetDict` ("train", and "eval" when the recipe asks for one) of rows of
+exactly seq_len tokens, plus stats. `prepare_dataset` caches it on disk under a key of the data
+section, the source files and the tokenizer, and reuses it while none of them changes.
+"""
 import hashlib
 import json
 import os
@@ -12,20 +17,29 @@ from datasets.fingerprint import Hasher
 from transformers import PreTrainedTokenizerBase
 
 from data_pipeline import DataError
-from data_pipeline.config import DataConfig
-from data_pipeline.pack import pack_concat
+from data_pipeline.config import DataConfig, DataSource, DedupConfig
+from data_pipeline.dedup import MinHasher, NearDuplicates, repeated_mask, text_hashes
+from data_pipeline.pack import fit_to_length, pack_bfd, pack_concat, pack_padded
 from data_pipeline.sources import load_documents
 from data_pipeline.tokenize import token_stream, tokenize_documents
 
 # Bump when the prepared layout or the meaning of a step changes, so old caches are not reused.
-PIPELINE_VERSION = 1
+PIPELINE_VERSION = 2
+LONG_DOCUMENT_STATS = {"split": "long_documents_split", "truncate": "long_documents_truncated",
+                       "drop": "long_documents_dropped"}
+
+
+def file_state(sources: list[DataSource]) -> list:
+    """What identifies each source's content: a local file's size and modification time (a hub data set
+    by its name only: a new revision on the hub is not noticed)."""
+    return [(s.path, os.stat(s.path).st_size, os.stat(s.path).st_mtime_ns) if s.path else s.name for s in sources]
 
 
 def fingerprint(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> str:
-    """Changes when the data section, a source file (size or modification time) or the tokenizer changes."""
-    files = [(s.path, os.stat(s.path).st_size, os.stat(s.path).st_mtime_ns) for s in config.sources]
-    key = json.dumps({"version": PIPELINE_VERSION, "data": config.model_dump(exclude={"cache_dir", "num_proc"}),
-                      "files": files, "tokenizer": Hasher.hash(tokenizer)}, sort_keys=True)
+    """Changes when the data section, a source file or the tokenizer changes."""
+    meaning = config.model_dump(exclude={"cache_dir", "num_proc", "streaming", "shuffle_buffer", "prepared"})
+    key = json.dumps({"version": PIPELINE_VERSION, "data": meaning, "tokenizer": Hasher.hash(tokenizer),
+                      "files": file_state(config.sources + config.eval.sources)}, sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -38,49 +52,154 @@ def rows_to_dataset(rows: dict[str, np.ndarray], fingerprint: str) -> datasets.D
     return datasets.Dataset(pa.table(columns), fingerprint=fingerprint)
 
 
-def build_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[datasets.Dataset, dict]:
-    documents = load_documents(config.sources)
-    tokenized = tokenize_documents(documents, tokenizer, config.num_proc)
-    tokens, lengths = token_stream(tokenized)
+def column_array(dataset: datasets.Dataset, map_function, name: str, num_proc: int, feature) -> np.ndarray:
+    """Run `map_function` over the texts with datasets.map (parallel with num_proc) into one NumPy array."""
+    result = dataset.map(lambda batch: {name: map_function(batch["text"])}, batched=True, batch_size=1000,
+                         num_proc=num_proc, remove_columns=dataset.column_names,
+                         features=datasets.Features({name: feature}), desc=f"computing {name}")
+    column = result.data.table.column(name).combine_chunks()
+    values = column.flatten().to_numpy() if isinstance(feature, datasets.List) else column.to_numpy()
+    return values.reshape(len(result), -1) if isinstance(feature, datasets.List) else values
+
+
+def minhash_signatures(documents: datasets.Dataset, dedup: DedupConfig, num_proc: int) -> np.ndarray:
+    hasher = MinHasher(dedup.num_perm, dedup.shingle, dedup.ngram)
+    return column_array(documents, hasher.signatures, "minhash", num_proc,
+                        datasets.List(datasets.Value("uint32"), length=dedup.num_perm))
+
+
+def keep(documents: datasets.Dataset, drop: np.ndarray) -> datasets.Dataset:
+    return documents.select(np.flatnonzero(~drop)) if drop.any() else documents
+
+
+def deduplicate(documents: datasets.Dataset, dedup: DedupConfig, num_proc: int, stats: dict) -> datasets.Dataset:
+    """Exact, then near duplicates; the first document of each group, in input order, is kept."""
+    if dedup.exact:
+        repeated = repeated_mask(column_array(documents, text_hashes, "text_hash", num_proc, datasets.Value("uint64")))
+        stats["exact_duplicates_removed"] = int(repeated.sum())
+        documents = keep(documents, repeated)
+    if dedup.near:
+        signatures = minhash_signatures(documents, dedup, num_proc)
+        near = NearDuplicates(dedup.threshold, dedup.num_perm).duplicate_mask(signatures)
+        stats["near_duplicates_removed"] = int(near.sum())
+        documents = keep(documents, near)
+    return documents
+
+
+def split_eval(documents: datasets.Dataset, config: DataConfig, stats: dict) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+    """Hold out `eval.fraction` of the documents at random, or load `eval.sources`; with decontaminate,
+    drop training documents that near-duplicate an evaluation document."""
+    if config.eval.sources:
+        evaluation = drop_empty(load_documents(config.eval.sources), {}, config.num_proc)
+    elif config.eval.fraction:
+        order = np.random.default_rng([config.seed, 1]).permutation(len(documents))
+        held_out = max(1, round(config.eval.fraction * len(documents)))
+        evaluation, documents = documents.select(np.sort(order[:held_out])), documents.select(np.sort(order[held_out:]))
+    else:
+        return documents, None
+    if config.eval.decontaminate:
+        dedup = config.dedup
+        matches = NearDuplicates(dedup.threshold, dedup.num_perm).matching_mask(
+            minhash_signatures(evaluation, dedup, config.num_proc), minhash_signatures(documents, dedup, config.num_proc))
+        stats["decontaminated_removed"] = int(matches.sum())
+        documents = keep(documents, matches)
+    stats["eval_documents"] = len(evaluation)
+    return documents, evaluation
+
+
+def drop_empty(documents: datasets.Dataset, stats: dict, num_proc: int = 1) -> datasets.Dataset:
+    kept = documents.filter(lambda texts: [bool(t and t.strip()) for t in texts], input_columns="text",
+                            batched=True, num_proc=num_proc, desc="dropping empty documents")
+    stats["empty_documents_removed"] = len(documents) - len(kept)
+    return kept
+
+
+def mixture_rows(sources: np.ndarray, weights: list[float], seed: int) -> np.ndarray:
+    """Which tokenized documents make the training mixture, in a seeded random order: a weight of w
+    takes every document of its source floor(w) times plus a random (w - floor(w)) share of them once more."""
+    rng = np.random.default_rng([seed, 2])
+    rows = []
+    for source, weight in enumerate(weights):
+        documents = np.flatnonzero(sources == source)
+        whole, extra = divmod(weight, 1)
+        rows += [documents] * int(whole) + [np.sort(rng.choice(documents, round(extra * len(documents)), replace=False))]
+    return rng.permutation(np.concatenate(rows)) if rows else np.zeros(0, dtype=np.int64)
+
+
+def pack(tokenized: datasets.Dataset, rows: np.ndarray | None, config: DataConfig, pad_id: int) -> tuple[dict, dict]:
+    tokens, labels, lengths = token_stream(tokenized, rows)
     if len(tokens) < config.seq_len:
         raise DataError(f"the data holds {len(tokens)} tokens after tokenization, less than one row of "
                         f"data.seq_len={config.seq_len}; add data or lower data.seq_len")
-    rows = pack_concat(tokens, lengths, config.seq_len)
-    n_rows = len(rows["input_ids"])
-    stats = {
-        "documents_in": len(documents),
-        "empty_documents_removed": len(documents) - len(tokenized),
-        "documents_out": len(tokenized),
-        "tokens_in": int(len(tokens)),
-        "tokens_out": n_rows * config.seq_len,
-        "tokens_dropped": int(len(tokens)) - n_rows * config.seq_len,
-        "rows": n_rows,
-        "seq_len": config.seq_len,
-        "packing": config.packing,
-        "packing_efficiency": 1.0,  # concat fills every slot with a real token
-    }
-    return rows_to_dataset(rows, fingerprint(config, tokenizer)), stats
+    stats = {"documents_out": len(lengths), "tokens_in": int(len(tokens))}
+    if config.packing == "concat":
+        packed = pack_concat(tokens, lengths, config.seq_len, labels)
+    else:
+        tokens, labels, lengths, too_long = fit_to_length(tokens, labels, lengths, config.seq_len, config.long_documents)
+        stats[LONG_DOCUMENT_STATS[config.long_documents]] = too_long
+        packer = pack_bfd if config.packing == "bfd" else pack_padded
+        packed = packer(tokens, lengths, config.seq_len, pad_id, labels)
+    real_tokens = int(packed["length"].sum())
+    stats.update(tokens_out=real_tokens, tokens_dropped=int(len(tokens)) - real_tokens, rows=len(packed["length"]),
+                 packing_efficiency=real_tokens / max(1, packed["input_ids"].size))
+    return packed, stats
+
+
+def build_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[datasets.DatasetDict, dict]:
+    key = fingerprint(config, tokenizer)
+    documents = load_documents(config.sources)
+    stats = {"documents_in": len(documents), "exact_duplicates_removed": 0, "near_duplicates_removed": 0}
+    per_source = np.bincount(np.asarray(documents["source"]), minlength=len(config.sources))
+    documents = deduplicate(drop_empty(documents, stats, config.num_proc), config.dedup, config.num_proc, stats)
+    documents, evaluation = split_eval(documents, config, stats)
+    tokenized = tokenize_documents(documents, tokenizer, config.num_proc)
+    stats["no_assistant_reply_skipped"] = len(documents) - len(tokenized)
+    if len(tokenized) == 0:
+        raise DataError(f"no documents are left after filtering ({json.dumps(stats)}); check the sources")
+    sources = np.asarray(tokenized["source"])
+    rows = mixture_rows(sources, [s.weight for s in config.sources], config.seed)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
+    train, train_stats = pack(tokenized, rows, config, pad_id)
+    stats.update(train_stats, seq_len=config.seq_len, packing=config.packing, sources=[
+        {"name": s.name, "weight": s.weight, "documents_in": int(per_source[i]),
+         "documents_kept": int((sources == i).sum()), "documents_in_mixture": int((sources[rows] == i).sum())}
+        for i, s in enumerate(config.sources)])
+    splits = {"train": rows_to_dataset(train, f"{key}-train")}
+    if evaluation is not None:
+        eval_rows, eval_stats = pack(tokenize_documents(evaluation, tokenizer, config.num_proc), None, config, pad_id)
+        splits["eval"] = rows_to_dataset(eval_rows, f"{key}-eval")
+        stats["eval"] = eval_stats
+    return datasets.DatasetDict(splits), stats
+
+
+def save_prepared(prepared: datasets.DatasetDict, stats: dict, path: Path) -> None:
+    """Write to a temporary folder and rename it into place, so that an interrupted or concurrent
+    preparation never leaves a half-written folder that a later run would trust."""
+    partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prepared.save_to_disk(str(partial))
+    (partial / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+    try:
+        partial.rename(path)
+    except OSError:  # another process finished the same preparation first
+        shutil.rmtree(partial)
+
+
+def load_prepared(path: str | Path) -> tuple[datasets.DatasetDict, dict]:
+    return datasets.load_from_disk(str(path)), json.loads((Path(path) / "stats.json").read_text())
 
 
 def cached_path(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Path:
-    """Where prepare_dataset keeps this preparation (a `datasets.save_to_disk` folder plus stats.json)."""
+    """Where prepare_dataset keeps this preparation."""
     return Path(config.cache_dir) / fingerprint(config, tokenizer)
 
 
-def prepare_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[datasets.Dataset, dict]:
-    """The packed data set and its stats, from the cache when an identical preparation exists.
-
-    The cache entry is written to a temporary folder and renamed into place, so a concurrent or
-    interrupted preparation never leaves a half-written entry that a later run would trust."""
+def prepare_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[datasets.DatasetDict, dict]:
+    """The prepared splits and their stats: `data.prepared` if the recipe names one, else from the cache,
+    else built now and cached."""
+    if config.prepared:
+        return load_prepared(config.prepared)
     path = cached_path(config, tokenizer)
     if not (path / "stats.json").exists():
-        dataset, stats = build_dataset(config, tokenizer)
-        partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        dataset.save_to_disk(str(partial))
-        (partial / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
-        try:
-            partial.rename(path)
-        except OSError:  # another process finished the same preparation first
-            shutil.rmtree(partial)
-    return datasets.load_from_disk(str(path)), json.loads((path / "stats.json").read_text())
+        save_prepared(*build_dataset(config, tokenizer), path)
+    return load_prepared(path)

@@ -147,8 +147,8 @@ def test_loss_is_the_token_mean_of_the_whole_global_batch(monkeypatch):
     labels = input_ids.clone()
     labels[0, :, :-1] = -100  # the first micro-batch keeps the last target of each row, plus one more
     labels[0, 0, 5] = input_ids[0, 0, 5]
-    micro_batches = [{"input_ids": input_ids[i], "labels": labels[i],
-                      "position_ids": torch.arange(31).expand(2, 31)} for i in range(2)]
+    micro_batches = [{"input_ids": input_ids[i], "labels": labels[i], "position_ids": torch.arange(31).expand(2, 31),
+                      "length": torch.full((2,), 31)} for i in range(2)]
     reference = LlamaForCausalLM(config)
     reference.load_state_dict(model.state_dict())
     token_losses = [F.cross_entropy(reference(input_ids=b["input_ids"]).logits[:, :-1].reshape(-1, 64),
@@ -163,7 +163,8 @@ def test_loss_is_the_token_mean_of_the_whole_global_batch(monkeypatch):
     ds_config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
-    loss, grad_norm = train.train_step(engine, micro_batches, dp_size=1)  # one rank: its share is the whole loss
+    loss, grad_norm, tokens = train.train_step(engine, micro_batches, dp_size=1)  # one rank: its share is the whole loss
+    assert tokens == 4 * 31
     torch.testing.assert_close(loss, global_mean.detach(), rtol=1e-6, atol=1e-6)
     assert abs(mean_of_means.item() - global_mean.item()) > 0.01  # the two definitions really differ here
     assert float(grad_norm) == pytest.approx(expected_norm.item(), rel=1e-5)

@@ -26,6 +26,9 @@ SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
 SKIPPED_MODULES = {"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "lib2to3", "test",
                    "ensurepip", "venv", "pydoc_data"}
 MIN_DOC_CHARS = 80
+# Llama-2-like turns: <s>role, newline, content</s>; the model learns to end its replies with </s>.
+CHAT_TEMPLATE = ("{% for message in messages %}<s>{{ message['role'] }}\n{{ message['content'] }}</s>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
 
 
 def reference_topics() -> list[dict]:
@@ -81,8 +84,10 @@ def train_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
     bos = tokenizer.token_to_id("<s>")
     tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
                                                              special_tokens=[("<s>", bos)])
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>", pad_token="<pad>", model_max_length=1024)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
+                                      unk_token="<unk>", pad_token="<pad>", model_max_length=1024)
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
 
 
 def main() -> None:

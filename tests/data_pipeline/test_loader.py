@@ -10,8 +10,8 @@ from data_pipeline.prepare import rows_to_dataset
 def numbered_rows(n: int, seq_len: int = 4) -> datasets.Dataset:
     """Row i holds the token i everywhere, so a batch shows which rows it took."""
     ids = np.repeat(np.arange(n, dtype=np.int32)[:, None], seq_len, axis=1)
-    return rows_to_dataset({"input_ids": ids, "labels": ids, "position_ids": np.tile(np.arange(seq_len, dtype=np.int32), (n, 1))},
-                           fingerprint=f"numbered-{n}")
+    return rows_to_dataset({"input_ids": ids, "labels": ids, "position_ids": np.tile(np.arange(seq_len, dtype=np.int32), (n, 1)),
+                            "length": np.full(n, seq_len, dtype=np.int32)}, fingerprint=f"numbered-{n}")
 
 
 def rows_seen(batches: StepBatches, step: int) -> list[int]:
@@ -46,8 +46,10 @@ def test_batches_are_int64_tensors_of_micro_batch_rows():
     micro_batches = StepBatches(numbered_rows(20), 3, 2, 0, 1, seed=0).micro_batches(0)
     assert len(micro_batches) == 2
     for micro in micro_batches:
-        assert set(micro) == {"input_ids", "labels", "position_ids"}
-        assert all(t.shape == (3, 4) and str(t.dtype) == "torch.int64" for t in micro.values())
+        assert set(micro) == {"input_ids", "labels", "position_ids", "length"}
+        assert all(micro[name].shape == (3, 4) for name in ("input_ids", "labels", "position_ids"))
+        assert micro["length"].tolist() == [4, 4, 4]
+        assert all(str(t.dtype) == "torch.int64" for t in micro.values())
 
 
 def test_fewer_rows_than_one_global_batch():
