@@ -24,6 +24,7 @@ from transformers import AutoTokenizer
 from data_pipeline import DataError
 from data_pipeline.loader import StepBatches
 from data_pipeline.prepare import prepare_dataset
+from data_pipeline.stream import StreamingBatches
 from training import distributed
 from training.checkpoint import export_hf, load_latest_checkpoint, save_checkpoint
 from training.ds_config import accumulation_steps, load_ds_config, resolve_ds_config
@@ -104,6 +105,22 @@ def start_output_dir(plan: RunPlan, overwrite: bool) -> None:
     dist.barrier()
 
 
+def make_batches(plan: RunPlan) -> tuple[StepBatches | StreamingBatches, dict]:
+    """Prepared rows (local rank 0 prepares and caches them while the other ranks wait), or a stream."""
+    data, training, rank = plan.recipe.data, plan.recipe.training, dist.get_rank()
+    if data.streaming:
+        return StreamingBatches(data, plan.tokenizer, training.micro_batch_size, plan.accumulation_steps, rank,
+                                plan.world_size, training.seed), {"streaming": True}
+    with distributed.local_main_first():
+        prepared, stats = prepare_dataset(data, plan.tokenizer)
+    row_length = len(prepared["train"][0]["input_ids"])
+    if row_length != data.seq_len:
+        raise DataError(f"data.prepared={data.prepared} holds rows of {row_length} tokens, but data.seq_len is "
+                        f"{data.seq_len}; prepare again with this seq_len or set data.seq_len={row_length}")
+    return StepBatches(prepared["train"], training.micro_batch_size, plan.accumulation_steps, rank,
+                       plan.world_size, training.seed), stats
+
+
 def grad_norm_before_step(engine: deepspeed.DeepSpeedEngine) -> torch.Tensor | None:
     """DeepSpeed reports the gradient norm for its ZeRO and half-precision optimizers only; for a plain
     stage-0 optimizer it is computed here from the (already all-reduced) gradients."""
@@ -164,7 +181,8 @@ def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, plan: RunPlan
                 timed_tokens, timed_seconds = timed_tokens + interval_tokens, timed_seconds + now - interval_start
             interval_start, interval_tokens = now, 0
         if recipe.checkpointing.every_steps and step % recipe.checkpointing.every_steps == 0 and step < total_steps:
-            save_checkpoint(engine, plan.output_dir / "checkpoints", step, {"step": step}, recipe.checkpointing.keep_last)
+            save_checkpoint(engine, plan.output_dir / "checkpoints", step, batches.state_dict(),
+                            recipe.checkpointing.keep_last)
     logger.close()
     return {"first_loss": records[0]["loss"], "final_loss": records[-1]["loss"],
             "mean_tokens_per_s": timed_tokens / timed_seconds if timed_seconds else records[0]["tokens_per_s"],
@@ -192,10 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     distributed.init_distributed()
     start_output_dir(plan, args.overwrite)
     try:
-        with distributed.local_main_first():
-            prepared, data_stats = prepare_dataset(recipe.data, plan.tokenizer)
-        batches = StepBatches(prepared["train"], training.micro_batch_size, plan.accumulation_steps,
-                              dist.get_rank(), plan.world_size, training.seed)
+        batches, data_stats = make_batches(plan)
     except DataError as error:
         return report(error)
     total_steps = training.max_steps or training.epochs * batches.steps_per_epoch
@@ -206,12 +221,18 @@ def main(argv: list[str] | None = None) -> int:
                                       model_parameters=weight_decay_groups(model, training.weight_decay),
                                       lr_scheduler=lr_schedule(training, total_steps))
     checkpoint_dir = plan.output_dir / "checkpoints"
-    start_step = load_latest_checkpoint(engine, checkpoint_dir)["step"] if args.resume else 0
-    if start_step >= total_steps:
-        return report(ConfigError(f"--resume: the checkpoint is at step {start_step}; the recipe ends at "
-                                  f"{total_steps} steps, so there is nothing left to train"))
+    start_step = 0
+    if args.resume:
+        try:
+            start_step, data_state = load_latest_checkpoint(engine, checkpoint_dir)
+            batches.load_state_dict(data_state)
+        except (ConfigError, DataError) as error:
+            return report(error)
+        if start_step >= total_steps:
+            return report(ConfigError(f"--resume: the checkpoint is at step {start_step}; the recipe ends at "
+                                      f"{total_steps} steps, so there is nothing left to train"))
     totals = train(engine, batches, plan, start_step, total_steps)
-    save_checkpoint(engine, checkpoint_dir, total_steps, {"step": total_steps}, recipe.checkpointing.keep_last)
+    save_checkpoint(engine, checkpoint_dir, total_steps, batches.state_dict(), recipe.checkpointing.keep_last)
     export_hf(engine, plan.tokenizer, plan.output_dir / "hf", DTYPES[plan.precision])
     if dist.get_rank() == 0:
         summary = {"recipe": recipe.name, "world_size": plan.world_size, "zero_stage": plan.zero_stage,

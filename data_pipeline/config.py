@@ -2,8 +2,8 @@
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationInfo,
-                      model_validator)
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt,
+                      ValidationInfo, model_validator)
 
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt")
 
@@ -100,7 +100,7 @@ class DataConfig(StrictModel):
     seed: int = 1234  # mixture sampling and the evaluation split
     num_proc: PositiveInt = 1
     streaming: bool = False
-    shuffle_buffer: PositiveInt = 10_000  # streaming only: documents held for shuffling
+    shuffle_buffer: NonNegativeInt = 10_000  # streaming only: documents held for shuffling (0: read in order)
     cache_dir: LocalPath = Field("~/.cache/deepspeed-recipes/data", validate_default=True)
 
     @model_validator(mode="after")
@@ -110,10 +110,10 @@ class DataConfig(StrictModel):
                              "prepare` wrote), not both")
         if self.streaming:
             unsupported = [name for name, on in (("packing other than concat", self.packing != "concat"),
-                                                 ("dedup.near", self.dedup.near), ("eval", self.eval.fraction
-                                                                                   or self.eval.sources),
-                                                 ("prepared", self.prepared)) if on]
+                                                 ("dedup.exact", self.dedup.exact), ("dedup.near", self.dedup.near),
+                                                 ("eval", self.eval.fraction or self.eval.sources)) if on]
             if unsupported:
-                raise ValueError(f"data.streaming does not support {', '.join(unsupported)}: it sees each document "
-                                 f"once, in order, without the whole data set")
+                raise ValueError(f"data.streaming does not support {', '.join(unsupported)}: a stream sees each "
+                                 f"document once, never the whole data set (deduplicate offline with `python -m "
+                                 f"data_pipeline dedup`; set dedup.exact=false)")
         return self

@@ -45,6 +45,15 @@ class StepBatches:
         rows = rows.reshape(self.accumulation_steps, self.dp_size, self.micro_batch_size)[:, self.dp_rank]
         return [self.fetch(np.sort(micro)) for micro in rows]
 
+    def state_dict(self) -> dict:
+        """The position is the step; this is what the step means, checked when resuming."""
+        return {"rows": len(self.rows), "global_batch_size": self.global_batch_size, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state != self.state_dict():
+            raise DataError(f"the checkpoint's data position was taken over {state}, this run has "
+                            f"{self.state_dict()}: resume with the same prepared data, global batch size and seed")
+
     def fetch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
         """input_ids, labels and position_ids for the model, and each row's `length` in real tokens."""
         batch = self.rows[indices]

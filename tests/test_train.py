@@ -116,10 +116,13 @@ def test_the_launcher_passes_on_exit_code_2(tmp_path):
     assert "unknown recipe 'tiny_lama'" in result.stderr + result.stdout
 
 
-def test_resume_continues_the_uninterrupted_loss_curve(tmp_path, data_cache):
+@pytest.mark.parametrize("data", [[], ["data.streaming=true", "data.shuffle_buffer=0", "data.dedup.exact=false"]],
+                         ids=["prepared", "streaming"])
+def test_resume_continues_the_uninterrupted_loss_curve(tmp_path, data_cache, data):
     """3 steps, then --resume to 6, gives the losses of 6 steps in one go (fp32, constant lr so that the
     shorter first run has the same schedule). Kill-safety and its own tests come with checkpointing work."""
-    common = [SMALL_MODEL, data_cache, "training.schedule=constant", "training.warmup_steps=0", "logging.every_steps=1"]
+    common = [SMALL_MODEL, data_cache, "training.schedule=constant", "training.warmup_steps=0", "logging.every_steps=1",
+              *data]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     assert run_train(["--recipe", "tiny_llama", "--output-dir", str(whole), "training.max_steps=6", *common]).returncode == 0
     assert run_train(["--recipe", "tiny_llama", "--output-dir", str(parts), "training.max_steps=3", *common]).returncode == 0

@@ -19,22 +19,33 @@ def checkpoint_tags(checkpoint_dir: Path) -> list[str]:
     return sorted(tags, key=lambda tag: int(TAG.fullmatch(tag).group(1)))
 
 
-def save_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, step: int, client_state: dict,
+def data_state_file(checkpoint_dir: Path, tag: str) -> Path:
+    return checkpoint_dir / tag / f"data_state_rank{dist.get_rank()}.pt"
+
+
+def save_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, step: int, data_state: dict,
                     keep_last: int | None) -> None:
-    """`checkpoints/global_step{N}/` plus DeepSpeed's `latest` file and zero_to_fp32.py script."""
-    engine.save_checkpoint(str(checkpoint_dir), tag=f"global_step{step}", client_state=client_state)
+    """`checkpoints/global_step{N}/` plus DeepSpeed's `latest` file and zero_to_fp32.py script. Each rank's
+    data position goes in a file of its own (a streaming rank reads its own shard), written before
+    DeepSpeed writes `latest`."""
+    tag = f"global_step{step}"
+    data_state_file(checkpoint_dir, tag).parent.mkdir(parents=True, exist_ok=True)
+    torch.save(data_state, data_state_file(checkpoint_dir, tag))
+    engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state={"step": step})
     if keep_last and dist.get_rank() == 0:
         for tag in checkpoint_tags(checkpoint_dir)[:-keep_last]:
             shutil.rmtree(checkpoint_dir / tag)
     dist.barrier()
 
 
-def load_latest_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path) -> dict:
-    """Restore weights, optimizer and scheduler from the tag named in `latest`; returns the client state."""
+def load_latest_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path) -> tuple[int, dict]:
+    """Restore weights, optimizer and scheduler from the tag named in `latest`; returns its step and this
+    rank's data position."""
     path, client_state = engine.load_checkpoint(str(checkpoint_dir))
     if path is None:
         raise ConfigError(f"--resume: no checkpoint could be loaded from {checkpoint_dir}")
-    return client_state
+    tag = (checkpoint_dir / "latest").read_text().strip()
+    return client_state["step"], torch.load(data_state_file(checkpoint_dir, tag), weights_only=False)
 
 
 def export_hf(engine: DeepSpeedEngine, tokenizer: PreTrainedTokenizerBase, out_dir: Path, dtype: torch.dtype) -> None:

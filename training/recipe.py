@@ -109,9 +109,11 @@ class Recipe(StrictModel):
         return self._path
 
     @model_validator(mode="after")
-    def tokenizer_source(self) -> "Recipe":
+    def consistent(self) -> "Recipe":
         if self.tokenizer.name_or_path is None and self.model.name_or_path is None:
             raise ValueError("tokenizer.name_or_path is needed when the model is built from model.config")
+        if self.data.streaming and self.training.max_steps is None:
+            raise ValueError("data.streaming needs training.max_steps: the length of a stream is not known ahead")
         return self
 
     @property

@@ -1,0 +1,121 @@
+"""The data stage on its own.
+
+    python -m data_pipeline prepare --recipe NAME_OR_DIR --output DIR [key.path=value ...]
+    python -m data_pipeline dedup IN.jsonl OUT.jsonl [--text-field text] [--threshold 0.8] [--no-near]
+
+`prepare` writes the recipe's training-ready splits (`datasets.save_to_disk` layout) and DIR/stats.json;
+point a recipe at it with `data.prepared=DIR` (what multi-node runs should do). `dedup` keeps the first
+of each group of exact or near duplicates of a JSONL file, in input order, lines copied unchanged.
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import datasets
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from data_pipeline import DataError
+from data_pipeline.config import DedupConfig
+from data_pipeline.dedup import NearDuplicates, repeated_mask, text_hashes
+from data_pipeline.prepare import build_dataset, minhash_signatures, save_prepared
+
+
+def print_counts(title: str, counts: dict) -> None:
+    table = Table(title=title, show_header=False, title_justify="left")
+    for name, value in counts.items():
+        if isinstance(value, (int, float, str)):
+            table.add_row(name, f"{value:,}" if isinstance(value, int) else f"{value:.4f}" if isinstance(value, float)
+                          else value)
+    Console(width=120).print(table)
+
+
+def prepare(args: argparse.Namespace) -> None:
+    from transformers import AutoTokenizer
+
+    from training.recipe import load_recipe
+    recipe = load_recipe(args.recipe, args.overrides)
+    if args.output.exists():
+        raise DataError(f"{args.output} already exists; choose another --output or remove it")
+    if recipe.data.prepared or recipe.data.streaming:
+        raise DataError("the recipe's data is already prepared (data.prepared) or streamed (data.streaming)")
+    prepared, stats = build_dataset(recipe.data, AutoTokenizer.from_pretrained(recipe.tokenizer_path))
+    save_prepared(prepared, stats, args.output)
+    print_counts(f"{recipe.name}: prepared data in {args.output}", stats)
+    if "eval" in stats:
+        print_counts("evaluation split", stats["eval"])
+    for source in stats["sources"]:
+        print_counts(f"source {source['name']}", source)
+
+
+def read_jsonl(path: Path, text_field: str) -> tuple[list[str], list[str]]:
+    lines, texts = [], []
+    with path.open(encoding="utf-8") as file:
+        for number, line in enumerate(file, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise DataError(f"{path}:{number}: not valid JSON ({error.msg} at column {error.colno})") from None
+            if text_field not in record:
+                raise DataError(f"{path}:{number}: no field '{text_field}' (fields present: {', '.join(record)}); "
+                                f"pass --text-field")
+            lines.append(line if line.endswith("\n") else line + "\n")
+            texts.append(str(record[text_field] or ""))
+    return lines, texts
+
+
+def dedup(args: argparse.Namespace) -> None:
+    lines, texts = read_jsonl(args.input, args.text_field)
+    config = DedupConfig(near=not args.no_near, threshold=args.threshold, num_perm=args.num_perm,
+                         shingle=args.shingle, ngram=args.ngram)
+    exact = repeated_mask(text_hashes(texts))
+    near = np.zeros(len(texts), dtype=bool)
+    if config.near:
+        unique = np.flatnonzero(~exact)
+        documents = datasets.Dataset.from_dict({"text": [texts[i] for i in unique]})
+        signatures = minhash_signatures(documents, config, args.num_proc)
+        near[unique[NearDuplicates(config.threshold, config.num_perm).duplicate_mask(signatures)]] = True
+    kept = ~(exact | near)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text("".join(line for line, keep in zip(lines, kept) if keep), encoding="utf-8")
+    print_counts(f"{args.input} -> {args.output}", {
+        "documents_in": len(texts), "exact_duplicates_removed": int(exact.sum()),
+        "near_duplicates_removed": int(near.sum()), "documents_out": int(kept.sum())})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m data_pipeline", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    prepare_parser = commands.add_parser("prepare", help="prepare a recipe's data")
+    prepare_parser.add_argument("--recipe", required=True)
+    prepare_parser.add_argument("--output", type=Path, required=True)
+    prepare_parser.add_argument("overrides", nargs="*", metavar="key.path=value")
+    dedup_parser = commands.add_parser("dedup", help="remove exact and near duplicates from a JSONL file")
+    dedup_parser.add_argument("input", type=Path)
+    dedup_parser.add_argument("output", type=Path)
+    dedup_parser.add_argument("--text-field", default="text")
+    dedup_parser.add_argument("--threshold", type=float, default=DedupConfig().threshold)
+    dedup_parser.add_argument("--no-near", action="store_true", help="exact duplicates only")
+    dedup_parser.add_argument("--num-perm", type=int, default=DedupConfig().num_perm)
+    dedup_parser.add_argument("--shingle", choices=["word", "char"], default=DedupConfig().shingle)
+    dedup_parser.add_argument("--ngram", type=int, default=DedupConfig().ngram)
+    dedup_parser.add_argument("--num-proc", type=int, default=1)
+    args = parser.parse_args(argv)
+    from pydantic import ValidationError
+
+    from training.errors import ConfigError
+    try:
+        prepare(args) if args.command == "prepare" else dedup(args)
+    except (ConfigError, DataError, FileNotFoundError, ValidationError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

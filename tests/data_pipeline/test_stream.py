@@ -1,0 +1,86 @@
+import json
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+from transformers import AutoTokenizer
+
+from data_pipeline.config import DataConfig
+from data_pipeline.pack import pack_concat
+from data_pipeline.stream import StreamingBatches, split_lengths
+from training.errors import ConfigError
+from training.recipe import RECIPES_DIR, load_recipe
+
+CORPUS = RECIPES_DIR / "tiny_llama" / "corpus.jsonl"
+TOKENIZER = AutoTokenizer.from_pretrained(RECIPES_DIR / "tiny_llama" / "tokenizer")
+
+
+def streaming_config(**data) -> DataConfig:
+    return DataConfig(**{"sources": [{"path": str(CORPUS)}], "seq_len": 64, "streaming": True, "shuffle_buffer": 0,
+                         "dedup": {"exact": False}, **data})
+
+
+def rows_of(batches: StreamingBatches, steps: range) -> dict[str, np.ndarray]:
+    micro = [m for step in steps for m in batches.micro_batches(step)]
+    return {name: np.concatenate([m[name].numpy() for m in micro]) for name in micro[0]}
+
+
+def test_split_lengths():
+    head, tail = split_lengths(np.array([3, 5, 2]), 6)
+    assert head.tolist() == [3, 3] and tail.tolist() == [2, 2]
+    head, tail = split_lengths(np.array([3, 5]), 8)
+    assert head.tolist() == [3, 5] and tail.tolist() == []
+
+
+def test_in_order_stream_gives_the_rows_of_concat_packing():
+    texts = [json.loads(line)["text"] for line in CORPUS.open()][:60]
+    documents = [ids + [TOKENIZER.eos_token_id] for ids in TOKENIZER(texts).input_ids]
+    expected = pack_concat(np.concatenate(documents), np.array([len(d) for d in documents]), 64)
+    rows = rows_of(StreamingBatches(streaming_config(), TOKENIZER, 4, 2, 0, 1, seed=0), range(3))
+    for name in ("input_ids", "labels", "position_ids", "length"):
+        np.testing.assert_array_equal(rows[name], expected[name][:24])
+
+
+def test_resume_continues_exactly_where_the_stream_stopped():
+    batches = StreamingBatches(streaming_config(), TOKENIZER, 4, 2, 0, 1, seed=0)
+    rows_of(batches, range(5))
+    state = batches.state_dict()
+    expected = rows_of(batches, range(5, 8))
+    resumed = StreamingBatches(streaming_config(), TOKENIZER, 4, 2, 0, 1, seed=0)
+    resumed.load_state_dict(state)
+    for name, array in rows_of(resumed, range(5, 8)).items():
+        np.testing.assert_array_equal(array, expected[name])
+
+
+def test_ranks_read_different_documents():
+    first, second = (rows_of(StreamingBatches(streaming_config(), TOKENIZER, 2, 1, rank, 2, seed=0), range(2))
+                     for rank in range(2))
+    assert not np.array_equal(first["input_ids"], second["input_ids"])
+
+
+def test_the_stream_starts_a_new_epoch_when_it_runs_out():
+    batches = StreamingBatches(streaming_config(seq_len=1024), TOKENIZER, 8, 4, 0, 1, seed=0)
+    rows_of(batches, range(12))  # 12 x 32 rows x 1024 tokens > the 306k-token corpus
+    assert batches.epoch == 1
+
+
+def test_shuffled_streams_depend_on_the_seed():
+    a, b = (rows_of(StreamingBatches(streaming_config(shuffle_buffer=100), TOKENIZER, 2, 1, 0, 1, seed=s), range(1))
+            for s in (1, 2))
+    assert not np.array_equal(a["input_ids"], b["input_ids"])
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"dedup": {"exact": True}}, "data.streaming does not support dedup.exact"),
+    ({"packing": "bfd"}, "does not support packing other than concat"),
+    ({"eval": {"fraction": 0.1}}, "does not support eval"),
+])
+def test_what_streaming_cannot_do_is_refused(data, message):
+    with pytest.raises(ValidationError, match=message):
+        streaming_config(**data)
+
+
+def test_streaming_needs_max_steps():
+    with pytest.raises(ConfigError, match="data.streaming needs training.max_steps"):
+        load_recipe("tiny_llama", ["data.streaming=true", "data.dedup.exact=false", "training.max_steps=null",
+                                   "training.epochs=1"])
