@@ -49,8 +49,10 @@ def mix64(x: np.ndarray) -> np.ndarray:
 
 
 def index_in_segment(lengths: np.ndarray) -> np.ndarray:
-    starts = np.cumsum(lengths) - lengths
-    return np.arange(int(lengths.sum())) - np.repeat(starts, lengths)
+    total = int(lengths.sum())
+    dtype = np.int32 if total < 2**31 else np.int64  # per-byte arrays are the big ones: half the memory to touch
+    starts = (np.cumsum(lengths) - lengths).astype(dtype)
+    return np.arange(total, dtype=dtype) - np.repeat(starts, lengths)
 
 
 def segment_hashes(units: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -116,7 +118,7 @@ class MinHasher:
         encoded = [normalize(t).encode() for t in texts]
         data = np.frombuffer(b" ".join(encoded), dtype=np.uint8)
         doc_bytes = np.fromiter((len(e) for e in encoded), dtype=np.int64, count=len(encoded))
-        doc_of_byte = np.repeat(np.arange(len(texts)), doc_bytes + 1)[:len(data)]
+        doc_of_byte = np.repeat(np.arange(len(texts), dtype=np.int32), doc_bytes + 1)[:len(data)]
         if self.shingle == "word":
             units, doc_of_unit = word_units(data, doc_of_byte)
         else:
@@ -125,8 +127,19 @@ class MinHasher:
         hashes, counts = shingles(units, doc_of_unit, len(texts), self.ngram)
         return (hashes >> np.uint64(32)).astype(np.uint32), counts
 
-    def signatures(self, texts: list[str], max_cells: int = 1 << 22) -> np.ndarray:
-        """(documents, num_perm) uint32 signatures, in chunks of whole documents of about `max_cells` values."""
+    def signatures(self, texts: list[str], chunk_chars: int = 1 << 20) -> np.ndarray:
+        """(documents, num_perm) uint32 signatures. Documents go through in chunks of about `chunk_chars`
+        characters, so that the per-byte arrays stay in cache and their memory is reused: touching fresh
+        memory for whole-batch arrays cost more than the hashing on the development machine."""
+        chars = np.cumsum([len(t) for t in texts])
+        bounds = np.unique(np.searchsorted(chars, np.arange(chunk_chars, chars[-1] if len(texts) else 0, chunk_chars)))
+        signatures = np.empty((len(texts), self.num_perm), dtype=np.uint32)
+        for start, stop in zip([0, *(bounds + 1).tolist()], [*(bounds + 1).tolist(), len(texts)]):
+            if start < stop:
+                signatures[start:stop] = self.chunk_signatures(texts[start:stop])
+        return signatures
+
+    def chunk_signatures(self, texts: list[str], max_cells: int = 1 << 22) -> np.ndarray:
         hashes, counts = self.shingle_hashes(texts)
         a, b = self.permutations()
         ends = np.cumsum(counts)

@@ -43,12 +43,15 @@ def tokenize_documents(documents: datasets.Dataset, tokenizer: PreTrainedTokeniz
 
 def token_stream(tokenized: datasets.Dataset, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The documents' tokens and labels laid end to end, and each document's length, without Python
-    loops; `rows` picks (and may repeat) documents."""
+    loops; `rows` picks (and may repeat) documents. Without a `labels` column, every token is a label."""
     table = tokenized.data.table if rows is None else tokenized.data.table.take(pa.array(rows))
-    ids, labels = (table.column(name).combine_chunks() for name in ("input_ids", "labels"))
+    ids = table.column("input_ids").combine_chunks()
     if isinstance(ids, pa.ChunkedArray):  # an empty table stays chunked
-        ids = labels = pa.array([], type=pa.list_(pa.int32()))
+        ids = pa.array([], type=pa.list_(pa.int32()))
     tokens, lengths = ids.flatten().to_numpy(), ids.value_lengths().to_numpy()
+    if "labels" not in table.column_names:
+        return tokens, tokens, lengths
+    labels = table.column("labels").combine_chunks()
     has_labels = labels.value_lengths().to_numpy() > 0  # chat documents; text documents learn every token
     if not has_labels.any():
         return tokens, tokens, lengths

@@ -11,6 +11,7 @@ Tolerances, on losses near 8 over 10 steps:
 - Activation checkpointing recomputes the same forward pass: 1e-4 in fp32, under ZeRO-3.
 """
 import json
+from pathlib import Path
 
 import pytest
 
@@ -34,6 +35,7 @@ def max_difference(a: list[float], b: list[float]) -> float:
 @pytest.fixture(scope="module")
 def curves(tmp_path_factory, data_cache) -> dict:
     """Loss curves keyed by (precision, ds_config, ranks)."""
+    shared_memory_before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
     results = {}
     for precision, run_name, ranks in RUNS:
         ds_config, _, checkpointing = run_name.partition("+")
@@ -47,6 +49,7 @@ def curves(tmp_path_factory, data_cache) -> dict:
         assert (summary["world_size"], summary["precision"]) == (ranks, precision)
         assert f"zero{summary['zero_stage']}" == ds_config.removesuffix("_offload")
         results[precision, run_name, ranks] = loss_curve(out)
+    results["shared memory left"] = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) - shared_memory_before
     return results
 
 
@@ -77,6 +80,11 @@ def test_fp32_agrees_more_tightly_than_bf16(curves):
     spread = {p: max(max_difference(curves[p, "zero0", 2], curves[p, f"zero{s}", 2]) for s in range(1, 4))
               for p in ("fp32", "bf16")}
     assert spread["fp32"] < spread["bf16"]
+
+
+def test_runs_leave_no_shared_memory_behind(curves):
+    """DeepSpeed's CPU all-reduce buffers (66 MB per rank) are released when the runs end."""
+    assert curves["shared memory left"] == set()
 
 
 def test_one_rank_sees_the_same_global_batches_as_two(curves):
