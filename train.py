@@ -9,8 +9,11 @@ The story: validate the recipe and DeepSpeed config (exit 2 on bad input) -> pre
 import argparse
 import json
 import logging
+import math
 import shutil
+import signal
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -19,18 +22,17 @@ import deepspeed
 import torch
 import torch.distributed as dist
 import yaml
-from transformers import AutoTokenizer
-
 from data_pipeline import DataError
-from data_pipeline.loader import StepBatches
+from data_pipeline.loader import EvalBatches, StepBatches
 from data_pipeline.prepare import prepare_dataset
 from data_pipeline.stream import StreamingBatches
 from training import distributed
-from training.checkpoint import export_hf, load_latest_checkpoint, save_checkpoint
-from training.ds_config import accumulation_steps, load_ds_config, resolve_ds_config
+from training.checkpoint import (check_resume, export_hf, load_checkpoint, read_run_state, remove_unfinished_tags,
+                                 save_checkpoint)
+from training.ds_config import accumulation_steps, load_ds_config, resolve_ds_config, zero_stage
 from training.errors import ConfigError
 from training.metrics import MetricsLogger, peak_memory_bytes, print_summary
-from training.model import build_model, check_recipe_against_model, load_model_config
+from training.model import build_model, check_checkpoint_folder, check_recipe_against_model, load_model_config, load_tokenizer
 from training.optimizer import lr_schedule, weight_decay_groups
 from training.plan import RunPlan, print_plan
 from training.precision import resolve_precision
@@ -39,6 +41,7 @@ from training.recipe import load_recipe
 OUTPUT_ROOT = Path("outputs")
 RUN_FILES = ("metrics.jsonl", "summary.json", "resolved_recipe.yaml", "ds_config.json", "checkpoints", "hf", "tensorboard")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+stop_requested = threading.Event()  # set by SIGTERM: the run saves a checkpoint at the end of the step and exits
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -51,7 +54,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier run in the output dir")
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # set by the launcher
     parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="e.g. training.max_steps=20")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # overrides may come before or after the options
 
 
 def holds_run(path: Path) -> bool:
@@ -77,8 +80,10 @@ def check_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
 def make_plan(args: argparse.Namespace) -> RunPlan:
     """Every check that needs no model, data or process group: bad input fails here, fast."""
     recipe = load_recipe(args.recipe, args.overrides)
+    if recipe.model.name_or_path:
+        check_checkpoint_folder(recipe.model.name_or_path)
     model_config = load_model_config(recipe.model)
-    tokenizer = AutoTokenizer.from_pretrained(recipe.tokenizer_path)
+    tokenizer = load_tokenizer(recipe.tokenizer_path, recipe.model.trust_remote_code)
     check_recipe_against_model(recipe, model_config, len(tokenizer))
     raw_ds_config, ds_config_path = load_ds_config(recipe)
     precision = resolve_precision(recipe.precision, raw_ds_config)
@@ -87,6 +92,9 @@ def make_plan(args: argparse.Namespace) -> RunPlan:
     output_dir = args.output_dir or default_output_dir(recipe.name, args.resume)
     if not args.dry_run:
         check_output_dir(output_dir, args.resume, args.overwrite)
+    if args.resume:
+        check_resume(read_run_state(output_dir / "checkpoints"), output_dir / "checkpoints", world_size,
+                     zero_stage(ds_config), precision)
     return RunPlan(recipe, model_config, tokenizer, precision, ds_config, ds_config_path, world_size,
                    accumulation_steps(recipe.training, world_size), output_dir)
 
@@ -105,20 +113,23 @@ def start_output_dir(plan: RunPlan, overwrite: bool) -> None:
     dist.barrier()
 
 
-def make_batches(plan: RunPlan) -> tuple[StepBatches | StreamingBatches, dict]:
-    """Prepared rows (local rank 0 prepares and caches them while the other ranks wait), or a stream."""
+def make_batches(plan: RunPlan) -> tuple[StepBatches | StreamingBatches, EvalBatches | None, dict]:
+    """Training batches from prepared rows (local rank 0 prepares and caches them while the other ranks
+    wait) or from a stream, and evaluation batches when the data has an eval split."""
     data, training, rank = plan.recipe.data, plan.recipe.training, dist.get_rank()
     if data.streaming:
         return StreamingBatches(data, plan.tokenizer, training.micro_batch_size, plan.accumulation_steps, rank,
-                                plan.world_size, training.seed), {"streaming": True}
+                                plan.world_size, training.seed), None, {"streaming": True}
     with distributed.local_main_first():
         prepared, stats = prepare_dataset(data, plan.tokenizer)
     row_length = len(prepared["train"][0]["input_ids"])
     if row_length != data.seq_len:
         raise DataError(f"data.prepared={data.prepared} holds rows of {row_length} tokens, but data.seq_len is "
                         f"{data.seq_len}; prepare again with this seq_len or set data.seq_len={row_length}")
+    evaluation = EvalBatches(prepared["eval"], training.micro_batch_size, rank, plan.world_size,
+                             training.eval_max_rows) if "eval" in prepared else None
     return StepBatches(prepared["train"], training.micro_batch_size, plan.accumulation_steps, rank,
-                       plan.world_size, training.seed), stats
+                       plan.world_size, training.seed), evaluation, stats
 
 
 def grad_norm_before_step(engine: deepspeed.DeepSpeedEngine) -> torch.Tensor | None:
@@ -132,61 +143,97 @@ def grad_norm_before_step(engine: deepspeed.DeepSpeedEngine) -> torch.Tensor | N
 
 
 def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict],
-               dp_size: int) -> tuple[torch.Tensor, torch.Tensor | float, torch.Tensor]:
+               dp_size: int) -> tuple[torch.Tensor, torch.Tensor | float, int, bool]:
     """One optimizer step. Returns this rank's share of the step's loss (the shares of all ranks sum to the
-    mean over every target token of the global batch), the gradient norm before clipping, and the real
-    (non-padding) tokens of the global batch.
+    mean over every target token of the global batch), the gradient norm before clipping, the real
+    (non-padding) tokens of the global batch, and whether any rank has been asked to stop.
 
     Each micro-batch's loss is its summed token loss divided by (global target count / (micro-batches
     x ranks)): DeepSpeed's averaging over accumulation steps and ranks then yields exactly the global
-    token mean, not a mean of micro-batch means. Nothing here waits for the device to finish."""
-    counts = torch.stack([sum((batch["labels"][:, 1:] != -100).sum() for batch in micro_batches),
-                          sum(batch["length"].sum() for batch in micro_batches)]).to(engine.device)
-    targets, tokens = distributed.all_reduce(counts.float())
-    targets_per_micro_batch = targets / (len(micro_batches) * dp_size)
+    token mean, not a mean of micro-batch means. The counts are reduced on the host, in the same
+    collective as the stop flag; nothing here waits for the device to finish."""
+    targets, tokens, stops = distributed.all_reduce_on_host([
+        sum(int((batch["labels"][:, 1:] != -100).sum()) for batch in micro_batches),
+        sum(int(batch["length"].sum()) for batch in micro_batches), float(stop_requested.is_set())])
+    targets_per_micro_batch = targets / (len(micro_batches) * dp_size)  # a float: no copy to the device
     loss_sum, grad_norm = torch.zeros((), device=engine.device), None
     for batch in micro_batches:
-        inputs = {name: batch[name].to(engine.device, non_blocking=True) for name in ("input_ids", "labels", "position_ids")}
-        loss = engine(**inputs, num_items_in_batch=targets_per_micro_batch).loss
+        loss = engine(**model_inputs(batch, engine.device), num_items_in_batch=targets_per_micro_batch).loss
         engine.backward(loss)
         if engine.is_gradient_accumulation_boundary():
             grad_norm = grad_norm_before_step(engine)
         engine.step()
         loss_sum += loss.detach()
     grad_norm = engine.get_global_grad_norm() if grad_norm is None else grad_norm
-    return loss_sum / (len(micro_batches) * dp_size), grad_norm, tokens
+    return loss_sum / (len(micro_batches) * dp_size), grad_norm, int(tokens), stops > 0
 
 
-def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, plan: RunPlan, start_step: int,
-          total_steps: int) -> dict:
-    """The loop: batch, forward/backward/step, log every N steps, checkpoint every M. Returns run totals."""
-    recipe = plan.recipe
+def model_inputs(batch: dict, device: torch.device) -> dict:
+    return {name: batch[name].to(device, non_blocking=True) for name in ("input_ids", "labels", "position_ids")}
+
+
+def evaluate(engine: deepspeed.DeepSpeedEngine, batches: EvalBatches) -> dict:
+    """Mean token loss over the evaluation rows (every rank its share) and its perplexity."""
+    engine.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=engine.device)
+    with torch.no_grad():
+        for batch in batches:
+            summed = engine(**model_inputs(batch, engine.device), num_items_in_batch=1).loss  # summed token loss
+            totals += torch.stack([summed.double(), (batch["labels"][:, 1:] != -100).sum().to(engine.device)])
+    engine.train()
+    loss_sum, targets = distributed.all_reduce(totals).tolist()
+    loss = loss_sum / targets
+    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0))}
+
+
+def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: EvalBatches | None, plan: RunPlan,
+          start: dict, total_steps: int) -> dict:
+    """The loop: batch, forward/backward/step, log every N steps, evaluate every E, checkpoint every M, and
+    on SIGTERM checkpoint and stop. Returns run totals."""
+    recipe, start_step = plan.recipe, start["step"]
     logger = MetricsLogger(plan.output_dir, total_steps, start_step, recipe.logging.tensorboard, dist.get_rank() == 0)
-    records, timed_tokens, timed_seconds = [], 0, 0.0
+    records, timed_tokens, timed_seconds, tokens_seen = [], 0, 0.0, start["tokens_seen"]
     interval_start, interval_tokens = time.perf_counter(), 0
+    step = start_step
     for step in range(start_step + 1, total_steps + 1):
         lr = engine.get_lr()[0]
-        loss_share, grad_norm, tokens = train_step(engine, batches.micro_batches(step - 1), plan.world_size)
+        loss_share, grad_norm, tokens, stop = train_step(engine, batches.micro_batches(step - 1), plan.world_size)
         interval_tokens += tokens
+        tokens_seen += tokens
         logger.advance()
-        if step == start_step + 1 or step % recipe.logging.every_steps == 0 or step == total_steps:
+        evaluate_now = evaluation is not None and (step == total_steps or (
+            recipe.training.eval_every_steps and step % recipe.training.eval_every_steps == 0))
+        if (step == start_step + 1 or step % recipe.logging.every_steps == 0 or step == total_steps or stop
+                or evaluate_now):
             now = time.perf_counter()
             peak = distributed.all_reduce(torch.tensor(peak_memory_bytes(), device=engine.device), dist.ReduceOp.MAX)
             loss = distributed.all_reduce(loss_share).item()
-            interval_tokens = float(interval_tokens)
             records.append({"step": step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
                             "tokens_per_s": interval_tokens / (now - interval_start), "peak_mem_bytes": int(peak.item())})
-            logger.log(records[-1])
             if step > start_step + 1:  # the first step pays for warm-up and is left out of the mean
                 timed_tokens, timed_seconds = timed_tokens + interval_tokens, timed_seconds + now - interval_start
-            interval_start, interval_tokens = now, 0
-        if recipe.checkpointing.every_steps and step % recipe.checkpointing.every_steps == 0 and step < total_steps:
-            save_checkpoint(engine, plan.output_dir / "checkpoints", step, batches.state_dict(),
-                            recipe.checkpointing.keep_last)
+            if evaluate_now:
+                records[-1].update(evaluate(engine, evaluation))
+            logger.log(records[-1])
+            interval_start, interval_tokens = time.perf_counter(), 0
+        every = recipe.checkpointing.every_steps
+        if stop or (every and step % every == 0) or step == total_steps:
+            save_checkpoint(engine, plan.output_dir / "checkpoints", run_state(plan, step, tokens_seen),
+                            batches.state_dict(), (engine.module.config, plan.tokenizer), recipe.checkpointing.keep_last)
+        if stop:
+            break
     logger.close()
-    return {"first_loss": records[0]["loss"], "final_loss": records[-1]["loss"],
+    return {"last_step": step, "tokens_seen": tokens_seen, "first_loss": records[0]["loss"],
+            "final_loss": records[-1]["loss"],
             "mean_tokens_per_s": timed_tokens / timed_seconds if timed_seconds else records[0]["tokens_per_s"],
-            "peak_mem_bytes": max(r["peak_mem_bytes"] for r in records)}
+            "peak_mem_bytes": max(r["peak_mem_bytes"] for r in records),
+            **{key: records[-1][key] for key in ("eval_loss", "eval_perplexity") if key in records[-1]}}
+
+
+def run_state(plan: RunPlan, step: int, tokens_seen: int) -> dict:
+    """What a checkpoint records besides DeepSpeed's states: where the run is, and what wrote it."""
+    return {"step": step, "tokens_seen": tokens_seen, "recipe": plan.recipe.name, "world_size": plan.world_size,
+            "zero_stage": plan.zero_stage, "precision": plan.precision}
 
 
 def report(error: Exception) -> int:
@@ -208,36 +255,42 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     recipe, training = plan.recipe, plan.recipe.training
     distributed.init_distributed()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop_requested.set())
     start_output_dir(plan, args.overwrite)
     try:
-        batches, data_stats = make_batches(plan)
+        batches, evaluation, data_stats = make_batches(plan)
     except DataError as error:
         return report(error)
     total_steps = training.max_steps or training.epochs * batches.steps_per_epoch
 
     run_start = time.perf_counter()
-    model = build_model(recipe, plan.model_config)
+    model = build_model(recipe, plan.model_config, plan.ds_config, plan.precision)
     engine, *_ = deepspeed.initialize(model=model, config=plan.ds_config,
                                       model_parameters=weight_decay_groups(model, training.weight_decay),
                                       lr_scheduler=lr_schedule(training, total_steps))
     checkpoint_dir = plan.output_dir / "checkpoints"
-    start_step = 0
+    start = {"step": 0, "tokens_seen": 0}
     if args.resume:
+        remove_unfinished_tags(checkpoint_dir)
         try:
-            start_step, data_state = load_latest_checkpoint(engine, checkpoint_dir)
+            start, data_state = load_checkpoint(engine, checkpoint_dir)
             batches.load_state_dict(data_state)
         except (ConfigError, DataError) as error:
             return report(error)
-        if start_step >= total_steps:
-            return report(ConfigError(f"--resume: the checkpoint is at step {start_step}; the recipe ends at "
+        if start["step"] >= total_steps:
+            return report(ConfigError(f"--resume: the checkpoint is at step {start['step']}; the recipe ends at "
                                       f"{total_steps} steps, so there is nothing left to train"))
-    totals = train(engine, batches, plan, start_step, total_steps)
-    save_checkpoint(engine, checkpoint_dir, total_steps, batches.state_dict(), recipe.checkpointing.keep_last)
+    totals = train(engine, batches, evaluation, plan, start, total_steps)
+    if totals["last_step"] < total_steps:
+        if dist.get_rank() == 0:
+            print(f"stopped by SIGTERM after step {totals['last_step']} of {total_steps}; the checkpoint is saved: "
+                  f"continue with --resume --output-dir {plan.output_dir}", file=sys.stderr)
+        return 0
     export_hf(engine, plan.tokenizer, plan.output_dir / "hf", DTYPES[plan.precision])
     if dist.get_rank() == 0:
         summary = {"recipe": recipe.name, "world_size": plan.world_size, "zero_stage": plan.zero_stage,
                    "precision": plan.precision, "activation_checkpointing": recipe.activation_checkpointing,
-                   "steps": total_steps, "start_step": start_step, **totals,
+                   "steps": total_steps, "start_step": start["step"], **totals,
                    "wall_time_s": time.perf_counter() - run_start, "output_dir": str(plan.output_dir),
                    "data": data_stats, "ds_config": plan.ds_config}
         (plan.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -1,4 +1,6 @@
 """Deterministic global batches over packed rows, sharded across data-parallel ranks."""
+from collections.abc import Iterator
+
 import datasets
 import numpy as np
 import torch
@@ -58,3 +60,29 @@ class StepBatches:
         """input_ids, labels and position_ids for the model, and each row's `length` in real tokens."""
         batch = self.rows[indices]
         return {name: torch.from_numpy(batch[name].astype(np.int64)) for name in ROW_COLUMNS}
+
+
+class EvalBatches:
+    """The evaluation rows in a fixed order, split across data-parallel ranks: micro-batch b of rank r
+    holds rows [(b * ranks + r) * micro, ... + micro). Every rank runs the same number of micro-batches
+    (under ZeRO-3 each forward pass gathers weights from all ranks); rows past the end are filled with
+    copies of the last row whose labels are all -100, which adds nothing to the loss or the target count."""
+
+    def __init__(self, rows: datasets.Dataset, micro_batch_size: int, dp_rank: int, dp_size: int,
+                 max_rows: int | None = None):
+        self.rows = rows.with_format("numpy")
+        self.count = min(len(rows), max_rows or len(rows))
+        self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
+
+    def __len__(self) -> int:
+        """Micro-batches per rank."""
+        return -(-self.count // (self.micro_batch_size * self.dp_size))
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        for b in range(len(self)):
+            first = (b * self.dp_size + self.dp_rank) * self.micro_batch_size
+            indices = np.arange(first, first + self.micro_batch_size)
+            batch = self.rows[np.minimum(indices, self.count - 1)]
+            batch = {name: torch.from_numpy(batch[name].astype(np.int64)) for name in ROW_COLUMNS}
+            batch["labels"][indices >= self.count] = -100
+            yield batch

@@ -15,15 +15,22 @@ SMALL_MODEL = ("model.config_overrides={num_hidden_layers: 2, hidden_size: 64, i
                "num_attention_heads: 4, num_key_value_heads: 2, head_dim: 16}")
 
 
-def run_train(args: list[str], ranks: int | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    """train.py as users run it: through the `deepspeed` launcher with `ranks` ranks, or plain `python train.py`."""
+def train_command(args: list[str], ranks: int | None = None, script: str = "train.py") -> list[str]:
+    """train.py (or a script that wraps it) as users run it: through the `deepspeed` launcher with `ranks`
+    ranks, or with plain `python` when `ranks` is None."""
     if ranks is None:
-        command = [sys.executable, "train.py"]
-    else:
-        launcher = Path(sys.executable).parent / "deepspeed"
-        command = [str(launcher), "--num_gpus", str(ranks), "--master_port", str(free_port()), "train.py"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return subprocess.run(command + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        return [sys.executable, script, *args]
+    launcher = Path(sys.executable).parent / "deepspeed"
+    return [str(launcher), "--num_gpus", str(ranks), "--master_port", str(free_port()), script, *args]
+
+
+TRAIN_ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+def run_train(args: list[str], ranks: int | None = None, timeout: int = 600,
+              script: str = "train.py") -> subprocess.CompletedProcess:
+    return subprocess.run(train_command(args, ranks, script), cwd=REPO, env=TRAIN_ENV, capture_output=True,
+                          text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="session")

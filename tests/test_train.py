@@ -120,7 +120,7 @@ def test_the_launcher_passes_on_exit_code_2(tmp_path):
                          ids=["prepared", "streaming"])
 def test_resume_continues_the_uninterrupted_loss_curve(tmp_path, data_cache, data):
     """3 steps, then --resume to 6, gives the losses of 6 steps in one go (fp32, constant lr so that the
-    shorter first run has the same schedule). Kill-safety and its own tests come with checkpointing work."""
+    shorter first run has the same schedule). Kills and SIGTERM: tests/test_train_finetune.py."""
     common = [SMALL_MODEL, data_cache, "training.schedule=constant", "training.warmup_steps=0", "logging.every_steps=1",
               *data]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
@@ -166,9 +166,48 @@ def test_loss_is_the_token_mean_of_the_whole_global_batch(monkeypatch):
     ds_config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
-    loss, grad_norm, tokens = train.train_step(engine, micro_batches, dp_size=1)  # one rank: its share is the whole loss
-    assert tokens == 4 * 31
+    loss, grad_norm, tokens, stop = train.train_step(engine, micro_batches, dp_size=1)  # one rank: its share is the whole loss
+    assert tokens == 4 * 31 and not stop
     torch.testing.assert_close(loss, global_mean.detach(), rtol=1e-6, atol=1e-6)
     assert abs(mean_of_means.item() - global_mean.item()) > 0.01  # the two definitions really differ here
     assert float(grad_norm) == pytest.approx(expected_norm.item(), rel=1e-5)
     torch.distributed.destroy_process_group()
+
+
+def save_tiny_checkpoint(path, **config_overrides) -> None:
+    config = LlamaConfig(**{"vocab_size": 4096, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                            "num_attention_heads": 4, "num_key_value_heads": 2, **config_overrides})
+    LlamaForCausalLM(config).save_pretrained(path)
+
+
+@pytest.mark.parametrize("problem, message", [
+    ("no weights", "holds no weights .*model.safetensors"),
+    ("missing folder", "model.name_or_path: no folder .*train or download the checkpoint first"),
+    ("small vocabulary", "the tokenizer .* has 4096 tokens but the model's vocab_size is 1000; use the model's own tokenizer"),
+])
+def test_bad_checkpoint_exits_2_before_anything_is_built(problem, message, no_model_building, capsys, tmp_path):
+    checkpoint = tmp_path / "checkpoint"
+    save_tiny_checkpoint(checkpoint, **({"vocab_size": 1000} if problem == "small vocabulary" else {}))
+    if problem == "no weights":
+        (checkpoint / "model.safetensors").unlink()
+    name = "./not/there" if problem == "missing folder" else str(checkpoint)
+    args = ["--recipe", "tiny_llama", "model.config=null", f"model.name_or_path={name}", "--output-dir", str(tmp_path / "out")]
+    assert train.main(args) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_resume_under_another_world_size_or_stage_is_refused(no_model_building, capsys, tmp_path, monkeypatch):
+    checkpoints = tmp_path / "checkpoints"
+    (checkpoints / "global_step4").mkdir(parents=True)
+    (checkpoints / "global_step4" / "run_state.json").write_text(json.dumps(
+        {"step": 4, "tokens_seen": 100, "world_size": 2, "zero_stage": 2, "precision": "fp32"}))
+    (checkpoints / "latest").write_text("global_step4")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    args = ["--recipe", "tiny_llama", "--output-dir", str(tmp_path), "--resume", "precision=fp32"]
+    assert train.main(args + ["deepspeed.config=zero3"]) == 2
+    error = capsys.readouterr().err
+    assert "written by 2 rank(s) under ZeRO-2 in fp32; this run has 1 rank(s), ZeRO-3, fp32" in error
+    assert "python -m training export" in error
+    (checkpoints / "latest").write_text("global_step9")  # names a save that never finished
+    assert train.main(args + ["deepspeed.config=zero2"]) == 2
+    assert "holds no complete checkpoint" in capsys.readouterr().err

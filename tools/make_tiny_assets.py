@@ -1,4 +1,4 @@
-"""Rebuild the offline assets of the `tiny_llama` recipe: its corpus and its tokenizer.
+"""Rebuild the offline assets of the `tiny_llama` recipes: the corpus, the tokenizer and the chat data.
 
 The corpus is English prose every CPython install carries: the language reference topics
 behind `help()` (pydoc_data.topics) and the docstrings of the standard library. The output
@@ -6,6 +6,10 @@ depends on the Python version, so the files are committed and this script only d
 (and can redo) how they were made:
 
     python tools/make_tiny_assets.py   # writes recipes/tiny_llama/{corpus.jsonl,tokenizer/}
+                                       # and recipes/tiny_llama_sft/chat.jsonl
+
+The chat data is made from the corpus: questions about a documented name or topic, answered with
+its documentation's opening paragraphs, some with a follow-up turn.
 """
 import contextlib
 import importlib
@@ -21,6 +25,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import PreTrainedTokenizerFast
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes" / "tiny_llama"
+SFT_RECIPE_DIR = RECIPE_DIR.parent / "tiny_llama_sft"
+QUESTIONS = ["What does {} do?", "Explain {}.", "How is {} used?", "Tell me about {}."]
+SYSTEM = "You answer questions about Python from its documentation."
 VOCAB_SIZE = 4096
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
 SKIPPED_MODULES = {"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "lib2to3", "test",
@@ -90,12 +97,35 @@ def train_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
     return wrapped
 
 
+def conversation(doc: dict, index: int) -> dict | None:
+    """A chat about one document: its name asked about, its first paragraph the answer; every third
+    has a system prompt, every second a follow-up turn with the next paragraph."""
+    kind, _, name = doc["source"].partition(":")
+    paragraphs = [p.strip() for p in doc["text"].split("\n\n")
+                  if len(p.strip()) >= 40 and not re.search(r"^[*=\-]{4,}$", p, re.MULTILINE)]  # no headings
+    if len(paragraphs) < 1 + index % 2:
+        return None
+    question = (QUESTIONS[index % len(QUESTIONS)].format(f"`{name}`") if kind == "docstring"
+                else f"What does the language reference say about {name}?")
+    messages = [{"role": "system", "content": SYSTEM}] if index % 3 == 0 else []
+    messages += [{"role": "user", "content": question},
+                 {"role": "assistant", "content": paragraphs[0][:600]}]
+    if index % 2:
+        messages += [{"role": "user", "content": "Go on."}, {"role": "assistant", "content": paragraphs[1][:600]}]
+    return {"messages": messages, "source": doc["source"]}
+
+
 def main() -> None:
     docs = reference_topics() + stdlib_docstrings()
     with open(RECIPE_DIR / "corpus.jsonl", "w") as f:
         for doc in docs:
             f.write(json.dumps(doc) + "\n")
     train_tokenizer([d["text"] for d in docs]).save_pretrained(RECIPE_DIR / "tokenizer")
+    chats = [c for c in (conversation(doc, i) for i, doc in enumerate(docs)) if c]
+    with open(SFT_RECIPE_DIR / "chat.jsonl", "w") as f:
+        for chat in chats:
+            f.write(json.dumps(chat) + "\n")
+    print(f"{len(chats)} conversations -> {SFT_RECIPE_DIR}")
     print(f"{len(docs)} documents, {sum(len(d['text']) for d in docs) / 1e6:.2f} MB of text -> {RECIPE_DIR}")
 
 

@@ -1,16 +1,31 @@
-"""DeepSpeed checkpoints in DeepSpeed's own layout, and the Hugging Face export."""
+"""DeepSpeed checkpoints in DeepSpeed's own layout, saved so that `latest` only ever names a complete one.
+
+A save writes, under `checkpoints/global_step{N}/`: DeepSpeed's files (weights, optimizer and scheduler
+states), `rank_state{r}.pt` per rank (data position and RNG states), `run_state.json` (step, tokens seen,
+and the world size, ZeRO stage and precision the states belong to) and `hf/` (the model config and
+tokenizer, so that the folder exports on its own). Only when every rank has written and synced its
+files does rank 0 replace `latest`, atomically. DeepSpeed's own `latest` write comes before the other
+ranks finish and truncates the file before writing it, so a kill at the wrong moment can leave it
+naming a partial checkpoint, or nothing.
+"""
+import json
+import os
+import random
 import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from deepspeed import DeepSpeedEngine
+from deepspeed.accelerator import get_accelerator
 from transformers import PreTrainedTokenizerBase
 
 from training.errors import ConfigError
 
 TAG = re.compile(r"global_step(\d+)")
+RUN_STATE = "run_state.json"
 
 
 def checkpoint_tags(checkpoint_dir: Path) -> list[str]:
@@ -19,33 +34,102 @@ def checkpoint_tags(checkpoint_dir: Path) -> list[str]:
     return sorted(tags, key=lambda tag: int(TAG.fullmatch(tag).group(1)))
 
 
-def data_state_file(checkpoint_dir: Path, tag: str) -> Path:
-    return checkpoint_dir / tag / f"data_state_rank{dist.get_rank()}.pt"
+def latest_tag(checkpoint_dir: Path) -> str | None:
+    latest = checkpoint_dir / "latest"
+    return latest.read_text().strip() if latest.is_file() else None
 
 
-def save_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, step: int, data_state: dict,
-                    keep_last: int | None) -> None:
-    """`checkpoints/global_step{N}/` plus DeepSpeed's `latest` file and zero_to_fp32.py script. Each rank's
-    data position goes in a file of its own (a streaming rank reads its own shard), written before
-    DeepSpeed writes `latest`."""
-    tag = f"global_step{step}"
-    data_state_file(checkpoint_dir, tag).parent.mkdir(parents=True, exist_ok=True)
-    torch.save(data_state, data_state_file(checkpoint_dir, tag))
-    engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state={"step": step})
-    if keep_last and dist.get_rank() == 0:
-        for tag in checkpoint_tags(checkpoint_dir)[:-keep_last]:
-            shutil.rmtree(checkpoint_dir / tag)
+def write_atomically(path: Path, text: str) -> None:
+    """Readers see the old file or the new one, never a partial one: write aside, sync, rename."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    with open(temporary, "w") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def rng_states() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "accelerator": get_accelerator().get_rng_state()}
+
+
+def restore_rng_states(states: dict) -> None:
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    get_accelerator().set_rng_state(states["accelerator"])
+
+
+def save_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, run_state: dict, data_state: dict,
+                    hf_files: tuple, keep_last: int | None) -> None:
+    """Every rank calls it. `run_state` must hold `step`; `hf_files` is (model config, tokenizer)."""
+    tag, rank = f"global_step{run_state['step']}", dist.get_rank()
+    tag_dir = checkpoint_dir / tag
+    tag_dir.mkdir(parents=True, exist_ok=True)
+    torch.save({"data": data_state, "rng": rng_states()}, tag_dir / f"rank_state{rank}.pt")
+    engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state={"step": run_state["step"]}, save_latest=False)
+    if rank == 0:
+        for item in hf_files:
+            item.save_pretrained(tag_dir / "hf")
+        (tag_dir / RUN_STATE).write_text(json.dumps(run_state, indent=2) + "\n")
+    os.sync()  # this node's files are on disk before `latest` can name them
+    dist.barrier()
+    if rank == 0:
+        write_atomically(checkpoint_dir / "latest", tag)
+        if keep_last:
+            saved = [t for t in checkpoint_tags(checkpoint_dir) if int(TAG.fullmatch(t).group(1)) <= run_state["step"]]
+            for old in saved[:-keep_last]:
+                shutil.rmtree(checkpoint_dir / old)
     dist.barrier()
 
 
-def load_latest_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path) -> tuple[int, dict]:
-    """Restore weights, optimizer and scheduler from the tag named in `latest`; returns its step and this
-    rank's data position."""
-    path, client_state = engine.load_checkpoint(str(checkpoint_dir))
+def read_run_state(checkpoint_dir: Path) -> dict:
+    """The latest complete checkpoint's run state; cheap, so that a resume is checked before anything is built."""
+    tag = latest_tag(checkpoint_dir)
+    if tag is None or not (checkpoint_dir / tag / RUN_STATE).is_file():
+        raise ConfigError(f"--resume: {checkpoint_dir} holds no complete checkpoint (no `latest` file naming a "
+                          f"folder with {RUN_STATE})")
+    return json.loads((checkpoint_dir / tag / RUN_STATE).read_text())
+
+
+def check_resume(run_state: dict, checkpoint_dir: Path, world_size: int, zero_stage: int, precision: str) -> None:
+    """DeepSpeed restores ZeRO-partitioned optimizer states only into the partitioning that wrote them."""
+    wrote = (run_state["world_size"], run_state["zero_stage"], run_state["precision"])
+    if wrote != (world_size, zero_stage, precision):
+        raise ConfigError(
+            f"--resume: {checkpoint_dir}/{latest_tag(checkpoint_dir)} was written by {wrote[0]} rank(s) under ZeRO-"
+            f"{wrote[1]} in {wrote[2]}; this run has {world_size} rank(s), ZeRO-{zero_stage}, {precision}. DeepSpeed "
+            f"loads optimizer states only into the same ranks, stage and precision: resume with those, or start a "
+            f"new run from the weights (python -m training export {checkpoint_dir} DIR, then model.name_or_path=DIR; "
+            f"the optimizer state starts afresh)")
+
+
+def remove_unfinished_tags(checkpoint_dir: Path) -> None:
+    """Tag folders past `latest` are saves that a kill interrupted: rank 0 removes them before resuming."""
+    step = int(TAG.fullmatch(latest_tag(checkpoint_dir)).group(1))
+    if dist.get_rank() == 0:
+        for tag in checkpoint_tags(checkpoint_dir):
+            if int(TAG.fullmatch(tag).group(1)) > step:
+                shutil.rmtree(checkpoint_dir / tag)
+    dist.barrier()
+
+
+def load_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path) -> tuple[dict, dict]:
+    """Restore weights, optimizer, scheduler and RNG states from the tag named in `latest`; returns the run
+    state and this rank's data position."""
+    tag = latest_tag(checkpoint_dir)
+    path, _ = engine.load_checkpoint(str(checkpoint_dir), tag=tag)
     if path is None:
-        raise ConfigError(f"--resume: no checkpoint could be loaded from {checkpoint_dir}")
-    tag = (checkpoint_dir / "latest").read_text().strip()
-    return client_state["step"], torch.load(data_state_file(checkpoint_dir, tag), weights_only=False)
+        raise ConfigError(f"--resume: DeepSpeed could not load {checkpoint_dir / tag}")
+    rank_state = torch.load(checkpoint_dir / tag / f"rank_state{dist.get_rank()}.pt", weights_only=False)
+    restore_rng_states(rank_state["rng"])
+    return json.loads((checkpoint_dir / tag / RUN_STATE).read_text()), rank_state["data"]
 
 
 def export_hf(engine: DeepSpeedEngine, tokenizer: PreTrainedTokenizerBase, out_dir: Path, dtype: torch.dtype) -> None:
@@ -57,10 +141,18 @@ def export_hf(engine: DeepSpeedEngine, tokenizer: PreTrainedTokenizerBase, out_d
     else:
         state_dict = engine.module.state_dict()
     if dist.get_rank() == 0:
-        model = engine.module
         state_dict = {name: tensor.detach().to("cpu", dtype) for name, tensor in state_dict.items()}
-        model.config.use_cache = True  # training turned the KV cache off; inference wants it
-        model.save_pretrained(out_dir, state_dict=state_dict)
-        model.config.use_cache = False
-        tokenizer.save_pretrained(out_dir)
+        save_hf(engine.module, tokenizer, out_dir, state_dict, dtype)
     dist.barrier()
+
+
+def save_hf(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, out_dir: Path, state_dict: dict,
+            dtype: torch.dtype) -> None:
+    """`save_pretrained` with the given weights; the config names their dtype (not the module's)."""
+    config = model.config
+    use_cache, config.use_cache = config.use_cache, True  # training turns the KV cache off; inference wants it
+    model.save_pretrained(out_dir, state_dict=state_dict)
+    module_dtype, config.dtype = config.dtype, dtype
+    config.save_pretrained(out_dir)
+    config.use_cache, config.dtype = use_cache, module_dtype
+    tokenizer.save_pretrained(out_dir)

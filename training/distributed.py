@@ -3,6 +3,7 @@ import os
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import cache
 from pathlib import Path
 
 import deepspeed
@@ -66,3 +67,16 @@ def local_main_first() -> Iterator[None]:
 def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
     dist.all_reduce(tensor, op=op)
     return tensor
+
+
+@cache
+def host_group() -> dist.ProcessGroup | None:
+    """A gloo group for small host-side values (token counts, a stop flag). Reducing them over nccl would
+    put them on the GPU, and reading them back would make the host wait for the GPU every step."""
+    return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+
+
+def all_reduce_on_host(values: list[float]) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor, group=host_group())
+    return tensor.tolist()

@@ -19,7 +19,9 @@ def peak_memory_bytes() -> int:
 def format_line(record: dict, total_steps: int) -> str:
     return (f"step {record['step']:>{len(str(total_steps))}}/{total_steps}  loss {record['loss']:.4f}  "
             f"lr {record['lr']:.2e}  grad_norm {record['grad_norm']:.3f}  "
-            f"{record['tokens_per_s']:,.0f} tokens/s  peak mem {record['peak_mem_bytes'] / 2**30:.2f} GiB")
+            f"{record['tokens_per_s']:,.0f} tokens/s  peak mem {record['peak_mem_bytes'] / 2**30:.2f} GiB"
+            + (f"  eval loss {record['eval_loss']:.4f} (perplexity {record['eval_perplexity']:.1f})"
+               if "eval_loss" in record else ""))
 
 
 class MetricsLogger:
@@ -52,7 +54,8 @@ class MetricsLogger:
         if self.writer:
             for key, value in record.items():
                 if key != "step":
-                    self.writer.add_scalar(f"train/{key}", value, record["step"])
+                    name = f"eval/{key.removeprefix('eval_')}" if key.startswith("eval_") else f"train/{key}"
+                    self.writer.add_scalar(name, value, record["step"])
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
         self.bar.write(format_line(record, self.total_steps))
 
@@ -69,6 +72,9 @@ def print_summary(summary: dict) -> None:
     rows = [
         ("ranks x ZeRO stage x precision", f"{summary['world_size']} x ZeRO-{summary['zero_stage']} x {summary['precision']}"),
         ("loss (first -> final)", f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}"),
+        *([("eval loss (perplexity)", f"{summary['eval_loss']:.4f} ({summary['eval_perplexity']:.1f})")]
+          if "eval_loss" in summary else []),
+        ("tokens seen", f"{summary['tokens_seen']:,}"),
         ("mean tokens/s (after step 1)", f"{summary['mean_tokens_per_s']:,.0f}"),
         ("peak memory per rank", f"{summary['peak_mem_bytes'] / 2**30:.2f} GiB"),
         ("wall time", f"{summary['wall_time_s']:.0f} s"),

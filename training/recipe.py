@@ -19,11 +19,13 @@ RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
 
 def local_path_or_hub_id(value: str, info: ValidationInfo) -> str:
-    """A folder that exists relative to the recipe (or absolute) becomes an absolute path; anything
-    else is kept as written, as a Hugging Face hub id such as `meta-llama/Llama-2-7b-hf`."""
+    """A folder that exists relative to the recipe (or absolute), or a value written as a path (starting
+    with `.`, `/` or `~`), becomes an absolute path; anything else is kept as written, as a Hugging Face
+    hub id such as `meta-llama/Llama-2-7b-hf`."""
     base_dir = Path((info.context or {}).get("base_dir", "."))
     candidate = (base_dir / Path(value).expanduser())
-    return str(candidate.resolve()) if candidate.exists() else value
+    written_as_path = value.startswith((".", "/", "~"))  # a missing one is reported by the checks before a run
+    return str(candidate.resolve()) if candidate.exists() or written_as_path else value
 
 
 HubIdOrPath = Annotated[str, AfterValidator(local_path_or_hub_id)]
@@ -34,6 +36,7 @@ class ModelSection(StrictModel):
     name_or_path: HubIdOrPath | None = None  # checkpoint to fine-tune: hub id or local folder
     config_overrides: dict[str, Any] = {}  # e.g. {num_hidden_layers: 2} to shrink a model for a smoke test
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    trust_remote_code: bool = False  # run Python code shipped with a hub checkpoint: only for checkpoints you trust
 
     @model_validator(mode="after")
     def one_source(self) -> "ModelSection":
@@ -62,6 +65,8 @@ class TrainingSection(StrictModel):
     eps: PositiveFloat = 1e-8
     grad_clip: NonNegativeFloat = 1.0  # 0 turns clipping off
     seed: int = 1234
+    eval_every_steps: PositiveInt | None = None  # with an eval split (data.eval): also at the end of the run
+    eval_max_rows: PositiveInt | None = None  # None: every evaluation row
 
     @model_validator(mode="after")
     def steps_or_epochs(self) -> "TrainingSection":

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from data_pipeline import DataError
-from data_pipeline.loader import StepBatches
+from data_pipeline.loader import EvalBatches, StepBatches
 from data_pipeline.prepare import rows_to_dataset
 
 
@@ -55,3 +55,18 @@ def test_batches_are_int64_tensors_of_micro_batch_rows():
 def test_fewer_rows_than_one_global_batch():
     with pytest.raises(DataError, match="has 5 rows, fewer than one global batch of 8"):
         StepBatches(numbered_rows(5), 2, 2, 0, 2, seed=0)
+
+
+@pytest.mark.parametrize("rows, micro, ranks, max_rows", [(10, 3, 1, None), (10, 3, 2, None), (7, 2, 4, None), (1, 2, 2, None),
+                                                           (10, 3, 2, 5)])
+def test_evaluation_visits_every_row_once_with_equal_batches_per_rank(rows, micro, ranks, max_rows):
+    """Ranks run the same number of micro-batches; filler rows take no loss."""
+    data = numbered_rows(rows)
+    per_rank = [list(EvalBatches(data, micro, rank, ranks, max_rows)) for rank in range(ranks)]
+    assert len({len(batches) for batches in per_rank}) == 1
+    counted = []
+    for batches in per_rank:
+        for batch in batches:
+            assert batch["input_ids"].shape == (micro, 4)
+            counted += [int(row[0]) for row, labels in zip(batch["input_ids"], batch["labels"]) if (labels != -100).any()]
+    assert sorted(counted) == list(range(max_rows or rows))

@@ -1,0 +1,28 @@
+"""python -m training export CHECKPOINT OUT_DIR [--dtype bf16|fp16|fp32]"""
+import argparse
+import sys
+from pathlib import Path
+
+from training.errors import ConfigError
+from training.export import DTYPES, export_checkpoint
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m training")
+    commands = parser.add_subparsers(dest="command", required=True)
+    export = commands.add_parser("export", help="a saved checkpoint to a Hugging Face folder (from_pretrained loads it)")
+    export.add_argument("checkpoint", type=Path, help="a run's checkpoints/ folder (its latest) or one global_stepN/ in it")
+    export.add_argument("out_dir", type=Path)
+    export.add_argument("--dtype", choices=DTYPES, help="default: the run's precision")
+    args = parser.parse_args(argv)
+    try:
+        tag_dir = export_checkpoint(args.checkpoint, args.out_dir, args.dtype)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"exported {tag_dir} to {args.out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

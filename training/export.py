@@ -1,0 +1,59 @@
+"""A saved checkpoint to a Hugging Face folder, with DeepSpeed's own readers.
+
+ZeRO checkpoints (stages 1-3, each rank's partition in its own file) go through DeepSpeed's
+`zero_to_fp32`, which joins the fp32 master weights. Checkpoints without ZeRO partitions hold the
+module's weights whole in `mp_rank_00_model_states.pt`: ZeRO-0, and bf16 at ZeRO-0/1, whose
+BF16_Optimizer files `zero_to_fp32` refuses ("not a zero checkpoint"); there the module's bf16 weights
+are exactly what was trained (the optimizer copies its fp32 master into them after every step).
+"""
+import json
+from pathlib import Path
+
+import torch
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from training.checkpoint import RUN_STATE, latest_tag, save_hf
+from training.errors import ConfigError
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def find_tag(path: Path) -> tuple[Path, str]:
+    """(checkpoints folder, tag) for a `checkpoints/` folder (its `latest`) or one `global_stepN/` folder."""
+    if latest_tag(path):
+        return path, latest_tag(path)
+    if (path / RUN_STATE).is_file():
+        return path.parent, path.name
+    raise ConfigError(f"{path} is neither a checkpoints folder with a `latest` file nor a checkpoint folder "
+                      f"with {RUN_STATE} (e.g. outputs/<run>/checkpoints or outputs/<run>/checkpoints/global_step100)")
+
+
+def has_zero_partitions(tag_dir: Path) -> bool:
+    return any(not p.name.startswith("bf16_") for p in tag_dir.glob("*zero_pp_rank_*_optim_states.pt"))
+
+
+def checkpoint_weights(checkpoint_dir: Path, tag: str) -> dict[str, torch.Tensor]:
+    tag_dir = checkpoint_dir / tag
+    if has_zero_partitions(tag_dir):
+        return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
+    return torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+
+
+def export_checkpoint(path: Path, out_dir: Path, dtype: str | None = None) -> Path:
+    """Write `out_dir` (config, safetensors, tokenizer) from a checkpoint; `dtype` defaults to the run's precision."""
+    checkpoint_dir, tag = find_tag(path)
+    tag_dir = checkpoint_dir / tag
+    run_state = json.loads((tag_dir / RUN_STATE).read_text())
+    dtype = DTYPES[dtype or run_state["precision"]]
+    config = AutoConfig.from_pretrained(tag_dir / "hf")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    weights = checkpoint_weights(checkpoint_dir, tag)
+    expected = model.state_dict().keys()
+    missing = [name for name in expected if name not in weights and name not in model.all_tied_weights_keys]
+    if missing:
+        raise ConfigError(f"{tag_dir} lacks weights for {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    state_dict = {name: weights[name].to(dtype) for name in expected if name in weights}
+    save_hf(model, AutoTokenizer.from_pretrained(tag_dir / "hf"), out_dir, state_dict, dtype)
+    return tag_dir
