@@ -19,6 +19,7 @@ import warnings
 from pathlib import Path
 
 import deepspeed
+from deepspeed.runtime.pipe.engine import PipelineEngine
 import torch
 import torch.distributed as dist
 import yaml
@@ -31,9 +32,11 @@ from training.checkpoint import (check_resume, export_hf, load_checkpoint, read_
                                  save_checkpoint)
 from training.ds_config import accumulation_steps, load_ds_config, resolve_ds_config, zero_stage
 from training.errors import ConfigError
+from training.export import export_checkpoint
 from training.metrics import MetricsLogger, peak_memory_bytes, print_summary
 from training.model import build_model, check_checkpoint_folder, check_recipe_against_model, load_model_config, load_tokenizer
 from training.optimizer import lr_schedule, weight_decay_groups
+from training.pipeline import TokenMeanLoss, build_pipeline, check_pipeline
 from training.plan import RunPlan, print_plan
 from training.precision import resolve_precision
 from training.recipe import load_recipe
@@ -87,16 +90,19 @@ def make_plan(args: argparse.Namespace) -> RunPlan:
     check_recipe_against_model(recipe, model_config, len(tokenizer))
     raw_ds_config, ds_config_path = load_ds_config(recipe)
     precision = resolve_precision(recipe.precision, raw_ds_config)
-    world_size = distributed.world_size()
-    ds_config = resolve_ds_config(raw_ds_config, ds_config_path, recipe, model_config.hidden_size, world_size, precision)
+    world_size, stages = distributed.world_size(), recipe.parallelism.pipeline_stages
+    if stages > 1:
+        check_pipeline(model_config, stages, zero_stage(raw_ds_config), world_size)
+    ds_config = resolve_ds_config(raw_ds_config, ds_config_path, recipe, model_config.hidden_size, world_size // stages,
+                                  precision)
     output_dir = args.output_dir or default_output_dir(recipe.name, args.resume)
     if not args.dry_run:
         check_output_dir(output_dir, args.resume, args.overwrite)
     if args.resume:
         check_resume(read_run_state(output_dir / "checkpoints"), output_dir / "checkpoints", world_size,
-                     zero_stage(ds_config), precision)
+                     zero_stage(ds_config), precision, stages)
     return RunPlan(recipe, model_config, tokenizer, precision, ds_config, ds_config_path, world_size,
-                   accumulation_steps(recipe.training, world_size), output_dir)
+                   accumulation_steps(recipe.training, world_size // stages), output_dir)
 
 
 def start_output_dir(plan: RunPlan, overwrite: bool) -> None:
@@ -116,20 +122,21 @@ def start_output_dir(plan: RunPlan, overwrite: bool) -> None:
 def make_batches(plan: RunPlan) -> tuple[StepBatches | StreamingBatches, EvalBatches | None, dict]:
     """Training batches from prepared rows (local rank 0 prepares and caches them while the other ranks
     wait) or from a stream, and evaluation batches when the data has an eval split."""
-    data, training, rank = plan.recipe.data, plan.recipe.training, dist.get_rank()
+    data, training = plan.recipe.data, plan.recipe.training
+    rank = dist.get_rank() % plan.dp_size  # data-parallel rank: DeepSpeed numbers ranks stage-major
     if data.streaming:
         return StreamingBatches(data, plan.tokenizer, training.micro_batch_size, plan.accumulation_steps, rank,
-                                plan.world_size, training.seed), None, {"streaming": True}
+                                plan.dp_size, training.seed), None, {"streaming": True}
     with distributed.local_main_first():
         prepared, stats = prepare_dataset(data, plan.tokenizer)
     row_length = len(prepared["train"][0]["input_ids"])
     if row_length != data.seq_len:
         raise DataError(f"data.prepared={data.prepared} holds rows of {row_length} tokens, but data.seq_len is "
                         f"{data.seq_len}; prepare again with this seq_len or set data.seq_len={row_length}")
-    evaluation = EvalBatches(prepared["eval"], training.micro_batch_size, rank, plan.world_size,
+    evaluation = EvalBatches(prepared["eval"], training.micro_batch_size, rank, plan.dp_size,
                              training.eval_max_rows) if "eval" in prepared else None
     return StepBatches(prepared["train"], training.micro_batch_size, plan.accumulation_steps, rank,
-                       plan.world_size, training.seed), evaluation, stats
+                       plan.dp_size, training.seed), evaluation, stats
 
 
 def grad_norm_before_step(engine: deepspeed.DeepSpeedEngine) -> torch.Tensor | None:
@@ -155,7 +162,15 @@ def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict],
     targets, tokens, stops = distributed.all_reduce_on_host([
         sum(int((batch["labels"][:, 1:] != -100).sum()) for batch in micro_batches),
         sum(int(batch["length"].sum()) for batch in micro_batches), float(stop_requested.is_set())])
+    stages = dist.get_world_size() // dp_size  # the ranks of a pipeline all hold their data-parallel rank's batch
+    targets, tokens = targets / stages, tokens // stages
     targets_per_micro_batch = targets / (len(micro_batches) * dp_size)  # a float: no copy to the device
+    if isinstance(engine, PipelineEngine):
+        engine.module.loss_fn.targets_per_micro_batch = targets_per_micro_batch
+        loss = engine.train_batch(data_iter=iter([((b["input_ids"], b["position_ids"]), b["labels"]) for b in micro_batches]))
+        grad_norm = engine.get_global_grad_norm()
+        # every rank holds the whole step's loss; the caller sums the ranks' shares
+        return loss / dist.get_world_size(), float("nan") if grad_norm is None else grad_norm, int(tokens), stops > 0
     loss_sum, grad_norm = torch.zeros((), device=engine.device), None
     for batch in micro_batches:
         loss = engine(**model_inputs(batch, engine.device), num_items_in_batch=targets_per_micro_batch).loss
@@ -197,7 +212,7 @@ def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: E
     step = start_step
     for step in range(start_step + 1, total_steps + 1):
         lr = engine.get_lr()[0]
-        loss_share, grad_norm, tokens, stop = train_step(engine, batches.micro_batches(step - 1), plan.world_size)
+        loss_share, grad_norm, tokens, stop = train_step(engine, batches.micro_batches(step - 1), plan.dp_size)
         interval_tokens += tokens
         tokens_seen += tokens
         logger.advance()
@@ -219,7 +234,7 @@ def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: E
         every = recipe.checkpointing.every_steps
         if stop or (every and step % every == 0) or step == total_steps:
             save_checkpoint(engine, plan.output_dir / "checkpoints", run_state(plan, step, tokens_seen),
-                            batches.state_dict(), (engine.module.config, plan.tokenizer), recipe.checkpointing.keep_last)
+                            batches.state_dict(), (plan.model_config, plan.tokenizer), recipe.checkpointing.keep_last)
         if stop:
             break
     logger.close()
@@ -233,7 +248,7 @@ def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: E
 def run_state(plan: RunPlan, step: int, tokens_seen: int) -> dict:
     """What a checkpoint records besides DeepSpeed's states: where the run is, and what wrote it."""
     return {"step": step, "tokens_seen": tokens_seen, "recipe": plan.recipe.name, "world_size": plan.world_size,
-            "zero_stage": plan.zero_stage, "precision": plan.precision}
+            "zero_stage": plan.zero_stage, "precision": plan.precision, "pipeline_stages": plan.pipeline_stages}
 
 
 def report(error: Exception) -> int:
@@ -264,7 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     total_steps = training.max_steps or training.epochs * batches.steps_per_epoch
 
     run_start = time.perf_counter()
-    model = build_model(recipe, plan.model_config, plan.ds_config, plan.precision)
+    if plan.pipeline_stages > 1:
+        model = build_pipeline(plan.model_config, plan.pipeline_stages, recipe.parallelism.partition_method,
+                               recipe.activation_checkpointing, TokenMeanLoss(), recipe.model.name_or_path, training.seed,
+                               recipe.model.attn_implementation)
+    else:
+        model = build_model(recipe, plan.model_config, plan.ds_config, plan.precision)
     engine, *_ = deepspeed.initialize(model=model, config=plan.ds_config,
                                       model_parameters=weight_decay_groups(model, training.weight_decay),
                                       lr_scheduler=lr_schedule(training, total_steps))
@@ -286,10 +306,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"stopped by SIGTERM after step {totals['last_step']} of {total_steps}; the checkpoint is saved: "
                   f"continue with --resume --output-dir {plan.output_dir}", file=sys.stderr)
         return 0
-    export_hf(engine, plan.tokenizer, plan.output_dir / "hf", DTYPES[plan.precision])
+    if plan.pipeline_stages > 1:  # the stages' weights are in the final checkpoint's layer files
+        if dist.get_rank() == 0:
+            export_checkpoint(checkpoint_dir, plan.output_dir / "hf")
+        dist.barrier()
+    else:
+        export_hf(engine, plan.tokenizer, plan.output_dir / "hf", DTYPES[plan.precision])
     if dist.get_rank() == 0:
         summary = {"recipe": recipe.name, "world_size": plan.world_size, "zero_stage": plan.zero_stage,
-                   "precision": plan.precision, "activation_checkpointing": recipe.activation_checkpointing,
+                   "precision": plan.precision, "pipeline_stages": plan.pipeline_stages,
+                   "activation_checkpointing": recipe.activation_checkpointing,
                    "steps": total_steps, "start_step": start["step"], **totals,
                    "wall_time_s": time.perf_counter() - run_start, "output_dir": str(plan.output_dir),
                    "data": data_stats, "ds_config": plan.ds_config}

@@ -33,6 +33,18 @@ def run_train(args: list[str], ranks: int | None = None, timeout: int = 600,
                           text=True, timeout=timeout)
 
 
+def save_small_checkpoint(path: Path, **save_options) -> None:
+    """SMALL_MODEL's architecture with seeded random weights and tiny_llama's tokenizer, saved with
+    save_pretrained: the checkpoint a user brings."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    config = AutoConfig.from_pretrained(REPO / "recipes/tiny_llama/config.json", num_hidden_layers=2, hidden_size=64,
+                                        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(7)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path, **save_options)
+    AutoTokenizer.from_pretrained(REPO / "recipes/tiny_llama/tokenizer").save_pretrained(path)
+
+
 @pytest.fixture(scope="session")
 def data_cache(tmp_path_factory) -> str:
     """One prepared-data cache for the whole session, so each run does not re-tokenize the corpus."""

@@ -72,7 +72,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(no_model_building, capsys, t
     out = " ".join(capsys.readouterr().out.split())  # undo the console's line wrapping
     assert "4,999,424 parameters" in out
     assert "8 rows/rank x 2 accumulation x 1 ranks = 16 rows x 256 tokens = 4,096 tokens per step" in out
-    assert "weights + gradients + AdamW per rank, 1 rank(s)" in out and "1 (this run)" in out
+    assert "weights + gradients + AdamW per rank, 1 data-parallel rank(s), whole model" in out and "1 (this run)" in out
     assert not (tmp_path / "out").exists()
 
 
@@ -206,8 +206,32 @@ def test_resume_under_another_world_size_or_stage_is_refused(no_model_building, 
     args = ["--recipe", "tiny_llama", "--output-dir", str(tmp_path), "--resume", "precision=fp32"]
     assert train.main(args + ["deepspeed.config=zero3"]) == 2
     error = capsys.readouterr().err
-    assert "written by 2 rank(s) under ZeRO-2 in fp32; this run has 1 rank(s), ZeRO-3, fp32" in error
+    assert ("written by 2 rank(s) under ZeRO-2 in fp32 with 1 pipeline stage(s); this run has 1 rank(s), ZeRO-3, "
+            "fp32, 1 stage(s)") in error
     assert "python -m training export" in error
     (checkpoints / "latest").write_text("global_step9")  # names a save that never finished
     assert train.main(args + ["deepspeed.config=zero2"]) == 2
     assert "holds no complete checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("overrides, world_size, message", [
+    (["parallelism.pipeline_stages=2", "deepspeed.config=zero2"], 2, "DeepSpeed's pipeline engine supports ZeRO 0 and 1 only"),
+    (["parallelism.pipeline_stages=8", "deepspeed.config=zero1", "training.micro_batch_size=2"], 8,
+     "pipeline_stages=8 is more than the model's 4 decoder layers"),
+    (["parallelism.pipeline_stages=2"], 3, "pipeline_stages=2 does not divide the 3 rank"),
+    (["parallelism.pipeline_stages=2", "data.eval.fraction=0.1"], 2, "data.eval with parallelism.pipeline_stages > 1"),
+])
+def test_bad_pipeline_settings_exit_2(overrides, world_size, message, no_model_building, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    assert train.main(["--recipe", "tiny_llama", "--output-dir", str(tmp_path / "out"), *overrides]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_pipeline_of_an_unsupported_family_lists_the_supported_ones(no_model_building, capsys, monkeypatch, tmp_path):
+    from transformers import GPT2Config
+    GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=4096).save_pretrained(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = ["--recipe", "tiny_llama", f"model.config={tmp_path / 'config.json'}", "parallelism.pipeline_stages=2",
+            "data.seq_len=128", "--output-dir", str(tmp_path / "out")]
+    assert train.main(args) == 2
+    assert "gpt2 models are not supported; pipeline parallelism supports llama, mistral, qwen2, qwen3" in capsys.readouterr().err

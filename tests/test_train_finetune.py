@@ -18,11 +18,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from data_pipeline.loader import EvalBatches, StepBatches
 from data_pipeline.prepare import prepare_dataset
-from tests.conftest import REPO, TRAIN_ENV, run_train, train_command
+from tests.conftest import REPO, TRAIN_ENV, run_train, save_small_checkpoint, train_command
 from tests.helpers.train_with_probes import FIXED_BATCH
 from training.recipe import load_recipe
 
@@ -33,13 +33,8 @@ PROBES = "tests/helpers/train_with_probes.py"
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """A tiny Llama saved with save_pretrained, with tiny_llama's tokenizer: what a user brings."""
     path = tmp_path_factory.mktemp("checkpoint")
-    config = AutoConfig.from_pretrained(REPO / "recipes/tiny_llama/config.json", num_hidden_layers=2, hidden_size=64,
-                                        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    torch.manual_seed(7)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    AutoTokenizer.from_pretrained(REPO / "recipes/tiny_llama/tokenizer").save_pretrained(path)
+    save_small_checkpoint(path)
     return path
 
 

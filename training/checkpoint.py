@@ -98,16 +98,18 @@ def read_run_state(checkpoint_dir: Path) -> dict:
     return json.loads((checkpoint_dir / tag / RUN_STATE).read_text())
 
 
-def check_resume(run_state: dict, checkpoint_dir: Path, world_size: int, zero_stage: int, precision: str) -> None:
-    """DeepSpeed restores ZeRO-partitioned optimizer states only into the partitioning that wrote them."""
-    wrote = (run_state["world_size"], run_state["zero_stage"], run_state["precision"])
-    if wrote != (world_size, zero_stage, precision):
+def check_resume(run_state: dict, checkpoint_dir: Path, world_size: int, zero_stage: int, precision: str,
+                 pipeline_stages: int) -> None:
+    """DeepSpeed restores ZeRO-partitioned optimizer states (and pipeline stages) only into the layout that wrote them."""
+    wrote = (run_state["world_size"], run_state["zero_stage"], run_state["precision"], run_state.get("pipeline_stages", 1))
+    if wrote != (world_size, zero_stage, precision, pipeline_stages):
         raise ConfigError(
             f"--resume: {checkpoint_dir}/{latest_tag(checkpoint_dir)} was written by {wrote[0]} rank(s) under ZeRO-"
-            f"{wrote[1]} in {wrote[2]}; this run has {world_size} rank(s), ZeRO-{zero_stage}, {precision}. DeepSpeed "
-            f"loads optimizer states only into the same ranks, stage and precision: resume with those, or start a "
-            f"new run from the weights (python -m training export {checkpoint_dir} DIR, then model.name_or_path=DIR; "
-            f"the optimizer state starts afresh)")
+            f"{wrote[1]} in {wrote[2]} with {wrote[3]} pipeline stage(s); this run has {world_size} rank(s), "
+            f"ZeRO-{zero_stage}, {precision}, {pipeline_stages} stage(s). DeepSpeed loads optimizer states only into "
+            f"the same ranks, stage and precision: resume with those, or start a new run from the weights "
+            f"(python -m training export {checkpoint_dir} DIR, then model.name_or_path=DIR; the optimizer state "
+            f"starts afresh)")
 
 
 def remove_unfinished_tags(checkpoint_dir: Path) -> None:

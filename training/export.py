@@ -5,16 +5,18 @@ ZeRO checkpoints (stages 1-3, each rank's partition in its own file) go through 
 module's weights whole in `mp_rank_00_model_states.pt`: ZeRO-0, and bf16 at ZeRO-0/1, whose
 BF16_Optimizer files `zero_to_fp32` refuses ("not a zero checkpoint"); there the module's bf16 weights
 are exactly what was trained (the optimizer copies its fp32 master into them after every step).
+Pipeline checkpoints hold each layer's module weights in a file of its own.
 """
 import json
 from pathlib import Path
 
 import torch
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 from training.checkpoint import RUN_STATE, latest_tag, save_hf
 from training.errors import ConfigError
+from training.pipeline import hf_name
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -33,8 +35,20 @@ def has_zero_partitions(tag_dir: Path) -> bool:
     return any(not p.name.startswith("bf16_") for p in tag_dir.glob("*zero_pp_rank_*_optim_states.pt"))
 
 
-def checkpoint_weights(checkpoint_dir: Path, tag: str) -> dict[str, torch.Tensor]:
+def pipeline_weights(tag_dir: Path, config: PretrainedConfig) -> dict[str, torch.Tensor]:
+    """A pipeline checkpoint keeps each layer's module weights in `layer_NN-model_states.pt`."""
+    weights = {}
+    for path in sorted(tag_dir.glob("layer_*-model_states.pt")):
+        layer = int(path.name.removeprefix("layer_").split("-")[0])
+        for name, tensor in torch.load(path, map_location="cpu", weights_only=False).items():
+            weights[hf_name(layer, name, config)] = tensor
+    return weights
+
+
+def checkpoint_weights(checkpoint_dir: Path, tag: str, config: PretrainedConfig) -> dict[str, torch.Tensor]:
     tag_dir = checkpoint_dir / tag
+    if (tag_dir / "layer_00-model_states.pt").is_file():
+        return pipeline_weights(tag_dir, config)
     if has_zero_partitions(tag_dir):
         return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
     return torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
@@ -49,7 +63,7 @@ def export_checkpoint(path: Path, out_dir: Path, dtype: str | None = None) -> Pa
     config = AutoConfig.from_pretrained(tag_dir / "hf")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    weights = checkpoint_weights(checkpoint_dir, tag)
+    weights = checkpoint_weights(checkpoint_dir, tag, config)
     expected = model.state_dict().keys()
     missing = [name for name in expected if name not in weights and name not in model.all_tied_weights_keys]
     if missing:

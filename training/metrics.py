@@ -71,6 +71,8 @@ def print_summary(summary: dict) -> None:
     table = Table(title=f"{summary['recipe']}: {summary['steps']} steps", show_header=False)
     rows = [
         ("ranks x ZeRO stage x precision", f"{summary['world_size']} x ZeRO-{summary['zero_stage']} x {summary['precision']}"),
+        *([("pipeline stages x data-parallel", f"{summary['pipeline_stages']} x "
+            f"{summary['world_size'] // summary['pipeline_stages']}")] if summary["pipeline_stages"] > 1 else []),
         ("loss (first -> final)", f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}"),
         *([("eval loss (perplexity)", f"{summary['eval_loss']:.4f} ({summary['eval_perplexity']:.1f})")]
           if "eval_loss" in summary else []),

@@ -80,6 +80,11 @@ class DeepSpeedSection(StrictModel):
     overrides: dict[str, Any] = {}  # merged into that JSON, e.g. {zero_optimization: {overlap_comm: false}}
 
 
+class ParallelismSection(StrictModel):
+    pipeline_stages: PositiveInt = 1  # > 1: DeepSpeed pipeline parallelism; world size = data-parallel x stages
+    partition_method: Literal["parameters", "uniform"] = "parameters"  # balance stages by parameters or by layers
+
+
 class CheckpointingSection(StrictModel):
     every_steps: PositiveInt | None = None  # None: only at the end
     keep_last: PositiveInt | None = None  # None: keep every checkpoint
@@ -98,6 +103,7 @@ class Recipe(StrictModel):
     deepspeed: DeepSpeedSection = DeepSpeedSection()
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     activation_checkpointing: bool = False
+    parallelism: ParallelismSection = ParallelismSection()
     checkpointing: CheckpointingSection = CheckpointingSection()
     logging: LoggingSection = LoggingSection()
 
@@ -117,6 +123,9 @@ class Recipe(StrictModel):
     def consistent(self) -> "Recipe":
         if self.tokenizer.name_or_path is None and self.model.name_or_path is None:
             raise ValueError("tokenizer.name_or_path is needed when the model is built from model.config")
+        if self.parallelism.pipeline_stages > 1 and (self.data.eval.fraction or self.data.eval.sources):
+            raise ValueError("data.eval with parallelism.pipeline_stages > 1: evaluation is not wired into the "
+                             "pipeline engine yet; drop data.eval for pipeline runs")
         if self.data.streaming and self.training.max_steps is None:
             raise ValueError("data.streaming needs training.max_steps: the length of a stream is not known ahead")
         return self
