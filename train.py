@@ -188,17 +188,33 @@ def model_inputs(batch: dict, device: torch.device) -> dict:
 
 
 def evaluate(engine: deepspeed.DeepSpeedEngine, batches: EvalBatches) -> dict:
-    """Mean token loss over the evaluation rows (every rank its share) and its perplexity."""
-    engine.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=engine.device)
-    with torch.no_grad():
-        for batch in batches:
-            summed = engine(**model_inputs(batch, engine.device), num_items_in_batch=1).loss  # summed token loss
-            totals += torch.stack([summed.double(), (batch["labels"][:, 1:] != -100).sum().to(engine.device)])
-    engine.train()
-    loss_sum, targets = distributed.all_reduce(totals).tolist()
+    """Mean token loss over the evaluation rows (every data-parallel rank its share) and its perplexity."""
+    micro_batches = list(batches)
+    stages = dist.get_world_size() // batches.dp_size  # the ranks of a pipeline hold the same rows
+    targets = distributed.all_reduce_on_host([sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches)])[0] / stages
+    if isinstance(engine, PipelineEngine):
+        loss_sum = pipeline_loss_sum(engine, micro_batches, batches.dp_size)
+    else:
+        engine.eval()
+        with torch.no_grad():
+            summed = [engine(**model_inputs(b, engine.device), num_items_in_batch=1).loss for b in micro_batches]
+        engine.train()
+        loss_sum = distributed.all_reduce(torch.stack(summed).double().sum()).item()
     loss = loss_sum / targets
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0))}
+
+
+def pipeline_loss_sum(engine: PipelineEngine, micro_batches: list[dict], dp_size: int) -> float:
+    """The summed token loss of every rank's micro-batches, through the pipeline's own evaluation schedule,
+    which returns the mean of its micro-batches' losses over them and the data-parallel ranks."""
+    engine.module.loss_fn.targets_per_micro_batch = 1.0  # the loss function then returns summed token losses
+    loss_sum = 0.0
+    for start in range(0, len(micro_batches), engine.micro_batches):
+        chunk = micro_batches[start:start + engine.micro_batches]
+        mean = engine.eval_batch(iter([((b["input_ids"], b["position_ids"]), b["labels"]) for b in chunk]),
+                                 num_micro_batches=len(chunk))
+        loss_sum += float(mean) * len(chunk) * dp_size
+    return loss_sum
 
 
 def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: EvalBatches | None, plan: RunPlan,

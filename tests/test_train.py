@@ -219,7 +219,6 @@ def test_resume_under_another_world_size_or_stage_is_refused(no_model_building, 
     (["parallelism.pipeline_stages=8", "deepspeed.config=zero1", "training.micro_batch_size=2"], 8,
      "pipeline_stages=8 is more than the model's 4 decoder layers"),
     (["parallelism.pipeline_stages=2"], 3, "pipeline_stages=2 does not divide the 3 rank"),
-    (["parallelism.pipeline_stages=2", "data.eval.fraction=0.1"], 2, "data.eval with parallelism.pipeline_stages > 1"),
 ])
 def test_bad_pipeline_settings_exit_2(overrides, world_size, message, no_model_building, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", str(world_size))

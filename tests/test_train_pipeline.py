@@ -23,7 +23,8 @@ pytestmark = pytest.mark.slow
 
 TIED = SMALL_MODEL.replace("head_dim: 16}", "head_dim: 16, tie_word_embeddings: true}")
 COMMON = ["--recipe", "tiny_llama", "precision=fp32", "deepspeed.config=zero1", "training.max_steps=6",
-          "training.schedule=constant", "training.warmup_steps=0", "logging.every_steps=1"]
+          "training.schedule=constant", "training.warmup_steps=0", "logging.every_steps=1", "data.eval.fraction=0.05",
+          "training.eval_every_steps=3"]
 
 
 def losses(out) -> list[float]:
@@ -53,7 +54,7 @@ def runs(tmp_path_factory, data_cache, checkpoint) -> dict:
         out = tmp_path_factory.mktemp(f"{name}_{variant}".replace(" ", "_"))
         stages = 1 if variant == 1 else 2
         result = run_train([*COMMON, *overrides, data_cache, f"parallelism.pipeline_stages={stages}", "--output-dir",
-                            str(out)], ranks=ranks)
+                            str(out), "--record-logits"], ranks=ranks, script="tests/helpers/train_with_probes.py")
         assert result.returncode == 0, result.stderr[-3000:]
         (out / "stdout.txt").write_text(result.stdout)
         results[name, variant] = out
@@ -68,6 +69,22 @@ def test_pipeline_tracks_the_data_parallel_run(runs, name):
     assert pipelined == pytest.approx(plain, abs=1e-5)
     summary = json.loads((runs[name, 2] / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["ds_config"]["gradient_accumulation_steps"] == 2  # dp 1 x 2 micro
+
+
+@pytest.mark.parametrize("name", ["untied", "tied", "checkpoint"])
+def test_eval_loss_is_the_data_parallel_runs(runs, name):
+    evaluated = [[r["eval_loss"] for r in map(json.loads, (runs[name, s] / "metrics.jsonl").read_text().splitlines())
+                  if "eval_loss" in r] for s in (2, 1)]
+    assert len(evaluated[0]) == 2 and evaluated[0] == pytest.approx(evaluated[1], abs=1e-5)
+
+
+@pytest.mark.parametrize("name", ["untied", "tied"])
+def test_exported_folder_gives_the_pipeline_engines_logits(runs, name):
+    recorded = torch.load(runs[name, 2] / "engine_logits.pt")
+    model = AutoModelForCausalLM.from_pretrained(runs[name, 2] / "hf")
+    with torch.no_grad():
+        logits = model(input_ids=recorded["input_ids"], position_ids=recorded["position_ids"], use_cache=False).logits
+    torch.testing.assert_close(logits, recorded["logits"], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["untied", "tied"])

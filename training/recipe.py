@@ -123,9 +123,6 @@ class Recipe(StrictModel):
     def consistent(self) -> "Recipe":
         if self.tokenizer.name_or_path is None and self.model.name_or_path is None:
             raise ValueError("tokenizer.name_or_path is needed when the model is built from model.config")
-        if self.parallelism.pipeline_stages > 1 and (self.data.eval.fraction or self.data.eval.sources):
-            raise ValueError("data.eval with parallelism.pipeline_stages > 1: evaluation is not wired into the "
-                             "pipeline engine yet; drop data.eval for pipeline runs")
         if self.data.streaming and self.training.max_steps is None:
             raise ValueError("data.streaming needs training.max_steps: the length of a stream is not known ahead")
         return self

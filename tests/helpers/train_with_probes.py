@@ -4,8 +4,8 @@
 
 --kill-after-deepspeed-save STEP: every rank SIGKILLs itself once DeepSpeed has written its files for
     that step's checkpoint, after truncating them: a kill in the middle of a save, before `latest` moves.
---record-logits: after training, every rank runs the trained engine on a fixed batch; rank 0 writes the
-    logits to <output dir>/engine_logits.pt, to compare with the exported hf/ folder.
+--record-logits: after training, the trained engine runs on the first micro-batch; the rank that holds the
+    logits writes them with the batch to <output dir>/engine_logits.pt, to compare with the exported hf/.
 """
 import os
 import signal
@@ -15,14 +15,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from deepspeed import DeepSpeedEngine
+from deepspeed.runtime.pipe.engine import PipelineEngine
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import train  # noqa: E402
-
-FIXED_BATCH = torch.arange(1, 65).reshape(2, 32) * 37 % 4000
-
 
 def kill_after_deepspeed_save(step: int) -> None:
     save = DeepSpeedEngine.save_checkpoint
@@ -39,17 +37,29 @@ def kill_after_deepspeed_save(step: int) -> None:
 
 
 def record_logits() -> None:
-    export = train.export_hf
+    """After training, the trained engine's logits on the run's first micro-batch (through the pipeline's
+    own evaluation schedule when there are stages), saved by the rank that holds them."""
+    run = train.train
 
-    def export_and_record(engine, tokenizer, out_dir, dtype):
-        export(engine, tokenizer, out_dir, dtype)
-        engine.eval()
-        with torch.no_grad():
-            logits = engine(input_ids=FIXED_BATCH.to(engine.device)).logits.float().cpu()
-        if dist.get_rank() == 0:
-            torch.save(logits, Path(out_dir).parent / "engine_logits.pt")
+    def train_and_record(engine, batches, *args, **kwargs):
+        totals = run(engine, batches, *args, **kwargs)
+        batch = batches.micro_batches(0)[0]
+        inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+        if isinstance(engine, PipelineEngine):
+            _, logits = engine.eval_batch(iter([((inputs["input_ids"], inputs["position_ids"]), batch["labels"])]),
+                                          return_logits=True, num_micro_batches=1)
+            holder = engine.is_last_stage() and engine.grid.data_parallel_id == 0
+        else:
+            engine.eval()
+            with torch.no_grad():
+                logits = engine(**{k: v.to(engine.device) for k, v in inputs.items()}).logits
+            engine.train()
+            holder = dist.get_rank() == 0
+        if holder:
+            torch.save({**inputs, "logits": logits.float().cpu()}, Path(kwargs.get("plan", args[1]).output_dir) / "engine_logits.pt")
+        return totals
 
-    train.export_hf = export_and_record
+    train.train = train_and_record
 
 
 if __name__ == "__main__":
