@@ -284,8 +284,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print_plan(plan)
         return 0
-    recipe, training = plan.recipe, plan.recipe.training
     distributed.init_distributed()
+    try:
+        return run(plan, args)
+    finally:  # a process group left for interpreter exit to tear down can abort the process ("terminate called ...")
+        dist.destroy_process_group()
+
+
+def run(plan: RunPlan, args: argparse.Namespace) -> int:
+    """Everything after the checks, inside the process group: data, model, engine, training, export."""
+    recipe, training = plan.recipe, plan.recipe.training
     signal.signal(signal.SIGTERM, lambda signum, frame: stop_requested.set())
     start_output_dir(plan, args.overwrite)
     try:
