@@ -38,12 +38,11 @@ from training.model import build_model, check_checkpoint_folder, check_recipe_ag
 from training.optimizer import lr_schedule, weight_decay_groups
 from training.pipeline import TokenMeanLoss, build_pipeline, check_pipeline
 from training.plan import RunPlan, print_plan
-from training.precision import resolve_precision
+from training.precision import DTYPES, resolve_precision
 from training.recipe import load_recipe
 
 OUTPUT_ROOT = Path("outputs")
 RUN_FILES = ("metrics.jsonl", "summary.json", "resolved_recipe.yaml", "ds_config.json", "checkpoints", "hf", "tensorboard")
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 stop_requested = threading.Event()  # set by SIGTERM: the run saves a checkpoint at the end of the step and exits
 
 

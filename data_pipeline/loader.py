@@ -10,6 +10,12 @@ from data_pipeline import DataError
 ROW_COLUMNS = ("input_ids", "labels", "position_ids", "length")
 
 
+def fetch_rows(rows: datasets.Dataset, indices: np.ndarray) -> dict[str, torch.Tensor]:
+    """input_ids, labels and position_ids for the model, and each row's `length` in real tokens."""
+    batch = rows[indices]
+    return {name: torch.from_numpy(batch[name].astype(np.int64)) for name in ROW_COLUMNS}
+
+
 class StepBatches:
     """The micro-batches each rank trains on at a given optimizer step.
 
@@ -45,7 +51,7 @@ class StepBatches:
         start = index * self.global_batch_size
         rows = self.epoch_order(epoch)[start:start + self.global_batch_size]
         rows = rows.reshape(self.accumulation_steps, self.dp_size, self.micro_batch_size)[:, self.dp_rank]
-        return [self.fetch(np.sort(micro)) for micro in rows]
+        return [fetch_rows(self.rows, np.sort(micro)) for micro in rows]
 
     def state_dict(self) -> dict:
         """The position is the step; this is what the step means, checked when resuming."""
@@ -56,10 +62,6 @@ class StepBatches:
             raise DataError(f"the checkpoint's data position was taken over {state}, this run has "
                             f"{self.state_dict()}: resume with the same prepared data, global batch size and seed")
 
-    def fetch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
-        """input_ids, labels and position_ids for the model, and each row's `length` in real tokens."""
-        batch = self.rows[indices]
-        return {name: torch.from_numpy(batch[name].astype(np.int64)) for name in ROW_COLUMNS}
 
 
 class EvalBatches:
@@ -82,7 +84,6 @@ class EvalBatches:
         for b in range(len(self)):
             first = (b * self.dp_size + self.dp_rank) * self.micro_batch_size
             indices = np.arange(first, first + self.micro_batch_size)
-            batch = self.rows[np.minimum(indices, self.count - 1)]
-            batch = {name: torch.from_numpy(batch[name].astype(np.int64)) for name in ROW_COLUMNS}
+            batch = fetch_rows(self.rows, np.minimum(indices, self.count - 1))
             batch["labels"][indices >= self.count] = -100
             yield batch

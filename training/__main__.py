@@ -4,7 +4,8 @@ import sys
 from pathlib import Path
 
 from training.errors import ConfigError
-from training.export import DTYPES, export_checkpoint
+from training.export import export_checkpoint
+from training.precision import DTYPES
 
 
 def main(argv: list[str] | None = None) -> int:

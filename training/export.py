@@ -17,14 +17,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from training.checkpoint import RUN_STATE, latest_tag, save_hf
 from training.errors import ConfigError
 from training.pipeline import hf_name
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from training.precision import DTYPES
 
 
 def find_tag(path: Path) -> tuple[Path, str]:
     """(checkpoints folder, tag) for a `checkpoints/` folder (its `latest`) or one `global_stepN/` folder."""
-    if latest_tag(path):
-        return path, latest_tag(path)
+    if tag := latest_tag(path):
+        return path, tag
     if (path / RUN_STATE).is_file():
         return path.parent, path.name
     raise ConfigError(f"{path} is neither a checkpoints folder with a `latest` file nor a checkpoint folder "

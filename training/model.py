@@ -5,7 +5,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.integrations import HfDeepSpeedConfig
 
+from training.ds_config import zero_stage
 from training.errors import ConfigError
+from training.precision import DTYPES
 from training.recipe import ModelSection, Recipe
 
 
@@ -64,12 +66,10 @@ def check_checkpoint_folder(name_or_path: str) -> None:
                           f"point it at a folder written by save_pretrained, or use model.config to train from scratch")
 
 
-def weights_dtype(precision: str, zero_stage: int) -> torch.dtype:
+def weights_dtype(precision: str, stage: int) -> torch.dtype:
     """Checkpoint weights load in the run's precision; DeepSpeed keeps the fp32 master copy in its optimizer.
-    fp32 runs, and ZeRO-0 bf16/fp16 (torch autocast over fp32 weights), keep fp32 weights."""
-    if precision in ("bf16", "fp16") and zero_stage > 0:
-        return torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.float32
+    ZeRO-0 bf16/fp16 (torch autocast over fp32 weights) keeps fp32 weights."""
+    return DTYPES[precision] if stage > 0 else torch.float32
 
 
 def build_model(recipe: Recipe, config: PretrainedConfig, ds_config: dict, precision: str) -> PreTrainedModel:
@@ -85,7 +85,7 @@ def build_model(recipe: Recipe, config: PretrainedConfig, ds_config: dict, preci
     options = {"config": config, "attn_implementation": recipe.model.attn_implementation,
                "trust_remote_code": recipe.model.trust_remote_code}
     if recipe.model.name_or_path:
-        stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+        stage = zero_stage(ds_config)
         zero3 = HfDeepSpeedConfig(ds_config) if stage == 3 else None  # noqa: F841 (held by a weak reference)
         model = AutoModelForCausalLM.from_pretrained(recipe.model.name_or_path, dtype=weights_dtype(precision, stage),
                                                      **options)

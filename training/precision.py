@@ -4,6 +4,8 @@ from deepspeed.accelerator import get_accelerator
 
 from training.errors import ConfigError
 
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
 
 def device_type() -> str:
     """DeepSpeed's accelerator: 'cuda' on NVIDIA GPUs, 'cpu' where it falls back to its CPU accelerator."""
