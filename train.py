@@ -16,13 +16,15 @@ import sys
 import threading
 import time
 import warnings
+from itertools import islice
 from pathlib import Path
 
 import deepspeed
-from deepspeed.runtime.pipe.engine import PipelineEngine
 import torch
 import torch.distributed as dist
 import yaml
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
 from data_pipeline import DataError
 from data_pipeline.loader import EvalBatches, StepBatches
 from data_pipeline.prepare import prepare_dataset
@@ -36,7 +38,7 @@ from training.export import export_checkpoint
 from training.metrics import MetricsLogger, peak_memory_bytes, print_summary
 from training.model import build_model, check_checkpoint_folder, check_recipe_against_model, load_model_config, load_tokenizer
 from training.optimizer import lr_schedule, weight_decay_groups
-from training.pipeline import TokenMeanLoss, build_pipeline, check_pipeline
+from training.pipeline import TokenMeanLoss, build_pipeline, check_pipeline, pipeline_batches
 from training.plan import RunPlan, print_plan
 from training.precision import DTYPES, resolve_precision
 from training.recipe import load_recipe
@@ -159,14 +161,14 @@ def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict],
     token mean, not a mean of micro-batch means. The counts are reduced on the host, in the same
     collective as the stop flag; nothing here waits for the device to finish."""
     targets, tokens, stops = distributed.all_reduce_on_host([
-        sum(int((batch["labels"][:, 1:] != -100).sum()) for batch in micro_batches),
-        sum(int(batch["length"].sum()) for batch in micro_batches), float(stop_requested.is_set())])
+        sum(map(target_count, micro_batches)), sum(int(batch["length"].sum()) for batch in micro_batches),
+        float(stop_requested.is_set())])
     stages = dist.get_world_size() // dp_size  # the ranks of a pipeline all hold their data-parallel rank's batch
     targets, tokens = targets / stages, tokens // stages
     targets_per_micro_batch = targets / (len(micro_batches) * dp_size)  # a float: no copy to the device
     if isinstance(engine, PipelineEngine):
         engine.module.loss_fn.targets_per_micro_batch = targets_per_micro_batch
-        loss = engine.train_batch(data_iter=iter([((b["input_ids"], b["position_ids"]), b["labels"]) for b in micro_batches]))
+        loss = engine.train_batch(data_iter=pipeline_batches(micro_batches))
         grad_norm = engine.get_global_grad_norm()
         # every rank holds the whole step's loss; the caller sums the ranks' shares
         return loss / dist.get_world_size(), float("nan") if grad_norm is None else grad_norm, int(tokens), stops > 0
@@ -182,38 +184,48 @@ def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict],
     return loss_sum / (len(micro_batches) * dp_size), grad_norm, int(tokens), stops > 0
 
 
+def target_count(batch: dict) -> int:
+    """Tokens the batch takes a loss on: each label predicts from the token before it."""
+    return int((batch["labels"][:, 1:] != -100).sum())
+
+
 def model_inputs(batch: dict, device: torch.device) -> dict:
     return {name: batch[name].to(device, non_blocking=True) for name in ("input_ids", "labels", "position_ids")}
 
 
 def evaluate(engine: deepspeed.DeepSpeedEngine, batches: EvalBatches) -> dict:
     """Mean token loss over the evaluation rows (every data-parallel rank its share) and its perplexity."""
-    micro_batches = list(batches)
-    stages = dist.get_world_size() // batches.dp_size  # the ranks of a pipeline hold the same rows
-    targets = distributed.all_reduce_on_host([sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches)])[0] / stages
     if isinstance(engine, PipelineEngine):
-        loss_sum = pipeline_loss_sum(engine, micro_batches, batches.dp_size)
+        loss_sum, targets = pipeline_eval_sums(engine, batches)
     else:
-        engine.eval()
-        with torch.no_grad():
-            summed = [engine(**model_inputs(b, engine.device), num_items_in_batch=1).loss for b in micro_batches]
-        engine.train()
-        loss_sum = distributed.all_reduce(torch.stack(summed).double().sum()).item()
-    loss = loss_sum / targets
+        loss_sum, targets = eval_sums(engine, batches)
+    stages = dist.get_world_size() // batches.dp_size  # the ranks of a pipeline hold the same rows
+    loss = loss_sum / (distributed.all_reduce_on_host([targets])[0] / stages)
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0))}
 
 
-def pipeline_loss_sum(engine: PipelineEngine, micro_batches: list[dict], dp_size: int) -> float:
-    """The summed token loss of every rank's micro-batches, through the pipeline's own evaluation schedule,
-    which returns the mean of its micro-batches' losses over them and the data-parallel ranks."""
+def eval_sums(engine: deepspeed.DeepSpeedEngine, batches: EvalBatches) -> tuple[float, int]:
+    """The summed token loss of every rank's rows, and this rank's target count."""
+    engine.eval()
+    loss_sum, targets = torch.zeros((), dtype=torch.float64, device=engine.device), 0
+    with torch.no_grad():
+        for batch in batches:
+            loss_sum += engine(**model_inputs(batch, engine.device), num_items_in_batch=1).loss.double()  # a sum
+            targets += target_count(batch)
+    engine.train()
+    return distributed.all_reduce(loss_sum).item(), targets
+
+
+def pipeline_eval_sums(engine: PipelineEngine, batches: EvalBatches) -> tuple[float, int]:
+    """The same through the pipeline's own evaluation schedule, which returns the mean of its micro-batches'
+    losses over them and the data-parallel ranks."""
     engine.module.loss_fn.targets_per_micro_batch = 1.0  # the loss function then returns summed token losses
-    loss_sum = 0.0
-    for start in range(0, len(micro_batches), engine.micro_batches):
-        chunk = micro_batches[start:start + engine.micro_batches]
-        mean = engine.eval_batch(iter([((b["input_ids"], b["position_ids"]), b["labels"]) for b in chunk]),
-                                 num_micro_batches=len(chunk))
-        loss_sum += float(mean) * len(chunk) * dp_size
-    return loss_sum
+    loss_sum, targets, remaining = 0.0, 0, iter(batches)
+    while chunk := list(islice(remaining, engine.micro_batches)):
+        mean = engine.eval_batch(pipeline_batches(chunk), num_micro_batches=len(chunk))
+        loss_sum += float(mean) * len(chunk) * batches.dp_size
+        targets += sum(map(target_count, chunk))
+    return loss_sum, targets
 
 
 def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: EvalBatches | None, plan: RunPlan,

@@ -12,6 +12,7 @@ so that it starts from the same weights as the same recipe without pipeline para
 """
 import importlib
 import json
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
@@ -121,6 +122,11 @@ class TokenMeanLoss:
         summed = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
                                  ignore_index=-100, reduction="sum")
         return summed / self.targets_per_micro_batch
+
+
+def pipeline_batches(micro_batches: list[dict]) -> Iterator[tuple]:
+    """Micro-batches as the pipeline engine takes them: (first stage's inputs, last stage's labels)."""
+    return iter([((batch["input_ids"], batch["position_ids"]), batch["labels"]) for batch in micro_batches])
 
 
 def layer_specs(config: PretrainedConfig) -> list[LayerSpec]:

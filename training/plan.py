@@ -3,11 +3,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from deepspeed.runtime.utils import partition_balanced, partition_uniform
 from rich.console import Console
 from rich.table import Table
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerBase
-
-from deepspeed.runtime.utils import partition_balanced, partition_uniform
 
 from training.ds_config import zero_stage
 from training.recipe import Recipe

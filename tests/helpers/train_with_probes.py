@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import train  # noqa: E402
+from training.pipeline import pipeline_batches  # noqa: E402
 
 def kill_after_deepspeed_save(step: int) -> None:
     save = DeepSpeedEngine.save_checkpoint
@@ -46,8 +47,7 @@ def record_logits() -> None:
         batch = batches.micro_batches(0)[0]
         inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
         if isinstance(engine, PipelineEngine):
-            _, logits = engine.eval_batch(iter([((inputs["input_ids"], inputs["position_ids"]), batch["labels"])]),
-                                          return_logits=True, num_micro_batches=1)
+            _, logits = engine.eval_batch(pipeline_batches([batch]), return_logits=True, num_micro_batches=1)
             holder = engine.is_last_stage() and engine.grid.data_parallel_id == 0
         else:
             engine.eval()
