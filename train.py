@@ -2,6 +2,7 @@
 
     deepspeed [launcher args] train.py --recipe NAME_OR_DIR [--output-dir DIR] [--dry-run] [--resume] [key.path=value ...]
     python train.py --recipe tiny_llama training.max_steps=20      # one process, no launcher
+    python train.py --recipe llama2_7b --dry-run --num-gpus 8 --gpu-mem 80   # the plan for a machine you are not on
 
 The story: validate the recipe and DeepSpeed config (exit 2 on bad input) -> prepare the data
 (cached) -> build the model -> deepspeed.initialize -> train -> checkpoint and export to hf/.
@@ -10,6 +11,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import shutil
 import signal
 import sys
@@ -20,9 +22,11 @@ from itertools import islice
 from pathlib import Path
 
 import deepspeed
+import psutil
 import torch
 import torch.distributed as dist
 import yaml
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from data_pipeline import DataError
@@ -35,13 +39,18 @@ from training.checkpoint import (check_resume, export_hf, load_checkpoint, read_
 from training.ds_config import accumulation_steps, load_ds_config, resolve_ds_config, zero_stage
 from training.errors import ConfigError
 from training.export import export_checkpoint
-from training.metrics import MetricsLogger, peak_memory_bytes, print_summary
-from training.model import build_model, check_checkpoint_folder, check_recipe_against_model, load_model_config, load_tokenizer
+from training.flops import flops_per_token, peak_tflops
+from training.fp8 import convert_linears_to_fp8
+from training.metrics import (FlopsMeter, MetricsLogger, peak_memory_bytes, peak_reserved_bytes, print_summary,
+                              record_model_states)
+from training.model import (build_model, check_checkpoint_folder, check_checkpoint_matches, check_recipe_against_model,
+                            load_model_config, load_tokenizer)
 from training.optimizer import lr_schedule, weight_decay_groups
 from training.pipeline import TokenMeanLoss, build_pipeline, check_pipeline, pipeline_batches
-from training.plan import RunPlan, print_plan
+from training.plan import Machine, RunPlan, print_plan
 from training.precision import DTYPES, resolve_precision
 from training.recipe import load_recipe
+from training.shape import model_shape
 
 OUTPUT_ROOT = Path("outputs")
 RUN_FILES = ("metrics.jsonl", "summary.json", "resolved_recipe.yaml", "ds_config.json", "checkpoints", "hf", "tensorboard")
@@ -56,6 +65,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true", help="validate everything, print the plan, train nothing")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the output dir")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier run in the output dir")
+    parser.add_argument("--num-gpus", type=int, help="with --dry-run: plan for this many GPUs per node")
+    parser.add_argument("--num-nodes", type=int, default=1, help="with --dry-run and --num-gpus: nodes (default 1)")
+    parser.add_argument("--gpu-mem", type=float, metavar="GiB", help="with --dry-run: memory per GPU to fit into "
+                        "(default: this machine's)")
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # set by the launcher
     parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="e.g. training.max_steps=20")
     return parser.parse_intermixed_args(argv)  # overrides may come before or after the options
@@ -81,17 +94,29 @@ def check_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
                           f"replace it, or another --output-dir")
 
 
-def make_plan(args: argparse.Namespace) -> RunPlan:
-    """Every check that needs no model, data or process group: bad input fails here, fast."""
+def make_plan(args: argparse.Namespace, world_size: int | None = None) -> RunPlan:
+    """Every check that needs no model, data or process group: bad input fails here, fast. world_size:
+    the ranks to plan for (default: --num-gpus x --num-nodes, or the launcher's)."""
+    what_if = args.num_gpus is not None or args.gpu_mem is not None
+    if what_if and not args.dry_run:
+        raise ConfigError("--num-gpus, --num-nodes and --gpu-mem plan for another machine: use them with --dry-run "
+                          "(a run's ranks come from the deepspeed launcher)")
     recipe = load_recipe(args.recipe, args.overrides)
     if recipe.model.name_or_path:
         check_checkpoint_folder(recipe.model.name_or_path)
     model_config = load_model_config(recipe.model)
-    tokenizer = load_tokenizer(recipe.tokenizer_path, recipe.model.trust_remote_code)
-    check_recipe_against_model(recipe, model_config, len(tokenizer))
+    if recipe.model.config and recipe.model.name_or_path:
+        check_checkpoint_matches(model_config, recipe.model)
+    tokenizer = load_tokenizer(recipe.tokenizer_path, recipe.model.trust_remote_code, cached_only=args.dry_run)
+    check_recipe_against_model(recipe, model_config, len(tokenizer) if tokenizer else None)
     raw_ds_config, ds_config_path = load_ds_config(recipe)
-    precision = resolve_precision(recipe.precision, raw_ds_config)
-    world_size, stages = distributed.world_size(), recipe.parallelism.pipeline_stages
+    precision = resolve_precision(recipe.precision, raw_ds_config, for_gpus=args.num_gpus is not None)
+    if precision == "fp8" and zero_stage(raw_ds_config) == 0:
+        raise ConfigError(f"precision=fp8 with ZeRO-0 ({ds_config_path.name}): ZeRO-0 runs mixed precision as torch "
+                          f"autocast over fp32 weights, which this FP8 path does not support; use deepspeed.config=zero1, "
+                          f"zero2 or zero3")
+    world_size = world_size or (args.num_gpus * args.num_nodes if args.num_gpus else distributed.world_size())
+    stages = recipe.parallelism.pipeline_stages
     if stages > 1:
         check_pipeline(model_config, stages, zero_stage(raw_ds_config), world_size)
     ds_config = resolve_ds_config(raw_ds_config, ds_config_path, recipe, model_config.hidden_size, world_size // stages,
@@ -104,6 +129,23 @@ def make_plan(args: argparse.Namespace) -> RunPlan:
                      zero_stage(ds_config), precision, stages)
     return RunPlan(recipe, model_config, tokenizer, precision, ds_config, ds_config_path, world_size,
                    accumulation_steps(recipe.training, world_size // stages), output_dir)
+
+
+def planned_machine(args: argparse.Namespace, world_size: int) -> Machine:
+    """The GPUs (or CPU ranks) and memory per rank a dry run plans for: the --num-gpus/--gpu-mem what-if, or
+    this machine (its GPU's memory, or on a CPU its RAM shared by the ranks)."""
+    gpus_per_node = args.num_gpus or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    nodes = args.num_nodes if args.num_gpus else world_size // gpus_per_node
+    if args.gpu_mem is not None:
+        return Machine(gpus_per_node, nodes, args.gpu_mem * 2**30, "--gpu-mem")
+    if torch.cuda.is_available():
+        properties = torch.cuda.get_device_properties(0)
+        return Machine(gpus_per_node, nodes, properties.total_memory, properties.name)
+    if args.num_gpus:
+        raise ConfigError("--num-gpus plans for GPUs this machine does not have: give their memory too, "
+                          "e.g. --gpu-mem 80 for an H100 80GB")
+    return Machine(gpus_per_node, nodes, psutil.virtual_memory().total / gpus_per_node,
+                   f"this machine's RAM over {gpus_per_node} rank(s)")
 
 
 def start_output_dir(plan: RunPlan, overwrite: bool) -> None:
@@ -229,18 +271,18 @@ def pipeline_eval_sums(engine: PipelineEngine, batches: EvalBatches) -> tuple[fl
 
 
 def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: EvalBatches | None, plan: RunPlan,
-          start: dict, total_steps: int) -> dict:
+          start: dict, total_steps: int, flops: FlopsMeter | None) -> dict:
     """The loop: batch, forward/backward/step, log every N steps, evaluate every E, checkpoint every M, and
     on SIGTERM checkpoint and stop. Returns run totals."""
     recipe, start_step = plan.recipe, start["step"]
     logger = MetricsLogger(plan.output_dir, total_steps, start_step, recipe.logging.tensorboard, dist.get_rank() == 0)
-    records, timed_tokens, timed_seconds, tokens_seen = [], 0, 0.0, start["tokens_seen"]
-    interval_start, interval_tokens = time.perf_counter(), 0
+    records, timed_tokens, timed_steps, timed_seconds, tokens_seen = [], 0, 0, 0.0, start["tokens_seen"]
+    interval_start, interval_tokens, interval_steps = time.perf_counter(), 0, 0
     step = start_step
     for step in range(start_step + 1, total_steps + 1):
         lr = engine.get_lr()[0]
         loss_share, grad_norm, tokens, stop = train_step(engine, batches.micro_batches(step - 1), plan.dp_size)
-        interval_tokens += tokens
+        interval_tokens, interval_steps = interval_tokens + tokens, interval_steps + 1
         tokens_seen += tokens
         logger.advance()
         evaluate_now = evaluation is not None and (step == total_steps or (
@@ -251,13 +293,15 @@ def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: E
             peak = distributed.all_reduce(torch.tensor(peak_memory_bytes(), device=engine.device), dist.ReduceOp.MAX)
             loss = distributed.all_reduce(loss_share).item()
             records.append({"step": step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
-                            "tokens_per_s": interval_tokens / (now - interval_start), "peak_mem_bytes": int(peak.item())})
+                            "tokens_per_s": interval_tokens / (now - interval_start), "peak_mem_bytes": int(peak.item()),
+                            **gpu_metrics(flops, interval_steps, now - interval_start)})
             if step > start_step + 1:  # the first step pays for warm-up and is left out of the mean
-                timed_tokens, timed_seconds = timed_tokens + interval_tokens, timed_seconds + now - interval_start
+                timed_tokens, timed_steps = timed_tokens + interval_tokens, timed_steps + interval_steps
+                timed_seconds += now - interval_start
             if evaluate_now:
                 records[-1].update(evaluate(engine, evaluation))
             logger.log(records[-1])
-            interval_start, interval_tokens = time.perf_counter(), 0
+            interval_start, interval_tokens, interval_steps = time.perf_counter(), 0, 0
         every = recipe.checkpointing.every_steps
         if stop or (every and step % every == 0) or step == total_steps:
             save_checkpoint(engine, plan.output_dir / "checkpoints", run_state(plan, step, tokens_seen),
@@ -268,8 +312,42 @@ def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: E
     return {"last_step": step, "tokens_seen": tokens_seen, "first_loss": records[0]["loss"],
             "final_loss": records[-1]["loss"],
             "mean_tokens_per_s": timed_tokens / timed_seconds if timed_seconds else records[0]["tokens_per_s"],
+            **(flops.metrics(timed_steps, timed_seconds) if flops and timed_seconds else {}),
             "peak_mem_bytes": max(r["peak_mem_bytes"] for r in records),
+            **({"peak_mem_reserved_bytes": max(r["peak_mem_reserved_bytes"] for r in records)}
+               if "peak_mem_reserved_bytes" in records[0] else {}),
             **{key: records[-1][key] for key in ("eval_loss", "eval_perplexity") if key in records[-1]}}
+
+
+def gpu_metrics(flops: FlopsMeter | None, steps: int, seconds: float) -> dict:
+    """TFLOP/s, MFU and the allocator's peak reservation (max over the ranks): GPU runs only."""
+    if flops is None:
+        return {}
+    reserved = distributed.all_reduce(torch.tensor(peak_reserved_bytes(), device="cuda"), dist.ReduceOp.MAX)
+    return {**flops.metrics(steps, seconds), "peak_mem_reserved_bytes": int(reserved.item())}
+
+
+def flops_meter(plan: RunPlan) -> FlopsMeter | None:
+    """On NVIDIA GPUs, the FLOPs one step costs each GPU and the GPU's peak; on a CPU, None (tokens/s only)."""
+    if get_accelerator().device_name() != "cuda":
+        return None
+    recipe = plan.recipe
+    model, hardware = flops_per_token(model_shape(plan.model_config), recipe.data.seq_len,
+                                      recipe.activation_checkpointing)
+    tokens_per_gpu = recipe.training.global_batch_size * recipe.data.seq_len / plan.world_size
+    name = torch.cuda.get_device_name()
+    peak = recipe.logging.peak_tflops or peak_tflops(name)
+    if peak is None and dist.get_rank() == 0:
+        print(f"no bf16 peak known for {name}: MFU is not reported; set logging.peak_tflops=<dense bf16 TFLOP/s>",
+              file=sys.stderr)
+    return FlopsMeter(model * tokens_per_gpu, hardware * tokens_per_gpu, peak)
+
+
+def measured_model_states(held: dict[str, int]) -> dict[str, int] | None:
+    """The largest rank's model-state bytes per device type; None when the run had no second step to measure."""
+    devices = ("cuda", "cpu")
+    sizes = distributed.all_reduce_on_host([float(held.get(device, -1)) for device in devices], op=dist.ReduceOp.MAX)
+    return {device: int(size) for device, size in zip(devices, sizes) if size >= 0} or None
 
 
 def run_state(plan: RunPlan, step: int, tokens_seen: int) -> dict:
@@ -293,7 +371,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         return report(error)
     if args.dry_run:
-        print_plan(plan)
+        try:
+            print_plan(plan, planned_machine(args, plan.world_size))
+        except ConfigError as error:
+            return report(error)
         return 0
     distributed.init_distributed()
     try:
@@ -320,6 +401,10 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
                                recipe.model.attn_implementation)
     else:
         model = build_model(recipe, plan.model_config, plan.ds_config, plan.precision)
+    if plan.precision == "fp8":
+        converted = convert_linears_to_fp8(model, recipe.fp8, plan.model_config.vocab_size)
+        if dist.get_rank() == 0:
+            print(f"fp8 ({recipe.fp8.recipe} scaling): {len(converted)} linear layers; the rest stays bf16")
     engine, *_ = deepspeed.initialize(model=model, config=plan.ds_config,
                                       model_parameters=weight_decay_groups(model, training.weight_decay),
                                       lr_scheduler=lr_schedule(training, total_steps))
@@ -335,7 +420,10 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
         if start["step"] >= total_steps:
             return report(ConfigError(f"--resume: the checkpoint is at step {start['step']}; the recipe ends at "
                                       f"{total_steps} steps, so there is nothing left to train"))
-    totals = train(engine, batches, evaluation, plan, start, total_steps)
+    held_tensors = {}
+    record_model_states(engine.optimizer, 2, held_tensors)
+    totals = train(engine, batches, evaluation, plan, start, total_steps, flops_meter(plan))
+    totals["model_state_bytes"] = measured_model_states(held_tensors)
     if totals["last_step"] < total_steps:
         if dist.get_rank() == 0:
             print(f"stopped by SIGTERM after step {totals['last_step']} of {total_steps}; the checkpoint is saved: "

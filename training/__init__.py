@@ -1,1 +1,7 @@
 """Library code behind train.py: recipes, DeepSpeed configs, model building, metrics, checkpoints."""
+import logging
+
+# transformers imports torchao (precision: fp8) when it is installed; torchao then tries its prebuilt kernels for
+# other torch versions and warns, at every start, that they do not load. Its float8 training does not use them.
+for _name in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_name).setLevel(logging.ERROR)

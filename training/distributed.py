@@ -76,7 +76,7 @@ def host_group() -> dist.ProcessGroup | None:
     return None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
 
 
-def all_reduce_on_host(values: list[float]) -> list[float]:
+def all_reduce_on_host(values: list[float], op: dist.ReduceOp = dist.ReduceOp.SUM) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(tensor, group=host_group())
+    dist.all_reduce(tensor, op=op, group=host_group())
     return tensor.tolist()

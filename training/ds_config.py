@@ -104,6 +104,8 @@ def precision_sections(precision: str, stage: int, grad_accum_dtype: str) -> dic
     stage 0 mixed precision runs as DeepSpeed's torch_autocast: fp32 weights and gradients, matmuls
     in 16 bits. Memory per parameter is the same 16 bytes as DeepSpeed's bf16 path.
     """
+    if precision == "fp8":  # DeepSpeed's bf16 path; the linear layers' matmuls are FP8 (training/fp8.py)
+        precision = "bf16"
     half = precision in ("bf16", "fp16")
     if half and stage == 0 and grad_accum_dtype == "fp32":
         dtype = "bfloat16" if precision == "bf16" else "float16"

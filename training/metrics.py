@@ -1,6 +1,8 @@
 """What a run reports: a progress bar and a line every N steps, metrics.jsonl, TensorBoard and a summary."""
+import gc
 import json
 import resource
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,10 +18,70 @@ def peak_memory_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def peak_reserved_bytes() -> int | None:
+    """Peak GPU memory the caching allocator reserved (allocated + cached); None without a GPU."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_reserved()
+    return None
+
+
+def held_tensor_bytes(optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of every tensor this process holds, each storage once, by device type ('cuda', 'cpu').
+
+    Measured as the optimizer step starts (see record_model_states), when the activations are freed and the
+    weights, gradients, master weights and optimizer states all exist: the measured model-state memory. Found
+    through the garbage collector (every tensor with a Python object) plus the gradients of the optimizer's
+    parameters, which may have none."""
+    tensors = [obj for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor)]  # no __class__ lookups
+    tensors += [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    storages = {}
+    for tensor in tensors:
+        if tensor.device.type != "meta" and tensor.layout == torch.strided:
+            storage = tensor.untyped_storage()
+            storages[tensor.device.type, storage.data_ptr()] = storage.nbytes()
+    held = {}
+    for (device, _), size in storages.items():
+        held[device] = held.get(device, 0) + size
+    return held
+
+
+def record_model_states(optimizer: torch.optim.Optimizer, on_step: int, into: dict) -> None:
+    """Fill `into` with held_tensor_bytes at the start of the on_step-th optimizer step from now (the second
+    one, so that optimizers that create their states lazily at the first step have them)."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed's ZeRO and bf16 optimizers wrap a torch one
+    steps = [0]
+
+    def measure(*_) -> None:
+        steps[0] += 1
+        if steps[0] == on_step:
+            into.update(held_tensor_bytes(inner))
+            handle.remove()
+
+    handle = inner.register_step_pre_hook(measure)
+
+
+@dataclass(frozen=True)
+class FlopsMeter:
+    """TFLOP/s per GPU and MFU over a stretch of steps (the formula is in training/flops.py)."""
+    model_flops_per_step: float  # per GPU
+    hardware_flops_per_step: float  # per GPU, recomputation included
+    peak_tflops: float | None  # None: a GPU not in the table and no logging.peak_tflops
+
+    def metrics(self, steps: int, seconds: float) -> dict:
+        tflops = self.model_flops_per_step * steps / seconds / 1e12
+        metrics = {"tflops": tflops, "hardware_tflops": self.hardware_flops_per_step * steps / seconds / 1e12}
+        if self.peak_tflops:
+            metrics["mfu"] = tflops / self.peak_tflops
+        return metrics
+
+
 def format_line(record: dict, total_steps: int) -> str:
     return (f"step {record['step']:>{len(str(total_steps))}}/{total_steps}  loss {record['loss']:.4f}  "
             f"lr {record['lr']:.2e}  grad_norm {record['grad_norm']:.3f}  "
-            f"{record['tokens_per_s']:,.0f} tokens/s  peak mem {record['peak_mem_bytes'] / 2**30:.2f} GiB"
+            f"{record['tokens_per_s']:,.0f} tokens/s  "
+            + (f"{record['tflops']:.1f} TFLOP/s  " if "tflops" in record else "")
+            + (f"MFU {record['mfu']:.1%}  " if "mfu" in record else "")
+            + f"peak mem {record['peak_mem_bytes'] / 2**30:.2f} GiB"
             + (f"  eval loss {record['eval_loss']:.4f} (perplexity {record['eval_perplexity']:.1f})"
                if "eval_loss" in record else ""))
 
@@ -78,7 +140,13 @@ def print_summary(summary: dict) -> None:
           if "eval_loss" in summary else []),
         ("tokens seen", f"{summary['tokens_seen']:,}"),
         ("mean tokens/s (after step 1)", f"{summary['mean_tokens_per_s']:,.0f}"),
+        *([("TFLOP/s per GPU (model / with recomputation)", f"{summary['tflops']:.1f} / "
+            f"{summary['hardware_tflops']:.1f}")] if "tflops" in summary else []),
+        *([("MFU", f"{summary['mfu']:.1%}")] if "mfu" in summary else []),
         ("peak memory per rank", f"{summary['peak_mem_bytes'] / 2**30:.2f} GiB"),
+        *([("model states per rank (measured)", ", ".join(f"{size / 2**30:.2f} GiB on {device}" for device, size
+                                                          in summary["model_state_bytes"].items()))]
+          if summary.get("model_state_bytes") else []),
         ("wall time", f"{summary['wall_time_s']:.0f} s"),
         ("output", summary["output_dir"]),
     ]

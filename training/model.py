@@ -23,33 +23,64 @@ def load_model_config(section: ModelSection) -> PretrainedConfig:
         raise ConfigError(f"model.config_overrides: {', '.join(unknown)} not in {type(config).__name__} "
                           f"(from {source}); check the spelling against its config.json")
     config.update(section.config_overrides)
-    config.use_cache = False  # no KV cache while training
+    layer_types = getattr(config, "layer_types", None)  # one entry per layer, derived when a config is built (Qwen2)
+    if layer_types and len(layer_types) != config.num_hidden_layers and "layer_types" not in section.config_overrides:
+        config = type(config).from_dict({k: v for k, v in config.to_dict().items() if k != "layer_types"})
+    # No KV cache while training; and with use_cache=True transformers stops deriving each document's attention
+    # mask from position_ids, so packed documents would attend to each other.
+    config.use_cache = False
     return config
 
 
-def check_recipe_against_model(recipe: Recipe, config: PretrainedConfig, vocab_size: int) -> None:
+def check_recipe_against_model(recipe: Recipe, config: PretrainedConfig, vocab_size: int | None) -> None:
     problems = []
     max_positions = getattr(config, "max_position_embeddings", None)
     if max_positions is not None and recipe.data.seq_len > max_positions:
         problems.append(f"data.seq_len={recipe.data.seq_len} is longer than the model's max_position_embeddings="
                         f"{max_positions}; lower data.seq_len")
-    if vocab_size > config.vocab_size:
+    if vocab_size is not None and vocab_size > config.vocab_size:
         problems.append(f"the tokenizer ({recipe.tokenizer_path}) has {vocab_size} tokens but the model's "
                         f"vocab_size is {config.vocab_size}; use the model's own tokenizer")
     if problems:
         raise ConfigError(f"{recipe.path}:\n" + "\n".join(f"  {p}" for p in problems))
 
 
-def load_tokenizer(name_or_path: str, trust_remote_code: bool) -> PreTrainedTokenizerBase:
+def load_tokenizer(name_or_path: str, trust_remote_code: bool, cached_only: bool = False) -> PreTrainedTokenizerBase | None:
     """The tokenizer, with a pad token: padded rows (bfd, none) and the exported folder need one. Without
-    its own, EOS pads (padding is never a target, so the model is not taught to stop there)."""
+    its own, EOS pads (padding is never a target, so the model is not taught to stop there).
+
+    cached_only (a dry run): a hub tokenizer that is not in the local cache is None, not a download."""
+    hub_id = not Path(name_or_path).is_absolute()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
+                                                  local_files_only=cached_only)
     except (OSError, ValueError) as error:
+        if cached_only and hub_id:
+            return None
         raise ConfigError(f"tokenizer: cannot load a tokenizer from {name_or_path}: {error}") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     return tokenizer
+
+
+# Config keys that decide the weights' shapes: a shipped model.config must agree with the checkpoint on them.
+SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "tie_word_embeddings")
+
+
+def check_checkpoint_matches(config: PretrainedConfig, section: ModelSection) -> None:
+    """A recipe that ships the architecture (model.config) and names a local checkpoint (model.name_or_path):
+    both must describe the same shapes. (A hub checkpoint is checked when its weights load.)"""
+    folder = Path(section.name_or_path)
+    if not folder.is_dir():
+        return
+    checkpoint = AutoConfig.from_pretrained(folder, trust_remote_code=section.trust_remote_code)
+    differ = [f"{key} {getattr(checkpoint, key, None)} vs {getattr(config, key, None)}" for key in SHAPE_KEYS
+              if getattr(checkpoint, key, None) != getattr(config, key, None)]
+    if differ:
+        raise ConfigError(f"model.name_or_path={folder} is another architecture than model.config="
+                          f"{section.config} ({'; '.join(differ)}): set model.config=null to take the checkpoint's "
+                          f"own config, or point model.name_or_path at a checkpoint of this model")
 
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -92,5 +123,5 @@ def build_model(recipe: Recipe, config: PretrainedConfig, ds_config: dict, preci
     else:
         model = AutoModelForCausalLM.from_config(dtype=torch.float32, **options)
     if recipe.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model

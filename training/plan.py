@@ -1,15 +1,20 @@
-"""`--dry-run`: the run's plan (batch arithmetic, parameter count, memory per rank by ZeRO stage) with nothing built."""
+"""`--dry-run`: the run's plan with nothing built: batch arithmetic, parameter count, FLOPs per token, memory
+per rank under each ZeRO setting (model states and activations) and whether it fits, per pipeline stage too."""
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from deepspeed.runtime.utils import partition_balanced, partition_uniform
 from rich.console import Console
 from rich.table import Table
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from training.ds_config import zero_stage
+from training.flops import flops_per_token
+from training.memory import (HEADROOM, ZERO_SETTINGS, Activations, ModelStates, activation_bytes, model_states,
+                             zero_arithmetic, zero_setting)
+from training.precision import DTYPES
 from training.recipe import Recipe
+from training.shape import ModelShape, model_shape
 
 
 @dataclass
@@ -17,7 +22,7 @@ class RunPlan:
     """Everything decided before anything expensive runs."""
     recipe: Recipe
     model_config: PretrainedConfig
-    tokenizer: PreTrainedTokenizerBase
+    tokenizer: PreTrainedTokenizerBase | None  # None only in a dry run whose hub tokenizer is not cached here
     precision: str
     ds_config: dict
     ds_config_path: Path
@@ -39,22 +44,13 @@ class RunPlan:
         return self.world_size // self.pipeline_stages
 
 
-def count_parameters(config: PretrainedConfig) -> int:
-    """Parameters of the model the config describes, built on the meta device (no memory, no weights)."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters())
-
-
-def pipeline_layer_parameters(config: PretrainedConfig) -> list[int]:
-    """Parameters of each pipeline layer (training/pipeline.py): embedding, decoder layers, final norm, LM
-    head (a tied head is the embedding again, held by the last stage too)."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
-    embedding = count(model.get_input_embeddings())
-    return [embedding, *(count(layer) for layer in model.model.layers), count(model.model.norm),
-            embedding if config.tie_word_embeddings else count(model.get_output_embeddings())]
+@dataclass(frozen=True)
+class Machine:
+    """What the plan is for: this machine's ranks, or a --num-gpus/--num-nodes/--gpu-mem what-if."""
+    gpus_per_node: int
+    nodes: int
+    memory_per_rank: float  # bytes
+    memory_source: str
 
 
 def stage_bounds(layer_parameters: list[int], stages: int, method: str) -> list[int]:
@@ -64,59 +60,110 @@ def stage_bounds(layer_parameters: list[int], stages: int, method: str) -> list[
     return partition_balanced(layer_parameters, stages)
 
 
-def model_state_bytes(params: int, stage: int, ranks: int, precision: str) -> float:
-    """Per-rank bytes of weights + gradients + AdamW states (ZeRO paper arithmetic).
-
-    Mixed precision keeps 16-bit weights and gradients (2 + 2 bytes) and fp32 master weights, momentum
-    and variance (12 bytes); fp32 keeps 4 + 4 + 8. ZeRO-1 shards the optimizer states over the ranks,
-    ZeRO-2 the gradients too, ZeRO-3 the weights too. (ZeRO-0 mixed precision runs as torch autocast:
-    4 + 4 + 8, the same 16 bytes.)"""
-    weights, grads, optimizer = (2, 2, 12) if precision in ("bf16", "fp16") else (4, 4, 8)
-    shard = [(1, 1, 1), (1, 1, ranks), (1, ranks, ranks), (ranks, ranks, ranks)][stage]
-    return params * (weights / shard[0] + grads / shard[1] + optimizer / shard[2])
-
-
 def format_bytes(count: float) -> str:
     return f"{count / 2**30:,.2f} GiB" if count >= 2**30 else f"{count / 2**20:,.1f} MiB"
 
 
-def print_plan(plan: RunPlan) -> None:
+def fits(total_without: float, total_with: float, memory: float) -> str:
+    if total_without <= HEADROOM * memory:
+        return "yes"
+    return "with checkpointing" if total_with <= HEADROOM * memory else "no"
+
+
+def activations(plan: RunPlan, shape: ModelShape, **stage) -> Activations | None:
+    training = plan.recipe.training
+    return activation_bytes(shape, training.micro_batch_size * plan.recipe.data.seq_len, plan.recipe.data.seq_len,
+                            DTYPES.get(plan.precision, DTYPES["bf16"]).itemsize, plan.recipe.model.attn_implementation,
+                            **stage)
+
+
+def print_plan(plan: RunPlan, machine: Machine) -> None:
     recipe, training = plan.recipe, plan.recipe.training
-    params = count_parameters(plan.model_config)
-    ranks = plan.dp_size
+    shape = model_shape(plan.model_config)
     print(f"{recipe.name} ({recipe.path})")
     print(f"model: {recipe.model.config or recipe.model.name_or_path} ({type(plan.model_config).__name__}), "
-          f"{params:,} parameters")
-    print(f"batch: {training.micro_batch_size} rows/rank x {plan.accumulation_steps} accumulation x {ranks} ranks = "
-          f"{training.global_batch_size} rows x {recipe.data.seq_len} tokens = "
+          f"{shape.parameters:,} parameters ({shape.matmul_parameters:,} in matrix multiplies)")
+    if plan.tokenizer is None:
+        print(f"tokenizer: {recipe.tokenizer_path} is not in the local Hugging Face cache; not checked here "
+              f"(the run downloads it)")
+    print(f"batch: {training.micro_batch_size} rows/rank x {plan.accumulation_steps} accumulation x {plan.dp_size} "
+          f"ranks = {training.global_batch_size} rows x {recipe.data.seq_len} tokens = "
           f"{training.global_batch_size * recipe.data.seq_len:,} tokens per step")
     print(f"DeepSpeed: {plan.ds_config_path.name} (ZeRO-{plan.zero_stage}), precision {plan.precision}, "
           f"activation checkpointing {'on' if recipe.activation_checkpointing else 'off'}")
-    print(f"weights + gradients + AdamW per rank, {ranks} data-parallel rank(s), whole model:")
-    table = Table()
-    table.add_column("ZeRO stage")
-    table.add_column("model states", justify="right")
-    for stage in range(4):
-        marker = " (this run)" if stage == plan.zero_stage else ""
-        table.add_row(f"{stage}{marker}", format_bytes(model_state_bytes(params, stage, ranks, plan.precision)))
-    Console(width=100).print(table)
+    model_flops, hardware_flops = flops_per_token(shape, recipe.data.seq_len, recipe.activation_checkpointing)
+    print(f"training FLOPs per token: {model_flops:.3e} (6N + attention), {hardware_flops:.3e} with recomputation")
     if plan.pipeline_stages > 1:
-        print_pipeline_plan(plan)
+        print_pipeline_plan(plan, shape, machine)
+    else:
+        print_memory_plan(plan, shape, machine)
     print(f"output: {plan.output_dir}")
 
 
-def print_pipeline_plan(plan: RunPlan) -> None:
-    layers = pipeline_layer_parameters(plan.model_config)
-    bounds = stage_bounds(layers, plan.pipeline_stages, plan.recipe.parallelism.partition_method)
-    print(f"pipeline: {plan.pipeline_stages} stages x {plan.dp_size} data-parallel rank(s), partitioned by "
-          f"{plan.recipe.parallelism.partition_method}; per rank of each stage, ZeRO-{plan.zero_stage} over the "
-          f"data-parallel ranks:")
+def print_memory_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> None:
+    """Model states per ZeRO setting over the data-parallel ranks, plus one micro-batch's activations."""
+    acts = activations(plan, shape)
+    current = zero_setting(plan.ds_config)
+    print(f"memory per rank, {machine.gpus_per_node} GPU(s) x {machine.nodes} node(s), micro-batch "
+          f"{plan.recipe.training.micro_batch_size} x {plan.recipe.data.seq_len} tokens; fits = within "
+          f"{HEADROOM:.0%} of {format_bytes(machine.memory_per_rank)} ({machine.memory_source}):")
+    if acts:
+        print(f"activations: {format_bytes(acts.without_checkpointing)} without checkpointing, "
+              f"{format_bytes(acts.with_checkpointing)} with")
+    else:
+        print(f"activations: no estimate for model type {shape.model_type}")
     table = Table()
-    for column in ("stage", "layers", "parameters", "model states per rank"):
-        table.add_column(column, justify="left" if column == "stage" else "right")
-    for stage in range(plan.pipeline_stages):
+    for column in ("ZeRO", "model states", "CPU per node", "estimated by", "+ activations", "+ act. (ckpt)", "fits"):
+        table.add_column(column, justify="left" if column in ("ZeRO", "estimated by", "fits") else "right")
+    for setting in ZERO_SETTINGS:
+        if plan.precision == "fp32" and setting.endswith("_offload"):
+            continue  # DeepSpeed's offload runs keep 16-bit weights on the GPU
+        states = model_states(setting, shape, machine.gpus_per_node, machine.nodes, plan.precision,
+                              zero_init=plan.recipe.model.name_or_path is not None)
+        marker = " (this run)" if setting == current else ""
+        totals = [states.device_bytes + acts.peak(ckpt) for ckpt in (False, True)] if acts else None
+        table.add_row(setting.replace("_", " + ") + marker, format_bytes(states.device_bytes),
+                      format_bytes(states.host_bytes) if states.host_bytes else "-", states.source,
+                      *([format_bytes(total) for total in totals] if totals else ["?", "?"]),
+                      fits(*totals, machine.memory_per_rank) if totals else "?")
+    Console(width=140).print(table)
+
+
+def print_pipeline_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> None:
+    """Per stage: its layers, parameters, model states (ZeRO-0/1 over the data-parallel ranks; the pipeline
+    engine supports no more) and activations of the micro-batches in flight: with DeepSpeed's 1F1B schedule
+    stage k holds up to (stages - k) of them."""
+    layers = shape.pipeline_layer_parameters
+    stages, method = plan.pipeline_stages, plan.recipe.parallelism.partition_method
+    bounds = stage_bounds(layers, stages, method)
+    print(f"pipeline: {stages} stages x {plan.dp_size} data-parallel rank(s), partitioned by {method}; per rank "
+          f"of each stage, ZeRO-{plan.zero_stage} over the data-parallel ranks; fits = within {HEADROOM:.0%} of "
+          f"{format_bytes(machine.memory_per_rank)} ({machine.memory_source}):")
+    table = Table()
+    for column in ("stage", "layers", "parameters", "model states", "+ activations", "+ act. (ckpt)", "fits"):
+        table.add_column(column, justify="left" if column in ("stage", "fits") else "right")
+    for stage in range(stages):
         start, end = bounds[stage], bounds[stage + 1]
         params = sum(layers[start:end])
-        table.add_row(str(stage), f"{start}-{end - 1}", f"{params:,}",
-                      format_bytes(model_state_bytes(params, plan.zero_stage, plan.dp_size, plan.precision)))
-    Console(width=100).print(table)
+        states = zero_arithmetic(params, plan.zero_stage, plan.dp_size, plan.precision)
+        decoder_layers = sum(1 <= index <= shape.num_layers for index in range(start, end))
+        acts = activations(plan, shape, layers=decoder_layers, with_head=stage == stages - 1)
+        in_flight = min(stages - stage, plan.accumulation_steps)
+        totals = [states + in_flight * acts.peak(ckpt) for ckpt in (False, True)] if acts else None
+        table.add_row(str(stage), f"{start}-{end - 1}", f"{params:,}", format_bytes(states),
+                      *([format_bytes(total) for total in totals] if totals else ["?", "?"]),
+                      fits(*totals, machine.memory_per_rank) if totals else "?")
+    Console(width=140).print(table)
+
+
+def planned_model_states(plan: RunPlan) -> ModelStates:
+    """The run's model-state estimate per rank: its ZeRO setting over its data-parallel ranks (one node), or
+    with pipeline stages the largest stage's share. ValueError where there is no estimate (offload in fp32)."""
+    shape = model_shape(plan.model_config)
+    if plan.pipeline_stages == 1:
+        return model_states(zero_setting(plan.ds_config), shape, plan.world_size, 1, plan.precision,
+                            zero_init=plan.recipe.model.name_or_path is not None)
+    layers = shape.pipeline_layer_parameters
+    bounds = stage_bounds(layers, plan.pipeline_stages, plan.recipe.parallelism.partition_method)
+    largest = max(sum(layers[start:end]) for start, end in zip(bounds, bounds[1:]))
+    return ModelStates(zero_arithmetic(largest, plan.zero_stage, plan.dp_size, plan.precision), 0.0, "ZeRO arithmetic")

@@ -3,8 +3,10 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from training.errors import ConfigError
+from training.fp8 import check_fp8_hardware
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+          "fp8": torch.bfloat16}  # fp8: BF16 weights and activations, FP8 matmuls in the linear layers
 
 
 def device_type() -> str:
@@ -16,17 +18,20 @@ def bf16_is_native() -> bool:
     return device_type() == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
 
 
-def resolve_precision(requested: str, ds_config: dict) -> str:
+def resolve_precision(requested: str, ds_config: dict, for_gpus: bool = False) -> str:
     """`auto` follows a DeepSpeed config that enables bf16 or fp16 outright; otherwise bf16 where the
-    hardware computes it natively and fp32 elsewhere (bf16 on a CPU is emulated and slower)."""
+    hardware computes it natively and fp32 elsewhere (bf16 on a CPU is emulated and slower).
+    for_gpus: a plan for NVIDIA GPUs that this machine may not have (dry run with --num-gpus)."""
     if requested == "auto":
         for name in ("bf16", "fp16"):
             if ds_config.get(name, {}).get("enabled") is True:
                 requested = name
                 break
         else:
-            return "bf16" if bf16_is_native() else "fp32"
-    if requested == "fp16" and device_type() != "cuda":
+            return "bf16" if for_gpus or bf16_is_native() else "fp32"
+    if requested == "fp8" and not for_gpus:
+        check_fp8_hardware()
+    if requested == "fp16" and device_type() != "cuda" and not for_gpus:
         raise ConfigError(f"precision=fp16 needs an NVIDIA GPU: DeepSpeed refuses fp16 on its {device_type()} "
                           f"accelerator. Use precision=bf16 or precision=fp32 here.")
     return requested

@@ -32,17 +32,20 @@ HubIdOrPath = Annotated[str, AfterValidator(local_path_or_hub_id)]
 
 
 class ModelSection(StrictModel):
-    config: LocalPath | None = None  # architecture (config.json or its folder) to train from scratch
-    name_or_path: HubIdOrPath | None = None  # checkpoint to fine-tune: hub id or local folder
+    """`config` alone trains from scratch; `name_or_path` alone fine-tunes a checkpoint; both: the weights come
+    from `name_or_path` and the shipped `config` (the same architecture) lets --dry-run and the checks run
+    without downloading anything."""
+    config: LocalPath | None = None  # architecture: a config.json or its folder
+    name_or_path: HubIdOrPath | None = None  # checkpoint to start from: hub id or local folder
     config_overrides: dict[str, Any] = {}  # e.g. {num_hidden_layers: 2} to shrink a model for a smoke test
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     trust_remote_code: bool = False  # run Python code shipped with a hub checkpoint: only for checkpoints you trust
 
     @model_validator(mode="after")
     def one_source(self) -> "ModelSection":
-        if (self.config is None) == (self.name_or_path is None):
-            raise ValueError("set exactly one of model.config (an architecture to train from scratch) and "
-                             "model.name_or_path (a checkpoint to start from)")
+        if self.config is None and self.name_or_path is None:
+            raise ValueError("set model.config (an architecture to train from scratch), model.name_or_path (a "
+                             "checkpoint to start from), or both (the checkpoint's architecture, shipped)")
         return self
 
 
@@ -85,6 +88,13 @@ class ParallelismSection(StrictModel):
     partition_method: Literal["parameters", "uniform"] = "parameters"  # balance stages by parameters or by layers
 
 
+class Fp8Section(StrictModel):
+    """precision: fp8 only (training/fp8.py)."""
+    recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"  # torchao's scaling recipes
+    lm_head: bool = False  # also the LM head in FP8 (kept in BF16 by default: its logits feed the loss directly)
+    exclude: list[str] = []  # module names (fnmatch patterns) kept in BF16, e.g. ["model.layers.0.*"]
+
+
 class CheckpointingSection(StrictModel):
     every_steps: PositiveInt | None = None  # None: only at the end
     keep_last: PositiveInt | None = None  # None: keep every checkpoint
@@ -93,6 +103,7 @@ class CheckpointingSection(StrictModel):
 class LoggingSection(StrictModel):
     every_steps: PositiveInt = 10
     tensorboard: bool = False
+    peak_tflops: PositiveFloat | None = None  # the GPU's dense bf16 peak that MFU divides by; default: training/flops.py
 
 
 class Recipe(StrictModel):
@@ -101,7 +112,8 @@ class Recipe(StrictModel):
     data: DataConfig
     training: TrainingSection
     deepspeed: DeepSpeedSection = DeepSpeedSection()
-    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    precision: Literal["auto", "bf16", "fp16", "fp32", "fp8"] = "auto"
+    fp8: Fp8Section = Fp8Section()
     activation_checkpointing: bool = False
     parallelism: ParallelismSection = ParallelismSection()
     checkpointing: CheckpointingSection = CheckpointingSection()

@@ -13,6 +13,12 @@ def test_config_overrides_shrink_the_model():
     assert (config.num_hidden_layers, config.hidden_size, config.use_cache) == (2, 64, False)
 
 
+def test_config_overrides_rederive_per_layer_values():
+    recipe = load_recipe("qwen2_5_1_5b", ["model.config_overrides={num_hidden_layers: 3}"])
+    config = load_model_config(recipe.model)
+    assert config.num_hidden_layers == 3 and config.layer_types == ["full_attention"] * 3
+
+
 def test_unknown_config_override_is_an_error():
     recipe = load_recipe("tiny_llama", ["model.config_overrides={num_layers: 2}"])
     with pytest.raises(ConfigError, match="model.config_overrides: num_layers not in LlamaConfig"):

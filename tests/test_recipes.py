@@ -1,0 +1,142 @@
+"""Every shipped model recipe (tiny_llama and tiny_llama_sft have tests of their own): its config.json is the
+published architecture, its model family keeps attention inside each document of a packed row, its
+full-size plan fits the hardware it is written for, and the recipe itself trains on CPU with the model
+shrunk and local data in place of the hub."""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+import train
+from data_pipeline.pack import pack_concat
+from tests.conftest import REPO, run_train
+from training.model import load_model_config
+from training.recipe import available_recipes, load_recipe
+
+RECIPES = [name for name in available_recipes() if name not in ("tiny_llama", "tiny_llama_sft")]
+
+# Parameter counts of the published checkpoints (tied embeddings counted once).
+PUBLISHED_PARAMETERS = {
+    "llama2_7b": 6_738_415_616,  # meta-llama/Llama-2-7b-hf
+    "llama2_7b_sft": 6_738_415_616,  # the same checkpoint
+    "llama3_8b": 8_030_261_248,  # meta-llama/Meta-Llama-3-8B
+    "mistral_7b": 7_241_732_096,  # mistralai/Mistral-7B-v0.1
+    "qwen2_5_1_5b": 1_543_714_304,  # Qwen/Qwen2.5-1.5B
+    "gpt2": 124_439_808,  # openai-community/gpt2
+}
+
+# The GPUs each recipe is written for (its header and README): H100s, 80 GB.
+TARGET_GPUS = {"llama2_7b": 8, "llama2_7b_sft": 8, "llama3_8b": 8, "mistral_7b": 8, "qwen2_5_1_5b": 1, "gpt2": 1}
+
+TINY_TOKENIZER = str(REPO / "recipes/tiny_llama/tokenizer")  # 4,096 tokens: fits every model's vocabulary
+
+
+def model_config(name: str):
+    """The architecture a recipe trains: its shipped config.json with the recipe's own overrides."""
+    recipe = load_recipe(name)
+    assert recipe.model.config, f"{name}: ship the checkpoint's config.json as model.config"
+    return load_model_config(recipe.model)
+
+
+def small_sizes(config) -> dict:
+    """The recipe's model family at 2 layers of width 64 over tiny_llama's 4,096-token tokenizer."""
+    if config.model_type == "gpt2":
+        sizes = {"n_layer": 2, "n_embd": 64, "n_head": 4}
+    else:
+        sizes = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                 "num_key_value_heads": 2}
+        if hasattr(config, "head_dim"):  # Llama and Mistral keep a head_dim; Qwen2 derives it
+            sizes["head_dim"] = 16
+    return sizes | {"vocab_size": 4096, "bos_token_id": 1, "eos_token_id": 2}
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_config_has_the_published_parameter_count(name):
+    assert name in PUBLISHED_PARAMETERS, f"add {name}'s published parameter count to PUBLISHED_PARAMETERS"
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config(name))
+    assert sum(p.numel() for p in model.parameters()) == PUBLISHED_PARAMETERS[name]
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_packed_documents_do_not_attend_to_each_other(name):
+    """The recipe's model family (Llama, Mistral, Qwen2, GPT-2) on a packed row: every document gets the
+    per-token loss it has alone, because the position ids restart at each document."""
+    config = model_config(name)
+    config.update(small_sizes(config) | {"use_cache": False})  # as training builds it (training/model.py)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,  # not the config's torch_dtype
+                                             attn_implementation=load_recipe(name).model.attn_implementation).eval()
+    rng = np.random.default_rng(0)
+    lengths = np.array([7, 12, 5, 9])
+    documents = [rng.integers(4, 4096, size=n) for n in lengths]
+    rows = pack_concat(np.concatenate(documents), lengths, seq_len=int(lengths.sum()))
+    row = {key: torch.from_numpy(rows[key][0]).long() for key in ("input_ids", "labels", "position_ids")}
+
+    def per_token_loss(input_ids, position_ids, labels):
+        logits = model(input_ids=input_ids[None], position_ids=position_ids[None]).logits[0]
+        return F.cross_entropy(logits[:-1].float(), labels[1:], ignore_index=-100, reduction="none")
+
+    with torch.no_grad():
+        packed = per_token_loss(row["input_ids"], row["position_ids"], row["labels"])
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        for document, start in zip(documents, starts):
+            ids = torch.from_numpy(document).long()
+            alone = per_token_loss(ids, torch.arange(len(ids)), ids)
+            torch.testing.assert_close(packed[start:start + len(ids) - 1], alone, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_full_size_plan_fits_the_target_gpus(name, capsys, tmp_path):
+    """--dry-run of the recipe as shipped, for its target GPUs, offline: the shipped config.json plans the
+    model, and the hub tokenizer (not in the cache here) is left for the real run to download."""
+    assert name in TARGET_GPUS, f"add the number of GPUs {name} is written for to TARGET_GPUS"
+    args = ["--recipe", name, "--dry-run", "--num-gpus", str(TARGET_GPUS[name]), "--gpu-mem", "80",
+            "--output-dir", str(tmp_path)]
+    assert train.main(args) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert f"{PUBLISHED_PARAMETERS[name]:,} parameters" in out
+    row = next(line for line in out.splitlines() if "(this run)" in line)
+    fits = row.strip("│ ").split("│")[-1].strip()  # the memory table's last column for the recipe's ZeRO stage
+    assert fits == "yes" or (fits == "with checkpointing" and load_recipe(name).activation_checkpointing), row
+
+
+def local_data(name: str) -> list[str]:
+    """The repository's own files in place of the hub data sets: chat for SFT recipes, text for pretraining."""
+    recipe = load_recipe(name)
+    if any(source.messages_field for source in recipe.data.sources):
+        return ["data.sources=[{path: recipes/tiny_llama_sft/chat.jsonl, messages_field: messages}]",
+                "data.seq_len=256", "data.num_proc=1"]  # 256: an assistant reply inside every row
+    return ["data.sources=[{path: recipes/tiny_llama/corpus.jsonl}]", "data.seq_len=64", "data.num_proc=1"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_trains_two_steps_on_cpu(name, tmp_path, data_cache):
+    """The recipe as shipped (its packing, streaming, evaluation, ZeRO stage, schedule), 2 steps in one
+    process: only the model size, the data files, the batch and the precision are changed."""
+    recipe = load_recipe(name)
+    out = tmp_path / "run"
+    # one key at a time, so that the recipe's own overrides (gpt2: no dropout) stay
+    shrink = [f"model.config_overrides.{key}={json.dumps(value)}"
+              for key, value in small_sizes(model_config(name)).items()]
+    steps = ["training.epochs=null"] if recipe.training.epochs else []
+    result = run_train(["--recipe", name, "--output-dir", str(out), data_cache, *shrink, *local_data(name),
+                        "model.name_or_path=null", f"tokenizer.name_or_path={TINY_TOKENIZER}", *steps,
+                        "training.max_steps=2", "training.micro_batch_size=2", "training.global_batch_size=2",
+                        "precision=fp32"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and math.isfinite(summary["final_loss"])
+    ds_config = json.loads((REPO / "ds_configs" / f"{recipe.deepspeed.config}.json").read_text())
+    assert summary["zero_stage"] == ds_config["zero_optimization"]["stage"]
+    if recipe.data.eval.fraction or recipe.data.eval.sources:
+        assert math.isfinite(summary["eval_loss"])
+    exported = json.loads((out / "hf" / "config.json").read_text())
+    assert exported["model_type"] == model_config(name).model_type
+    assert {key: exported[key] for key in recipe.model.config_overrides} == recipe.model.config_overrides
+    assert (out / "hf" / "model.safetensors").is_file()

@@ -1,0 +1,67 @@
+"""tools/compare_zero.py on 2 CPU ranks: every stage through the real launcher, one table, one CSV, one picture."""
+import csv
+import sys
+
+import pytest
+
+from tests.conftest import REPO, SMALL_MODEL
+
+sys.path.insert(0, str(REPO / "tools"))
+import compare_zero  # noqa: E402
+
+
+def read_rows(output_dir):
+    with (output_dir / "comparison.csv").open() as file:
+        return {row["stage"]: row for row in csv.DictReader(file)}
+
+
+@pytest.fixture
+def one_thread_per_rank(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+@pytest.mark.slow
+def test_compare_stages_on_tiny_llama(tmp_path, data_cache, monkeypatch, one_thread_per_rank):
+    """Losses agree across ZeRO 0-3, ZeRO-3 holds less model state per rank than ZeRO-0, and a stage that fails
+    (here ZeRO-1, made to fail as an out-of-memory run would) is a row with its error while the others run."""
+    launch = compare_zero.run_stage
+
+    def run_or_fail(args, stage, output_dir):
+        return "exit 1: torch.OutOfMemoryError: (made to fail by the test)" if stage == "1" else launch(args, stage,
+                                                                                                        output_dir)
+
+    monkeypatch.setattr(compare_zero, "run_stage", run_or_fail)
+    out = tmp_path / "compare"
+    assert compare_zero.main(["--recipe", "tiny_llama", "--stages", "0,1,2,3", "--num-gpus", "2", "--steps", "4",
+                              "--output-dir", str(out), SMALL_MODEL, data_cache, "training.warmup_steps=1"]) == 0
+    rows = read_rows(out)
+    assert [rows[stage]["status"] for stage in "0123"] == ["ok", "failed", "ok", "ok"]
+    assert "OutOfMemoryError" in rows["1"]["error"]
+    for stage in "023":
+        assert float(rows[stage]["max_loss_diff"]) < 1e-4  # fp32: ZeRO stages reorder sums only
+        assert float(rows[stage]["tokens_per_s"]) > 0 and float(rows[stage]["final_loss"]) > 0
+        assert float(rows[stage]["estimated_model_states_bytes"]) > 0
+    assert float(rows["0"]["max_loss_diff"]) == 0.0
+    assert float(rows["3"]["model_states_bytes"]) < 0.7 * float(rows["0"]["model_states_bytes"])
+    assert float(rows["3"]["estimated_model_states_bytes"]) < float(rows["0"]["estimated_model_states_bytes"])
+    table = (out / "comparison.md").read_text()
+    assert "| 1 | failed: exit 1: torch.OutOfMemoryError" in table and "| 3 |" in table
+    assert (out / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "zero3" / "summary.json").is_file() and (out / "zero3.log").is_file()
+
+
+@pytest.mark.slow
+def test_compare_understands_pipeline_stages(tmp_path, data_cache, one_thread_per_rank):
+    """With 2 pipeline stages on 2 ranks ZeRO-2 is refused before anything runs; ZeRO 0 and 1 run as pipelines
+    and are estimated per stage."""
+    out = tmp_path / "compare"
+    assert compare_zero.main(["--recipe", "tiny_llama", "--stages", "0,1,2", "--num-gpus", "2", "--steps", "3",
+                              "--output-dir", str(out), SMALL_MODEL, data_cache, "parallelism.pipeline_stages=2",
+                              "training.warmup_steps=1"]) == 0
+    rows = read_rows(out)
+    assert rows["2"]["status"] == "failed" and "supports ZeRO 0 and 1 only" in rows["2"]["error"]
+    assert not (out / "zero2.log").exists()  # refused by the checks, never launched
+    assert rows["0"]["status"] == rows["1"]["status"] == "ok"
+    assert float(rows["1"]["max_loss_diff"]) < 1e-5
+    assert rows["1"]["estimate_source"] == "ZeRO arithmetic"
+    assert "pipeline_stages" in (out / "zero1" / "resolved_recipe.yaml").read_text()

@@ -1,0 +1,120 @@
+"""Memory per rank, estimated before a run: model states under each ZeRO setting, activations with and without
+checkpointing, and whether they fit.
+
+Model states use DeepSpeed's own estimators for ZeRO-2 and ZeRO-3 (with and without CPU offload) in mixed
+precision; ZeRO-0/1, and fp32 runs (the estimators assume 16-bit weights), use the ZeRO paper's arithmetic.
+
+Activations are the bytes autograd saves for the backward pass, per token, as transformers' Llama-family and
+GPT-2 modules save them with PyTorch's scaled-dot-product attention. The rules below were read off those
+modules and are checked against a measurement of the saved tensors (tests/training/test_memory.py):
+  Llama, Mistral, Qwen2 (per decoder layer): a*(4h + 4q + 4i + s) + 8h + 4*heads + 8
+     Qwen3 adds its q/k norms:               (a + 4)*(q + kv) + 4*(heads + kv_heads)
+  GPT-2 (per layer, no dropout):             28*a*h + a*s + 4*heads + 4*a
+  outside the layers: Llama family (2a + 4)*h + 2*a*head_dim + 4*V + 20, GPT-2 2*a*h + 4*V + 24 + 2a
+with a the activation dtype's bytes, h the hidden size, q/kv the query/key widths, i the MLP width, s the
+row length (the per-layer copy of the packed-document mask; flash_attention_2 has none) and V the vocabulary
+(the fp32 log-softmax of the loss). With checkpointing each layer keeps only its input (a*h) and one layer's
+activations are rebuilt at a time in the backward pass. The loss briefly holds the logits and their fp32
+copy too, (a + 4)*V per token, which is added to the peak. Gradient buffers of the activations, the CUDA
+context and allocator fragmentation are not: `fits` leaves 10% of the memory for them.
+"""
+from dataclasses import dataclass
+
+from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+from training.shape import ModelShape
+
+ZERO_SETTINGS = ("0", "1", "2", "3", "2_offload", "3_offload")  # named as the ds_configs/zero*.json files
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+HEADROOM = 0.9  # share of a GPU's memory the estimate may fill
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    device_bytes: float  # per rank (GPU)
+    host_bytes: float  # per node (CPU memory with offload; DeepSpeed also counts its loading buffers)
+    source: str  # which estimator
+
+
+def zero_setting(ds_config: dict) -> str:
+    """A DeepSpeed config's setting in ZERO_SETTINGS' terms."""
+    zero = ds_config.get("zero_optimization", {})
+    offloaded = zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)
+    return f"{zero.get('stage', 0)}{'_offload' if offloaded else ''}"
+
+
+def zero_arithmetic(params: float, stage: int, ranks: int, precision: str) -> float:
+    """Per-rank bytes of weights + gradients + AdamW states (the ZeRO paper's arithmetic).
+
+    Mixed precision keeps 16-bit weights and gradients (2 + 2 bytes) and fp32 master weights, momentum and
+    variance (12 bytes); fp32 keeps 4 + 4 + 8. ZeRO-1 shards the optimizer states over the ranks, ZeRO-2 the
+    gradients too, ZeRO-3 the weights too. (ZeRO-0 bf16 runs as torch autocast over fp32 weights: 16 bytes.)"""
+    weights, grads, optimizer = (2, 2, 12) if precision in ("bf16", "fp16", "fp8") else (4, 4, 8)
+    shard = [(1, 1, 1), (1, 1, ranks), (1, ranks, ranks), (ranks, ranks, ranks)][stage]
+    return params * (weights / shard[0] + grads / shard[1] + optimizer / shard[2])
+
+
+def model_states(setting: str, shape: ModelShape, gpus_per_node: int, nodes: int, precision: str,
+                 zero_init: bool) -> ModelStates:
+    """Model-state memory for one ZeRO setting over gpus_per_node x nodes data-parallel ranks."""
+    stage, offload = int(setting[0]), setting.endswith("_offload")
+    ranks = gpus_per_node * nodes
+    if stage < 2 or precision == "fp32":
+        if offload:
+            raise ValueError(f"no estimate for ZeRO-{setting} in {precision}")
+        return ModelStates(zero_arithmetic(shape.parameters, stage, ranks, precision), 0.0, "ZeRO arithmetic")
+    if stage == 2:
+        host, device = estimate_zero2_model_states_mem_needs(shape.parameters, gpus_per_node, nodes, offload)
+    else:
+        largest_layer = max(shape.layer_parameters + (shape.embedding_parameters, shape.head_parameters))
+        host, device, _ = estimate_zero3_model_states_mem_needs(shape.parameters, largest_layer, gpus_per_node,
+                                                                nodes, offload, offload, zero_init)
+    return ModelStates(float(device), float(host), "DeepSpeed estimator")
+
+
+def layer_bytes_per_token(shape: ModelShape, seq_len: int, dtype_bytes: int, attn_implementation: str) -> float | None:
+    """Bytes one decoder layer saves for the backward pass per token (rules in the module docstring)."""
+    a, h, s = dtype_bytes, shape.hidden_size, seq_len
+    mask = 0 if attn_implementation == "flash_attention_2" else a * s
+    attention_softmax = 4 * shape.num_heads + mask  # sdpa keeps a log-sum-exp per head
+    if attn_implementation == "eager":  # the probabilities (fp32, and their cast to a) instead
+        attention_softmax = shape.num_heads * s * (4 + (a if a != 4 else 0))
+    if shape.model_type in LLAMA_FAMILY:
+        per_layer = a * (4 * h + 4 * shape.q_dim + 4 * shape.intermediate_size) + 8 * h + 8 + attention_softmax
+        if shape.model_type == "qwen3":
+            per_layer += (a + 4) * (shape.q_dim + shape.kv_dim) + 4 * (shape.num_heads + shape.num_kv_heads)
+        return per_layer
+    if shape.model_type == "gpt2" and shape.intermediate_size == 4 * h and attn_implementation != "eager":
+        return 28 * a * h + 4 * a + attention_softmax
+    return None
+
+
+def outside_layers_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> float:
+    """Embedding, final norm, LM head and loss: what they save per token, plus the loss's logits transient."""
+    a, h, vocab = dtype_bytes, shape.hidden_size, shape.vocab_size
+    saved = (2 * a * h + 24 + 2 * a if shape.model_type == "gpt2"
+             else (2 * a + 4) * h + 2 * a * shape.head_dim + 20) + 4 * vocab
+    return saved + (a + 4) * vocab
+
+
+@dataclass(frozen=True)
+class Activations:
+    without_checkpointing: float
+    with_checkpointing: float
+
+    def peak(self, checkpointing: bool) -> float:
+        return self.with_checkpointing if checkpointing else self.without_checkpointing
+
+
+def activation_bytes(shape: ModelShape, tokens: int, seq_len: int, dtype_bytes: int, attn_implementation: str,
+                     layers: int | None = None, with_head: bool = True) -> Activations | None:
+    """Peak activation memory of one micro-batch of `tokens` tokens through `layers` decoder layers (default:
+    all) and, with_head, the embedding, head and loss; None for a model type without a rule."""
+    per_layer = layer_bytes_per_token(shape, seq_len, dtype_bytes, attn_implementation)
+    if per_layer is None:
+        return None
+    layers = shape.num_layers if layers is None else layers
+    outside = outside_layers_bytes_per_token(shape, dtype_bytes) if with_head else 0.0
+    checkpointed = layers * dtype_bytes * shape.hidden_size + (per_layer if layers else 0.0)
+    return Activations(tokens * (layers * per_layer + outside), tokens * (checkpointed + outside))

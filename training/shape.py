@@ -1,0 +1,70 @@
+"""The numbers of a model's architecture that FLOPs and memory estimates need, read from a model built on the
+meta device (no memory, no weights), so a 7B recipe is measured exactly on a laptop."""
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    model_type: str
+    parameters: int  # every parameter once (a tied head is the embedding)
+    embedding_parameters: int
+    lookup_parameters: int  # every embedding table (token, and position where the model learns one)
+    head_parameters: int  # the LM head's own weights: 0 when tied to the embedding
+    layer_parameters: tuple[int, ...]  # per decoder layer
+    final_norm_parameters: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the attention's queries (and, for these estimates, of its output)."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def matmul_parameters(self) -> int:
+        """Parameters a token multiplies with: all but the embedding tables (lookups); a head tied to the token
+        embedding multiplies with it."""
+        return self.parameters - self.lookup_parameters + (0 if self.head_parameters else self.embedding_parameters)
+
+    @property
+    def pipeline_layer_parameters(self) -> list[int]:
+        """Parameters of each pipeline layer (training/pipeline.py): embedding, decoder layers, final norm and
+        LM head (a tied head holds the embedding again, on the last stage)."""
+        return [self.embedding_parameters, *self.layer_parameters, self.final_norm_parameters,
+                self.head_parameters or self.embedding_parameters]
+
+
+def count(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def model_shape(config: PretrainedConfig) -> ModelShape:
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head.weight is embedding.weight
+    layers = model.base_model.layers if hasattr(model.base_model, "layers") else model.base_model.h  # GPT-2: h
+    final_norm = getattr(model.base_model, "norm", None) or getattr(model.base_model, "ln_f")
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return ModelShape(
+        model_type=config.model_type, parameters=count(model), embedding_parameters=count(embedding),
+        lookup_parameters=sum(count(m) for m in model.modules() if isinstance(m, torch.nn.Embedding)),
+        head_parameters=0 if tied else count(head), layer_parameters=tuple(count(layer) for layer in layers),
+        final_norm_parameters=count(final_norm), hidden_size=config.hidden_size,
+        intermediate_size=getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+        or 4 * config.hidden_size,
+        num_layers=len(layers), num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim, vocab_size=config.vocab_size)
