@@ -11,7 +11,6 @@ import argparse
 import json
 import logging
 import math
-import os
 import shutil
 import signal
 import sys
@@ -22,11 +21,9 @@ from itertools import islice
 from pathlib import Path
 
 import deepspeed
-import psutil
 import torch
 import torch.distributed as dist
 import yaml
-from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from data_pipeline import DataError
@@ -39,18 +36,16 @@ from training.checkpoint import (check_resume, export_hf, load_checkpoint, read_
 from training.ds_config import accumulation_steps, load_ds_config, resolve_ds_config, zero_stage
 from training.errors import ConfigError
 from training.export import export_checkpoint
-from training.flops import flops_per_token, peak_tflops
 from training.fp8 import convert_linears_to_fp8
-from training.metrics import (FlopsMeter, MetricsLogger, peak_memory_bytes, peak_reserved_bytes, print_summary,
-                              record_model_states)
+from training.metrics import (FlopsMeter, MetricsLogger, flops_meter, gpu_metrics, measured_model_states,
+                              peak_memory_bytes, print_summary, record_model_states)
 from training.model import (build_model, check_checkpoint_folder, check_checkpoint_matches, check_recipe_against_model,
                             load_model_config, load_tokenizer)
 from training.optimizer import lr_schedule, weight_decay_groups
 from training.pipeline import TokenMeanLoss, build_pipeline, check_pipeline, pipeline_batches
-from training.plan import Machine, RunPlan, print_plan
+from training.plan import RunPlan, planned_machine, print_plan
 from training.precision import DTYPES, resolve_precision
 from training.recipe import load_recipe
-from training.shape import model_shape
 
 OUTPUT_ROOT = Path("outputs")
 RUN_FILES = ("metrics.jsonl", "summary.json", "resolved_recipe.yaml", "ds_config.json", "checkpoints", "hf", "tensorboard")
@@ -129,23 +124,6 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> RunPla
                      zero_stage(ds_config), precision, stages)
     return RunPlan(recipe, model_config, tokenizer, precision, ds_config, ds_config_path, world_size,
                    accumulation_steps(recipe.training, world_size // stages), output_dir)
-
-
-def planned_machine(args: argparse.Namespace, world_size: int) -> Machine:
-    """The GPUs (or CPU ranks) and memory per rank a dry run plans for: the --num-gpus/--gpu-mem what-if, or
-    this machine (its GPU's memory, or on a CPU its RAM shared by the ranks)."""
-    gpus_per_node = args.num_gpus or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    nodes = args.num_nodes if args.num_gpus else world_size // gpus_per_node
-    if args.gpu_mem is not None:
-        return Machine(gpus_per_node, nodes, args.gpu_mem * 2**30, "--gpu-mem")
-    if torch.cuda.is_available():
-        properties = torch.cuda.get_device_properties(0)
-        return Machine(gpus_per_node, nodes, properties.total_memory, properties.name)
-    if args.num_gpus:
-        raise ConfigError("--num-gpus plans for GPUs this machine does not have: give their memory too, "
-                          "e.g. --gpu-mem 80 for an H100 80GB")
-    return Machine(gpus_per_node, nodes, psutil.virtual_memory().total / gpus_per_node,
-                   f"this machine's RAM over {gpus_per_node} rank(s)")
 
 
 def start_output_dir(plan: RunPlan, overwrite: bool) -> None:
@@ -319,37 +297,6 @@ def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: E
             **{key: records[-1][key] for key in ("eval_loss", "eval_perplexity") if key in records[-1]}}
 
 
-def gpu_metrics(flops: FlopsMeter | None, steps: int, seconds: float) -> dict:
-    """TFLOP/s, MFU and the allocator's peak reservation (max over the ranks): GPU runs only."""
-    if flops is None:
-        return {}
-    reserved = distributed.all_reduce(torch.tensor(peak_reserved_bytes(), device="cuda"), dist.ReduceOp.MAX)
-    return {**flops.metrics(steps, seconds), "peak_mem_reserved_bytes": int(reserved.item())}
-
-
-def flops_meter(plan: RunPlan) -> FlopsMeter | None:
-    """On NVIDIA GPUs, the FLOPs one step costs each GPU and the GPU's peak; on a CPU, None (tokens/s only)."""
-    if get_accelerator().device_name() != "cuda":
-        return None
-    recipe = plan.recipe
-    model, hardware = flops_per_token(model_shape(plan.model_config), recipe.data.seq_len,
-                                      recipe.activation_checkpointing)
-    tokens_per_gpu = recipe.training.global_batch_size * recipe.data.seq_len / plan.world_size
-    name = torch.cuda.get_device_name()
-    peak = recipe.logging.peak_tflops or peak_tflops(name)
-    if peak is None and dist.get_rank() == 0:
-        print(f"no bf16 peak known for {name}: MFU is not reported; set logging.peak_tflops=<dense bf16 TFLOP/s>",
-              file=sys.stderr)
-    return FlopsMeter(model * tokens_per_gpu, hardware * tokens_per_gpu, peak)
-
-
-def measured_model_states(held: dict[str, int]) -> dict[str, int] | None:
-    """The largest rank's model-state bytes per device type; None when the run had no second step to measure."""
-    devices = ("cuda", "cpu")
-    sizes = distributed.all_reduce_on_host([float(held.get(device, -1)) for device in devices], op=dist.ReduceOp.MAX)
-    return {device: int(size) for device, size in zip(devices, sizes) if size >= 0} or None
-
-
 def run_state(plan: RunPlan, step: int, tokens_seen: int) -> dict:
     """What a checkpoint records besides DeepSpeed's states: where the run is, and what wrote it."""
     return {"step": step, "tokens_seen": tokens_seen, "recipe": plan.recipe.name, "world_size": plan.world_size,
@@ -372,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         return report(error)
     if args.dry_run:
         try:
-            print_plan(plan, planned_machine(args, plan.world_size))
+            print_plan(plan, planned_machine(args.num_gpus, args.num_nodes, args.gpu_mem, plan.world_size))
         except ConfigError as error:
             return report(error)
         return 0

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import train
-from tests.conftest import SMALL_MODEL, run_train
+from tests.conftest import SMALL_MODEL, run_train, save_small_checkpoint
 
 
 @pytest.fixture
@@ -253,3 +253,11 @@ def test_pipeline_of_an_unsupported_family_lists_the_supported_ones(no_model_bui
             "data.seq_len=128", "--output-dir", str(tmp_path / "out")]
     assert train.main(args) == 2
     assert "gpt2 models are not supported; pipeline parallelism supports llama, mistral, qwen2, qwen3" in capsys.readouterr().err
+
+
+def test_shipped_config_and_local_checkpoint_of_another_shape(tmp_path, capsys):
+    save_small_checkpoint(tmp_path / "small")  # 2 layers of width 64; tiny_llama's config.json: 4 of 256
+    assert train.main(["--recipe", "tiny_llama", "--dry-run", f"model.name_or_path={tmp_path / 'small'}"]) == 2
+    error = capsys.readouterr().err
+    assert "is another architecture than model.config" in error and "hidden_size 64 vs 256" in error
+    assert "set model.config=null" in error

@@ -2,13 +2,21 @@
 import gc
 import json
 import resource
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
+
+from training import distributed
+from training.flops import flops_per_token, peak_tflops
+from training.plan import RunPlan
+from training.shape import model_shape
 
 
 def peak_memory_bytes() -> int:
@@ -73,6 +81,37 @@ class FlopsMeter:
         if self.peak_tflops:
             metrics["mfu"] = tflops / self.peak_tflops
         return metrics
+
+
+def gpu_metrics(flops: FlopsMeter | None, steps: int, seconds: float) -> dict:
+    """TFLOP/s, MFU and the allocator's peak reservation (max over the ranks): GPU runs only."""
+    if flops is None:
+        return {}
+    reserved = distributed.all_reduce(torch.tensor(peak_reserved_bytes(), device="cuda"), dist.ReduceOp.MAX)
+    return {**flops.metrics(steps, seconds), "peak_mem_reserved_bytes": int(reserved.item())}
+
+
+def flops_meter(plan: RunPlan) -> FlopsMeter | None:
+    """On NVIDIA GPUs, the FLOPs one step costs each GPU and the GPU's peak; on a CPU, None (tokens/s only)."""
+    if get_accelerator().device_name() != "cuda":
+        return None
+    recipe = plan.recipe
+    model, hardware = flops_per_token(model_shape(plan.model_config), recipe.data.seq_len,
+                                      recipe.activation_checkpointing)
+    tokens_per_gpu = recipe.training.global_batch_size * recipe.data.seq_len / plan.world_size
+    name = torch.cuda.get_device_name()
+    peak = recipe.logging.peak_tflops or peak_tflops(name)
+    if peak is None and dist.get_rank() == 0:
+        print(f"no bf16 peak known for {name}: MFU is not reported; set logging.peak_tflops=<dense bf16 TFLOP/s>",
+              file=sys.stderr)
+    return FlopsMeter(model * tokens_per_gpu, hardware * tokens_per_gpu, peak)
+
+
+def measured_model_states(held: dict[str, int]) -> dict[str, int] | None:
+    """The largest rank's model-state bytes per device type; None when the run had no second step to measure."""
+    devices = ("cuda", "cpu")
+    sizes = distributed.all_reduce_on_host([float(held.get(device, -1)) for device in devices], op=dist.ReduceOp.MAX)
+    return {device: int(size) for device, size in zip(devices, sizes) if size >= 0} or None
 
 
 def format_line(record: dict, total_steps: int) -> str:

@@ -1,7 +1,11 @@
 """`--dry-run`: the run's plan with nothing built: batch arithmetic, parameter count, FLOPs per token, memory
 per rank under each ZeRO setting (model states and activations) and whether it fits, per pipeline stage too."""
+import os
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
+import torch
 
 from deepspeed.runtime.utils import partition_balanced, partition_uniform
 from rich.console import Console
@@ -9,6 +13,7 @@ from rich.table import Table
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from training.ds_config import zero_stage
+from training.errors import ConfigError
 from training.flops import flops_per_token
 from training.memory import (HEADROOM, ZERO_SETTINGS, Activations, ModelStates, activation_bytes, model_states,
                              zero_arithmetic, zero_setting)
@@ -51,6 +56,23 @@ class Machine:
     nodes: int
     memory_per_rank: float  # bytes
     memory_source: str
+
+
+def planned_machine(num_gpus: int | None, num_nodes: int, gpu_mem: float | None, world_size: int) -> Machine:
+    """The GPUs (or CPU ranks) and memory per rank a dry run plans for: the --num-gpus/--gpu-mem what-if, or
+    this machine (its GPU's memory, or on a CPU its RAM shared by the ranks)."""
+    gpus_per_node = num_gpus or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    nodes = num_nodes if num_gpus else world_size // gpus_per_node
+    if gpu_mem is not None:
+        return Machine(gpus_per_node, nodes, gpu_mem * 2**30, "--gpu-mem")
+    if torch.cuda.is_available():
+        properties = torch.cuda.get_device_properties(0)
+        return Machine(gpus_per_node, nodes, properties.total_memory, properties.name)
+    if num_gpus:
+        raise ConfigError("--num-gpus plans for GPUs this machine does not have: give their memory too, "
+                          "e.g. --gpu-mem 80 for an H100 80GB")
+    return Machine(gpus_per_node, nodes, psutil.virtual_memory().total / gpus_per_node,
+                   f"this machine's RAM over {gpus_per_node} rank(s)")
 
 
 def stage_bounds(layer_parameters: list[int], stages: int, method: str) -> list[int]:

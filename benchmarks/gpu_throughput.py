@@ -1,0 +1,337 @@
+"""Training throughput of a ~1B Llama on one GPU: bf16 vs fp8 x activation checkpointing x ZeRO-1/3.
+
+    python benchmarks/gpu_throughput.py                                   # the 8 runs, 30 steps each
+    python benchmarks/gpu_throughput.py --only fp8-zero1,bf16-zero1       # a subset (see --only)
+    python benchmarks/gpu_throughput.py --allow-cpu --model-config recipes/tiny_llama/config.json \\
+        --seq-len 256 --steps 4 --micro-batch-size 2                      # plumbing smoke on a CPU: not a measurement
+
+Each run is train.py through the real `deepspeed` launcher (1 GPU, its own --output-dir and --master_port)
+on recipe tiny_llama with the model swapped for benchmarks/llama_1b/config.json (Llama-3.2-1B's
+architecture; tiny_llama's 4,096-token tokenizer and its ~300k-token corpus, repeated; fine for
+throughput). The numbers are train.py's own summary.json: real tokens/s and TFLOP/s per GPU (mean after
+step 1), MFU against the GPU's dense bf16 peak (training/flops.py has the FLOPs formula and the peak
+table), peak memory allocated and reserved. A run that fails (out of memory, fp8 refused on a GPU without
+FP8) becomes a row with its error; the others go on. The table goes to stdout and, as results.md and
+results.csv, to the output folder; each run's launcher output to <output>/<run>.log.
+
+Every run ends with train.py's end-of-run checkpoint and hf/ export (no recipe key turns them off; they
+come after the timed steps and do not change the numbers); they are deleted after each run unless
+--keep-checkpoints, so that 8 runs of a 1B model (~20 GB of checkpoint each) fit on the disk.
+"""
+import argparse
+import csv
+import datetime
+import itertools
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from training.distributed import free_port  # noqa: E402
+
+MODEL_CONFIG = "benchmarks/llama_1b/config.json"
+PRECISIONS, CHECKPOINTING, ZERO = ("bf16", "fp8"), (False, True), (1, 3)
+TARGET_MFU, TARGET_FP8_SPEEDUP = 0.45, 1.25
+
+
+@dataclass(frozen=True)
+class Run:
+    precision: str
+    checkpointing: bool
+    zero: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.precision}-{'ac' if self.checkpointing else 'noac'}-zero{self.zero}"
+
+    @property
+    def tokens(self) -> set[str]:
+        return set(self.name.split("-"))
+
+    @property
+    def baseline(self) -> "Run":
+        """The bf16 run with the same checkpointing and ZeRO stage: what an fp8 run's speed-up is against."""
+        return Run("bf16", self.checkpointing, self.zero)
+
+
+@dataclass
+class Result:
+    run: Run
+    summary: dict = field(default_factory=dict)
+    error: str = ""
+    seconds: float = 0.0
+
+
+# each bf16 run next to its fp8 counterpart, so that drifts in machine speed hit both alike
+ALL_RUNS = [Run(p, c, z) for c, z, p in itertools.product(CHECKPOINTING, ZERO, PRECISIONS)]
+
+
+def select_runs(only: str | None) -> list[Run]:
+    """--only: comma-separated patterns, each a '-'-joined set of tokens (bf16|fp8, ac|noac, zero1|zero3); a run
+    is selected when every token of any one pattern is among its own. 'fp8' = the 4 fp8 runs; 'bf16-noac-zero1'
+    = that one run; 'zero1,fp8-zero3' = 6 runs."""
+    if not only:
+        return ALL_RUNS
+    known = set().union(*(run.tokens for run in ALL_RUNS))
+    patterns = [set(item.strip().split("-")) for item in only.split(",") if item.strip()]
+    unknown = sorted(set().union(*patterns) - known)
+    if unknown:
+        raise ValueError(f"--only: unknown token(s) {', '.join(unknown)}; use {', '.join(sorted(known))} joined by '-', "
+                 f"patterns separated by ','")
+    runs = [run for run in ALL_RUNS if any(pattern <= run.tokens for pattern in patterns)]
+    if not runs:
+        raise ValueError(f"--only {only} selects no run")
+    return runs
+
+
+def probe_gpu() -> dict | None:
+    """The GPU that runs will see, asked in a child process so that this one never holds a CUDA context
+    (it would take memory from the runs): name and compute capability, or None without a usable GPU."""
+    code = ("import json, torch; ok = torch.cuda.is_available(); print(json.dumps(ok and {"
+            "'name': torch.cuda.get_device_name(0), 'capability': list(torch.cuda.get_device_capability(0)), "
+            "'memory_gib': torch.cuda.get_device_properties(0).total_memory / 2**30, 'count': torch.cuda.device_count(), "
+            "'torch': torch.__version__, 'cuda': torch.version.cuda}))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    if result.returncode != 0:
+        return None
+    return json.loads(result.stdout.strip().splitlines()[-1]) or None
+
+
+def versions() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    found = []
+    for name in ("torch", "deepspeed", "transformers", "torchao"):
+        try:
+            found.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            found.append(f"{name} (not installed)")
+    return ", ".join(found)
+
+
+def overrides(args: argparse.Namespace, run: Run) -> list[str]:
+    return [
+        f"model.config={args.model_config}",
+        f"data.seq_len={args.seq_len}",
+        f"training.micro_batch_size={args.micro_batch_size}",
+        f"training.global_batch_size={args.micro_batch_size}",  # 1 GPU, accumulation 1
+        f"training.max_steps={args.steps}",
+        f"training.warmup_steps={min(5, args.steps - 1)}",
+        "training.lr=3.0e-4",  # tiny_llama's 3e-3 suits a 5M model, not a 1B one; only the loss sanity column cares
+        f"precision={run.precision}",
+        f"activation_checkpointing={str(run.checkpointing).lower()}",
+        f"deepspeed.config=zero{run.zero}",
+        "logging.every_steps=5",
+        "logging.tensorboard=false",
+        "checkpointing.every_steps=null",  # the end-of-run checkpoint is still written (see the docstring)
+        "checkpointing.keep_last=1",
+        *([f"logging.peak_tflops={args.peak_tflops}"] if args.peak_tflops else []),
+        *([f"data.cache_dir={args.data_cache}"] if args.data_cache else []),
+        *args.overrides,
+    ]
+
+
+def error_line(text: str) -> str:
+    """The line that says why a run failed: train.py's own 'error: ...' report, else the last exception line."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for pattern in (r"^error: ", r"OutOfMemoryError|CUDA out of memory", r"^\w+(\.\w+)*(Error|Exception)\b.*:"):
+        hits = [line for line in lines if re.search(pattern, line)]
+        if hits:
+            line = re.sub(r"^\[rank\d+\]:\s*", "", hits[-1])
+            return re.sub(r"\s+", " ", line)[:300]
+    return "failed; see the log"
+
+
+def launch(args: argparse.Namespace, run: Run, port: int) -> Result:
+    out = args.output / run.name
+    command = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "1", "--master_port", str(port),
+               "train.py", "--recipe", "tiny_llama", "--output-dir", str(out), "--overwrite", *overrides(args, run)]
+    log = args.output / f"{run.name}.log"
+    start = time.perf_counter()
+    with log.open("w") as log_file:
+        log_file.write(" ".join(command) + "\n\n")
+        log_file.flush()
+        process = subprocess.Popen(command, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, text=True,
+                                   env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+        try:
+            code = process.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)  # the launcher and its ranks: the group it leads
+            process.wait()
+            code = None
+    seconds = time.perf_counter() - start
+    summary_file = out / "summary.json"
+    if code == 0 and summary_file.exists():
+        result = Result(run, json.loads(summary_file.read_text()), seconds=seconds)
+    elif code is None:
+        result = Result(run, error=f"timed out after {args.timeout} s", seconds=seconds)
+    else:
+        result = Result(run, error=f"exit {code}: {error_line(log.read_text(errors='replace'))}", seconds=seconds)
+    if not args.keep_checkpoints:
+        for name in ("checkpoints", "hf"):
+            shutil.rmtree(out / name, ignore_errors=True)
+    return result
+
+
+def gib(value: float | None) -> str:
+    return f"{value / 2**30:.2f}" if value else "-"
+
+
+COLUMNS = ("precision", "activation ckpt", "ZeRO", "tokens/s", "TFLOP/s (model)", "TFLOP/s (hardware)", "MFU",
+           "peak alloc GiB", "peak reserved GiB", "FP8 speed-up", "final loss", "target", "error")
+
+
+def rows(results: list[Result]) -> list[dict]:
+    by_run = {result.run: result for result in results}
+    table = []
+    for result in results:
+        run, summary = result.run, result.summary
+        tokens_per_s = summary.get("mean_tokens_per_s")
+        mfu = summary.get("mfu")
+        baseline = by_run.get(run.baseline)
+        speedup = (tokens_per_s / baseline.summary["mean_tokens_per_s"]
+                   if run.precision == "fp8" and tokens_per_s and baseline and baseline.summary else None)
+        if result.error:
+            target = "-"
+        elif run.precision == "bf16":
+            target = (f"MFU >= {TARGET_MFU:.0%}: {'met' if mfu >= TARGET_MFU else 'not met'}" if mfu is not None
+                      else f"MFU >= {TARGET_MFU:.0%}: no MFU (no GPU, or peak unknown)")
+        else:
+            target = (f">= {TARGET_FP8_SPEEDUP}x bf16: {'met' if speedup >= TARGET_FP8_SPEEDUP else 'not met'}"
+                      if speedup is not None else f">= {TARGET_FP8_SPEEDUP}x bf16: no bf16 result to compare")
+        table.append({
+            "precision": run.precision, "activation ckpt": "on" if run.checkpointing else "off", "ZeRO": run.zero,
+            "tokens/s": f"{tokens_per_s:,.0f}" if tokens_per_s else "-",
+            "TFLOP/s (model)": f"{summary['tflops']:.1f}" if "tflops" in summary else "-",
+            "TFLOP/s (hardware)": f"{summary['hardware_tflops']:.1f}" if "hardware_tflops" in summary else "-",
+            "MFU": f"{mfu:.1%}" if mfu is not None else "-",
+            "peak alloc GiB": gib(summary.get("peak_mem_bytes")),
+            "peak reserved GiB": gib(summary.get("peak_mem_reserved_bytes")),
+            "FP8 speed-up": f"{speedup:.2f}x" if speedup is not None else "-",
+            "final loss": f"{summary['final_loss']:.4f}" if "final_loss" in summary else "-",
+            "target": target, "error": result.error or "-",
+        })
+    return table
+
+
+def markdown(table: list[dict]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(str(row[c]).replace("|", "/") for c in COLUMNS) + " |" for row in table]
+    return "\n".join(lines)
+
+
+def shown(path: str) -> str:
+    """A path inside the repository relative to it, others as they are."""
+    return str(Path(path).relative_to(REPO)) if Path(path).is_relative_to(REPO) else path
+
+
+def header(args: argparse.Namespace, gpu: dict | None, runs: list[Run]) -> str:
+    from transformers import AutoConfig
+
+    from training.flops import flops_per_token, peak_tflops
+    from training.shape import model_shape
+
+    config = AutoConfig.from_pretrained(args.model_config)
+    shape = model_shape(config)
+    model_flops, _ = flops_per_token(shape, args.seq_len, False)
+    device = (f"{gpu['name']} (compute capability {gpu['capability'][0]}.{gpu['capability'][1]}, "
+              f"{gpu['memory_gib']:.0f} GiB, CUDA {gpu['cuda']})" if gpu else "NO GPU: CPU plumbing smoke, not a measurement")
+    peak = args.peak_tflops or (peak_tflops(gpu["name"]) if gpu else None)
+    lines = [
+        f"gpu_throughput: {shown(args.model_config)} ({shape.parameters:,} parameters), {len(runs)} run(s) x {args.steps} "
+        f"steps x {args.micro_batch_size} rows x {args.seq_len} tokens, 1 GPU, accumulation 1",
+        f"device: {device}; {versions()}; {datetime.date.today().isoformat()}",
+        f"model FLOPs per token (training/flops.py, 6N + 12 x layers x q_dim x seq_len): {model_flops / 1e9:.2f} GFLOP"
+        + (f"; dense bf16 peak {peak:,.0f} TFLOP/s, so MFU {TARGET_MFU:.0%} = "
+           f"{TARGET_MFU * peak * 1e12 / model_flops:,.0f} tokens/s" if peak else ""),
+        f"targets: bf16 MFU >= {TARGET_MFU:.0%}; fp8 tokens/s >= {TARGET_FP8_SPEEDUP}x the bf16 run with the same "
+        f"activation checkpointing and ZeRO stage",
+    ]
+    return "\n".join(lines)
+
+
+def write_results(args: argparse.Namespace, head: str, table: list[dict]) -> None:
+    (args.output / "results.md").write_text(f"```\n{head}\n```\n\n{markdown(table)}\n")
+    with (args.output / "results.csv").open("w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(table)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", help="comma-separated patterns of bf16|fp8, ac|noac, zero1|zero3 joined by '-', "
+                        "e.g. 'fp8', 'zero1', 'bf16-noac-zero1,fp8-noac-zero1' (default: all 8 runs)")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--micro-batch-size", type=int, default=4, help="rows per step (accumulation 1)")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--model-config", default=MODEL_CONFIG, help=f"a config.json (default {MODEL_CONFIG})")
+    parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak, for a GPU not in "
+                        "training/flops.py's table")
+    parser.add_argument("--output", type=Path, default=REPO / "outputs" / "gpu_throughput",
+                        help="runs, logs, results.md and results.csv go here")
+    parser.add_argument("--data-cache", help="data.cache_dir for the runs (default: the recipe's)")
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds per run before it is killed")
+    parser.add_argument("--keep-checkpoints", action="store_true", help="keep each run's checkpoints/ and hf/")
+    parser.add_argument("--allow-cpu", action="store_true", help="run without a GPU: a smoke check of the plumbing "
+                        "(use a tiny --model-config); fp8 runs are then refused by train.py and shown as errors")
+    parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="more train.py overrides")
+    args = parser.parse_args()
+    if args.steps < 2:
+        parser.error("--steps must be at least 2: tokens/s is the mean after step 1")
+    try:
+        runs = select_runs(args.only)
+    except ValueError as error:
+        parser.error(str(error))
+    model_config = Path(args.model_config).expanduser()
+    if not model_config.is_absolute() and not model_config.exists():
+        model_config = REPO / model_config  # the default and the examples count from the repository
+    if not model_config.exists():
+        parser.error(f"--model-config: no file {args.model_config}")
+    args.model_config = str(model_config.resolve())
+
+    gpu = probe_gpu()
+    if gpu is None and not args.allow_cpu:
+        print("gpu_throughput: no CUDA GPU here (torch.cuda.is_available() is False); nothing was launched. "
+              "Run this on a machine with an NVIDIA GPU (FP8 needs compute capability 8.9+: H100, H200, L4, L40S, "
+              "B200), or pass --allow-cpu with a tiny --model-config for a smoke check of the plumbing.",
+              file=sys.stderr)
+        return 2
+    if gpu and gpu["count"] > 1 and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        print(f"note: {gpu['count']} GPUs here; each run uses 1 (the launcher's --num_gpus 1: GPU 0)", file=sys.stderr)
+
+    args.output = args.output.resolve()
+    args.output.mkdir(parents=True, exist_ok=True)
+    head = header(args, gpu, runs)
+    print(head, flush=True)
+    results, ports = [], set()
+    for index, run in enumerate(runs, 1):
+        port = free_port()
+        while port in ports:
+            port = free_port()
+        ports.add(port)
+        print(f"[{index}/{len(runs)}] {run.name} (port {port}) ...", end=" ", flush=True)
+        result = launch(args, run, port)
+        results.append(result)
+        if result.error:
+            print(f"FAILED in {result.seconds:.0f} s: {result.error}", flush=True)
+        else:
+            print(f"{result.summary['mean_tokens_per_s']:,.0f} tokens/s ({result.seconds:.0f} s)", flush=True)
+        write_results(args, head, rows(results))  # after each run: a long sweep that dies keeps what it had
+    table = rows(results)
+    print()
+    print(markdown(table))
+    print(f"\nwritten: {args.output / 'results.md'}, {args.output / 'results.csv'}; logs: {args.output}/<run>.log")
+    return 0 if any(not result.error for result in results) else 1  # failed runs are rows; none succeeding is not
+
+
+if __name__ == "__main__":
+    sys.exit(main())
