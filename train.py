@@ -37,7 +37,7 @@ from training.ds_config import accumulation_steps, load_ds_config, resolve_ds_co
 from training.errors import ConfigError
 from training.export import export_checkpoint
 from training.fp8 import convert_linears_to_fp8
-from training.metrics import (FlopsMeter, MetricsLogger, flops_meter, gpu_metrics, measured_model_states,
+from training.metrics import (FlopsMeter, MetricsLogger, device_name, flops_meter, gpu_metrics, measured_model_states,
                               peak_memory_bytes, print_summary, record_model_states)
 from training.model import (build_model, check_checkpoint_folder, check_checkpoint_matches, check_recipe_against_model,
                             load_model_config, load_tokenizer)
@@ -355,6 +355,8 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
     engine, *_ = deepspeed.initialize(model=model, config=plan.ds_config,
                                       model_parameters=weight_decay_groups(model, training.weight_decay),
                                       lr_scheduler=lr_schedule(training, total_steps))
+    if recipe.compile:
+        engine.compile()  # DeepSpeed's torch.compile integration, with the accelerator's default backend
     checkpoint_dir = plan.output_dir / "checkpoints"
     start = {"step": 0, "tokens_seen": 0}
     if args.resume:
@@ -368,8 +370,9 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
             return report(ConfigError(f"--resume: the checkpoint is at step {start['step']}; the recipe ends at "
                                       f"{total_steps} steps, so there is nothing left to train"))
     held_tensors = {}
-    record_model_states(engine.optimizer, 2, held_tensors)
-    totals = train(engine, batches, evaluation, plan, start, total_steps, flops_meter(plan))
+    record_model_states(engine.optimizer, lambda: engine.global_steps, start["step"] + 1, held_tensors)
+    flops = flops_meter(plan)
+    totals = train(engine, batches, evaluation, plan, start, total_steps, flops)
     totals["model_state_bytes"] = measured_model_states(held_tensors)
     if totals["last_step"] < total_steps:
         if dist.get_rank() == 0:
@@ -383,7 +386,8 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
     else:
         export_hf(engine, plan.tokenizer, plan.output_dir / "hf", DTYPES[plan.precision])
     if dist.get_rank() == 0:
-        summary = {"recipe": recipe.name, "world_size": plan.world_size, "zero_stage": plan.zero_stage,
+        summary = {"recipe": recipe.name, "device": device_name(), **({"peak_tflops": flops.peak_tflops} if flops else {}),
+                   "world_size": plan.world_size, "zero_stage": plan.zero_stage,
                    "precision": plan.precision, "pipeline_stages": plan.pipeline_stages,
                    "activation_checkpointing": recipe.activation_checkpointing,
                    "steps": total_steps, "start_step": start["step"], **totals,

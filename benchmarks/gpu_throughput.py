@@ -16,7 +16,7 @@ results.csv, to the output folder; each run's launcher output to <output>/<run>.
 
 Every run ends with train.py's end-of-run checkpoint and hf/ export (no recipe key turns them off; they
 come after the timed steps and do not change the numbers); they are deleted after each run unless
---keep-checkpoints, so that 8 runs of a 1B model (~20 GB of checkpoint each) fit on the disk.
+--keep-checkpoints, so that 8 runs of a 1B model (about 17 GB of checkpoint each) fit on the disk.
 """
 import argparse
 import csv
@@ -141,12 +141,12 @@ def overrides(args: argparse.Namespace, run: Run) -> list[str]:
 
 def error_line(text: str) -> str:
     """The line that says why a run failed: train.py's own 'error: ...' report, else the last exception line."""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    lines = [re.sub(r"^\[rank\d+\]:\s*", "", line.strip()) for line in text.splitlines()
+             if line.strip() and "CalledProcessError" not in line]  # that one is a launcher's report of its child
     for pattern in (r"^error: ", r"OutOfMemoryError|CUDA out of memory", r"^\w+(\.\w+)*(Error|Exception)\b.*:"):
         hits = [line for line in lines if re.search(pattern, line)]
         if hits:
-            line = re.sub(r"^\[rank\d+\]:\s*", "", hits[-1])
-            return re.sub(r"\s+", " ", line)[:300]
+            return re.sub(r"\s+", " ", hits[-1].removeprefix("error: "))[:300]
     return "failed; see the log"
 
 
@@ -181,50 +181,60 @@ def launch(args: argparse.Namespace, run: Run, port: int) -> Result:
     return result
 
 
-def gib(value: float | None) -> str:
-    return f"{value / 2**30:.2f}" if value else "-"
-
-
-COLUMNS = ("precision", "activation ckpt", "ZeRO", "tokens/s", "TFLOP/s (model)", "TFLOP/s (hardware)", "MFU",
-           "peak alloc GiB", "peak reserved GiB", "FP8 speed-up", "final loss", "target", "error")
+# (markdown header, CSV header, how the markdown shows a value); the CSV holds the raw values (empty: none)
+COLUMNS = (
+    ("precision", "precision", str),
+    ("activation ckpt", "activation_checkpointing", str),
+    ("ZeRO", "zero_stage", str),
+    ("tokens/s", "tokens_per_s", "{:,.0f}".format),
+    ("TFLOP/s (model)", "tflops", "{:.1f}".format),
+    ("TFLOP/s (hardware)", "hardware_tflops", "{:.1f}".format),
+    ("MFU", "mfu", "{:.1%}".format),
+    ("peak alloc GiB", "peak_alloc_gib", "{:.2f}".format),
+    ("peak reserved GiB", "peak_reserved_gib", "{:.2f}".format),
+    ("FP8 speed-up", "fp8_speedup", "{:.2f}x".format),
+    ("final loss", "final_loss", "{:.4f}".format),
+    ("target", "target", str),
+    ("error", "error", str),
+)
 
 
 def rows(results: list[Result]) -> list[dict]:
+    """One row per run, keyed by the CSV names, None where a value does not exist (failed run, no GPU)."""
     by_run = {result.run: result for result in results}
     table = []
     for result in results:
         run, summary = result.run, result.summary
-        tokens_per_s = summary.get("mean_tokens_per_s")
-        mfu = summary.get("mfu")
+        tokens_per_s, mfu = summary.get("mean_tokens_per_s"), summary.get("mfu")
         baseline = by_run.get(run.baseline)
         speedup = (tokens_per_s / baseline.summary["mean_tokens_per_s"]
                    if run.precision == "fp8" and tokens_per_s and baseline and baseline.summary else None)
         if result.error:
-            target = "-"
+            target = None
         elif run.precision == "bf16":
-            target = (f"MFU >= {TARGET_MFU:.0%}: {'met' if mfu >= TARGET_MFU else 'not met'}" if mfu is not None
-                      else f"MFU >= {TARGET_MFU:.0%}: no MFU (no GPU, or peak unknown)")
+            target = (f"MFU >= {TARGET_MFU:.0%}: {'met' if mfu >= TARGET_MFU else 'NOT met'}" if mfu is not None
+                      else f"MFU >= {TARGET_MFU:.0%}: no MFU (no GPU, or its peak unknown)")
         else:
-            target = (f">= {TARGET_FP8_SPEEDUP}x bf16: {'met' if speedup >= TARGET_FP8_SPEEDUP else 'not met'}"
-                      if speedup is not None else f">= {TARGET_FP8_SPEEDUP}x bf16: no bf16 result to compare")
+            target = (f">= {TARGET_FP8_SPEEDUP}x bf16: {'met' if speedup >= TARGET_FP8_SPEEDUP else 'NOT met'}"
+                      if speedup is not None else f">= {TARGET_FP8_SPEEDUP}x bf16: no bf16 run to compare with")
+        reserved = summary.get("peak_mem_reserved_bytes")
         table.append({
-            "precision": run.precision, "activation ckpt": "on" if run.checkpointing else "off", "ZeRO": run.zero,
-            "tokens/s": f"{tokens_per_s:,.0f}" if tokens_per_s else "-",
-            "TFLOP/s (model)": f"{summary['tflops']:.1f}" if "tflops" in summary else "-",
-            "TFLOP/s (hardware)": f"{summary['hardware_tflops']:.1f}" if "hardware_tflops" in summary else "-",
-            "MFU": f"{mfu:.1%}" if mfu is not None else "-",
-            "peak alloc GiB": gib(summary.get("peak_mem_bytes")),
-            "peak reserved GiB": gib(summary.get("peak_mem_reserved_bytes")),
-            "FP8 speed-up": f"{speedup:.2f}x" if speedup is not None else "-",
-            "final loss": f"{summary['final_loss']:.4f}" if "final_loss" in summary else "-",
-            "target": target, "error": result.error or "-",
+            "precision": run.precision, "activation_checkpointing": "on" if run.checkpointing else "off",
+            "zero_stage": run.zero, "tokens_per_s": tokens_per_s, "tflops": summary.get("tflops"),
+            "hardware_tflops": summary.get("hardware_tflops"), "mfu": mfu,
+            "peak_alloc_gib": summary["peak_mem_bytes"] / 2**30 if "peak_mem_bytes" in summary else None,
+            "peak_reserved_gib": reserved / 2**30 if reserved is not None else None,
+            "fp8_speedup": speedup, "final_loss": summary.get("final_loss"), "target": target,
+            "error": result.error or None,
         })
     return table
 
 
 def markdown(table: list[dict]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(str(row[c]).replace("|", "/") for c in COLUMNS) + " |" for row in table]
+    lines = ["| " + " | ".join(title for title, _, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for row in table:
+        cells = ("-" if row[key] is None else show(row[key]) for _, key, show in COLUMNS)
+        lines.append("| " + " | ".join(cell.replace("|", "/") for cell in cells) + " |")
     return "\n".join(lines)
 
 
@@ -261,7 +271,7 @@ def header(args: argparse.Namespace, gpu: dict | None, runs: list[Run]) -> str:
 def write_results(args: argparse.Namespace, head: str, table: list[dict]) -> None:
     (args.output / "results.md").write_text(f"```\n{head}\n```\n\n{markdown(table)}\n")
     with (args.output / "results.csv").open("w", newline="") as file:
-        writer = csv.DictWriter(file, fieldnames=COLUMNS)
+        writer = csv.DictWriter(file, fieldnames=[key for _, key, _ in COLUMNS])
         writer.writeheader()
         writer.writerows(table)
 

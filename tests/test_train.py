@@ -110,6 +110,10 @@ def test_single_process_run_writes_the_documented_outputs(tmp_path, data_cache):
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["recipe"], summary["world_size"], summary["zero_stage"], summary["precision"]) == ("tiny_llama", 1, 1, "fp32")
     assert summary["final_loss"] == records[-1]["loss"] and summary["steps"] == 6
+    assert summary["device"] == "cpu" and "tflops" not in summary and "tflops" not in records[-1]  # GPU only
+    # weights + gradients + AdamW moments of the 2-layer model, fp32, measured at the second step (+ small tensors)
+    params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(out / "hf").parameters())
+    assert 16 * params <= summary["model_state_bytes"]["cpu"] < 16 * params + 32 * 2**20
     assert summary["ds_config"] == json.loads((out / "ds_config.json").read_text())
     assert "training:\n" in (out / "resolved_recipe.yaml").read_text()
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
@@ -261,3 +265,15 @@ def test_shipped_config_and_local_checkpoint_of_another_shape(tmp_path, capsys):
     error = capsys.readouterr().err
     assert "is another architecture than model.config" in error and "hidden_size 64 vs 256" in error
     assert "set model.config=null" in error
+
+
+def test_compiled_model_trains_the_same_losses(tmp_path, data_cache):
+    """compile: true (DeepSpeed's engine.compile, inductor on a CPU) gives the eager run's losses."""
+    curves = {}
+    for compiled in (False, True):
+        out = tmp_path / f"compile_{compiled}"
+        result = run_train(["--recipe", "tiny_llama", "--output-dir", str(out), SMALL_MODEL, data_cache,
+                            "training.max_steps=4", "logging.every_steps=1", f"compile={str(compiled).lower()}"])
+        assert result.returncode == 0, result.stderr[-3000:]
+        curves[compiled] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert curves[True] == pytest.approx(curves[False], rel=1e-5)

@@ -173,7 +173,7 @@ def plot(rows: list[dict], curves: dict[str, dict[int, float]], reference: str |
     import matplotlib.pyplot as plt
     done = [row for row in rows if row["status"] == "ok"]
     labels = [f"ZeRO-{row['stage'].replace('_', '+')}" for row in done]
-    figure, (losses, differences, speed, memory) = plt.subplots(1, 4, figsize=(20, 4.5))
+    figure, ((losses, differences), (speed, memory)) = plt.subplots(2, 2, figsize=(14, 9))
     for label, row, style in zip(labels, done, ["-", "--", "-.", ":"] * 2):
         curve = curves[row["stage"]]
         steps = sorted(curve)
@@ -183,7 +183,7 @@ def plot(rows: list[dict], curves: dict[str, dict[int, float]], reference: str |
                              label=label)
     losses.set(title="training loss", xlabel="step", ylabel="loss")
     losses.legend()
-    differences.set(title=f"|loss - loss of ZeRO-{reference}|", xlabel="step", yscale="log")
+    differences.set(title=f"|loss - loss of ZeRO-{reference}| (equal shown as 1e-9)", xlabel="step", yscale="log")
     if len(done) > 1:
         differences.legend()
     speed.bar(labels, [row["tokens_per_s"] for row in done], color="tab:blue")
@@ -195,6 +195,8 @@ def plot(rows: list[dict], curves: dict[str, dict[int, float]], reference: str |
     memory.set_xticks(list(x), labels)
     memory.set(title="memory per rank", ylabel="GiB")
     memory.legend(fontsize="small")
+    for axes in (speed, memory):
+        axes.tick_params(axis="x", labelrotation=20)
     figure.suptitle(title)
     figure.tight_layout()
     figure.savefig(path, dpi=110)

@@ -48,9 +48,10 @@ def zero_arithmetic(params: float, stage: int, ranks: int, precision: str) -> fl
     """Per-rank bytes of weights + gradients + AdamW states (the ZeRO paper's arithmetic).
 
     Mixed precision keeps 16-bit weights and gradients (2 + 2 bytes) and fp32 master weights, momentum and
-    variance (12 bytes); fp32 keeps 4 + 4 + 8. ZeRO-1 shards the optimizer states over the ranks, ZeRO-2 the
+    variance (12 bytes); fp32 keeps 4 + 4 and, under ZeRO, its own fp32 master copy too (12; measured), at
+    ZeRO-0 only momentum and variance (8). ZeRO-1 shards the optimizer states over the ranks, ZeRO-2 the
     gradients too, ZeRO-3 the weights too. (ZeRO-0 bf16 runs as torch autocast over fp32 weights: 16 bytes.)"""
-    weights, grads, optimizer = (2, 2, 12) if precision in ("bf16", "fp16", "fp8") else (4, 4, 8)
+    weights, grads, optimizer = (2, 2, 12) if precision in ("bf16", "fp16", "fp8") else (4, 4, 12 if stage else 8)
     shard = [(1, 1, 1), (1, 1, ranks), (1, ranks, ranks), (ranks, ranks, ranks)][stage]
     return params * (weights / shard[0] + grads / shard[1] + optimizer / shard[2])
 

@@ -3,6 +3,7 @@ import gc
 import json
 import resource
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,11 @@ def peak_memory_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def device_name() -> str:
+    """What the run ran on: the GPU's name, or 'cpu' (DeepSpeed's CPU accelerator)."""
+    return torch.cuda.get_device_name() if get_accelerator().device_name() == "cuda" else "cpu"
+
+
 def peak_reserved_bytes() -> int | None:
     """Peak GPU memory the caching allocator reserved (allocated + cached); None without a GPU."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -44,25 +50,33 @@ def held_tensor_bytes(optimizer: torch.optim.Optimizer) -> dict[str, int]:
     tensors += [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     storages = {}
     for tensor in tensors:
-        if tensor.device.type != "meta" and tensor.layout == torch.strided:
+        if tensor.device.type == "meta" or tensor.layout != torch.strided:
+            continue
+        try:
             storage = tensor.untyped_storage()
             storages[tensor.device.type, storage.data_ptr()] = storage.nbytes()
+        except RuntimeError:  # torch.compile's fake tensors, left for the collector, hold no memory
+            continue
     held = {}
     for (device, _), size in storages.items():
         held[device] = held.get(device, 0) + size
     return held
 
 
-def record_model_states(optimizer: torch.optim.Optimizer, on_step: int, into: dict) -> None:
-    """Fill `into` with held_tensor_bytes at the start of the on_step-th optimizer step from now (the second
-    one, so that optimizers that create their states lazily at the first step have them)."""
+def record_model_states(optimizer: torch.optim.Optimizer, current_step: Callable[[], int], on_step: int,
+                        into: dict) -> None:
+    """Fill `into` with the most held_tensor_bytes seen while the optimizer steps with current_step() == on_step
+    (pick the run's second step, so that optimizers that make their states at the first one have them).
+
+    DeepSpeed's ZeRO optimizers step the torch optimizer once per parameter group, each group with its own
+    gradients, so every call during that step is measured and the largest kept."""
     inner = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed's ZeRO and bf16 optimizers wrap a torch one
-    steps = [0]
 
     def measure(*_) -> None:
-        steps[0] += 1
-        if steps[0] == on_step:
-            into.update(held_tensor_bytes(inner))
+        if current_step() == on_step:
+            for device, size in held_tensor_bytes(inner).items():
+                into[device] = max(into.get(device, 0), size)
+        elif current_step() > on_step:
             handle.remove()
 
     handle = inner.register_step_pre_hook(measure)
@@ -171,6 +185,7 @@ class MetricsLogger:
 def print_summary(summary: dict) -> None:
     table = Table(title=f"{summary['recipe']}: {summary['steps']} steps", show_header=False)
     rows = [
+        ("device", summary["device"]),
         ("ranks x ZeRO stage x precision", f"{summary['world_size']} x ZeRO-{summary['zero_stage']} x {summary['precision']}"),
         *([("pipeline stages x data-parallel", f"{summary['pipeline_stages']} x "
             f"{summary['world_size'] // summary['pipeline_stages']}")] if summary["pipeline_stages"] > 1 else []),

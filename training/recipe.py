@@ -115,6 +115,7 @@ class Recipe(StrictModel):
     precision: Literal["auto", "bf16", "fp16", "fp32", "fp8"] = "auto"
     fp8: Fp8Section = Fp8Section()
     activation_checkpointing: bool = False
+    compile: bool = False  # torch.compile the model through DeepSpeed (engine.compile): fuses FP8's casts, among others
     parallelism: ParallelismSection = ParallelismSection()
     checkpointing: CheckpointingSection = CheckpointingSection()
     logging: LoggingSection = LoggingSection()

@@ -76,7 +76,8 @@ def test_zero_arithmetic_shards_what_each_stage_shards():
     assert zero_arithmetic(params, 1, ranks, "bf16") == 4_000 + 12_000 / 4
     assert zero_arithmetic(params, 2, ranks, "bf16") == 2_000 + 14_000 / 4
     assert zero_arithmetic(params, 3, ranks, "bf16") == 16_000 / 4
-    assert zero_arithmetic(params, 3, ranks, "fp32") == 16_000 / 4
+    assert zero_arithmetic(params, 0, ranks, "fp32") == 16_000
+    assert zero_arithmetic(params, 3, ranks, "fp32") == 20_000 / 4  # DeepSpeed's ZeRO keeps an fp32 master copy
 
 
 def test_model_states_use_deepspeeds_estimators_for_zero_2_and_3():

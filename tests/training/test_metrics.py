@@ -10,11 +10,12 @@ def test_model_states_are_measured_when_the_second_step_starts():
     before = held_tensor_bytes(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))]))["cpu"]  # other tests' tensors
     model = torch.nn.Linear(1000, 1000, bias=False)  # 4 MB of fp32 weights
     optimizer = torch.optim.AdamW(model.parameters())
-    measured = {}
-    record_model_states(optimizer, 2, measured)
+    measured, steps_done = {}, [0]
+    record_model_states(optimizer, lambda: steps_done[0], 1, measured)
     for step in range(3):
         model(torch.randn(4, 1000)).sum().backward()
         optimizer.step()
+        steps_done[0] += 1
         if step == 0:
             assert not measured  # AdamW makes its states at the first step
         optimizer.zero_grad()
