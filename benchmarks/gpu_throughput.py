@@ -24,7 +24,6 @@ import datetime
 import itertools
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -36,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from training.distributed import free_port  # noqa: E402
+from training.launch import failure_reason, launcher_command  # noqa: E402
 
 MODEL_CONFIG = "benchmarks/llama_1b/config.json"
 PRECISIONS, CHECKPOINTING, ZERO = ("bf16", "fp8"), (False, True), (1, 3)
@@ -139,21 +138,10 @@ def overrides(args: argparse.Namespace, run: Run) -> list[str]:
     ]
 
 
-def error_line(text: str) -> str:
-    """The line that says why a run failed: train.py's own 'error: ...' report, else the last exception line."""
-    lines = [re.sub(r"^\[rank\d+\]:\s*", "", line.strip()) for line in text.splitlines()
-             if line.strip() and "CalledProcessError" not in line]  # that one is a launcher's report of its child
-    for pattern in (r"^error: ", r"OutOfMemoryError|CUDA out of memory", r"^\w+(\.\w+)*(Error|Exception)\b.*:"):
-        hits = [line for line in lines if re.search(pattern, line)]
-        if hits:
-            return re.sub(r"\s+", " ", hits[-1].removeprefix("error: "))[:300]
-    return "failed; see the log"
-
-
-def launch(args: argparse.Namespace, run: Run, port: int) -> Result:
+def launch(args: argparse.Namespace, run: Run) -> Result:
     out = args.output / run.name
-    command = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "1", "--master_port", str(port),
-               "train.py", "--recipe", "tiny_llama", "--output-dir", str(out), "--overwrite", *overrides(args, run)]
+    command = launcher_command(1, "train.py", ["--recipe", "tiny_llama", "--output-dir", str(out), "--overwrite",
+                                               *overrides(args, run)])
     log = args.output / f"{run.name}.log"
     start = time.perf_counter()
     with log.open("w") as log_file:
@@ -174,7 +162,7 @@ def launch(args: argparse.Namespace, run: Run, port: int) -> Result:
     elif code is None:
         result = Result(run, error=f"timed out after {args.timeout} s", seconds=seconds)
     else:
-        result = Result(run, error=f"exit {code}: {error_line(log.read_text(errors='replace'))}", seconds=seconds)
+        result = Result(run, error=f"exit {code}: {failure_reason(log.read_text(errors='replace'))}", seconds=seconds)
     if not args.keep_checkpoints:
         for name in ("checkpoints", "hf"):
             shutil.rmtree(out / name, ignore_errors=True)
@@ -322,14 +310,10 @@ def main() -> int:
     args.output.mkdir(parents=True, exist_ok=True)
     head = header(args, gpu, runs)
     print(head, flush=True)
-    results, ports = [], set()
+    results = []
     for index, run in enumerate(runs, 1):
-        port = free_port()
-        while port in ports:
-            port = free_port()
-        ports.add(port)
-        print(f"[{index}/{len(runs)}] {run.name} (port {port}) ...", end=" ", flush=True)
-        result = launch(args, run, port)
+        print(f"[{index}/{len(runs)}] {run.name} ...", end=" ", flush=True)
+        result = launch(args, run)
         results.append(result)
         if result.error:
             print(f"FAILED in {result.seconds:.0f} s: {result.error}", flush=True)

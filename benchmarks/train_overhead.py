@@ -23,14 +23,12 @@ sys.path.insert(0, str(REPO))
 from transformers import AutoTokenizer  # noqa: E402
 
 from data_pipeline.prepare import cached_path, prepare_dataset  # noqa: E402
-from training.distributed import free_port  # noqa: E402
+from training.launch import launcher_command  # noqa: E402
 from training.recipe import load_recipe  # noqa: E402
 
 
 def launch(script: str, args: list[str], num_gpus: int) -> None:
-    launcher = Path(sys.executable).parent / "deepspeed"
-    command = [str(launcher), "--num_gpus", str(num_gpus), "--master_port", str(free_port()), script, *args]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
+    result = subprocess.run(launcher_command(num_gpus, script, args), cwd=REPO, capture_output=True, text=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
     if result.returncode != 0:
         sys.exit(f"{script} failed:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}")

@@ -8,7 +8,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from training.distributed import free_port  # noqa: E402
+from training.launch import launcher_command  # noqa: E402
 
 # A 2-layer, 64-wide shrink of tiny_llama: the same code path in seconds.
 SMALL_MODEL = ("model.config_overrides={num_hidden_layers: 2, hidden_size: 64, intermediate_size: 128, "
@@ -18,10 +18,7 @@ SMALL_MODEL = ("model.config_overrides={num_hidden_layers: 2, hidden_size: 64, i
 def train_command(args: list[str], ranks: int | None = None, script: str = "train.py") -> list[str]:
     """train.py (or a script that wraps it) as users run it: through the `deepspeed` launcher with `ranks`
     ranks, or with plain `python` when `ranks` is None."""
-    if ranks is None:
-        return [sys.executable, script, *args]
-    launcher = Path(sys.executable).parent / "deepspeed"
-    return [str(launcher), "--num_gpus", str(ranks), "--master_port", str(free_port()), script, *args]
+    return [sys.executable, script, *args] if ranks is None else launcher_command(ranks, script, args)
 
 
 TRAIN_ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")

@@ -8,8 +8,6 @@ bitwise equal).
 import json
 import re
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from tests.conftest import REPO, SMALL_MODEL, TRAIN_ENV, run_train, save_small_checkpoint
-from training.distributed import free_port
+from training.launch import launcher_command
 
 pytestmark = pytest.mark.slow
 
@@ -121,9 +119,7 @@ def test_pipeline_resume_continues_the_curve(runs, tmp_path, data_cache):
                                              ("qwen3", True)])
 def test_each_family_as_a_pipeline_gives_the_models_loss(model_type, tied):
     """Same weights, same packed batch (two documents a row): the 2-stage pipeline's loss is the model's."""
-    launcher = Path(sys.executable).parent / "deepspeed"
-    result = subprocess.run([str(launcher), "--num_gpus", "2", "--master_port", str(free_port()),
-                             "tests/helpers/pipeline_loss.py", model_type, *(["tied"] if tied else [])],
+    result = subprocess.run(launcher_command(2, "tests/helpers/pipeline_loss.py", [model_type, *(["tied"] if tied else [])]),
                             cwd=REPO, env=TRAIN_ENV, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     values = json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])

@@ -24,8 +24,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from training.distributed import free_port  # noqa: E402
 from training.errors import ConfigError  # noqa: E402
+from training.launch import failure_reason, launcher_command  # noqa: E402
 from training.memory import ZERO_SETTINGS  # noqa: E402
 from training.plan import planned_model_states  # noqa: E402
 
@@ -73,10 +73,9 @@ def check_stage(args: argparse.Namespace, stage: str) -> tuple[dict | None, str 
 
 def run_stage(args: argparse.Namespace, stage: str, output_dir: Path) -> str | None:
     """Train the stage through the deepspeed launcher, the console going to zero<stage>.log; the error or None."""
-    launcher = Path(sys.executable).parent / "deepspeed"
-    command = [str(launcher), "--num_gpus", str(args.num_gpus), "--master_port", str(free_port()),
-               str(REPO / "train.py"), "--recipe", args.recipe, "--output-dir", str(output_dir / f"zero{stage}"),
-               "--overwrite", *stage_overrides(args, stage)]
+    command = launcher_command(args.num_gpus, str(REPO / "train.py"), [
+        "--recipe", args.recipe, "--output-dir", str(output_dir / f"zero{stage}"), "--overwrite",
+        *stage_overrides(args, stage)])
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.num_gpus)))
     log_path = output_dir / f"zero{stage}.log"
@@ -85,17 +84,7 @@ def run_stage(args: argparse.Namespace, stage: str, output_dir: Path) -> str | N
         returncode = subprocess.run(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
     if returncode == 0:
         return None
-    return f"exit {returncode}: {last_error_line(log_path.read_text())} (log: {log_path})"
-
-
-def last_error_line(log: str) -> str:
-    """The most telling line of a failed run: train.py's error, an exception, or the last line."""
-    lines = [line.strip() for line in log.splitlines() if line.strip()]
-    for marker in ("error:", "OutOfMemoryError", "Error", "Killed"):
-        found = [line for line in lines if marker in line]
-        if found:
-            return found[-1][:300]
-    return lines[-1][:300] if lines else "no output"
+    return f"exit {returncode}: {failure_reason(log_path.read_text())} (log: {log_path})"
 
 
 def read_run(run_dir: Path) -> tuple[dict, dict[int, float]]:
@@ -127,12 +116,17 @@ def compare(args: argparse.Namespace) -> tuple[list[dict], dict[str, dict[int, f
             row.update(status="failed", error=error)
             print(f"ZeRO-{stage} failed: {error}", file=sys.stderr)
         rows.append(row)
-    reference = "0" if "0" in curves else next(iter(curves), None)
+    reference = reference_stage(curves)
     for row in rows:
         if row["stage"] in curves:
             steps = curves[reference].keys() & curves[row["stage"]].keys()
             row["max_loss_diff"] = max(abs(curves[row["stage"]][s] - curves[reference][s]) for s in steps)
     return rows, curves
+
+
+def reference_stage(curves: dict[str, dict[int, float]]) -> str | None:
+    """The stage the others' losses are compared with: ZeRO-0 when it ran, else the first that did."""
+    return "0" if "0" in curves else next(iter(curves), None)
 
 
 def gib(value: float | None) -> str:
@@ -208,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     args.output_dir = args.output_dir or REPO / "outputs" / f"compare_zero-{Path(args.recipe).name}"
     args.output_dir.mkdir(parents=True, exist_ok=True)
     rows, curves = compare(args)
-    reference = "0" if "0" in curves else next(iter(curves), None)
+    reference = reference_stage(curves)
     with (args.output_dir / "comparison.csv").open("w", newline="") as file:
         writer = csv.DictWriter(file, fieldnames=COLUMNS, extrasaction="ignore")
         writer.writeheader()

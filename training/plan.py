@@ -92,10 +92,19 @@ def fits(total_without: float, total_with: float, memory: float) -> str:
     return "with checkpointing" if total_with <= HEADROOM * memory else "no"
 
 
+def memory_cells(states: float, acts: Activations | None, memory: float, in_flight: int = 1) -> list[str]:
+    """The '+ activations', '+ act. (ckpt)' and 'fits' cells: model states plus the activations of the
+    micro-batches in flight, without and with checkpointing ('?' for a model type without a rule)."""
+    if acts is None:
+        return ["?", "?", "?"]
+    totals = [states + in_flight * acts.peak(checkpointing) for checkpointing in (False, True)]
+    return [*map(format_bytes, totals), fits(*totals, memory)]
+
+
 def activations(plan: RunPlan, shape: ModelShape, **stage) -> Activations | None:
     training = plan.recipe.training
     return activation_bytes(shape, training.micro_batch_size * plan.recipe.data.seq_len, plan.recipe.data.seq_len,
-                            DTYPES.get(plan.precision, DTYPES["bf16"]).itemsize, plan.recipe.model.attn_implementation,
+                            DTYPES[plan.precision].itemsize, plan.recipe.model.attn_implementation,
                             **stage)
 
 
@@ -143,11 +152,9 @@ def print_memory_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> Non
         states = model_states(setting, shape, machine.gpus_per_node, machine.nodes, plan.precision,
                               zero_init=plan.recipe.model.name_or_path is not None)
         marker = " (this run)" if setting == current else ""
-        totals = [states.device_bytes + acts.peak(ckpt) for ckpt in (False, True)] if acts else None
         table.add_row(setting.replace("_", " + ") + marker, format_bytes(states.device_bytes),
                       format_bytes(states.host_bytes) if states.host_bytes else "-", states.source,
-                      *([format_bytes(total) for total in totals] if totals else ["?", "?"]),
-                      fits(*totals, machine.memory_per_rank) if totals else "?")
+                      *memory_cells(states.device_bytes, acts, machine.memory_per_rank))
     Console(width=140).print(table)
 
 
@@ -171,10 +178,8 @@ def print_pipeline_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> N
         decoder_layers = sum(1 <= index <= shape.num_layers for index in range(start, end))
         acts = activations(plan, shape, layers=decoder_layers, with_head=stage == stages - 1)
         in_flight = min(stages - stage, plan.accumulation_steps)
-        totals = [states + in_flight * acts.peak(ckpt) for ckpt in (False, True)] if acts else None
         table.add_row(str(stage), f"{start}-{end - 1}", f"{params:,}", format_bytes(states),
-                      *([format_bytes(total) for total in totals] if totals else ["?", "?"]),
-                      fits(*totals, machine.memory_per_rank) if totals else "?")
+                      *memory_cells(states, acts, machine.memory_per_rank, in_flight))
     Console(width=140).print(table)
 
 
