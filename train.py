@@ -35,17 +35,17 @@ from training import distributed
 from training.checkpoint import (check_resume, export_hf, load_checkpoint, read_run_state, remove_unfinished_tags,
                                  save_checkpoint)
 from training.ds_config import accumulation_steps, load_ds_config, resolve_ds_config, zero_stage
-from training.errors import ConfigError
+from training.errors import ConfigError, positive_float, positive_int, report
 from training.export import export_checkpoint
 from training.fp8 import convert_linears_to_fp8
-from training.metrics import (FlopsMeter, MetricsLogger, device_name, flops_meter, gpu_metrics, measured_model_states,
-                              peak_memory_bytes, print_summary, record_model_states)
+from training.metrics import (FlopsMeter, MetricsLogger, Stopwatch, device_name, flops_meter, gpu_metrics,
+                              measured_model_states, peak_memory_bytes, print_summary, record_model_states)
 from training.model import (build_model, check_checkpoint_folder, check_checkpoint_matches, check_recipe_against_model,
                             load_model_config, load_tokenizer)
 from training.optimizer import lr_schedule, weight_decay_groups
-from training.pipeline import TokenMeanLoss, build_pipeline, check_pipeline, pipeline_batches
+from training.pipeline import TokenMeanLoss, build_pipeline, check_pipeline, pipeline_batches, report_grad_norm
 from training.plan import RunPlan, planned_machine, print_plan
-from training.precision import DTYPES, resolve_precision
+from training.precision import DTYPES, resolve_precision, use_fp16_block_loss_scaling
 from training.recipe import load_recipe
 
 OUTPUT_ROOT = Path("outputs")
@@ -61,10 +61,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true", help="validate everything, print the plan, train nothing")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the output dir")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier run in the output dir")
-    parser.add_argument("--num-gpus", type=int, help="with --dry-run: plan for this many GPUs per node")
-    parser.add_argument("--num-nodes", type=int, default=1, help="with --dry-run and --num-gpus: nodes (default 1)")
-    parser.add_argument("--gpu-mem", type=float, metavar="GiB", help="with --dry-run: memory per GPU to fit into "
-                        "(default: this machine's)")
+    parser.add_argument("--num-gpus", type=positive_int, help="with --dry-run: plan for this many GPUs per node")
+    parser.add_argument("--num-nodes", type=positive_int, default=1, help="with --dry-run and --num-gpus: nodes "
+                        "(default 1)")
+    parser.add_argument("--gpu-mem", type=positive_float, metavar="GiB", help="with --dry-run: memory per GPU to fit "
+                        "into (default: this machine's)")
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # set by the launcher
     parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="e.g. training.max_steps=20")
     return parser.parse_intermixed_args(argv)  # overrides may come before or after the options
@@ -83,6 +84,16 @@ def default_output_dir(recipe_name: str, resume: bool) -> Path:
 
 
 def check_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
+    """The output folder can hold this run, and no flag combination can lose an earlier one."""
+    if resume and overwrite:
+        raise ConfigError("--resume continues the run in the output folder and --overwrite replaces it: pass one of "
+                          "them (nothing was deleted)")
+    existing = next(path for path in (output_dir, *output_dir.parents) if path.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"--output-dir {output_dir}: {existing} is a file, not a folder; choose another --output-dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--output-dir {output_dir}: {existing} is not writable by this user; choose another "
+                          f"--output-dir")
     if resume and not (output_dir / "checkpoints" / "latest").exists():
         raise ConfigError(f"--resume: {output_dir}/checkpoints holds no checkpoint to continue from")
     if holds_run(output_dir) and not (resume or overwrite):
@@ -93,10 +104,12 @@ def check_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
 def make_plan(args: argparse.Namespace, world_size: int | None = None) -> RunPlan:
     """Every check that needs no model, data or process group: bad input fails here, fast. world_size:
     the ranks to plan for (default: --num-gpus x --num-nodes, or the launcher's)."""
-    what_if = args.num_gpus is not None or args.gpu_mem is not None
+    what_if = args.num_gpus is not None or args.gpu_mem is not None or args.num_nodes != 1
     if what_if and not args.dry_run:
         raise ConfigError("--num-gpus, --num-nodes and --gpu-mem plan for another machine: use them with --dry-run "
                           "(a run's ranks come from the deepspeed launcher)")
+    if args.num_nodes != 1 and args.num_gpus is None:
+        raise ConfigError(f"--num-nodes {args.num_nodes} plans for nodes of --num-gpus GPUs each: give --num-gpus too")
     recipe = load_recipe(args.recipe, args.overrides)
     if recipe.model.name_or_path:
         check_checkpoint_folder(recipe.model.name_or_path)
@@ -121,8 +134,9 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> RunPla
     if not args.dry_run:
         check_output_dir(output_dir, args.resume, args.overwrite)
     if args.resume:
-        check_resume(read_run_state(output_dir / "checkpoints"), output_dir / "checkpoints", world_size,
-                     zero_stage(ds_config), precision, stages)
+        checkpoints = output_dir / "checkpoints"
+        check_resume(read_run_state(checkpoints), checkpoints, world_size, zero_stage(ds_config), precision, stages,
+                     recipe.training.max_steps)
     return RunPlan(recipe, model_config, tokenizer, precision, ds_config, ds_config_path, world_size,
                    accumulation_steps(recipe.training, world_size // stages), output_dir)
 
@@ -190,9 +204,8 @@ def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict],
     if isinstance(engine, PipelineEngine):
         engine.module.loss_fn.targets_per_micro_batch = targets_per_micro_batch
         loss = engine.train_batch(data_iter=pipeline_batches(micro_batches))
-        grad_norm = engine.get_global_grad_norm()
         # every rank holds the whole step's loss; the caller sums the ranks' shares
-        return loss / dist.get_world_size(), float("nan") if grad_norm is None else grad_norm, int(tokens), stops > 0
+        return loss / dist.get_world_size(), engine.get_global_grad_norm(), int(tokens), stops > 0
     loss_sum, grad_norm = torch.zeros((), device=engine.device), None
     for batch in micro_batches:
         loss = engine(**model_inputs(batch, engine.device), num_items_in_batch=targets_per_micro_batch).loss
@@ -252,50 +265,68 @@ def pipeline_eval_sums(engine: PipelineEngine, batches: EvalBatches) -> tuple[fl
 def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: EvalBatches | None, plan: RunPlan,
           start: dict, total_steps: int, flops: FlopsMeter | None) -> dict:
     """The loop: batch, forward/backward/step, log every N steps, evaluate every E, checkpoint every M, and
-    on SIGTERM checkpoint and stop. Returns run totals."""
+    on SIGTERM checkpoint and stop. Returns run totals. Only training is timed: the clock stops, once the
+    accelerator has finished its queued work, for logging, evaluation and checkpoint saves."""
     recipe, start_step = plan.recipe, start["step"]
     logger = MetricsLogger(plan.output_dir, total_steps, start_step, recipe.logging.tensorboard, dist.get_rank() == 0)
-    records, timed_tokens, timed_steps, timed_seconds, tokens_seen = [], 0, 0, 0.0, start["tokens_seen"]
-    interval_start, interval_tokens, interval_steps = time.perf_counter(), 0, 0
-    step = start_step
+    records, saves, tokens_seen = [], [], start["tokens_seen"]
+    interval, timed = {"tokens": 0, "steps": 0}, {"tokens": 0, "steps": 0, "seconds": 0.0}
+    clock, step, every = Stopwatch(), start_step, recipe.checkpointing.every_steps
+    clock.start()
     for step in range(start_step + 1, total_steps + 1):
         lr = engine.get_lr()[0]
         loss_share, grad_norm, tokens, stop = train_step(engine, batches.micro_batches(step - 1), plan.dp_size)
-        interval_tokens, interval_steps = interval_tokens + tokens, interval_steps + 1
-        tokens_seen += tokens
+        interval["tokens"], interval["steps"], tokens_seen = interval["tokens"] + tokens, interval["steps"] + 1, \
+            tokens_seen + tokens
         logger.advance()
         evaluate_now = evaluation is not None and (step == total_steps or (
             recipe.training.eval_every_steps and step % recipe.training.eval_every_steps == 0))
-        if (step == start_step + 1 or step % recipe.logging.every_steps == 0 or step == total_steps or stop
-                or evaluate_now):
-            now = time.perf_counter()
-            peak = distributed.all_reduce(torch.tensor(peak_memory_bytes(), device=engine.device), dist.ReduceOp.MAX)
-            loss = distributed.all_reduce(loss_share).item()
-            records.append({"step": step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
-                            "tokens_per_s": interval_tokens / (now - interval_start), "peak_mem_bytes": int(peak.item()),
-                            **gpu_metrics(flops, interval_steps, now - interval_start)})
+        log_now = (step == start_step + 1 or step % recipe.logging.every_steps == 0 or step == total_steps or stop
+                   or evaluate_now)
+        save_now = stop or (every and step % every == 0) or step == total_steps
+        if not (log_now or save_now):
+            continue
+        clock.stop()
+        if log_now:
+            seconds = clock.take()
+            records.append(step_record(engine, step, lr, loss_share, grad_norm, interval, seconds, flops))
             if step > start_step + 1:  # the first step pays for warm-up and is left out of the mean
-                timed_tokens, timed_steps = timed_tokens + interval_tokens, timed_steps + interval_steps
-                timed_seconds += now - interval_start
+                timed.update(tokens=timed["tokens"] + interval["tokens"], steps=timed["steps"] + interval["steps"],
+                             seconds=timed["seconds"] + seconds)
             if evaluate_now:
                 records[-1].update(evaluate(engine, evaluation))
             logger.log(records[-1])
-            interval_start, interval_tokens, interval_steps = time.perf_counter(), 0, 0
-        every = recipe.checkpointing.every_steps
-        if stop or (every and step % every == 0) or step == total_steps:
-            save_checkpoint(engine, plan.output_dir / "checkpoints", run_state(plan, step, tokens_seen),
-                            batches.state_dict(), (plan.model_config, plan.tokenizer), recipe.checkpointing.keep_last)
+            interval = {"tokens": 0, "steps": 0}
+        if save_now:
+            saves.append(save_checkpoint(engine, plan.output_dir / "checkpoints", run_state(plan, step, tokens_seen),
+                                         batches.state_dict(), (plan.model_config, plan.tokenizer),
+                                         recipe.checkpointing.keep_last))
+            logger.note(f"checkpoint global_step{step}: {saves[-1]['bytes'] / 2**20:,.1f} MiB in "
+                        f"{saves[-1]['seconds']:.2f} s")
         if stop:
             break
+        clock.start()
     logger.close()
     return {"last_step": step, "tokens_seen": tokens_seen, "first_loss": records[0]["loss"],
             "final_loss": records[-1]["loss"],
-            "mean_tokens_per_s": timed_tokens / timed_seconds if timed_seconds else records[0]["tokens_per_s"],
-            **(flops.metrics(timed_steps, timed_seconds) if flops and timed_seconds else {}),
+            "mean_tokens_per_s": timed["tokens"] / timed["seconds"] if timed["seconds"] else records[0]["tokens_per_s"],
+            **(flops.metrics(timed["steps"], timed["seconds"]) if flops and timed["seconds"] else {}),
             "peak_mem_bytes": max(r["peak_mem_bytes"] for r in records),
             **({"peak_mem_reserved_bytes": max(r["peak_mem_reserved_bytes"] for r in records)}
                if "peak_mem_reserved_bytes" in records[0] else {}),
+            **({"checkpoint_bytes": saves[-1]["bytes"], "checkpoint_save_s": max(s["seconds"] for s in saves)}
+               if saves else {}),
             **{key: records[-1][key] for key in ("eval_loss", "eval_perplexity") if key in records[-1]}}
+
+
+def step_record(engine: deepspeed.DeepSpeedEngine, step: int, lr: float, loss_share: torch.Tensor,
+                grad_norm: torch.Tensor | float, interval: dict, seconds: float, flops: FlopsMeter | None) -> dict:
+    """The metrics.jsonl line of a logged step: the step's loss and gradient norm, and the interval since the
+    last logged step's throughput and peak memory."""
+    peak = distributed.all_reduce(torch.tensor(peak_memory_bytes(), device=engine.device), dist.ReduceOp.MAX)
+    return {"step": step, "loss": distributed.all_reduce(loss_share).item(), "lr": lr, "grad_norm": float(grad_norm),
+            "tokens_per_s": interval["tokens"] / seconds, "peak_mem_bytes": int(peak.item()),
+            **gpu_metrics(flops, interval["steps"], seconds)}
 
 
 def run_state(plan: RunPlan, step: int, tokens_seen: int) -> dict:
@@ -304,42 +335,28 @@ def run_state(plan: RunPlan, step: int, tokens_seen: int) -> dict:
             "zero_stage": plan.zero_stage, "precision": plan.precision, "pipeline_stages": plan.pipeline_stages}
 
 
-def report(error: Exception) -> int:
-    if distributed.rank() == 0:
-        print(f"error: {error}", file=sys.stderr)
-    return 2
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")  # DeepSpeed's old c10d calls
     try:
+        distributed.adopt_srun_environment()
         plan = make_plan(args)
-    except ConfigError as error:
-        return report(error)
-    if args.dry_run:
-        try:
+        if args.dry_run:
             print_plan(plan, planned_machine(args.num_gpus, args.num_nodes, args.gpu_mem, plan.world_size))
-        except ConfigError as error:
-            return report(error)
-        return 0
-    distributed.init_distributed()
-    try:
-        return run(plan, args)
-    finally:  # a process group left for interpreter exit to tear down can abort the process ("terminate called ...")
-        dist.destroy_process_group()
+            return 0
+    except Exception as error:  # noqa: BLE001 (report raises again what is not a user error)
+        # every rank checks the same inputs, so the first rank of each node says why (on one node: once)
+        return report(error, printing=distributed.local_rank() == 0)
+    return distributed.run_in_process_group(lambda: run(plan, args))
 
 
 def run(plan: RunPlan, args: argparse.Namespace) -> int:
-    """Everything after the checks, inside the process group: data, model, engine, training, export."""
+    """Everything after the checks, inside the process group: data, model, engine, training, export. An error
+    here on any rank ends every rank (training/failure.py)."""
     recipe, training = plan.recipe, plan.recipe.training
-    signal.signal(signal.SIGTERM, lambda signum, frame: stop_requested.set())
-    start_output_dir(plan, args.overwrite)
-    try:
-        batches, evaluation, data_stats = make_batches(plan)
-    except DataError as error:
-        return report(error)
+    distributed.check_shared_folder(plan.output_dir)
+    batches, evaluation, data_stats = make_batches(plan)
     total_steps = training.max_steps or training.epochs * batches.steps_per_epoch
 
     run_start = time.perf_counter()
@@ -356,20 +373,22 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
     engine, *_ = deepspeed.initialize(model=model, config=plan.ds_config,
                                       model_parameters=weight_decay_groups(model, training.weight_decay),
                                       lr_scheduler=lr_schedule(training, total_steps))
+    use_fp16_block_loss_scaling(engine)
+    if isinstance(engine, PipelineEngine) and not plan.zero_stage:
+        report_grad_norm(engine)
     if recipe.compile:
         engine.compile()  # DeepSpeed's torch.compile integration, with the accelerator's default backend
     checkpoint_dir = plan.output_dir / "checkpoints"
     start = {"step": 0, "tokens_seen": 0}
     if args.resume:
         remove_unfinished_tags(checkpoint_dir)
-        try:
-            start, data_state = load_checkpoint(engine, checkpoint_dir)
-            batches.load_state_dict(data_state)
-        except (ConfigError, DataError) as error:
-            return report(error)
+        start, data_state = load_checkpoint(engine, checkpoint_dir)
+        batches.load_state_dict(data_state)
         if start["step"] >= total_steps:
-            return report(ConfigError(f"--resume: the checkpoint is at step {start['step']}; the recipe ends at "
-                                      f"{total_steps} steps, so there is nothing left to train"))
+            raise ConfigError(f"--resume: the checkpoint is at step {start['step']}; the recipe ends at {total_steps} "
+                              f"steps, so there is nothing left to train")
+    start_output_dir(plan, args.overwrite)  # every check has passed: only now may --overwrite remove the earlier run
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop_requested.set())  # from here a SIGTERM saves, then stops
     held_tensors = {}
     record_model_states(engine.optimizer, lambda: engine.global_steps, start["step"] + 1, held_tensors)
     flops = flops_meter(plan)
@@ -382,7 +401,7 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
         return 0
     if plan.pipeline_stages > 1:  # the stages' weights are in the final checkpoint's layer files
         if dist.get_rank() == 0:
-            export_checkpoint(checkpoint_dir, plan.output_dir / "hf")
+            export_checkpoint(checkpoint_dir, plan.output_dir / "hf", overwrite=True)
         dist.barrier()
     else:
         export_hf(engine, plan.tokenizer, plan.output_dir / "hf", DTYPES[plan.precision])

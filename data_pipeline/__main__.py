@@ -9,6 +9,7 @@ of each group of exact or near duplicates of a JSONL file, in input order, lines
 """
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from data_pipeline import DataError
 from data_pipeline.config import DedupConfig
 from data_pipeline.dedup import NearDuplicates, repeated_mask, text_hashes
 from data_pipeline.prepare import build_dataset, minhash_signatures, save_prepared
+from training.errors import exit_code, positive_int
 
 
 def print_counts(title: str, counts: dict) -> None:
@@ -32,34 +34,47 @@ def print_counts(title: str, counts: dict) -> None:
     Console(width=120).print(table)
 
 
-def prepare(args: argparse.Namespace) -> None:
-    from transformers import AutoTokenizer
-
+def prepare(args: argparse.Namespace) -> int:
+    from training.model import load_tokenizer
     from training.recipe import load_recipe
     recipe = load_recipe(args.recipe, args.overrides)
     if args.output.exists():
         raise DataError(f"{args.output} already exists; choose another --output or remove it")
     if recipe.data.prepared or recipe.data.streaming:
         raise DataError("the recipe's data is already prepared (data.prepared) or streamed (data.streaming)")
-    prepared, stats = build_dataset(recipe.data, AutoTokenizer.from_pretrained(recipe.tokenizer_path))
+    tokenizer = load_tokenizer(recipe.tokenizer_path, recipe.model.trust_remote_code)  # as train.py loads it
+    prepared, stats = build_dataset(recipe.data, tokenizer)
     save_prepared(prepared, stats, args.output)
     print_counts(f"{recipe.name}: prepared data in {args.output}", stats)
     if "eval" in stats:
         print_counts("evaluation split", stats["eval"])
     for source in stats["sources"]:
         print_counts(f"source {source['name']}", source)
+    return 0
 
 
 def read_jsonl(path: Path, text_field: str) -> tuple[list[str], list[str]]:
+    """Each line's text and the line itself, or a DataError naming the file, the line and the fix."""
+    if not path.is_file():
+        raise DataError(f"{path}: {'a folder' if path.is_dir() else 'no such file'}; pass a .jsonl file, one JSON "
+                        f"object per line")
     lines, texts = [], []
-    with path.open(encoding="utf-8") as file:
-        for number, line in enumerate(file, start=1):
+    with path.open("rb") as file:
+        for number, raw in enumerate(file, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise DataError(f"{path}:{number}: not UTF-8 ({error.reason} at byte {error.start} of the line); "
+                                f"convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
                 raise DataError(f"{path}:{number}: not valid JSON ({error.msg} at column {error.colno})") from None
+            if not isinstance(record, dict):
+                raise DataError(f"{path}:{number}: a JSON {type(record).__name__}, not an object; each line must be "
+                                f"an object such as {{\"{text_field}\": \"...\"}}")
             if text_field not in record:
                 raise DataError(f"{path}:{number}: no field '{text_field}' (fields present: {', '.join(record)}); "
                                 f"pass --text-field")
@@ -68,7 +83,11 @@ def read_jsonl(path: Path, text_field: str) -> tuple[list[str], list[str]]:
     return lines, texts
 
 
-def dedup(args: argparse.Namespace) -> None:
+def dedup(args: argparse.Namespace) -> int:
+    if args.output.resolve() == args.input.resolve():
+        raise DataError(f"{args.output} is the input file; write the result to another file")
+    if args.output.is_dir():
+        raise DataError(f"{args.output} is a folder; name the output file, e.g. {args.output / args.input.name}")
     lines, texts = read_jsonl(args.input, args.text_field)
     config = DedupConfig(near=not args.no_near, threshold=args.threshold, num_perm=args.num_perm,
                          shingle=args.shingle, ngram=args.ngram)
@@ -85,6 +104,18 @@ def dedup(args: argparse.Namespace) -> None:
     print_counts(f"{args.input} -> {args.output}", {
         "documents_in": len(texts), "exact_duplicates_removed": int(exact.sum()),
         "near_duplicates_removed": int(near.sum()), "documents_out": int(kept.sum())})
+    return 0
+
+
+def threshold(text: str) -> float:
+    """An argparse type: a Jaccard similarity in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a similarity above 0 and at most 1, got {text!r}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,22 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     dedup_parser.add_argument("input", type=Path)
     dedup_parser.add_argument("output", type=Path)
     dedup_parser.add_argument("--text-field", default="text")
-    dedup_parser.add_argument("--threshold", type=float, default=DedupConfig().threshold)
+    dedup_parser.add_argument("--threshold", type=threshold, default=DedupConfig().threshold)
     dedup_parser.add_argument("--no-near", action="store_true", help="exact duplicates only")
-    dedup_parser.add_argument("--num-perm", type=int, default=DedupConfig().num_perm)
+    dedup_parser.add_argument("--num-perm", type=positive_int, default=DedupConfig().num_perm)
     dedup_parser.add_argument("--shingle", choices=["word", "char"], default=DedupConfig().shingle)
-    dedup_parser.add_argument("--ngram", type=int, default=DedupConfig().ngram)
-    dedup_parser.add_argument("--num-proc", type=int, default=1)
+    dedup_parser.add_argument("--ngram", type=positive_int, default=DedupConfig().ngram)
+    dedup_parser.add_argument("--num-proc", type=positive_int, default=1)
     args = parser.parse_args(argv)
-    from pydantic import ValidationError
-
-    from training.errors import ConfigError
-    try:
-        prepare(args) if args.command == "prepare" else dedup(args)
-    except (ConfigError, DataError, FileNotFoundError, ValidationError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_code(lambda: prepare(args) if args.command == "prepare" else dedup(args))
 
 
 if __name__ == "__main__":

@@ -234,7 +234,9 @@ def test_resume_under_another_world_size_or_stage_is_refused(no_model_building, 
     assert "python -m training export" in error
     (checkpoints / "latest").write_text("global_step9")  # names a save that never finished
     assert train.main(args + ["deepspeed.config=zero2"]) == 2
-    assert "holds no complete checkpoint" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert "names 'global_step9', not a complete checkpoint" in error
+    assert "echo global_step4 >" in error  # the way back to the last good save
 
 
 @pytest.mark.parametrize("overrides, world_size, message", [

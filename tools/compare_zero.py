@@ -24,10 +24,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from training.errors import ConfigError  # noqa: E402
+from training.errors import ConfigError, exit_code, positive_int  # noqa: E402
 from training.launch import failure_reason, launcher_command  # noqa: E402
 from training.memory import ZERO_SETTINGS  # noqa: E402
 from training.plan import planned_model_states  # noqa: E402
+from training.recipe import load_recipe  # noqa: E402
 
 import train  # noqa: E402
 
@@ -40,8 +41,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", required=True)
     parser.add_argument("--stages", default="0,1,2,3", help=f"comma-separated, of {', '.join(ZERO_SETTINGS)}")
-    parser.add_argument("--num-gpus", type=int, default=1, help="ranks on this machine (GPUs, or CPU processes)")
-    parser.add_argument("--steps", type=int, default=30, help="training steps per stage (default 30)")
+    parser.add_argument("--num-gpus", type=positive_int, default=1, help="ranks on this machine (GPUs, or CPU processes)")
+    parser.add_argument("--steps", type=positive_int, default=30, help="training steps per stage (default 30)")
     parser.add_argument("--output-dir", type=Path, help="default: outputs/compare_zero-<recipe>")
     parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="applied to every stage")
     args = parser.parse_intermixed_args(argv)
@@ -104,6 +105,10 @@ def read_run(run_dir: Path) -> tuple[dict, dict[int, float]]:
 def compare(args: argparse.Namespace) -> tuple[list[dict], dict[str, dict[int, float]]]:
     output_dir = args.output_dir
     checked = {stage: check_stage(args, stage) for stage in args.stages}  # all refusals before the first run
+    if all(error for _, error in checked.values()):
+        raise ConfigError("every stage is refused by train.py's checks:\n" + "\n".join(
+            f"  ZeRO-{stage}: {error}" for stage, (_, error) in checked.items()))
+    output_dir.mkdir(parents=True, exist_ok=True)
     rows, curves = [], {}
     for stage in args.stages:
         estimate, error = checked[stage]
@@ -199,8 +204,12 @@ def plot(rows: list[dict], curves: dict[str, dict[int, float]], reference: str |
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    return exit_code(lambda: compare_and_report(args))
+
+
+def compare_and_report(args: argparse.Namespace) -> int:
+    load_recipe(args.recipe, args.overrides)  # what every stage shares is checked once, before anything runs
     args.output_dir = args.output_dir or REPO / "outputs" / f"compare_zero-{Path(args.recipe).name}"
-    args.output_dir.mkdir(parents=True, exist_ok=True)
     rows, curves = compare(args)
     reference = reference_stage(curves)
     with (args.output_dir / "comparison.csv").open("w", newline="") as file:

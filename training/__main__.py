@@ -1,9 +1,9 @@
-"""python -m training export CHECKPOINT OUT_DIR [--dtype bf16|fp16|fp32]"""
+"""python -m training export CHECKPOINT OUT_DIR [--dtype bf16|fp16|fp32] [--overwrite]"""
 import argparse
 import sys
 from pathlib import Path
 
-from training.errors import ConfigError
+from training.errors import exit_code
 from training.export import export_checkpoint
 from training.precision import DTYPES
 
@@ -15,14 +15,16 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("checkpoint", type=Path, help="a run's checkpoints/ folder (its latest) or one global_stepN/ in it")
     export.add_argument("out_dir", type=Path)
     export.add_argument("--dtype", choices=DTYPES, help="default: the run's precision")
+    export.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists (once the export is "
+                        "complete)")
     args = parser.parse_args(argv)
-    try:
-        tag_dir = export_checkpoint(args.checkpoint, args.out_dir, args.dtype)
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    print(f"exported {tag_dir} to {args.out_dir}")
-    return 0
+
+    def run_export() -> int:
+        tag_dir = export_checkpoint(args.checkpoint, args.out_dir, args.dtype, args.overwrite)
+        print(f"exported {tag_dir} to {args.out_dir}")
+        return 0
+
+    return exit_code(run_export)
 
 
 if __name__ == "__main__":

@@ -10,9 +10,11 @@ naming a partial checkpoint, or nothing.
 """
 import json
 import os
+import pickle
 import random
 import re
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +38,7 @@ def checkpoint_tags(checkpoint_dir: Path) -> list[str]:
 
 def latest_tag(checkpoint_dir: Path) -> str | None:
     latest = checkpoint_dir / "latest"
-    return latest.read_text().strip() if latest.is_file() else None
+    return latest.read_bytes().decode("utf-8", errors="replace").strip() if latest.is_file() else None
 
 
 def write_atomically(path: Path, text: str) -> None:
@@ -67,12 +69,16 @@ def restore_rng_states(states: dict) -> None:
 
 
 def save_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, run_state: dict, data_state: dict,
-                    hf_files: tuple, keep_last: int | None) -> None:
-    """Every rank calls it. `run_state` must hold `step`; `hf_files` is (model config, tokenizer)."""
+                    hf_files: tuple, keep_last: int | None) -> dict:
+    """Every rank calls it. `run_state` must hold `step`; `hf_files` is (model config, tokenizer). Returns the
+    save's `seconds` (until `latest` names it) and the `bytes` of its folder (counted on rank 0, else 0)."""
+    started = time.perf_counter()
     tag, rank = f"global_step{run_state['step']}", dist.get_rank()
     tag_dir = checkpoint_dir / tag
     tag_dir.mkdir(parents=True, exist_ok=True)
-    torch.save({"data": data_state, "rng": rng_states()}, tag_dir / f"rank_state{rank}.pt")
+    scaler = engine.torch_autocast_z0_gradscaler  # fp16 at ZeRO-0: DeepSpeed's checkpoint leaves its loss scale out
+    torch.save({"data": data_state, "rng": rng_states(), **({"grad_scaler": scaler.state_dict()} if scaler else {})},
+               tag_dir / f"rank_state{rank}.pt")
     engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state={"step": run_state["step"]}, save_latest=False)
     if rank == 0:
         for item in hf_files:
@@ -80,27 +86,57 @@ def save_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, run_state: di
         (tag_dir / RUN_STATE).write_text(json.dumps(run_state, indent=2) + "\n")
     os.sync()  # this node's files are on disk before `latest` can name them
     dist.barrier()
+    size = 0
     if rank == 0:
         write_atomically(checkpoint_dir / "latest", tag)
+        size = sum(path.stat().st_size for path in tag_dir.rglob("*") if path.is_file())
         if keep_last:
             saved = [t for t in checkpoint_tags(checkpoint_dir) if int(TAG.fullmatch(t).group(1)) <= run_state["step"]]
             for old in saved[:-keep_last]:
                 shutil.rmtree(checkpoint_dir / old)
+    seconds = time.perf_counter() - started
     dist.barrier()
+    return {"seconds": seconds, "bytes": size}
+
+
+RUN_STATE_KEYS = ("step", "tokens_seen", "world_size", "zero_stage", "precision")
+
+
+def other_checkpoints(checkpoint_dir: Path, but: str | None) -> str:
+    """The way out when `latest` or its checkpoint is damaged: the other checkpoints that have a run state."""
+    others = [t for t in checkpoint_tags(checkpoint_dir) if t != but and (checkpoint_dir / t / RUN_STATE).is_file()]
+    if not others:
+        return "no other checkpoint here has a run state: start a new run (--overwrite, or another --output-dir)"
+    return (f"to resume from an earlier one, point `latest` at it: echo {others[-1]} > {checkpoint_dir / 'latest'} "
+            f"(checkpoints with a run state: {', '.join(others)})")
 
 
 def read_run_state(checkpoint_dir: Path) -> dict:
     """The latest complete checkpoint's run state; cheap, so that a resume is checked before anything is built."""
     tag = latest_tag(checkpoint_dir)
-    if tag is None or not (checkpoint_dir / tag / RUN_STATE).is_file():
-        raise ConfigError(f"--resume: {checkpoint_dir} holds no complete checkpoint (no `latest` file naming a "
-                          f"folder with {RUN_STATE})")
-    return json.loads((checkpoint_dir / tag / RUN_STATE).read_text())
+    if not tag or not TAG.fullmatch(tag) or not (checkpoint_dir / tag / RUN_STATE).is_file():
+        raise ConfigError(f"--resume: {checkpoint_dir / 'latest'} names {tag!r}, not a complete checkpoint (a "
+                          f"global_stepN folder with {RUN_STATE}); {other_checkpoints(checkpoint_dir, tag)}")
+    path = checkpoint_dir / tag / RUN_STATE
+    try:
+        run_state = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        run_state = None
+    missing = [key for key in RUN_STATE_KEYS if key not in run_state] if isinstance(run_state, dict) else RUN_STATE_KEYS
+    if missing:
+        raise ConfigError(f"--resume: {path} is damaged (not JSON, or without {', '.join(missing)}); "
+                          f"{other_checkpoints(checkpoint_dir, tag)}")
+    return run_state
 
 
 def check_resume(run_state: dict, checkpoint_dir: Path, world_size: int, zero_stage: int, precision: str,
-                 pipeline_stages: int) -> None:
-    """DeepSpeed restores ZeRO-partitioned optimizer states (and pipeline stages) only into the layout that wrote them."""
+                 pipeline_stages: int, max_steps: int | None) -> None:
+    """DeepSpeed restores ZeRO-partitioned optimizer states (and pipeline stages) only into the layout that wrote
+    them; and a run that is already at its last step has nothing to resume."""
+    if max_steps is not None and run_state["step"] >= max_steps:
+        raise ConfigError(f"--resume: {checkpoint_dir}/{latest_tag(checkpoint_dir)} is at step {run_state['step']} "
+                          f"and training.max_steps is {max_steps}: nothing is left to train (raise training.max_steps "
+                          f"to train on)")
     wrote = (run_state["world_size"], run_state["zero_stage"], run_state["precision"], run_state.get("pipeline_stages", 1))
     if wrote != (world_size, zero_stage, precision, pipeline_stages):
         raise ConfigError(
@@ -123,15 +159,23 @@ def remove_unfinished_tags(checkpoint_dir: Path) -> None:
 
 
 def load_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path) -> tuple[dict, dict]:
-    """Restore weights, optimizer, scheduler and RNG states from the tag named in `latest`; returns the run
-    state and this rank's data position."""
+    """Restore weights, optimizer, scheduler and RNG states (and fp16's loss scale at ZeRO-0) from the tag named
+    in `latest`; returns the run state and this rank's data position."""
     tag = latest_tag(checkpoint_dir)
-    path, _ = engine.load_checkpoint(str(checkpoint_dir), tag=tag)
+    try:
+        path, _ = engine.load_checkpoint(str(checkpoint_dir), tag=tag)
+        rank_state = torch.load(checkpoint_dir / tag / f"rank_state{dist.get_rank()}.pt", weights_only=False)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, OSError, KeyError) as error:
+        raise ConfigError(f"--resume: {checkpoint_dir / tag} cannot be loaded into this run ({error}); "
+                          f"{other_checkpoints(checkpoint_dir, tag)}") from None
     if path is None:
-        raise ConfigError(f"--resume: DeepSpeed could not load {checkpoint_dir / tag}")
-    rank_state = torch.load(checkpoint_dir / tag / f"rank_state{dist.get_rank()}.pt", weights_only=False)
+        raise ConfigError(f"--resume: DeepSpeed found no checkpoint in {checkpoint_dir / tag}; "
+                          f"{other_checkpoints(checkpoint_dir, tag)}")
     restore_rng_states(rank_state["rng"])
-    return json.loads((checkpoint_dir / tag / RUN_STATE).read_text()), rank_state["data"]
+    scaler = engine.torch_autocast_z0_gradscaler
+    if scaler and "grad_scaler" in rank_state:
+        scaler.load_state_dict(rank_state["grad_scaler"])
+    return read_run_state(checkpoint_dir), rank_state["data"]
 
 
 def export_hf(engine: DeepSpeedEngine, tokenizer: PreTrainedTokenizerBase, out_dir: Path, dtype: torch.dtype) -> None:

@@ -1,7 +1,10 @@
 """Process-group set-up and the few collectives train.py needs (torch.distributed under DeepSpeed)."""
 import os
 import socket
-from collections.abc import Iterator
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
@@ -10,6 +13,25 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
+
+from training.errors import ConfigError, failure
+from training.failure import FailureWatch
+
+
+def adopt_srun_environment() -> None:
+    """Ranks started by `srun` (one task per GPU, so that SLURM's signals reach each rank directly, with no
+    launcher between them to cut the grace period short) learn their place from SLURM_PROCID, SLURM_LOCALID
+    and SLURM_STEP_NUM_TASKS; torch.distributed reads RANK, LOCAL_RANK and WORLD_SIZE. The job script sets
+    MASTER_ADDR and MASTER_PORT (docs/launching.md)."""
+    if "RANK" in os.environ or int(os.environ.get("SLURM_STEP_NUM_TASKS", "1")) < 2:
+        return
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
+        raise ConfigError(f"started by srun without {' and '.join(missing)}: add to the job script, before srun, "
+                          f"export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1) "
+                          f"MASTER_PORT=29500")
+    os.environ.update(RANK=os.environ["SLURM_PROCID"], LOCAL_RANK=os.environ["SLURM_LOCALID"],
+                      WORLD_SIZE=os.environ["SLURM_STEP_NUM_TASKS"])
 
 
 def rank() -> int:
@@ -54,9 +76,32 @@ def release_shared_memory_buffer() -> None:
     Path("/dev/shm", name).unlink(missing_ok=True)
 
 
+def run_in_process_group(body: Callable[[], int]) -> int:
+    """Run `body` in the launcher's process group and return its exit code. An exception on any rank ends
+    every rank within seconds with one exit code (2 for a user error, 1 for a bug) and its message printed
+    once (training/failure.py); the group is torn down either way."""
+    init_distributed()
+    watch = FailureWatch(rank(), local_rank(), world_size()) if world_size() > 1 else None
+    try:
+        code = body()
+    except BaseException as error:  # noqa: BLE001 (every failure must end every rank)
+        code, message = failure(error)
+        if watch:
+            watch.fail(code, message)  # does not return
+        print(message, file=sys.stderr, flush=True)
+    if watch:
+        watch.stop()
+        dist.barrier()  # every rank has stopped watching before rank 0's store can go away
+    # a process group left for interpreter exit to tear down can abort the process ("terminate called ...")
+    dist.destroy_process_group()
+    return code
+
+
 @contextmanager
 def local_main_first() -> Iterator[None]:
-    """Local rank 0 runs the block first (e.g. prepares and caches the data); the other ranks wait, then run it."""
+    """Local rank 0 runs the block first (e.g. prepares and caches the data); the other ranks wait, then run it.
+    If it fails on local rank 0, the waiting ranks are ended by run_in_process_group's failure watch (a
+    barrier in a `finally` would release them to run the block themselves)."""
     if local_rank() != 0:
         dist.barrier()
     yield
@@ -80,3 +125,37 @@ def all_reduce_on_host(values: list[float], op: dist.ReduceOp = dist.ReduceOp.SU
     tensor = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(tensor, op=op, group=host_group())
     return tensor.tolist()
+
+
+def check_shared_folder(folder: Path) -> None:
+    """Every rank writes checkpoints under the output folder and reads them back on resume, so on several nodes
+    it must be on a file system they all see. Rank 0 writes a marker under a fresh name; the first rank of every
+    node must find it, else every rank stops, naming the nodes that cannot see it (within seconds, not at the
+    first resume)."""
+    name = [f".shared-check-{uuid.uuid4().hex}" if rank() == 0 else None]
+    dist.broadcast_object_list(name, src=0, group=host_group())
+    marker = folder / name[0]
+    if rank() == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        marker.write_text(socket.gethostname())
+    dist.barrier(group=host_group())
+    blind = [None] * dist.get_world_size()
+    dist.all_gather_object(blind, None if local_rank() != 0 or marker_seen(marker) else socket.gethostname(),
+                           group=host_group())
+    if rank() == 0:
+        marker.unlink()
+    blind = sorted({host for host in blind if host})
+    if blind:
+        raise ConfigError(f"--output-dir {folder} is not on a file system every node sees: {', '.join(blind)} cannot "
+                          f"read the file rank 0 wrote there. Every rank writes its share of each checkpoint there "
+                          f"and reads it back on resume: put --output-dir on a shared file system (NFS, Lustre, ...)")
+
+
+def marker_seen(marker: Path, wait_s: float = 5.0) -> bool:
+    """Whether this node sees the marker, allowing a network file system a few seconds to show a new file."""
+    deadline = time.monotonic() + wait_s
+    while not marker.is_file():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from training.errors import ConfigError
+from training.precision import fp16_block
 from training.recipe import Recipe, TrainingSection
 
 DS_CONFIGS_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
@@ -159,6 +160,11 @@ def resolve_ds_config(raw: dict, source: Path, recipe: Recipe, hidden_size: int,
     for key, value in model_sizes.items():
         if get_key(config, key) == "auto":
             set_key(config, key, value)
+    if precision == "fp16":  # its loss-scaling keys are checked now, not when DeepSpeed starts (or, at ZeRO-0, never)
+        try:
+            fp16_block(config)
+        except ConfigError as error:
+            problems.append(f"{source}: {error}")
     unresolved = auto_keys(config)
     if unresolved:
         problems.append(f"{source}: train.py has no value for {', '.join(unresolved)}; replace \"auto\" with a value")

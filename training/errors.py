@@ -1,2 +1,89 @@
+"""User-facing errors, and the one place that turns them into exit code 2 with a message instead of a traceback.
+
+Our own checks raise ConfigError (recipes, options, checkpoints) or DataError (data files) with a message
+that names the input and the fix. What the user's input can still raise where no check of ours came first
+(a pydantic model built from an option, YAML or JSON that does not parse, a path that cannot be opened or
+read as text) is a user error too: its message names the value or the file. Anything else is a bug and
+keeps its traceback.
+"""
+import argparse
+import json
+import math
+import sys
+import traceback
+from collections.abc import Callable
+
+import yaml
+from pydantic import ValidationError
+
+from data_pipeline import DataError
+
+
 class ConfigError(ValueError):
-    """A recipe, override or DeepSpeed config that cannot run: the message names the file, the key and the fix."""
+    """A recipe, override, option or checkpoint that cannot run: the message names the file, the key and the fix."""
+
+
+def user_message(error: BaseException) -> str | None:
+    """What to tell the user about an error their input caused; None for a bug."""
+    if isinstance(error, (ConfigError, DataError, ValidationError)):
+        return str(error)
+    if isinstance(error, yaml.YAMLError):
+        return f"not valid YAML: {error}"
+    if isinstance(error, json.JSONDecodeError):
+        return f"not valid JSON: {error}"
+    if isinstance(error, UnicodeDecodeError):
+        return f"not UTF-8 text ({error.reason} at byte {error.start}); convert the file to UTF-8"
+    if isinstance(error, OSError) and error.filename is not None:
+        return f"{error.filename}: {error.strerror or error}"
+    return None
+
+
+def failure(error: BaseException) -> tuple[int, str]:
+    """The exit code and message of a command that `error` ends: 2 and `error: ...` for the user's, 130 for
+    Ctrl-C, 1 and the traceback for a bug."""
+    if isinstance(error, KeyboardInterrupt):
+        return 130, "interrupted"
+    message = user_message(error)
+    if message is None:
+        return 1, "".join(traceback.format_exception(error)).rstrip()
+    return 2, f"error: {message}"
+
+
+def report(error: BaseException, printing: bool = True) -> int:
+    """Exit code 2 for a user error, printed as `error: ...` when `printing`; a bug is raised again."""
+    message = user_message(error)
+    if message is None:
+        raise error
+    if printing:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
+def exit_code(main: Callable[[], int], printing: bool = True) -> int:
+    """Run a command's body: its own exit code, or 2 with the message for any user error."""
+    try:
+        return main()
+    except Exception as error:  # noqa: BLE001 (report re-raises what is not the user's)
+        return report(error, printing)
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number above 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number above 0, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (0 < value < math.inf):
+        raise argparse.ArgumentTypeError(f"must be a number above 0, got {text!r}")
+    return value

@@ -8,6 +8,8 @@ are exactly what was trained (the optimizer copies its fp32 master into them aft
 Pipeline checkpoints hold each layer's module weights in a file of its own.
 """
 import json
+import pickle
+import shutil
 from pathlib import Path
 
 import torch
@@ -23,6 +25,9 @@ from training.precision import DTYPES
 def find_tag(path: Path) -> tuple[Path, str]:
     """(checkpoints folder, tag) for a `checkpoints/` folder (its `latest`) or one `global_stepN/` folder."""
     if tag := latest_tag(path):
+        if not (path / tag).is_dir():
+            raise ConfigError(f"{path / 'latest'} names {tag!r}, which is no checkpoint folder in {path}; export "
+                              f"one checkpoint folder instead: python -m training export {path}/global_stepN OUT_DIR")
         return path, tag
     if (path / RUN_STATE).is_file():
         return path.parent, path.name
@@ -53,20 +58,55 @@ def checkpoint_weights(checkpoint_dir: Path, tag: str, config: PretrainedConfig)
     return torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
 
 
-def export_checkpoint(path: Path, out_dir: Path, dtype: str | None = None) -> Path:
-    """Write `out_dir` (config, safetensors, tokenizer) from a checkpoint; `dtype` defaults to the run's precision."""
+def written_by_train_py(tag_dir: Path) -> dict:
+    """The checkpoint's run state, once it is clear that train.py wrote the checkpoint: its run state names the
+    precision, and its hf/ holds the model config and tokenizer that the export needs."""
+    if not (tag_dir / RUN_STATE).is_file():
+        raise ConfigError(f"{tag_dir} has no {RUN_STATE}: it was not written by train.py. For a DeepSpeed ZeRO "
+                          f"checkpoint use DeepSpeed's converter, python {tag_dir.parent / 'zero_to_fp32.py'} "
+                          f"{tag_dir.parent} OUT_DIR --safe_serialization, then copy the model's config.json and "
+                          f"tokenizer files into OUT_DIR")
+    try:
+        run_state = json.loads((tag_dir / RUN_STATE).read_bytes())
+        precision = run_state["precision"]
+    except (ValueError, TypeError, KeyError):
+        raise ConfigError(f"{tag_dir / RUN_STATE} is damaged (not JSON with a precision); export another "
+                          f"checkpoint, or pass --dtype and repair the file") from None
+    if not (tag_dir / "hf" / "config.json").is_file():
+        raise ConfigError(f"{tag_dir / 'hf'} has no config.json: the export needs the model config and tokenizer "
+                          f"that train.py saves there; copy the model's config.json and tokenizer files into it")
+    return {**run_state, "precision": precision}
+
+
+def export_checkpoint(path: Path, out_dir: Path, dtype: str | None = None, overwrite: bool = False) -> Path:
+    """Write `out_dir` (config, safetensors, tokenizer) from a checkpoint; `dtype` defaults to the run's precision.
+    An existing `out_dir` is refused unless `overwrite`, and then replaced only once the new export is complete."""
     checkpoint_dir, tag = find_tag(path)
     tag_dir = checkpoint_dir / tag
-    run_state = json.loads((tag_dir / RUN_STATE).read_text())
+    run_state = written_by_train_py(tag_dir)
+    if out_dir.exists() and not (overwrite and out_dir.is_dir()):
+        raise ConfigError(f"{out_dir} already exists; choose another output folder"
+                          + ("" if out_dir.is_dir() else " (it is a file)") + " or pass --overwrite to replace it")
+    if dtype is None and run_state["precision"] not in DTYPES:
+        raise ConfigError(f"{tag_dir / RUN_STATE} names precision {run_state['precision']!r}; pass --dtype")
     dtype = DTYPES[dtype or run_state["precision"]]
     config = AutoConfig.from_pretrained(tag_dir / "hf")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    weights = checkpoint_weights(checkpoint_dir, tag, config)
+    try:
+        weights = checkpoint_weights(checkpoint_dir, tag, config)
+    except (RuntimeError, ValueError, EOFError, OSError, KeyError, pickle.UnpicklingError) as error:
+        raise ConfigError(f"{tag_dir} cannot be read ({error}): a damaged or partial checkpoint; export another "
+                          f"one") from None
     expected = model.state_dict().keys()
     missing = [name for name in expected if name not in weights and name not in model.all_tied_weights_keys]
     if missing:
         raise ConfigError(f"{tag_dir} lacks weights for {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
     state_dict = {name: weights[name].to(dtype) for name in expected if name in weights}
-    save_hf(model, AutoTokenizer.from_pretrained(tag_dir / "hf"), out_dir, state_dict, dtype)
+    partial = out_dir.with_name(f".{out_dir.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    save_hf(model, AutoTokenizer.from_pretrained(tag_dir / "hf"), partial, state_dict, dtype)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    partial.rename(out_dir)
     return tag_dir

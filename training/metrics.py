@@ -3,6 +3,7 @@ import gc
 import json
 import resource
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,6 +81,28 @@ def record_model_states(optimizer: torch.optim.Optimizer, current_step: Callable
             handle.remove()
 
     handle = inner.register_step_pre_hook(measure)
+
+
+class Stopwatch:
+    """Seconds of training only, for tokens/s, TFLOP/s and MFU. The host runs ahead of a GPU, so the clock is
+    read once the accelerator has finished the work queued so far; and the time between stop() and start()
+    (logging, evaluation, checkpoint saves) is not counted. train.py and benchmarks/bare_loop.py time alike."""
+
+    def __init__(self):
+        self.seconds, self.since = 0.0, None
+
+    def start(self) -> None:
+        get_accelerator().synchronize()
+        self.since = time.perf_counter()
+
+    def stop(self) -> None:
+        get_accelerator().synchronize()
+        self.seconds += time.perf_counter() - self.since
+
+    def take(self) -> float:
+        """The seconds counted since the last take, and the count starts again from 0."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
 
 
 @dataclass(frozen=True)
@@ -160,6 +183,11 @@ class MetricsLogger:
     def advance(self) -> None:
         if self.enabled:
             self.bar.update(1)
+
+    def note(self, text: str) -> None:
+        """A line on the console, above the progress bar."""
+        if self.enabled:
+            self.bar.write(text)
 
     def log(self, record: dict) -> None:
         if not self.enabled:

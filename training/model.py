@@ -74,7 +74,14 @@ def check_checkpoint_matches(config: PretrainedConfig, section: ModelSection) ->
     folder = Path(section.name_or_path)
     if not folder.is_dir():
         return
-    checkpoint = AutoConfig.from_pretrained(folder, trust_remote_code=section.trust_remote_code)
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"model.name_or_path={folder} holds weights but no config.json, so they cannot be checked "
+                          f"against model.config={section.config}: if they are that model's, copy its config.json "
+                          f"into {folder}; or save the checkpoint with save_pretrained, which writes both")
+    try:
+        checkpoint = AutoConfig.from_pretrained(folder, trust_remote_code=section.trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"model.name_or_path={folder}: its config.json cannot be read ({error})") from None
     differ = [f"{key} {getattr(checkpoint, key, None)} vs {getattr(config, key, None)}" for key in SHAPE_KEYS
               if getattr(checkpoint, key, None) != getattr(config, key, None)]
     if differ:

@@ -17,8 +17,10 @@ from functools import partial
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.pipe.engine import PipelineEngine
 from huggingface_hub import snapshot_download
 from safetensors import safe_open
 from torch import nn
@@ -200,3 +202,23 @@ class CheckpointTensors:
     def __getitem__(self, name: str) -> torch.Tensor:
         with safe_open(self.files[name], "pt") as f:
             return f.get_tensor(name)
+
+
+def report_grad_norm(engine: PipelineEngine) -> None:
+    """Without ZeRO, DeepSpeed's pipeline engine reports no gradient norm: its clipping computes one and drops
+    it. So it is computed where the engine steps: after the gradients are reduced over the data-parallel
+    ranks, before any clipping or unscaling, over each stage's own parameters (a tied embedding once), summed
+    over the stages of a replica. It stays on the device until the step is logged."""
+    take_model_step = engine._take_model_step
+
+    def norm_then_step(lr_kwargs=None):
+        grads = [p.grad for p in engine.module.parameters()
+                 if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)]
+        squares = torch.stack([g.float().square().sum() for g in grads]).sum() if grads else \
+            torch.zeros((), device=engine.device)
+        dist.all_reduce(squares, group=engine.mpu.get_model_parallel_group())
+        scaler = engine.torch_autocast_z0_gradscaler  # fp16 at ZeRO-0: the gradients are still scaled here
+        engine._global_grad_norm = squares.sqrt() / (scaler.get_scale() if scaler else 1.0)
+        take_model_step(lr_kwargs)
+
+    engine._take_model_step = norm_then_step

@@ -164,9 +164,14 @@ def recipe_file(name_or_path: str) -> Path:
 
 def parse_override(text: str) -> tuple[list[str], Any]:
     key, sep, value = text.partition("=")
-    if not sep or not key:
+    if not sep or not key or "" in key.split("."):
         raise ConfigError(f"override '{text}' is not of the form key.path=value (e.g. training.max_steps=20)")
-    return key.split("."), yaml.safe_load(value)
+    try:
+        return key.split("."), yaml.safe_load(value)
+    except yaml.YAMLError as error:
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ConfigError(f"override '{text}': the value is not valid YAML ({problem}); write it as YAML, e.g. "
+                          f"training.betas=[0.9,0.95], and quote the whole override in the shell") from None
 
 
 def apply_override(tree: dict, path: list[str], value: Any, text: str) -> None:

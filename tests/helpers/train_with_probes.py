@@ -1,15 +1,22 @@
 """train.py with test probes, run through the deepspeed launcher like train.py itself:
 
-    deepspeed tests/helpers/train_with_probes.py [--kill-after-deepspeed-save STEP] [--record-logits] <train.py args>
+    deepspeed tests/helpers/train_with_probes.py [--kill-after-deepspeed-save STEP] [--record-logits]
+        [--fail-on-rank RANK] [--blind-node-on-rank RANK] [--slow-save SECONDS] <train.py args>
 
 --kill-after-deepspeed-save STEP: every rank SIGKILLs itself once DeepSpeed has written its files for
     that step's checkpoint, after truncating them: a kill in the middle of a save, before `latest` moves.
 --record-logits: after training, the trained engine runs on the first micro-batch; the rank that holds the
     logits writes them with the batch to <output dir>/engine_logits.pt, to compare with the exported hf/.
+--fail-on-rank RANK: that rank raises a RuntimeError (a bug, not bad input) in its third training step, while
+    the other ranks go on into the step's collectives.
+--blind-node-on-rank RANK: that rank acts as the first rank of another node, one that cannot see the output
+    folder (a node-local disk).
+--slow-save SECONDS: every checkpoint save takes that much longer.
 """
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -21,6 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import train  # noqa: E402
+from training import distributed  # noqa: E402
 from training.pipeline import pipeline_batches  # noqa: E402
 
 def kill_after_deepspeed_save(step: int) -> None:
@@ -35,6 +43,33 @@ def kill_after_deepspeed_save(step: int) -> None:
         return result
 
     DeepSpeedEngine.save_checkpoint = save_then_die
+
+
+def fail_on_rank(rank: int) -> None:
+    step = train.train_step
+
+    def step_or_fail(engine, micro_batches, dp_size):
+        if dist.get_rank() == rank and engine.global_steps == 2:
+            raise RuntimeError(f"probe: rank {rank} fails in step 3")
+        return step(engine, micro_batches, dp_size)
+
+    train.train_step = step_or_fail
+
+
+def blind_node_on_rank(rank: int) -> None:
+    if int(os.environ.get("RANK", "0")) == rank:
+        distributed.local_rank = lambda: 0
+        distributed.marker_seen = lambda marker, wait_s=5.0: False
+
+
+def slow_save(seconds: float) -> None:
+    save = train.save_checkpoint
+
+    def save_slowly(*args, **kwargs):
+        time.sleep(seconds)
+        return save(*args, **kwargs)
+
+    train.save_checkpoint = save_slowly
 
 
 def record_logits() -> None:
@@ -62,13 +97,23 @@ def record_logits() -> None:
     train.train = train_and_record
 
 
+PROBES = {"--kill-after-deepspeed-save": lambda value: kill_after_deepspeed_save(int(value)),
+          "--fail-on-rank": lambda value: fail_on_rank(int(value)),
+          "--blind-node-on-rank": lambda value: blind_node_on_rank(int(value)),
+          "--slow-save": lambda value: slow_save(float(value))}
+
+
 if __name__ == "__main__":
     args = sys.argv[1:]
-    if "--kill-after-deepspeed-save" in args:
-        at = args.index("--kill-after-deepspeed-save")
-        kill_after_deepspeed_save(int(args[at + 1]))
-        del args[at:at + 2]
+    for option, install in PROBES.items():
+        if option in args:
+            at = args.index(option)
+            install(args[at + 1])
+            del args[at:at + 2]
     if "--record-logits" in args:
         args.remove("--record-logits")
         record_logits()
-    sys.exit(train.main(args))
+    code = train.main(args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # as train.py ends

@@ -1,0 +1,199 @@
+"""Bad input through the real command lines: exit code 2, a message that names the input and the fix, no
+traceback, and nothing deleted. train.py, tools/compare_zero.py, `python -m data_pipeline` and
+`python -m training export`, each as a user types it."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, SMALL_MODEL, TRAIN_ENV, run_train, save_small_checkpoint
+
+
+def run_command(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=TRAIN_ENV, capture_output=True, text=True, timeout=300)
+
+
+def assert_refused(result: subprocess.CompletedProcess, message: str) -> None:
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    assert message in " ".join(result.stderr.split()), result.stderr[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(folder)): path.read_bytes() for path in folder.rglob("*") if path.is_file()}
+
+
+@pytest.fixture
+def earlier_run(tmp_path) -> Path:
+    """An output folder holding a run with two checkpoints, as train.py leaves it."""
+    run = tmp_path / "run"
+    for step in (2, 4):
+        tag = run / "checkpoints" / f"global_step{step}"
+        tag.mkdir(parents=True)
+        (tag / "run_state.json").write_text(json.dumps({"step": step, "tokens_seen": 100 * step, "world_size": 1,
+                                                        "zero_stage": 1, "precision": "fp32"}))
+        (tag / "mp_rank_00_model_states.pt").write_bytes(b"weights")
+    (run / "checkpoints" / "latest").write_text("global_step4")
+    (run / "metrics.jsonl").write_text('{"step": 4, "loss": 5.0}\n')
+    return run
+
+
+def test_resume_with_overwrite_is_refused_and_the_checkpoints_survive(earlier_run):
+    before = snapshot(earlier_run)
+    result = run_command("train.py", "--recipe", "tiny_llama", "--output-dir", str(earlier_run), "--resume",
+                         "--overwrite", "training.max_steps=8")
+    assert_refused(result, "--resume continues the run in the output folder and --overwrite replaces it: pass one")
+    assert snapshot(earlier_run) == before
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda run: (run / "checkpoints/global_step4/run_state.json").write_text('{"step": 4, "tok'),
+     "global_step4/run_state.json is damaged (not JSON, or without step, tokens_seen"),
+    (lambda run: (run / "checkpoints/latest").write_text(""),
+     "latest names '', not a complete checkpoint"),
+    (lambda run: (run / "checkpoints/latest").write_bytes(b"\xff\xfeglobal\x00"),
+     "not a complete checkpoint"),
+], ids=["truncated run_state.json", "empty latest", "garbage in latest"])
+def test_a_damaged_checkpoint_names_the_file_and_the_earlier_checkpoint(earlier_run, damage, message):
+    damage(earlier_run)
+    before = snapshot(earlier_run)
+    result = run_command("train.py", "--recipe", "tiny_llama", "--output-dir", str(earlier_run), "--resume",
+                         "training.max_steps=8")
+    assert_refused(result, message)
+    assert "point `latest` at it: echo global_step" in " ".join(result.stderr.split())
+    assert snapshot(earlier_run) == before
+
+
+@pytest.mark.parametrize("args, message", [
+    (["training.betas=[0.9,"], "override 'training.betas=[0.9,': the value is not valid YAML"),
+    (["--dry-run", "--num-gpus", "0"], "argument --num-gpus: must be a whole number above 0, got '0'"),
+    (["--dry-run", "--num-gpus", "-2", "--gpu-mem", "80"], "argument --num-gpus: must be a whole number above 0"),
+    (["--dry-run", "--num-nodes", "0"], "argument --num-nodes: must be a whole number above 0"),
+    (["--dry-run", "--num-nodes", "2"], "--num-nodes 2 plans for nodes of --num-gpus GPUs each: give --num-gpus"),
+    (["--dry-run", "--num-gpus", "8", "--gpu-mem", "nan"], "argument --gpu-mem: must be a number above 0"),
+    (["--resume", "training.max_steps=4"], "nothing is left to train"),
+])
+def test_train_py_refuses_bad_options(args, message, earlier_run):
+    result = run_command("train.py", "--recipe", "tiny_llama", "--output-dir", str(earlier_run), *args)
+    assert_refused(result, message)
+
+
+def test_an_output_dir_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "taken").write_text("a file")
+    result = run_command("train.py", "--recipe", "tiny_llama", "--output-dir", str(tmp_path / "taken" / "run"))
+    assert_refused(result, f"{tmp_path / 'taken'} is a file, not a folder")
+
+
+def test_weights_without_config_next_to_a_shipped_config_are_refused(tmp_path):
+    save_small_checkpoint(tmp_path / "weights")
+    (tmp_path / "weights" / "config.json").unlink()
+    result = run_command("train.py", "--recipe", "tiny_llama", "--dry-run", f"model.name_or_path={tmp_path / 'weights'}")
+    assert_refused(result, "holds weights but no config.json, so they cannot be checked against model.config=")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["training.betas=[0.9,"], "override 'training.betas=[0.9,': the value is not valid YAML"),
+    (["--num-gpus", "0"], "argument --num-gpus: must be a whole number above 0"),
+    (["--steps", "-1"], "argument --steps: must be a whole number above 0"),
+    (["--stages", "2,3", "parallelism.pipeline_stages=2"], "every stage is refused by train.py's checks"),
+])
+def test_compare_zero_refuses_bad_input_before_any_launch(args, message, tmp_path):
+    result = run_command("tools/compare_zero.py", "--recipe", "tiny_llama", "--output-dir", str(tmp_path / "out"), *args)
+    assert_refused(result, message)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["training.betas=[0.9,"], "override 'training.betas=[0.9,': the value is not valid YAML"),
+    (["tokenizer.name_or_path=./no/such/tokenizer"], "tokenizer: cannot load a tokenizer from"),
+])
+def test_prepare_refuses_bad_input(args, message, tmp_path):
+    result = run_command("-m", "data_pipeline", "prepare", "--recipe", "tiny_llama", "--output", str(tmp_path / "out"),
+                         *args)
+    assert_refused(result, message)
+
+
+def test_prepare_loads_the_tokenizer_as_train_py_does(monkeypatch, tmp_path):
+    """With the recipe's trust_remote_code, and through the same function (so the same pad token)."""
+    import data_pipeline.__main__ as cli
+    import training.model
+    seen = []
+
+    def load_tokenizer(name_or_path, trust_remote_code, cached_only=False):
+        seen.append(trust_remote_code)
+        raise training.model.ConfigError("stop here")
+
+    monkeypatch.setattr(training.model, "load_tokenizer", load_tokenizer)
+    assert cli.main(["prepare", "--recipe", "tiny_llama", "--output", str(tmp_path / "out"),
+                     "model.trust_remote_code=true"]) == 2
+    assert seen == [True]
+
+
+@pytest.mark.parametrize("content, message", [
+    (b'{"text": "one"}\n[1, 2]\n', "in.jsonl:2: a JSON list, not an object"),
+    (b'{"text": "one"}\n"just a string"\n', "in.jsonl:2: a JSON str, not an object"),
+    (b'{"text": "one"}\n{"text": "caf\xe9"}\n', "in.jsonl:2: not UTF-8"),
+])
+def test_dedup_names_the_bad_line(content, message, tmp_path):
+    (tmp_path / "in.jsonl").write_bytes(content)
+    result = run_command("-m", "data_pipeline", "dedup", str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"))
+    assert_refused(result, message)
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["{tmp}", "{tmp}/out.jsonl"], "a folder; pass a .jsonl file"),
+    (["{tmp}/in.jsonl", "{tmp}/out.jsonl", "--num-proc", "0"], "argument --num-proc: must be a whole number above 0"),
+    (["{tmp}/in.jsonl", "{tmp}/out.jsonl", "--threshold", "1.5"], "argument --threshold: must be a similarity above 0"),
+    (["{tmp}/in.jsonl", "{tmp}/in.jsonl"], "is the input file; write the result to another file"),
+], ids=["folder as input", "num-proc 0", "threshold above 1", "output over input"])
+def test_dedup_refuses_bad_arguments(args, message, tmp_path):
+    (tmp_path / "in.jsonl").write_text('{"text": "one"}\n{"text": "one"}\n')
+    result = run_command("-m", "data_pipeline", "dedup", *(arg.format(tmp=tmp_path) for arg in args))
+    assert_refused(result, message)
+    assert (tmp_path / "in.jsonl").read_text() == '{"text": "one"}\n{"text": "one"}\n'
+
+
+def fake_tag(checkpoints: Path, run_state: bool = True, hf: bool = True) -> Path:
+    tag = checkpoints / "global_step2"
+    tag.mkdir(parents=True)
+    (checkpoints / "latest").write_text("global_step2")
+    (tag / "mp_rank_00_model_states.pt").write_bytes(b"weights")
+    if run_state:
+        (tag / "run_state.json").write_text(json.dumps({"step": 2, "precision": "fp32"}))
+    if hf:
+        (tag / "hf").mkdir()
+        (tag / "hf" / "config.json").write_text("{}")
+    return tag
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("plain DeepSpeed", "has no run_state.json: it was not written by train.py. For a DeepSpeed ZeRO checkpoint use "
+                        "DeepSpeed's converter, python"),
+    ("no hf", "global_step2/hf has no config.json"),
+    ("existing output", "already exists; choose another output folder or pass --overwrite"),
+])
+def test_export_refuses_what_it_cannot_export(kind, message, tmp_path):
+    fake_tag(tmp_path / "checkpoints", run_state=kind != "plain DeepSpeed", hf=kind != "no hf")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    out = tmp_path / ("out" if kind == "existing output" else "new")
+    result = run_command("-m", "training", "export", str(tmp_path / "checkpoints"), str(out))
+    assert_refused(result, message)
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+
+
+def test_export_overwrite_replaces_the_folder_once_the_export_is_complete(tmp_path, data_cache):
+    result = run_train(["--recipe", "tiny_llama", "--output-dir", str(tmp_path / "run"), SMALL_MODEL, data_cache,
+                        "training.max_steps=1"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "stale.txt").write_text("from before")
+    result = run_command("-m", "training", "export", str(tmp_path / "run" / "checkpoints"), str(out), "--overwrite")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not (out / "stale.txt").exists() and (out / "model.safetensors").is_file()
+    assert not list(tmp_path.glob(".export.partial*"))
