@@ -92,8 +92,9 @@ def run_in_process_group(body: Callable[[], int]) -> int:
     if watch:
         watch.stop()
         dist.barrier()  # every rank has stopped watching before rank 0's store can go away
-    # a process group left for interpreter exit to tear down can abort the process ("terminate called ...")
-    dist.destroy_process_group()
+    # a process group left for interpreter exit to tear down can abort the process ("terminate called ...");
+    # DeepSpeed's own teardown also forgets the groups it cached
+    deepspeed.comm.destroy_process_group()
     return code
 
 

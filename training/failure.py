@@ -6,13 +6,14 @@ launcher does that only on its own node, after a 30-second grace. So the failing
 in the process group's key-value store (the TCPStore at MASTER_ADDR:MASTER_PORT that every rank of every
 node reaches), and a thread on every rank polls the store and ends its process when the code appears. The
 first rank to fail prints its message; every other rank exits quietly with the same code. The failing rank
-and rank 0 (which hosts the store) wait until the others have seen the code, so that no rank first meets a
-collective broken by a departed peer and reports that instead.
+waits until the others have seen the code, so that no rank first meets a collective broken by a departed
+peer and reports that instead; rank 0, which hosts the store, leaves after the failing rank is done with it.
 """
 import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -28,7 +29,8 @@ class FailureWatch:
         self.rank, self.local_rank, self.world_size = rank, local_rank, world_size
         # keys of this launch attempt only (an elastic agent's store outlives a restart)
         prefix = f"train-failure/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-        self.code_key, self.count_key, self.seen_key = f"{prefix}/code", f"{prefix}/count", f"{prefix}/seen"
+        self.code_key, self.count_key = f"{prefix}/code", f"{prefix}/count"
+        self.seen_key, self.done_key = f"{prefix}/seen", f"{prefix}/done"
         self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                                    wait_for_workers=False, timeout=timedelta(seconds=LINGER_S))
         self.failing, self.stopped = threading.Event(), threading.Event()
@@ -49,29 +51,38 @@ class FailureWatch:
     def fail(self, code: int, message: str) -> None:
         """Called by a rank whose main thread failed: never returns."""
         self.failing.set()
-        if self.store.add(self.count_key, 1) == 1:
-            print(message, file=sys.stderr, flush=True)
+        try:
+            first = self.store.add(self.count_key, 1) == 1
+        except Exception:  # noqa: BLE001 (rank 0 and its store are gone: nobody is left to tell)
+            first = True
+        if not first:
+            self.follow()  # another rank failed first (often the cause of this rank's error): leave quietly, as it says
+        print(message, file=sys.stderr, flush=True)
+        try:
             self.store.set(self.code_key, str(code))
-            self.wait_until_seen()
-            os._exit(code)
-        self.follow()  # another rank failed first (often the cause of this rank's error): leave quietly, as it says
+            self.linger(lambda: self.store.add(self.seen_key, 0) >= self.world_size - 1)
+            self.store.set(self.done_key, "1")  # rank 0 may now take the store down
+        except Exception:  # noqa: BLE001 (the store went away meanwhile: the others are ending anyway)
+            pass
+        os._exit(code)
 
     def follow(self) -> None:
-        """Leave with the code another rank posted, once it is posted."""
+        """Leave with the code another rank posted, once it is posted; rank 0, which hosts the store, only once
+        the failing rank is done with it."""
         try:
             self.store.wait([self.code_key])
             code = int(self.store.get(self.code_key))
             self.store.add(self.seen_key, 1)
             if self.rank == 0:
-                self.wait_until_seen()
+                self.linger(lambda: self.store.check([self.done_key]))
         except Exception:  # noqa: BLE001 (the store went away while reading: the failing rank has left)
             code = 1
         os._exit(code)
 
-    def wait_until_seen(self) -> None:
-        """Until every rank but the first to fail has seen the code, or LINGER_S."""
+    @staticmethod
+    def linger(until: Callable[[], bool]) -> None:
         deadline = time.monotonic() + LINGER_S
-        while time.monotonic() < deadline and self.store.add(self.seen_key, 0) < self.world_size - 1:
+        while time.monotonic() < deadline and not until():
             time.sleep(POLL_S / 5)
 
     def lost_rank_0(self) -> None:

@@ -11,7 +11,7 @@
     the other ranks go on into the step's collectives.
 --blind-node-on-rank RANK: that rank acts as the first rank of another node, one that cannot see the output
     folder (a node-local disk).
---slow-save SECONDS: every checkpoint save takes that much longer.
+--slow-save SECONDS: DeepSpeed takes that much longer to write every checkpoint.
 """
 import os
 import signal
@@ -63,13 +63,13 @@ def blind_node_on_rank(rank: int) -> None:
 
 
 def slow_save(seconds: float) -> None:
-    save = train.save_checkpoint
+    save = DeepSpeedEngine.save_checkpoint
 
     def save_slowly(*args, **kwargs):
         time.sleep(seconds)
         return save(*args, **kwargs)
 
-    train.save_checkpoint = save_slowly
+    DeepSpeedEngine.save_checkpoint = save_slowly
 
 
 def record_logits() -> None:
