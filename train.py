@@ -45,7 +45,7 @@ from training.model import (build_model, check_checkpoint_folder, check_checkpoi
 from training.optimizer import lr_schedule, weight_decay_groups
 from training.pipeline import TokenMeanLoss, build_pipeline, check_pipeline, pipeline_batches, report_grad_norm
 from training.plan import RunPlan, planned_machine, print_plan
-from training.precision import DTYPES, resolve_precision, use_fp16_block_loss_scaling
+from training.precision import DTYPES, loss_scale, resolve_precision, use_fp16_block_loss_scaling
 from training.recipe import load_recipe
 
 OUTPUT_ROOT = Path("outputs")
@@ -324,9 +324,10 @@ def step_record(engine: deepspeed.DeepSpeedEngine, step: int, lr: float, loss_sh
     """The metrics.jsonl line of a logged step: the step's loss and gradient norm, and the interval since the
     last logged step's throughput and peak memory."""
     peak = distributed.all_reduce(torch.tensor(peak_memory_bytes(), device=engine.device), dist.ReduceOp.MAX)
+    scale = loss_scale(engine)
     return {"step": step, "loss": distributed.all_reduce(loss_share).item(), "lr": lr, "grad_norm": float(grad_norm),
             "tokens_per_s": interval["tokens"] / seconds, "peak_mem_bytes": int(peak.item()),
-            **gpu_metrics(flops, interval["steps"], seconds)}
+            **({"loss_scale": scale} if scale is not None else {}), **gpu_metrics(flops, interval["steps"], seconds)}
 
 
 def run_state(plan: RunPlan, step: int, tokens_seen: int) -> dict:

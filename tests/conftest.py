@@ -1,3 +1,4 @@
+import json
 import os
 import subprocess
 import sys
@@ -46,3 +47,35 @@ def save_small_checkpoint(path: Path, **save_options) -> None:
 def data_cache(tmp_path_factory) -> str:
     """One prepared-data cache for the whole session, so each run does not re-tokenize the corpus."""
     return f"data.cache_dir={tmp_path_factory.mktemp('data_cache')}"
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(folder)): path.read_bytes() for path in folder.rglob("*") if path.is_file()}
+
+
+@pytest.fixture
+def earlier_run(tmp_path) -> Path:
+    """An output folder holding a run with two checkpoints, as train.py leaves it."""
+    run = tmp_path / "run"
+    for step in (2, 4):
+        tag = run / "checkpoints" / f"global_step{step}"
+        tag.mkdir(parents=True)
+        (tag / "run_state.json").write_text(json.dumps({"step": step, "tokens_seen": 100 * step, "world_size": 1,
+                                                        "zero_stage": 1, "precision": "fp32"}))
+        (tag / "mp_rank_00_model_states.pt").write_bytes(b"weights")
+    (run / "checkpoints" / "latest").write_text("global_step4")
+    (run / "metrics.jsonl").write_text('{"step": 4, "loss": 5.0}\n')
+    return run
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    """A process group of this process alone (gloo on CPU), for code that needs one in-process; torn down
+    through deepspeed.comm, so that DeepSpeed forgets the groups it cached for the next test's engine."""
+    import deepspeed.comm
+    from training import distributed
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    distributed.init_distributed()
+    yield
+    deepspeed.comm.destroy_process_group()

@@ -122,6 +122,9 @@ def test_single_process_run_writes_the_documented_outputs(tmp_path, data_cache):
     assert (checkpoints / "latest").read_text() == "global_step6"
     assert sorted(p.name for p in checkpoints.glob("global_step*")) == ["global_step4", "global_step6"]
     assert (checkpoints / "zero_to_fp32.py").exists()
+    last = checkpoints / "global_step6"
+    assert summary["checkpoint_bytes"] == sum(p.stat().st_size for p in last.rglob("*") if p.is_file())
+    assert summary["checkpoint_save_s"] > 0
     # hf/ holds exactly the trained weights and loads with from_pretrained
     trained = torch.load(checkpoints / "global_step6" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
     exported = load_file(out / "hf" / "model.safetensors")
@@ -131,6 +134,20 @@ def test_single_process_run_writes_the_documented_outputs(tmp_path, data_cache):
     model = AutoModelForCausalLM.from_pretrained(out / "hf")
     assert model.config.num_hidden_layers == 2 and model.dtype == torch.float32
     assert torch.isfinite(model(torch.tensor([[1, 100, 200]])).logits).all()
+
+
+def test_checkpoint_saves_are_left_out_of_the_timed_intervals(tmp_path, data_cache):
+    """Every step saves, and every save takes 3 s longer (a probe): the logged throughput must not see it."""
+    out = tmp_path / "run"
+    result = run_train(["--slow-save", "3", "--recipe", "tiny_llama", "--output-dir", str(out), SMALL_MODEL, data_cache,
+                        "training.max_steps=4", "logging.every_steps=1", "checkpointing.every_steps=1"],
+                       script="tests/helpers/train_with_probes.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    step_tokens = 16 * 256  # tiny_llama's global batch, packed rows
+    assert [step_tokens / r["tokens_per_s"] < 3 for r in records] == [True] * 4
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["checkpoint_save_s"] >= 3 and step_tokens / summary["mean_tokens_per_s"] < 3
 
 
 def test_the_launcher_passes_on_exit_code_2(tmp_path):
@@ -157,14 +174,10 @@ def test_resume_continues_the_uninterrupted_loss_curve(tmp_path, data_cache, dat
     assert losses[parts] == pytest.approx(losses[whole], abs=1e-6)
 
 
-def test_loss_is_the_token_mean_of_the_whole_global_batch(monkeypatch):
+def test_loss_is_the_token_mean_of_the_whole_global_batch(one_rank):
     """Two micro-batches with 3 and 60 targets: the step's loss and gradient are those of the mean over
     all 63 tokens, not the mean of the two micro-batch means."""
     import deepspeed
-    from training import distributed
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
-    distributed.init_distributed()
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, use_cache=False)
@@ -194,7 +207,6 @@ def test_loss_is_the_token_mean_of_the_whole_global_batch(monkeypatch):
     torch.testing.assert_close(loss, global_mean.detach(), rtol=1e-6, atol=1e-6)
     assert abs(mean_of_means.item() - global_mean.item()) > 0.01  # the two definitions really differ here
     assert float(grad_norm) == pytest.approx(expected_norm.item(), rel=1e-5)
-    torch.distributed.destroy_process_group()
 
 
 def save_tiny_checkpoint(path, **config_overrides) -> None:

@@ -41,11 +41,13 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data_cache, checkpoint) -> dict:
     """(model, variant) -> output dir; variant 1: ZeRO-1 on 2 data-parallel ranks, 2: 2 stages, "4 ranks":
-    2 stages x 2 data-parallel ranks, "checkpointing": 2 stages with activation checkpointing."""
+    2 stages x 2 data-parallel ranks, "checkpointing": 2 stages with activation checkpointing, "zero0": 2 stages
+    without ZeRO."""
     from_checkpoint = f"model.name_or_path={checkpoint}"
     plan = [("untied", 1, [SMALL_MODEL], 2), ("untied", 2, [SMALL_MODEL], 2), ("tied", 1, [TIED], 2),
             ("tied", 2, [TIED], 2), ("untied", "4 ranks", [SMALL_MODEL], 4),
             ("untied", "checkpointing", [SMALL_MODEL, "activation_checkpointing=true"], 2),
+            ("untied", "zero0", [SMALL_MODEL, "deepspeed.config=zero0"], 2),
             ("checkpoint", 1, ["model.config=null", from_checkpoint], 2), ("checkpoint", 2, ["model.config=null", from_checkpoint], 2)]
     results = {}
     for name, variant, overrides, ranks in plan:
@@ -101,9 +103,20 @@ def test_export_gives_the_trained_weights(runs, name):
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == (name == "tied")
 
 
-@pytest.mark.parametrize("variant", ["4 ranks", "checkpointing"])
+@pytest.mark.parametrize("variant", ["4 ranks", "checkpointing", "zero0"])
 def test_data_parallel_pipelines_and_activation_checkpointing_track_it_too(runs, variant):
     assert losses(runs["untied", variant]) == pytest.approx(losses(runs["untied", 1]), abs=1e-5)
+
+
+def grad_norms(out) -> list[float]:
+    return [json.loads(line)["grad_norm"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("name, variant", [("untied", 2), ("tied", 2), ("untied", "zero0")])
+def test_pipeline_reports_the_data_parallel_runs_gradient_norm(runs, name, variant):
+    """The pre-clipping norm over both stages' gradients (the tied embedding counted once); at ZeRO-0 the pipeline
+    engine reports none of its own, so train.py computes it."""
+    assert grad_norms(runs[name, variant]) == pytest.approx(grad_norms(runs[name, 1]), rel=1e-4)
 
 
 def test_pipeline_resume_continues_the_curve(runs, tmp_path, data_cache):

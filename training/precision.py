@@ -94,3 +94,10 @@ def use_fp16_block_loss_scaling(engine: DeepSpeedEngine) -> None:
     """At ZeRO-0 with fp16, replace DeepSpeed's default GradScaler with one that follows the config's fp16 block."""
     if engine.torch_autocast_z0_gradscaler is not None:
         engine.torch_autocast_z0_gradscaler = FP16BlockGradScaler(engine.config, device_type())
+
+
+def loss_scale(engine: DeepSpeedEngine) -> float | None:
+    """fp16's current loss scale (logged: a scale that keeps falling means overflowing gradients); None otherwise."""
+    if engine.torch_autocast_z0_gradscaler is not None:
+        return engine.torch_autocast_z0_gradscaler.get_scale()
+    return float(engine.optimizer.loss_scale) if engine.fp16_enabled() else None
