@@ -1,7 +1,7 @@
 """The data stage on its own.
 
     python -m data_pipeline prepare --recipe NAME_OR_DIR --output DIR [key.path=value ...]
-    python -m data_pipeline dedup IN.jsonl OUT.jsonl [--text-field text] [--threshold 0.8] [--no-near]
+    python -m data_pipeline dedup IN.jsonl OUT.jsonl [--text-field text] [--threshold 0.8] [--no-near] [--overwrite]
 
 `prepare` writes the recipe's training-ready splits (`datasets.save_to_disk` layout) and DIR/stats.json;
 point a recipe at it with `data.prepared=DIR` (what multi-node runs should do). `dedup` keeps the first
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import datasets
 import numpy as np
+from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
@@ -88,13 +89,19 @@ def dedup(args: argparse.Namespace) -> int:
         raise DataError(f"{args.output} is the input file; write the result to another file")
     if args.output.is_dir():
         raise DataError(f"{args.output} is a folder; name the output file, e.g. {args.output / args.input.name}")
+    if args.output.exists() and not args.overwrite:
+        raise DataError(f"{args.output} already exists; name another output file or pass --overwrite to replace it")
+    try:  # the recipe's limits apply to the options too
+        config = DedupConfig(near=not args.no_near, threshold=args.threshold, num_perm=args.num_perm,
+                             shingle=args.shingle, ngram=args.ngram)
+    except ValidationError as error:
+        raise DataError("; ".join(f"--{str(e['loc'][0]).replace('_', '-')} {e['input']}: {e['msg']}"
+                                  for e in error.errors())) from None
     lines, texts = read_jsonl(args.input, args.text_field)
-    config = DedupConfig(near=not args.no_near, threshold=args.threshold, num_perm=args.num_perm,
-                         shingle=args.shingle, ngram=args.ngram)
     exact = repeated_mask(text_hashes(texts))
     near = np.zeros(len(texts), dtype=bool)
-    if config.near:
-        unique = np.flatnonzero(~exact)
+    unique = np.flatnonzero(~exact)
+    if config.near and unique.size:
         documents = datasets.Dataset.from_dict({"text": [texts[i] for i in unique]})
         signatures = minhash_signatures(documents, config, args.num_proc)
         near[unique[NearDuplicates(config.threshold, config.num_perm).duplicate_mask(signatures)]] = True
@@ -132,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     dedup_parser.add_argument("--text-field", default="text")
     dedup_parser.add_argument("--threshold", type=threshold, default=DedupConfig().threshold)
     dedup_parser.add_argument("--no-near", action="store_true", help="exact duplicates only")
+    dedup_parser.add_argument("--overwrite", action="store_true", help="replace OUT.jsonl if it exists")
     dedup_parser.add_argument("--num-perm", type=positive_int, default=DedupConfig().num_perm)
     dedup_parser.add_argument("--shingle", choices=["word", "char"], default=DedupConfig().shingle)
     dedup_parser.add_argument("--ngram", type=positive_int, default=DedupConfig().ngram)

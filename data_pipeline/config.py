@@ -72,7 +72,7 @@ class DedupConfig(StrictModel):
     exact: bool = True  # identical text after lowercasing and collapsing whitespace
     near: bool = False  # MinHash + LSH near duplicates
     threshold: float = Field(0.8, gt=0, le=1)  # Jaccard similarity of the shingle sets
-    num_perm: PositiveInt = 128
+    num_perm: int = Field(128, ge=2, le=4096)  # hash functions per signature (the LSH bands split them)
     shingle: Literal["word", "char"] = "word"
     ngram: PositiveInt = 5
 

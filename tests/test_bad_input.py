@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, SMALL_MODEL, TRAIN_ENV, run_train, save_small_checkpoint
+from tests.conftest import REPO, SMALL_MODEL, TRAIN_ENV, run_train, save_small_checkpoint, snapshot
 
 
 def run_command(*args: str) -> subprocess.CompletedProcess:
@@ -20,25 +20,6 @@ def assert_refused(result: subprocess.CompletedProcess, message: str) -> None:
     assert result.returncode == 2, output[-3000:]
     assert message in " ".join(result.stderr.split()), result.stderr[-3000:]
     assert "Traceback" not in output, output[-3000:]
-
-
-def snapshot(folder: Path) -> dict[str, bytes]:
-    return {str(path.relative_to(folder)): path.read_bytes() for path in folder.rglob("*") if path.is_file()}
-
-
-@pytest.fixture
-def earlier_run(tmp_path) -> Path:
-    """An output folder holding a run with two checkpoints, as train.py leaves it."""
-    run = tmp_path / "run"
-    for step in (2, 4):
-        tag = run / "checkpoints" / f"global_step{step}"
-        tag.mkdir(parents=True)
-        (tag / "run_state.json").write_text(json.dumps({"step": step, "tokens_seen": 100 * step, "world_size": 1,
-                                                        "zero_stage": 1, "precision": "fp32"}))
-        (tag / "mp_rank_00_model_states.pt").write_bytes(b"weights")
-    (run / "checkpoints" / "latest").write_text("global_step4")
-    (run / "metrics.jsonl").write_text('{"step": 4, "loss": 5.0}\n')
-    return run
 
 
 def test_resume_with_overwrite_is_refused_and_the_checkpoints_survive(earlier_run):
@@ -149,12 +130,16 @@ def test_dedup_names_the_bad_line(content, message, tmp_path):
     (["{tmp}/in.jsonl", "{tmp}/out.jsonl", "--num-proc", "0"], "argument --num-proc: must be a whole number above 0"),
     (["{tmp}/in.jsonl", "{tmp}/out.jsonl", "--threshold", "1.5"], "argument --threshold: must be a similarity above 0"),
     (["{tmp}/in.jsonl", "{tmp}/in.jsonl"], "is the input file; write the result to another file"),
-], ids=["folder as input", "num-proc 0", "threshold above 1", "output over input"])
+    (["{tmp}/in.jsonl", "{tmp}/kept.jsonl"], "kept.jsonl already exists; name another output file or pass --overwrite"),
+    (["{tmp}/in.jsonl", "{tmp}/out.jsonl", "--num-perm", "100000"], "--num-perm 100000: Input should be less than or equal to 4096"),
+], ids=["folder as input", "num-proc 0", "threshold above 1", "output over input", "existing output", "num-perm huge"])
 def test_dedup_refuses_bad_arguments(args, message, tmp_path):
     (tmp_path / "in.jsonl").write_text('{"text": "one"}\n{"text": "one"}\n')
+    (tmp_path / "kept.jsonl").write_text("an earlier result\n")
     result = run_command("-m", "data_pipeline", "dedup", *(arg.format(tmp=tmp_path) for arg in args))
     assert_refused(result, message)
     assert (tmp_path / "in.jsonl").read_text() == '{"text": "one"}\n{"text": "one"}\n'
+    assert (tmp_path / "kept.jsonl").read_text() == "an earlier result\n" and not (tmp_path / "out.jsonl").exists()
 
 
 def fake_tag(checkpoints: Path, run_state: bool = True, hf: bool = True) -> Path:

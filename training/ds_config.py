@@ -10,6 +10,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+from pydantic import ValidationError
+
 from training.errors import ConfigError
 from training.precision import fp16_block
 from training.recipe import Recipe, TrainingSection
@@ -47,7 +50,30 @@ def load_ds_config(recipe: Recipe) -> tuple[dict, Path]:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as error:
         raise ConfigError(f"{path}: not valid JSON at line {error.lineno}, column {error.colno}: {error.msg}") from None
-    return deep_merge(config, recipe.deepspeed.overrides), path
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path}: a JSON {type(config).__name__}; a DeepSpeed config is a JSON object")
+    merged = deep_merge(config, recipe.deepspeed.overrides)
+    check_sections(merged, f"{path} with deepspeed.overrides" if recipe.deepspeed.overrides else str(path))
+    return merged, path
+
+
+def check_sections(config: dict, source: str) -> None:
+    """The sections train.py reads before DeepSpeed does, checked by DeepSpeed's own schemas where it has one
+    ("auto" values are filled in later and skipped here)."""
+    problems = [f"{name}: a JSON {type(config[name]).__name__}, not an object" for name in
+                ("zero_optimization", "bf16", "fp16", "optimizer", "data_types", "torch_autocast")
+                if name in config and not isinstance(config[name], dict)]
+    if not problems and not isinstance(config.get("optimizer", {}).get("params", {}), dict):
+        problems.append("optimizer.params: not an object")
+    if not problems:
+        zero = {key: value for key, value in config.get("zero_optimization", {}).items() if value != "auto"}
+        try:
+            DeepSpeedZeroConfig(**zero)
+        except ValidationError as error:
+            problems += [f"zero_optimization.{'.'.join(map(str, e['loc']))}: {e['msg']} (found {e['input']!r})"
+                         for e in error.errors()]
+    if problems:
+        raise ConfigError(f"the DeepSpeed config ({source}) cannot run:\n" + "\n".join(f"  {p}" for p in problems))
 
 
 def zero_stage(ds_config: dict) -> int:

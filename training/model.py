@@ -2,6 +2,7 @@
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.integrations import HfDeepSpeedConfig
 
@@ -22,7 +23,12 @@ def load_model_config(section: ModelSection) -> PretrainedConfig:
     if unknown:
         raise ConfigError(f"model.config_overrides: {', '.join(unknown)} not in {type(config).__name__} "
                           f"(from {source}); check the spelling against its config.json")
-    config.update(section.config_overrides)
+    for key, value in section.config_overrides.items():
+        try:
+            config.update({key: value})
+        except (StrictDataclassError, TypeError, ValueError) as error:
+            raise ConfigError(f"model.config_overrides.{key}={value!r} does not fit {type(config).__name__}: "
+                              f"{str(error).splitlines()[-1].strip()}") from None
     layer_types = getattr(config, "layer_types", None)  # one entry per layer, derived when a config is built (Qwen2)
     if layer_types and len(layer_types) != config.num_hidden_layers and "layer_types" not in section.config_overrides:
         config = type(config).from_dict({k: v for k, v in config.to_dict().items() if k != "layer_types"})
