@@ -8,12 +8,16 @@ or checkpoints.
 """
 import argparse
 import json
-import time
+import sys
+from pathlib import Path
 
 import datasets
 import deepspeed
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from training.metrics import Stopwatch  # noqa: E402  (train.py's clock: synchronized at both ends)
 
 
 def main() -> None:
@@ -37,17 +41,18 @@ def main() -> None:
     rows = datasets.load_from_disk(args.rows).with_format("torch")
     seq_len = len(rows[0]["input_ids"])
 
+    clock = Stopwatch()
     for step in range(args.steps):
         if step == 1:  # as train.py: the first step is warm-up
-            start = time.perf_counter()
+            clock.start()
         for micro_step in range(accumulation):
             first = (step * accumulation + micro_step) * micro % (len(rows) - micro)
             batch = {name: tensor.long().to(engine.device) for name, tensor in rows[first:first + micro].items()}
             loss = engine(**batch).loss
             engine.backward(loss)
             engine.step()
-        loss.item()
-    elapsed = time.perf_counter() - start
+    clock.stop()
+    elapsed = clock.take()
     tokens = (args.steps - 1) * ds_config["train_batch_size"] * seq_len
     if torch.distributed.get_rank() == 0:
         json.dump({"mean_tokens_per_s": tokens / elapsed}, open(args.result, "w"))

@@ -28,6 +28,11 @@ def loss_curve(out) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def deepspeed_files(tag: Path) -> dict[str, int]:
+    """The sizes of DeepSpeed's own files in a checkpoint (not train.py's run and rank states, not hf/)."""
+    return {path.name: path.stat().st_size for path in tag.glob("*.pt") if not path.name.startswith("rank_state")}
+
+
 def max_difference(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
@@ -49,6 +54,7 @@ def curves(tmp_path_factory, data_cache) -> dict:
         assert (summary["world_size"], summary["precision"]) == (ranks, precision)
         assert f"zero{summary['zero_stage']}" == ds_config.removesuffix("_offload")
         results[precision, run_name, ranks] = loss_curve(out)
+        results["checkpoint", precision, run_name, ranks] = deepspeed_files(out / "checkpoints" / f"global_step{STEPS}")
     results["shared memory left"] = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) - shared_memory_before
     return results
 
@@ -90,3 +96,20 @@ def test_runs_leave_no_shared_memory_behind(curves):
 def test_one_rank_sees_the_same_global_batches_as_two(curves):
     """`deepspeed train.py` on 1 rank accumulates 2 micro-batches where 2 ranks take one each."""
     assert max_difference(curves["fp32", "zero1", 1], curves["fp32", "zero1", 2]) <= TOLERANCE["fp32"]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("stage", range(4))
+def test_planned_checkpoint_size_is_what_deepspeed_writes(curves, precision, stage):
+    """The --dry-run's checkpoint line (training/memory.py) against the files, in total and from rank 0 (which
+    also writes the weights below ZeRO-3). DeepSpeed's pickles add a few KB per file."""
+    from transformers import AutoConfig
+    from training.memory import checkpoint_bytes
+    from training.shape import model_shape
+    config = AutoConfig.from_pretrained("recipes/tiny_llama/config.json", num_hidden_layers=2, hidden_size=64,
+                                        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    planned = checkpoint_bytes(model_shape(config).parameters, stage, 2, precision)
+    files = curves["checkpoint", precision, f"zero{stage}", 2]
+    rank_0 = sum(size for name, size in files.items() if "rank_1" not in name)
+    assert sum(files.values()) == pytest.approx(planned.total, rel=0.02)
+    assert rank_0 == pytest.approx(planned.largest_rank, rel=0.02)

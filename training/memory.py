@@ -74,6 +74,27 @@ def model_states(setting: str, shape: ModelShape, gpus_per_node: int, nodes: int
     return ModelStates(float(device), float(host), "DeepSpeed estimator")
 
 
+LAUNCHER_GRACE_S = 30  # DeepSpeed's launcher, on SIGTERM: passes it to the ranks, SIGKILLs them 30 s later
+
+
+@dataclass(frozen=True)
+class CheckpointSize:
+    total: float  # bytes of one save, all ranks
+    largest_rank: float  # bytes the busiest rank writes (rank 0, where it writes the weights)
+
+
+def checkpoint_bytes(params: float, stage: int, ranks: int, precision: str) -> CheckpointSize:
+    """DeepSpeed's files for one save with AdamW, as measured on its checkpoints (tests/test_train_distributed.py).
+    ZeRO-0: rank 0 writes the fp32 weights (train.py's ZeRO-0 keeps fp32 weights, also under autocast) and both
+    moments, 12 bytes per parameter. ZeRO-1/2: rank 0 writes the weights in the run's dtype, and every rank its
+    1/N of the fp32 master weights and moments (12/N). ZeRO-3: only those shards (the master copy is the
+    weights). The model config and tokenizer, and each rank's data and RNG state, add a few MB."""
+    if stage == 0:
+        return CheckpointSize(12 * params, 12 * params)
+    weights = 0 if stage == 3 else params * (2 if precision in ("bf16", "fp16", "fp8") else 4)
+    return CheckpointSize(weights + 12 * params, weights + 12 * params / ranks)
+
+
 def layer_bytes_per_token(shape: ModelShape, seq_len: int, dtype_bytes: int, attn_implementation: str) -> float | None:
     """Bytes one decoder layer saves for the backward pass per token (rules in the module docstring)."""
     a, h, s = dtype_bytes, shape.hidden_size, seq_len

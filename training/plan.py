@@ -15,8 +15,8 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from training.ds_config import zero_stage
 from training.errors import ConfigError
 from training.flops import flops_per_token
-from training.memory import (HEADROOM, ZERO_SETTINGS, Activations, ModelStates, activation_bytes, model_states,
-                             zero_arithmetic, zero_setting)
+from training.memory import (HEADROOM, LAUNCHER_GRACE_S, ZERO_SETTINGS, Activations, ModelStates, activation_bytes,
+                             checkpoint_bytes, model_states, zero_arithmetic, zero_setting)
 from training.precision import DTYPES
 from training.recipe import Recipe
 from training.shape import ModelShape, model_shape
@@ -128,7 +128,16 @@ def print_plan(plan: RunPlan, machine: Machine) -> None:
         print_pipeline_plan(plan, shape, machine)
     else:
         print_memory_plan(plan, shape, machine)
+        print_checkpoint_size(plan, shape)
     print(f"output: {plan.output_dir}")
+
+
+def print_checkpoint_size(plan: RunPlan, shape: ModelShape) -> None:
+    """What a save writes, against the time a preempted run has to write it (docs/checkpoints.md#preemption)."""
+    size = checkpoint_bytes(shape.parameters, plan.zero_stage, plan.dp_size, plan.precision)
+    print(f"checkpoint: {format_bytes(size.total)} per save, {format_bytes(size.largest_rank)} from the busiest rank; "
+          f"under the deepspeed launcher a SIGTERM save must finish within its {LAUNCHER_GRACE_S} s "
+          f"({format_bytes(size.largest_rank / LAUNCHER_GRACE_S)}/s per rank), under srun within SLURM's grace")
 
 
 def print_memory_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> None:
