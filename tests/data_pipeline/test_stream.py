@@ -52,10 +52,22 @@ def test_resume_continues_exactly_where_the_stream_stopped():
         np.testing.assert_array_equal(array, expected[name])
 
 
-def test_ranks_read_different_documents():
-    first, second = (rows_of(StreamingBatches(streaming_config(), TOKENIZER, 2, 1, rank, 2, seed=0), range(2))
-                     for rank in range(2))
-    assert not np.array_equal(first["input_ids"], second["input_ids"])
+def test_ranks_read_disjoint_shares_that_cover_the_stream():
+    """Of one source file (one shard), `datasets` gives rank r of 2 the documents r, r + 2, r + 4, ... of the
+    single-rank stream: the shares are disjoint and together cover it, in order. Each rank packs its own
+    share with concat, as one rank packs the whole stream."""
+    from data_pipeline.stream import stream_documents
+    whole = [d["text"] for d, _ in zip(stream_documents(streaming_config(), 0, 1, seed=0), range(40))]
+    shares = [[d["text"] for d, _ in zip(stream_documents(streaming_config(), rank, 2, seed=0), range(20))]
+              for rank in range(2)]
+    assert shares == [whole[0::2], whole[1::2]]
+    for rank, share in enumerate(shares):
+        documents = [ids + [TOKENIZER.eos_token_id] for ids in TOKENIZER(share).input_ids]
+        expected = pack_concat(np.concatenate(documents), np.array([len(d) for d in documents]), 64)
+        rows = rows_of(StreamingBatches(streaming_config(), TOKENIZER, 2, 1, rank, 2, seed=0), range(2))
+        assert len(expected["input_ids"]) >= 4  # the 20 documents fill the 4 rows read
+        for name in ("input_ids", "labels", "position_ids", "length"):
+            np.testing.assert_array_equal(rows[name], expected[name][:4])
 
 
 def test_the_stream_starts_a_new_epoch_when_it_runs_out():

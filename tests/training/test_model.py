@@ -3,7 +3,7 @@ import torch
 from safetensors.torch import load_file
 
 from training.errors import ConfigError
-from training.model import build_model, check_recipe_against_model, load_model_config, weights_dtype
+from training.model import build_model, check_recipe_against_model, load_model_config
 from training.recipe import load_recipe
 
 
@@ -44,14 +44,10 @@ def test_unreadable_model_config(tmp_path):
         load_model_config(recipe.model)
 
 
-def test_zero3_builds_the_checkpoint_partitioned(tmp_path, monkeypatch):
+def test_zero3_builds_the_checkpoint_partitioned(tmp_path, one_rank):
     """Under ZeRO-3 the parameters are partitioned as they are created (zero.Init): the module holds
     empty tensors, each rank only its shard, and the shards hold the checkpoint's weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    from training import distributed
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
-    distributed.init_distributed()
     config = LlamaConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                          num_key_value_heads=2)
     LlamaForCausalLM(config).save_pretrained(tmp_path)
@@ -62,12 +58,24 @@ def test_zero3_builds_the_checkpoint_partitioned(tmp_path, monkeypatch):
     for name, param in model.named_parameters():
         assert param.numel() == 0 and param.ds_numel == saved[name].numel() and param.ds_tensor.dtype == torch.bfloat16
         torch.testing.assert_close(param.ds_tensor.view(saved[name].shape).float(), saved[name].bfloat16().float())
-    torch.distributed.destroy_process_group()
 
 
 @pytest.mark.parametrize("precision, stage, dtype", [("bf16", 2, torch.bfloat16), ("bf16", 0, torch.float32),
                                                      ("fp32", 3, torch.float32), ("fp16", 1, torch.float16)])
-def test_checkpoints_load_in_the_runs_precision(precision, stage, dtype):
-    """ZeRO-0 runs bf16 as autocast over fp32 weights; with ZeRO the weights are 16-bit and DeepSpeed
-    keeps the fp32 master copy."""
-    assert weights_dtype(precision, stage) == dtype
+def test_checkpoints_load_in_the_runs_precision(precision, stage, dtype, one_rank, tmp_path):
+    """An fp32 checkpoint loads as the run keeps its weights: 16-bit under ZeRO (DeepSpeed keeps the fp32 master
+    copy), fp32 at ZeRO-0, where bf16 and fp16 run as autocast over fp32 weights; the values are the
+    checkpoint's, cast. (ZeRO-3 holds each parameter's values in its partition.)"""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    recipe = load_recipe("tiny_llama", ["model.config=null", f"model.name_or_path={tmp_path}"])
+    ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}}
+    model = build_model(recipe, load_model_config(recipe.model), ds_config, precision)
+    saved = load_file(tmp_path / "model.safetensors")
+    assert {name for name, _ in model.named_parameters()} == saved.keys()
+    for name, param in model.named_parameters():
+        values = param.ds_tensor.view(saved[name].shape) if stage == 3 else param.detach()
+        assert values.dtype == dtype
+        torch.testing.assert_close(values, saved[name].to(dtype), rtol=0, atol=0)
