@@ -108,11 +108,19 @@ def activations(plan: RunPlan, shape: ModelShape, **stage) -> Activations | None
                             **stage)
 
 
+def shown(path: str | Path) -> str:
+    """A local path as the user would type it here: relative to the current folder when it is under it."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
 def print_plan(plan: RunPlan, machine: Machine) -> None:
     recipe, training = plan.recipe, plan.recipe.training
     shape = model_shape(plan.model_config)
-    print(f"{recipe.name} ({recipe.path})")
-    print(f"model: {recipe.model.config or recipe.model.name_or_path} ({type(plan.model_config).__name__}), "
+    print(f"{recipe.name} ({shown(recipe.path)})")
+    print(f"model: {shown(recipe.model.config or recipe.model.name_or_path)} ({type(plan.model_config).__name__}), "
           f"{shape.parameters:,} parameters ({shape.matmul_parameters:,} in matrix multiplies)")
     if plan.tokenizer is None:
         print(f"tokenizer: {recipe.tokenizer_path} is not in the local Hugging Face cache; not checked here "
