@@ -24,7 +24,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-config", required=True)
     parser.add_argument("--ds-config", required=True)
-    parser.add_argument("--rows", required=True, help="a prepared data set (datasets.save_to_disk folder)")
+    parser.add_argument("--rows", required=True, help="prepared data (python -m data_pipeline prepare's folder)")
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--result", required=True)
     parser.add_argument("--local_rank", type=int)
@@ -38,7 +38,7 @@ def main() -> None:
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     micro, accumulation = ds_config["train_micro_batch_size_per_gpu"], ds_config["gradient_accumulation_steps"]
-    rows = datasets.load_from_disk(args.rows).with_format("torch")
+    rows = datasets.load_from_disk(args.rows)["train"].with_format("torch")  # the prepared data's training split
     seq_len = len(rows[0]["input_ids"])
 
     clock = Stopwatch()

@@ -52,19 +52,27 @@ def test_resume_continues_exactly_where_the_stream_stopped():
         np.testing.assert_array_equal(array, expected[name])
 
 
-def test_ranks_read_disjoint_shares_that_cover_the_stream():
-    """Of one source file (one shard), `datasets` gives rank r of 2 the documents r, r + 2, r + 4, ... of the
-    single-rank stream: the shares are disjoint and together cover it, in order. Each rank packs its own
-    share with concat, as one rank packs the whole stream."""
+@pytest.mark.parametrize("shuffle_buffer", [0, 100])
+def test_ranks_read_disjoint_shares_that_cover_the_stream(shuffle_buffer):
+    """Of one source file (one shard, too few to give each rank whole shards), `datasets` gives rank r of 2 the
+    documents r, r + 2, r + 4, ... of the single-rank stream, shuffled or not (every rank shuffles with the same
+    seed, then keeps its every other document): the shares are disjoint and together cover the single-rank
+    stream's first 40 documents, in order. Each rank packs its own share with concat, as one rank packs the
+    whole stream."""
+    from data_pipeline.sources import load_source
     from data_pipeline.stream import stream_documents
-    whole = [d["text"] for d, _ in zip(stream_documents(streaming_config(), 0, 1, seed=0), range(40))]
-    shares = [[d["text"] for d, _ in zip(stream_documents(streaming_config(), rank, 2, seed=0), range(20))]
-              for rank in range(2)]
+    config = streaming_config(shuffle_buffer=shuffle_buffer)
+    assert load_source(config.sources[0], 0, streaming=True).num_shards == 1
+    whole = [d["text"] for d, _ in zip(stream_documents(config, 0, 1, seed=0), range(40))]
+    shares = [[d["text"] for d, _ in zip(stream_documents(config, rank, 2, seed=0), range(20))] for rank in range(2)]
     assert shares == [whole[0::2], whole[1::2]]
+    if shuffle_buffer:  # the shuffle reorders the documents (else this case would repeat the unshuffled one)
+        in_order = [d["text"] for d, _ in zip(stream_documents(streaming_config(), 0, 1, seed=0), range(40))]
+        assert whole != in_order
     for rank, share in enumerate(shares):
         documents = [ids + [TOKENIZER.eos_token_id] for ids in TOKENIZER(share).input_ids]
         expected = pack_concat(np.concatenate(documents), np.array([len(d) for d in documents]), 64)
-        rows = rows_of(StreamingBatches(streaming_config(), TOKENIZER, 2, 1, rank, 2, seed=0), range(2))
+        rows = rows_of(StreamingBatches(config, TOKENIZER, 2, 1, rank, 2, seed=0), range(2))
         assert len(expected["input_ids"]) >= 4  # the 20 documents fill the 4 rows read
         for name in ("input_ids", "labels", "position_ids", "length"):
             np.testing.assert_array_equal(rows[name], expected[name][:4])
