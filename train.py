@@ -32,7 +32,7 @@ from data_pipeline.loader import EvalBatches, StepBatches
 from data_pipeline.prepare import prepare_dataset
 from data_pipeline.stream import StreamingBatches
 from training import distributed
-from training.checkpoint import (check_resume, export_hf, load_checkpoint, read_run_state, remove_unfinished_tags,
+from training.checkpoint import (check_resume, export_hf, latest_tag, load_checkpoint, remove_unfinished_tags,
                                  save_checkpoint)
 from training.ds_config import accumulation_steps, load_ds_config, resolve_ds_config, zero_stage
 from training.errors import ConfigError, positive_float, positive_int, report
@@ -47,6 +47,7 @@ from training.pipeline import TokenMeanLoss, build_pipeline, check_pipeline, pip
 from training.plan import RunPlan, planned_machine, print_plan
 from training.precision import DTYPES, loss_scale, resolve_precision, use_fp16_block_loss_scaling
 from training.recipe import load_recipe
+from training.universal import convert_on_rank_0, provide_universal_info, with_universal_load
 
 OUTPUT_ROOT = Path("outputs")
 RUN_FILES = ("metrics.jsonl", "summary.json", "resolved_recipe.yaml", "ds_config.json", "checkpoints", "hf", "tensorboard")
@@ -133,12 +134,14 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> RunPla
     output_dir = args.output_dir or default_output_dir(recipe.name, args.resume)
     if not args.dry_run:
         check_output_dir(output_dir, args.resume, args.overwrite)
-    if args.resume:
-        checkpoints = output_dir / "checkpoints"
-        check_resume(read_run_state(checkpoints), checkpoints, world_size, zero_stage(ds_config), precision, stages,
-                     recipe.training.max_steps)
+    layout = {"world_size": world_size, "zero_stage": zero_stage(ds_config), "precision": precision,
+              "pipeline_stages": stages}
+    resume_universal = args.resume and check_resume(output_dir / "checkpoints", layout, recipe.data.streaming,
+                                                    recipe.training.max_steps)
+    if resume_universal:  # another layout wrote the checkpoint
+        ds_config = with_universal_load(ds_config)
     return RunPlan(recipe, model_config, tokenizer, precision, ds_config, ds_config_path, world_size,
-                   accumulation_steps(recipe.training, world_size // stages), output_dir)
+                   accumulation_steps(recipe.training, world_size // stages), output_dir, resume_universal)
 
 
 def start_output_dir(plan: RunPlan, overwrite: bool) -> None:
@@ -360,6 +363,10 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
     batches, evaluation, data_stats = make_batches(plan)
     total_steps = training.max_steps or training.epochs * batches.steps_per_epoch
 
+    checkpoint_dir = plan.output_dir / "checkpoints"
+    if plan.resume_universal:
+        convert_on_rank_0(checkpoint_dir, latest_tag(checkpoint_dir))
+
     run_start = time.perf_counter()
     if plan.pipeline_stages > 1:
         model = build_pipeline(plan.model_config, plan.pipeline_stages, recipe.parallelism.partition_method,
@@ -367,6 +374,7 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
                                recipe.model.attn_implementation)
     else:
         model = build_model(recipe, plan.model_config, plan.ds_config, plan.precision)
+        provide_universal_info(model)
     if plan.precision == "fp8":
         converted = convert_linears_to_fp8(model, recipe.fp8, plan.model_config.vocab_size)
         if dist.get_rank() == 0:
@@ -379,11 +387,10 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
         report_grad_norm(engine)
     if recipe.compile:
         engine.compile()  # DeepSpeed's torch.compile integration, with the accelerator's default backend
-    checkpoint_dir = plan.output_dir / "checkpoints"
     start = {"step": 0, "tokens_seen": 0}
     if args.resume:
         remove_unfinished_tags(checkpoint_dir)
-        start, data_state = load_checkpoint(engine, checkpoint_dir)
+        start, data_state = load_checkpoint(engine, checkpoint_dir, plan.resume_universal)
         batches.load_state_dict(data_state)
         if start["step"] >= total_steps:
             raise ConfigError(f"--resume: the checkpoint is at step {start['step']}; the recipe ends at {total_steps} "

@@ -135,6 +135,14 @@ def test_export(workplace, monkeypatch, capsys, checkpoint, output, options):
 
 
 @SETTINGS
+@given(checkpoint=PATHS)
+def test_convert(workplace, capsys, checkpoint):
+    earlier_run, before = workplace
+    check(exit_status(training_cli.main, ["convert", checkpoint]), capsys)
+    assert snapshot(earlier_run) == before
+
+
+@SETTINGS
 @given(overrides=OVERRIDES, numbers=st.lists(st.tuples(st.sampled_from(["--num-gpus", "--steps"]), NUMBERS), max_size=2),
        stages=st.sampled_from([[], ["--stages", "0,1"], ["--stages", "4"], ["--stages", ""]]), output=PATHS)
 def test_compare_zero(workplace, monkeypatch, capsys, overrides, numbers, stages, output):

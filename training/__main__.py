@@ -1,11 +1,13 @@
-"""python -m training export CHECKPOINT OUT_DIR [--dtype bf16|fp16|fp32] [--overwrite]"""
+"""python -m training export CHECKPOINT OUT_DIR [--dtype bf16|fp16|fp32] [--overwrite]
+python -m training convert CHECKPOINT      (a DeepSpeed universal checkpoint, which any ZeRO-1/2/3 layout loads)"""
 import argparse
 import sys
 from pathlib import Path
 
 from training.errors import exit_code
-from training.export import export_checkpoint
+from training.export import export_checkpoint, find_tag
 from training.precision import DTYPES
+from training.universal import convert
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,6 +19,10 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--dtype", choices=DTYPES, help="default: the run's precision")
     export.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists (once the export is "
                         "complete)")
+    convert_parser = commands.add_parser("convert", help="a saved checkpoint to a DeepSpeed universal checkpoint "
+                                         "(what --resume does on another world size, ZeRO stage or precision)")
+    convert_parser.add_argument("checkpoint", type=Path, help="a run's checkpoints/ folder (its latest) or one "
+                                "global_stepN/ in it")
     args = parser.parse_args(argv)
 
     def run_export() -> int:
@@ -24,7 +30,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"exported {tag_dir} to {args.out_dir}")
         return 0
 
-    return exit_code(run_export)
+    def run_convert() -> int:
+        checkpoint_dir, tag = find_tag(args.checkpoint)
+        print(f"universal checkpoint: {convert(checkpoint_dir, tag)}")
+        return 0
+
+    return exit_code(run_export if args.command == "export" else run_convert)
 
 
 if __name__ == "__main__":

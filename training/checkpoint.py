@@ -7,6 +7,9 @@ tokenizer, so that the folder exports on its own). Only when every rank has writ
 files does rank 0 replace `latest`, atomically. DeepSpeed's own `latest` write comes before the other
 ranks finish and truncates the file before writing it, so a kill at the wrong moment can leave it
 naming a partial checkpoint, or nothing.
+
+A checkpoint resumes in the layout (ranks, ZeRO stage, precision) that wrote it as it is, and in another one
+through a universal checkpoint (training/universal.py).
 """
 import json
 import os
@@ -15,6 +18,7 @@ import random
 import re
 import shutil
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +29,7 @@ from deepspeed.accelerator import get_accelerator
 from transformers import PreTrainedTokenizerBase
 
 from training.errors import ConfigError
+from training.universal import UNIVERSAL, universal_load_repaired, needs_universal, universal_folder
 
 TAG = re.compile(r"global_step(\d+)")
 RUN_STATE = "run_state.json"
@@ -94,6 +99,7 @@ def save_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, run_state: di
             saved = [t for t in checkpoint_tags(checkpoint_dir) if int(TAG.fullmatch(t).group(1)) <= run_state["step"]]
             for old in saved[:-keep_last]:
                 shutil.rmtree(checkpoint_dir / old)
+                shutil.rmtree(universal_folder(checkpoint_dir, old), ignore_errors=True)
     seconds = time.perf_counter() - started
     dist.barrier()
     return {"seconds": seconds, "bytes": size}
@@ -129,23 +135,18 @@ def read_run_state(checkpoint_dir: Path) -> dict:
     return run_state
 
 
-def check_resume(run_state: dict, checkpoint_dir: Path, world_size: int, zero_stage: int, precision: str,
-                 pipeline_stages: int, max_steps: int | None) -> None:
-    """DeepSpeed restores ZeRO-partitioned optimizer states (and pipeline stages) only into the layout that wrote
-    them; and a run that is already at its last step has nothing to resume."""
+def check_resume(checkpoint_dir: Path, layout: dict, streaming: bool, max_steps: int | None) -> bool:
+    """Whether the latest checkpoint can continue in this run's `layout` (world size, ZeRO stage, precision,
+    pipeline stages): True when it loads through a universal checkpoint (another layout), False when DeepSpeed
+    loads it as it is; a ConfigError when it cannot, or when it is already at the run's last step."""
+    run_state = read_run_state(checkpoint_dir)
     if max_steps is not None and run_state["step"] >= max_steps:
         raise ConfigError(f"--resume: {checkpoint_dir}/{latest_tag(checkpoint_dir)} is at step {run_state['step']} "
                           f"and training.max_steps is {max_steps}: nothing is left to train (raise training.max_steps "
                           f"to train on)")
-    wrote = (run_state["world_size"], run_state["zero_stage"], run_state["precision"], run_state.get("pipeline_stages", 1))
-    if wrote != (world_size, zero_stage, precision, pipeline_stages):
-        raise ConfigError(
-            f"--resume: {checkpoint_dir}/{latest_tag(checkpoint_dir)} was written by {wrote[0]} rank(s) under ZeRO-"
-            f"{wrote[1]} in {wrote[2]} with {wrote[3]} pipeline stage(s); this run has {world_size} rank(s), "
-            f"ZeRO-{zero_stage}, {precision}, {pipeline_stages} stage(s). DeepSpeed loads optimizer states only into "
-            f"the same ranks, stage and precision: resume with those, or start a new run from the weights "
-            f"(python -m training export {checkpoint_dir} DIR, then model.name_or_path=DIR; the optimizer state "
-            f"starts afresh)")
+    export_hint = (f"python -m training export {checkpoint_dir} DIR, then model.name_or_path=DIR (the optimizer "
+                   f"state starts afresh)")
+    return needs_universal(run_state, layout, streaming, export_hint)
 
 
 def remove_unfinished_tags(checkpoint_dir: Path) -> None:
@@ -158,24 +159,28 @@ def remove_unfinished_tags(checkpoint_dir: Path) -> None:
     dist.barrier()
 
 
-def load_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path) -> tuple[dict, dict]:
+def load_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, universal: bool) -> tuple[dict, dict]:
     """Restore weights, optimizer, scheduler and RNG states (and fp16's loss scale at ZeRO-0) from the tag named
-    in `latest`; returns the run state and this rank's data position."""
-    tag = latest_tag(checkpoint_dir)
+    in `latest` (from its universal conversion when `universal`); returns the run state and this rank's data
+    position. On another number of ranks, rank r takes the states of rank r mod the ranks that wrote them."""
+    tag, run_state = latest_tag(checkpoint_dir), read_run_state(checkpoint_dir)
+    rank_state_file = checkpoint_dir / tag / f"rank_state{dist.get_rank() % run_state['world_size']}.pt"
+    load_dir = checkpoint_dir / UNIVERSAL if universal else checkpoint_dir
     try:
-        path, _ = engine.load_checkpoint(str(checkpoint_dir), tag=tag)
-        rank_state = torch.load(checkpoint_dir / tag / f"rank_state{dist.get_rank()}.pt", weights_only=False)
+        with universal_load_repaired(engine.optimizer) if universal else nullcontext():
+            path, _ = engine.load_checkpoint(str(load_dir), tag=tag)
+        rank_state = torch.load(rank_state_file, weights_only=False)
     except (RuntimeError, EOFError, pickle.UnpicklingError, OSError, KeyError) as error:
-        raise ConfigError(f"--resume: {checkpoint_dir / tag} cannot be loaded into this run ({error}); "
+        raise ConfigError(f"--resume: {load_dir / tag} cannot be loaded into this run ({error}); "
                           f"{other_checkpoints(checkpoint_dir, tag)}") from None
     if path is None:
-        raise ConfigError(f"--resume: DeepSpeed found no checkpoint in {checkpoint_dir / tag}; "
+        raise ConfigError(f"--resume: DeepSpeed found no checkpoint in {load_dir / tag}; "
                           f"{other_checkpoints(checkpoint_dir, tag)}")
     restore_rng_states(rank_state["rng"])
     scaler = engine.torch_autocast_z0_gradscaler
     if scaler and "grad_scaler" in rank_state:
         scaler.load_state_dict(rank_state["grad_scaler"])
-    return read_run_state(checkpoint_dir), rank_state["data"]
+    return run_state, rank_state["data"]
 
 
 def export_hf(engine: DeepSpeedEngine, tokenizer: PreTrainedTokenizerBase, out_dir: Path, dtype: torch.dtype) -> None:

@@ -34,6 +34,7 @@ class RunPlan:
     world_size: int
     accumulation_steps: int
     output_dir: Path
+    resume_universal: bool = False  # --resume from a checkpoint of another layout, through a universal checkpoint
 
     @property
     def zero_stage(self) -> int:

@@ -1,0 +1,77 @@
+"""Which resumes go through a universal checkpoint, and which cannot be made (the conversions themselves run
+in tests/test_resume_anywhere.py)."""
+import pytest
+
+from training.errors import ConfigError
+from training.universal import needs_universal
+
+WROTE = {"step": 6, "tokens_seen": 100, "world_size": 2, "zero_stage": 2, "precision": "fp32", "pipeline_stages": 1}
+HINT = "python -m training export X DIR"
+
+
+def layout(**changes) -> dict:
+    return {"world_size": 2, "zero_stage": 2, "precision": "fp32", "pipeline_stages": 1, **changes}
+
+
+@pytest.mark.parametrize("changes, universal", [
+    ({}, False),
+    ({"world_size": 1}, True),
+    ({"zero_stage": 3}, True),
+    ({"zero_stage": 1, "world_size": 4}, True),
+    ({"precision": "bf16"}, True),
+])
+def test_another_layout_resumes_through_a_universal_checkpoint(changes, universal):
+    assert needs_universal(WROTE, layout(**changes), streaming=False, export_hint=HINT) is universal
+
+
+def test_zero_0_resumes_as_it_is_on_any_ranks_and_precision():
+    wrote = {**WROTE, "zero_stage": 0}
+    assert needs_universal(wrote, layout(zero_stage=0, world_size=4, precision="bf16"), False, HINT) is False
+
+
+def test_run_states_older_than_pipeline_stages_count_as_one_stage():
+    wrote = {key: value for key, value in WROTE.items() if key != "pipeline_stages"}
+    assert needs_universal(wrote, layout(), False, HINT) is False
+
+
+@pytest.mark.parametrize("wrote, changes, message", [
+    ({"zero_stage": 0}, {"zero_stage": 3}, "zero_stage 0 -> 3.*universal checkpoints connect ZeRO stages 1, 2 and 3"),
+    ({}, {"zero_stage": 0}, "zero_stage 2 -> 0.*Resume at ZeRO-0 \\(on any number of ranks\\)"),
+    ({"pipeline_stages": 2}, {"world_size": 4, "pipeline_stages": 2}, "a pipeline checkpoint keeps each layer"),
+    ({}, {"pipeline_stages": 2}, "pipeline_stages 1 -> 2.*Megatron's layer layout"),
+])
+def test_what_cannot_be_converted_is_refused_with_the_way_out(wrote, changes, message):
+    with pytest.raises(ConfigError, match=message) as error:
+        needs_universal({**WROTE, **wrote}, layout(**changes), streaming=False, export_hint=HINT)
+    assert HINT in str(error.value)
+
+
+def test_a_stream_cannot_move_to_another_number_of_ranks():
+    with pytest.raises(ConfigError, match="world_size 2 -> 1.*data.streaming.*resume with 2 rank"):
+        needs_universal(WROTE, layout(world_size=1), streaming=True, export_hint=HINT)
+    assert needs_universal(WROTE, layout(zero_stage=3), streaming=True, export_hint=HINT) is True
+
+
+def test_a_checkpoint_the_converter_cannot_read_exits_2_and_leaves_nothing(tmp_path, capsys):
+    from training.__main__ import main
+    tag = tmp_path / "checkpoints" / "global_step4"
+    tag.mkdir(parents=True)
+    (tag / "run_state.json").write_text('{"step": 4}')
+    (tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"truncated by a full disk")
+    assert main(["convert", str(tag)]) == 2
+    error = capsys.readouterr().err
+    assert f"DeepSpeed's universal converter could not convert {tag}" in error
+    assert f"python -m training export {tag} DIR" in error
+    assert not list((tmp_path / "checkpoints").rglob("*partial*"))
+
+
+def test_pipeline_and_zero_0_checkpoints_are_refused_by_name(tmp_path, capsys):
+    from training.__main__ import main
+    for name, problem in (("layer_00-model_states.pt", "is a pipeline checkpoint"),
+                          ("mp_rank_00_model_states.pt", "holds no ZeRO optimizer partitions")):
+        tag = tmp_path / name / "global_step4"
+        tag.mkdir(parents=True)
+        (tag / "run_state.json").write_text('{"step": 4}')
+        (tag / name).write_bytes(b"weights")
+        assert main(["convert", str(tag)]) == 2
+        assert problem in capsys.readouterr().err

@@ -1,0 +1,174 @@
+"""Resume on other hardware: a checkpoint written under another world size, ZeRO stage or precision is
+converted once into a DeepSpeed universal checkpoint, which DeepSpeed loads into any ZeRO-1/2/3 layout.
+
+The conversion is DeepSpeed's own, `deepspeed/checkpoint/ds_to_universal.py`, run as a child process: it
+joins every rank's shard of each parameter's fp32 master weights and optimizer states (AdamW's moments
+and step) into one file per parameter and state, `checkpoints/universal/<tag>/zero/<name>/`. Rank 0
+writes it into a staging folder and renames it into place, so a conversion a kill interrupts is never
+mistaken for a finished one, and a finished one is reused. DeepSpeed then loads it with
+`"checkpoint": {"load_universal": true}`; our run state (step, tokens seen, data position, RNG) is read
+from the original checkpoint folder.
+
+The converter needs DeepSpeed's UNIVERSAL_CHECKPOINT_INFO entry in the checkpoint, which Megatron-style
+models carry and Hugging Face models do not: train.py gives every model it saves the entry (with plain
+data parallelism its version is all there is to say), and for checkpoints written before it did, the
+converter's own --inject_missing_state adds it.
+"""
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from deepspeed.checkpoint.constants import (PARAM, UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
+                                            UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+
+from training.distributed import host_group
+from training.errors import ConfigError
+
+UNIVERSAL = "universal"  # the folder under checkpoints/ that holds converted checkpoints, one per tag
+LAYOUT_KEYS = ("world_size", "zero_stage", "precision", "pipeline_stages")
+
+
+def provide_universal_info(model: torch.nn.Module) -> None:
+    """DeepSpeed writes this attribute of the model into every checkpoint; the converter requires it."""
+    setattr(model, UNIVERSAL_CHECKPOINT_INFO, {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE})
+
+
+def needs_universal(run_state: dict, layout: dict, streaming: bool, export_hint: str) -> bool:
+    """Whether resuming `run_state`'s checkpoint in `layout` (the LAYOUT_KEYS of this run) goes through a
+    universal checkpoint; a ConfigError where neither way can load it."""
+    wrote = {key: run_state.get(key, 1) for key in LAYOUT_KEYS}  # pipeline_stages is absent from older run states
+    if wrote == layout:
+        return False
+    change = ", ".join(f"{key} {wrote[key]} -> {layout[key]}" for key in LAYOUT_KEYS if wrote[key] != layout[key])
+    if streaming and wrote["world_size"] != layout["world_size"]:
+        raise ConfigError(f"--resume ({change}): with data.streaming each rank reads its own share of the stream and "
+                          f"the checkpoint holds each rank's position in it, so another number of ranks cannot "
+                          f"continue it; resume with {wrote['world_size']} rank(s), or prepare the data "
+                          f"(data.streaming=false), whose position is the step for any number of ranks")
+    if wrote["pipeline_stages"] > 1 or layout["pipeline_stages"] > 1:
+        raise ConfigError(f"--resume ({change}): a pipeline checkpoint keeps each layer's weights in a file of its own "
+                          f"and DeepSpeed's universal converter reads only Megatron's layer layout; resume in the "
+                          f"layout that wrote it, or start a new run from its weights: {export_hint}")
+    if wrote["zero_stage"] == 0 and layout["zero_stage"] == 0:
+        return False  # nothing is partitioned: DeepSpeed loads the whole weights and optimizer state on any ranks
+    if 0 in (wrote["zero_stage"], layout["zero_stage"]):
+        raise ConfigError(f"--resume ({change}): DeepSpeed's universal checkpoints connect ZeRO stages 1, 2 and 3; a "
+                          f"ZeRO-0 optimizer state is neither written nor read by them. Resume at ZeRO-0 (on any number "
+                          f"of ranks) or, to move to ZeRO, start a new run from its weights: {export_hint}")
+    return True
+
+
+def universal_folder(checkpoint_dir: Path, tag: str) -> Path:
+    return checkpoint_dir / UNIVERSAL / tag
+
+
+def convert(checkpoint_dir: Path, tag: str) -> Path:
+    """checkpoints/<tag> as a universal checkpoint in checkpoints/universal/<tag>, made once."""
+    target, source = universal_folder(checkpoint_dir, tag), checkpoint_dir / tag
+    if target.is_dir():
+        return target  # renamed into place only when complete
+    export_hint = f"python -m training export {source} DIR, then model.name_or_path=DIR"
+    if (source / "layer_00-model_states.pt").is_file():
+        raise ConfigError(f"{source} is a pipeline checkpoint (a file per layer); DeepSpeed's universal converter reads "
+                          f"only Megatron's layer layout. Resume in the layout that wrote it, or start a new run from "
+                          f"its weights: {export_hint}")
+    if not any(source.glob("*optim_states.pt")):
+        raise ConfigError(f"{source} holds no ZeRO optimizer partitions (a ZeRO-0 checkpoint, or not DeepSpeed's); "
+                          f"universal checkpoints connect ZeRO stages 1-3. A ZeRO-0 run resumes at ZeRO-0 on any number "
+                          f"of ranks as it is; or start a new run from its weights: {export_hint}")
+    staging = checkpoint_dir / UNIVERSAL / f".{tag}.partial"
+    shutil.rmtree(staging, ignore_errors=True)  # left by a conversion that was killed
+    workers = str(min(4, os.cpu_count() or 1))
+    command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(source),
+               "--output_folder", str(staging / tag), "--inject_missing_state",
+               "--num_extract_workers", workers, "--num_merge_workers", workers]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # the converter works on the CPU; it needs no GPU of this rank
+    result = subprocess.run(command, env=env, capture_output=True, text=True)
+    if result.returncode:
+        shutil.rmtree(staging, ignore_errors=True)
+        last_lines = "\n  ".join((result.stderr or result.stdout).strip().splitlines()[-5:])
+        raise ConfigError(f"DeepSpeed's universal converter could not convert {source} (its last lines:\n  "
+                          f"{last_lines}\n); resume in the layout that wrote it, or start a new run from its weights: "
+                          f"{export_hint}")
+    make_stage_neutral(staging / tag)
+    os.replace(staging / tag, target)
+    shutil.rmtree(staging)
+    return target
+
+
+def make_stage_neutral(folder: Path) -> None:
+    """DeepSpeed's converter writes the folder's two common files as the ZeRO stage that wrote the checkpoint
+    reads them, and stage 3 reads them otherwise than stages 1 and 2 (and the bf16 optimizer of stage 1):
+    - the engine's state (step counters, learning-rate schedule) is `mp_rank_00_model_states.pt` to stages
+      1/2 and `zero_pp_rank_0_mp_rank_00_model_states.pt` to stage 3: both names are given the one file;
+    - each parameter's states are files of {"param": tensor} in the parameter's shape to stages 1/2, which
+      stage 3 also reads (it writes bare flat tensors): stage 3's are wrapped and shaped;
+    - the optimizer's step is a `step.pt` per parameter to stages 1/2, and a torch optimizer state dict in
+      `zero/optimizer_state.pt` (`optimizer_state_dict`) to stage 3, which stages 1/2 check for DeepSpeed's
+      version and the clipping value: each is added where missing, with the values the folder holds."""
+    engine_states = sorted(folder.glob("*mp_rank_00_model_states.pt"))
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
+        if not (folder / name).exists():
+            shutil.copyfile(engine_states[0], folder / name)
+    path = folder / "zero" / "optimizer_state.pt"
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    engine_state = torch.load(engine_states[0], map_location="cpu", weights_only=False)
+    parameters = [item for item in path.parent.iterdir() if item.is_dir()]
+    if "optimizer_state_dict" in state:  # converted from stage 3: flat bare tensors, and the step in the states
+        step = state["optimizer_state_dict"]["state"][0]["step"]
+        shapes = {name: shape for group in engine_state["param_shapes"] for name, shape in group.items()}
+        for parameter in parameters:
+            for file in parameter.glob("*.pt"):
+                tensor = torch.load(file, map_location="cpu", weights_only=False)
+                if torch.is_tensor(tensor):
+                    torch.save({PARAM: tensor.view(shapes[parameter.name])}, file)
+            torch.save(step.clone(), parameter / "step.pt")
+    else:
+        step = torch.load(parameters[0] / "step.pt", map_location="cpu", weights_only=False)
+        state["optimizer_state_dict"] = {"state": {i: {"step": step} for i in range(len(state["param_groups"]))},
+                                         "param_groups": state["param_groups"]}
+    state.setdefault("ds_version", engine_state["ds_version"])
+    state.setdefault("clip_grad", engine_state["ds_config"].get("gradient_clipping", 0.0))
+    torch.save(state, path)
+
+
+def convert_on_rank_0(checkpoint_dir: Path, tag: str) -> None:
+    """Every rank calls it: rank 0 converts (once), the others wait for it. The wait is a barrier on the host
+    group, which a conversion of a large model's states may keep waiting for minutes."""
+    if dist.get_rank() == 0:
+        started = time.perf_counter()
+        print(f"--resume in another layout: converting {checkpoint_dir / tag} into a universal checkpoint, "
+              f"{convert(checkpoint_dir, tag)} ({time.perf_counter() - started:.1f} s)", flush=True)
+    dist.barrier(group=host_group())
+
+
+@contextmanager
+def universal_load_repaired(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Undo two things DeepSpeed 0.19.8's ZeRO-3 universal loader does to a torch optimizer with several
+    parameter groups (found by comparing resumed runs with uninterrupted ones):
+    - every group gets the first group's settings, so the group without weight decay would decay: each
+      group's own settings, which come from this run's recipe, are put back (the learning rate stays as
+      loaded: it is the schedule's, at the step);
+    - every state gets the same `step` tensor, which AdamW then advances once per group and step, skewing
+      the bias correction: each state gets its own copy."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed's optimizers wrap a torch one
+    settings = [{key: value for key, value in group.items() if key not in ("params", "lr")}
+                for group in inner.param_groups]
+    yield
+    for group, kept in zip(inner.param_groups, settings):
+        group.update(kept)
+    for state in inner.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+
+
+def with_universal_load(ds_config: dict) -> dict:
+    """The DeepSpeed config that loads a universal checkpoint."""
+    return {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
