@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import warnings
+from contextlib import nullcontext
 from itertools import islice
 from pathlib import Path
 
@@ -32,14 +33,14 @@ from data_pipeline.loader import EvalBatches, StepBatches
 from data_pipeline.prepare import prepare_dataset
 from data_pipeline.stream import StreamingBatches
 from training import distributed
-from training.checkpoint import (check_resume, export_hf, latest_tag, load_checkpoint, remove_unfinished_tags,
-                                 save_checkpoint)
+from training.checkpoint import (check_resume, export_hf, latest_tag, load_checkpoint, record_position,
+                                 remove_unfinished_tags, save_checkpoint)
 from training.ds_config import accumulation_steps, load_ds_config, resolve_ds_config, zero_stage
 from training.errors import ConfigError, positive_float, positive_int, report
 from training.export import export_checkpoint
 from training.fp8 import convert_linears_to_fp8
 from training.metrics import (FlopsMeter, MetricsLogger, Stopwatch, device_name, flops_meter, gpu_metrics,
-                              measured_model_states, peak_memory_bytes, print_summary, record_model_states)
+                              measured_model_states, peak_memory_bytes, print_summary, record_model_states, run_totals)
 from training.model import (build_model, check_checkpoint_folder, check_checkpoint_matches, check_recipe_against_model,
                             load_model_config, load_tokenizer)
 from training.optimizer import lr_schedule, weight_decay_groups
@@ -47,6 +48,7 @@ from training.pipeline import TokenMeanLoss, build_pipeline, check_pipeline, pip
 from training.plan import RunPlan, planned_machine, print_plan
 from training.precision import DTYPES, loss_scale, resolve_precision, use_fp16_block_loss_scaling
 from training.recipe import load_recipe
+from training.stability import StabilityGuard, WeightWatch, finite, rewind, withheld_step
 from training.universal import convert_on_rank_0, provide_universal_info, with_universal_load
 
 OUTPUT_ROOT = Path("outputs")
@@ -188,8 +190,8 @@ def grad_norm_before_step(engine: deepspeed.DeepSpeedEngine) -> torch.Tensor | N
     return norm / scaler.get_scale() if scaler else norm
 
 
-def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict],
-               dp_size: int) -> tuple[torch.Tensor, torch.Tensor | float, int, bool]:
+def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict], dp_size: int,
+               guard: StabilityGuard | None = None) -> tuple[torch.Tensor, torch.Tensor | float, int, bool]:
     """One optimizer step. Returns this rank's share of the step's loss (the shares of all ranks sum to the
     mean over every target token of the global batch), the gradient norm before clipping, the real
     (non-padding) tokens of the global batch, and whether any rank has been asked to stop.
@@ -197,7 +199,8 @@ def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict],
     Each micro-batch's loss is its summed token loss divided by (global target count / (micro-batches
     x ranks)): DeepSpeed's averaging over accumulation steps and ranks then yields exactly the global
     token mean, not a mean of micro-batch means. The counts are reduced on the host, in the same
-    collective as the stop flag; nothing here waits for the device to finish."""
+    collective as the stop flag. The stability guard, when on, reads the step's loss before the last
+    backward pass and may drop the step (training/stability.py): one wait for the device per step."""
     targets, tokens, stops = distributed.all_reduce_on_host([
         sum(map(target_count, micro_batches)), sum(int(batch["length"].sum()) for batch in micro_batches),
         float(stop_requested.is_set())])
@@ -208,17 +211,24 @@ def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict],
         engine.module.loss_fn.targets_per_micro_batch = targets_per_micro_batch
         loss = engine.train_batch(data_iter=pipeline_batches(micro_batches))
         # every rank holds the whole step's loss; the caller sums the ranks' shares
+        if guard:
+            guard.note_pipeline_loss(loss / dist.get_world_size())
         return loss / dist.get_world_size(), engine.get_global_grad_norm(), int(tokens), stops > 0
-    loss_sum, grad_norm = torch.zeros((), device=engine.device), None
-    for batch in micro_batches:
+    loss_sum, grad_norm, shares = torch.zeros((), device=engine.device), None, len(micro_batches) * dp_size
+    for index, batch in enumerate(micro_batches):
         loss = engine(**model_inputs(batch, engine.device), num_items_in_batch=targets_per_micro_batch).loss
+        if guard and index == len(micro_batches) - 1:
+            loss = guard.drop_if_bad((loss_sum + loss.detach()) / shares, loss)
         engine.backward(loss)
-        if engine.is_gradient_accumulation_boundary():
+        boundary = engine.is_gradient_accumulation_boundary()
+        if boundary:
             grad_norm = grad_norm_before_step(engine)
-        engine.step()
+        # without ZeRO no DeepSpeed check drops a non-finite step: the guard withholds it
+        with withheld_step(engine.optimizer) if guard and boundary and not finite(grad_norm) else nullcontext():
+            engine.step()
         loss_sum += loss.detach()
     grad_norm = engine.get_global_grad_norm() if grad_norm is None else grad_norm
-    return loss_sum / (len(micro_batches) * dp_size), grad_norm, int(tokens), stops > 0
+    return loss_sum / shares, grad_norm, int(tokens), stops > 0
 
 
 def target_count(batch: dict) -> int:
@@ -268,58 +278,90 @@ def pipeline_eval_sums(engine: PipelineEngine, batches: EvalBatches) -> tuple[fl
 def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: EvalBatches | None, plan: RunPlan,
           start: dict, total_steps: int, flops: FlopsMeter | None) -> dict:
     """The loop: batch, forward/backward/step, log every N steps, evaluate every E, checkpoint every M, and
-    on SIGTERM checkpoint and stop. Returns run totals. Only training is timed: the clock stops, once the
-    accelerator has finished its queued work, for logging, evaluation and checkpoint saves."""
-    recipe, start_step = plan.recipe, start["step"]
+    on SIGTERM checkpoint and stop. A step the stability guard drops is tried again on the next batch; a
+    rewind goes back to the last checkpoint (training/stability.py). Returns run totals. Only training is
+    timed: the clock stops, once the accelerator has finished its queued work, for logging, evaluation,
+    checkpoint saves and rewinds."""
+    recipe, start_step, checkpoints = plan.recipe, start["step"], plan.output_dir / "checkpoints"
     logger = MetricsLogger(plan.output_dir, total_steps, start_step, recipe.logging.tensorboard, dist.get_rank() == 0)
-    records, saves, tokens_seen = [], [], start["tokens_seen"]
+    guard = StabilityGuard(recipe.stability, plan.precision == "fp16", checkpoints) if recipe.stability.enabled else None
+    watch = WeightWatch(engine) if plan.pipeline_stages == 1 else None
+    records, saves, tokens_seen, position = [], [], start["tokens_seen"], start["data_position"]
     interval, timed = {"tokens": 0, "steps": 0}, {"tokens": 0, "steps": 0, "seconds": 0.0}
-    clock, step, every = Stopwatch(), start_step, recipe.checkpointing.every_steps
+    clock, step, every, stopped = Stopwatch(), start_step, recipe.checkpointing.every_steps, None
+
+    def evaluate_at(s: int) -> bool:
+        return evaluation is not None and (s == total_steps or bool(recipe.training.eval_every_steps and
+                                                                    s % recipe.training.eval_every_steps == 0))
+
+    def log_at(s: int) -> bool:
+        return s == start_step + 1 or s % recipe.logging.every_steps == 0 or s == total_steps or evaluate_at(s)
+
+    def save() -> None:
+        saves.append(save_checkpoint(engine, checkpoints, run_state(plan, step, tokens_seen, position),
+                                     batches.state_dict(), (plan.model_config, plan.tokenizer),
+                                     recipe.checkpointing.keep_last))
+        logger.note(f"checkpoint global_step{step}: {saves[-1]['bytes'] / 2**20:,.1f} MiB in "
+                    f"{saves[-1]['seconds']:.2f} s")
+
     clock.start()
-    for step in range(start_step + 1, total_steps + 1):
-        lr = engine.get_lr()[0]
-        loss_share, grad_norm, tokens, stop = train_step(engine, batches.micro_batches(step - 1), plan.dp_size)
-        interval["tokens"], interval["steps"], tokens_seen = interval["tokens"] + tokens, interval["steps"] + 1, \
-            tokens_seen + tokens
+    while step < total_steps:
+        if watch and log_at(step + 1):
+            watch.remember()
+        lr = guard.set_lr(engine, step + 1) if guard else engine.get_lr()[0]
+        skipped_before = engine.skipped_steps
+        loss_share, grad_norm, tokens, stop = train_step(engine, batches.micro_batches(position), plan.dp_size, guard)
+        position += 1
+        event = guard.after_step(step + 1, position - 1, float(grad_norm), engine.skipped_steps > skipped_before) \
+            if guard else None
+        if event and event["event"] != "spike":
+            clock.stop()
+            if event["event"] == "rewind":
+                state = rewind(engine, batches, checkpoints, position)
+                step, tokens_seen = state["step"], state["tokens_seen"]
+                event.update(rewound_to=step, batches_passed_over=position - state["data_position"])
+                logger.rewind_to(step)
+                guard.rewound(step)
+            logger.event(event)
+            if event["event"] == "stop":
+                stopped = event["message"]
+                if latest_tag(checkpoints) == f"global_step{step}":  # saved at this step: only the data moved on
+                    record_position(engine, checkpoints, run_state(plan, step, tokens_seen, position),
+                                    batches.state_dict())
+                else:
+                    save()
+                break
+            clock.start()
+            continue
+        if event:
+            logger.event(event)
+        step, tokens_seen = step + 1, tokens_seen + tokens
+        interval["tokens"], interval["steps"] = interval["tokens"] + tokens, interval["steps"] + 1
         logger.advance()
-        evaluate_now = evaluation is not None and (step == total_steps or (
-            recipe.training.eval_every_steps and step % recipe.training.eval_every_steps == 0))
-        log_now = (step == start_step + 1 or step % recipe.logging.every_steps == 0 or step == total_steps or stop
-                   or evaluate_now)
-        save_now = stop or (every and step % every == 0) or step == total_steps
+        log_now, save_now = log_at(step) or stop, stop or (every and step % every == 0) or step == total_steps
         if not (log_now or save_now):
             continue
         clock.stop()
         if log_now:
             seconds = clock.take()
             records.append(step_record(engine, step, lr, loss_share, grad_norm, interval, seconds, flops))
+            if watch and watch.before is not None:
+                records[-1].update(watch.measure())
             if step > start_step + 1:  # the first step pays for warm-up and is left out of the mean
                 timed.update(tokens=timed["tokens"] + interval["tokens"], steps=timed["steps"] + interval["steps"],
                              seconds=timed["seconds"] + seconds)
-            if evaluate_now:
+            if evaluate_at(step):
                 records[-1].update(evaluate(engine, evaluation))
             logger.log(records[-1])
             interval = {"tokens": 0, "steps": 0}
         if save_now:
-            saves.append(save_checkpoint(engine, plan.output_dir / "checkpoints", run_state(plan, step, tokens_seen),
-                                         batches.state_dict(), (plan.model_config, plan.tokenizer),
-                                         recipe.checkpointing.keep_last))
-            logger.note(f"checkpoint global_step{step}: {saves[-1]['bytes'] / 2**20:,.1f} MiB in "
-                        f"{saves[-1]['seconds']:.2f} s")
+            save()
         if stop:
             break
         clock.start()
     logger.close()
-    return {"last_step": step, "tokens_seen": tokens_seen, "first_loss": records[0]["loss"],
-            "final_loss": records[-1]["loss"],
-            "mean_tokens_per_s": timed["tokens"] / timed["seconds"] if timed["seconds"] else records[0]["tokens_per_s"],
-            **(flops.metrics(timed["steps"], timed["seconds"]) if flops and timed["seconds"] else {}),
-            "peak_mem_bytes": max(r["peak_mem_bytes"] for r in records),
-            **({"peak_mem_reserved_bytes": max(r["peak_mem_reserved_bytes"] for r in records)}
-               if "peak_mem_reserved_bytes" in records[0] else {}),
-            **({"checkpoint_bytes": saves[-1]["bytes"], "checkpoint_save_s": max(s["seconds"] for s in saves)}
-               if saves else {}),
-            **{key: records[-1][key] for key in ("eval_loss", "eval_perplexity") if key in records[-1]}}
+    return {"last_step": step, "tokens_seen": tokens_seen, **run_totals(records, timed, saves, flops),
+            **({"stability": guard.summary()} if guard else {}), **({"stopped": stopped} if stopped else {})}
 
 
 def step_record(engine: deepspeed.DeepSpeedEngine, step: int, lr: float, loss_share: torch.Tensor,
@@ -333,10 +375,12 @@ def step_record(engine: deepspeed.DeepSpeedEngine, step: int, lr: float, loss_sh
             **({"loss_scale": scale} if scale is not None else {}), **gpu_metrics(flops, interval["steps"], seconds)}
 
 
-def run_state(plan: RunPlan, step: int, tokens_seen: int) -> dict:
-    """What a checkpoint records besides DeepSpeed's states: where the run is, and what wrote it."""
-    return {"step": step, "tokens_seen": tokens_seen, "recipe": plan.recipe.name, "world_size": plan.world_size,
-            "zero_stage": plan.zero_stage, "precision": plan.precision, "pipeline_stages": plan.pipeline_stages}
+def run_state(plan: RunPlan, step: int, tokens_seen: int, data_position: int) -> dict:
+    """What a checkpoint records besides DeepSpeed's states: where the run is (the data position runs ahead of
+    the step by the batches passed over), and what wrote it."""
+    return {"step": step, "tokens_seen": tokens_seen, "data_position": data_position, "recipe": plan.recipe.name,
+            "world_size": plan.world_size, "zero_stage": plan.zero_stage, "precision": plan.precision,
+            "pipeline_stages": plan.pipeline_stages}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -384,13 +428,14 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
                                       lr_scheduler=lr_schedule(training, total_steps))
     use_fp16_block_loss_scaling(engine)
     if isinstance(engine, PipelineEngine) and not plan.zero_stage:
-        report_grad_norm(engine)
+        report_grad_norm(engine, withhold_nonfinite=recipe.stability.enabled)
     if recipe.compile:
         engine.compile()  # DeepSpeed's torch.compile integration, with the accelerator's default backend
-    start = {"step": 0, "tokens_seen": 0}
+    start = {"step": 0, "tokens_seen": 0, "data_position": 0}
     if args.resume:
         remove_unfinished_tags(checkpoint_dir)
         start, data_state = load_checkpoint(engine, checkpoint_dir, plan.resume_universal)
+        start.setdefault("data_position", start["step"])  # checkpoints written before batches could be passed over
         batches.load_state_dict(data_state)
         if start["step"] >= total_steps:
             raise ConfigError(f"--resume: the checkpoint is at step {start['step']}; the recipe ends at {total_steps} "
@@ -403,10 +448,11 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
     totals = train(engine, batches, evaluation, plan, start, total_steps, flops)
     totals["model_state_bytes"] = measured_model_states(held_tensors)
     if totals["last_step"] < total_steps:
+        why = f"stopped by the stability guard: {totals['stopped']}" if "stopped" in totals else "stopped by SIGTERM"
         if dist.get_rank() == 0:
-            print(f"stopped by SIGTERM after step {totals['last_step']} of {total_steps}; the checkpoint is saved: "
-                  f"continue with --resume --output-dir {plan.output_dir}", file=sys.stderr)
-        return 0
+            print(f"{why}; after step {totals['last_step']} of {total_steps} the checkpoint is saved: continue with "
+                  f"--resume --output-dir {plan.output_dir}", file=sys.stderr)
+        return 3 if "stopped" in totals else 0
     if plan.pipeline_stages > 1:  # the stages' weights are in the final checkpoint's layer files
         if dist.get_rank() == 0:
             export_checkpoint(checkpoint_dir, plan.output_dir / "hf", overwrite=True)

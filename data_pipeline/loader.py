@@ -22,8 +22,9 @@ class StepBatches:
     Epoch e visits the rows in a permutation seeded by (seed, e); step s takes the next
     `global_batch_size` rows of it, and an incomplete last batch of an epoch is skipped. The
     global batch is the same for any number of ranks, so runs on 1 or N ranks (and under any
-    ZeRO stage) see the same data. The position is the step number alone, which is what makes
-    resuming exact: no iterator state needs saving.
+    ZeRO stage) see the same data. The position (batches consumed: the step, plus any batches the
+    stability guard passed over) alone determines a batch, which is what makes resuming exact: no
+    iterator state needs saving.
 
     Rank r's micro-batch m holds rows [(m * ranks + r) * micro, ... + micro) of the global batch.
     """
@@ -46,15 +47,18 @@ class StepBatches:
             self._order = np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
         return self._order
 
-    def micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
-        epoch, index = divmod(step, self.steps_per_epoch)
+    def micro_batches(self, position: int) -> list[dict[str, torch.Tensor]]:
+        epoch, index = divmod(position, self.steps_per_epoch)
         start = index * self.global_batch_size
         rows = self.epoch_order(epoch)[start:start + self.global_batch_size]
         rows = rows.reshape(self.accumulation_steps, self.dp_size, self.micro_batch_size)[:, self.dp_rank]
         return [fetch_rows(self.rows, np.sort(micro)) for micro in rows]
 
+    def pass_over(self, count: int) -> None:
+        """Batches are read by their position: passing over some needs nothing (a stream must read them)."""
+
     def state_dict(self) -> dict:
-        """The position is the step; this is what the step means, checked when resuming."""
+        """What a position means, checked when resuming (the position itself is in the run state)."""
         return {"rows": len(self.rows), "global_batch_size": self.global_batch_size, "seed": self.seed}
 
     def load_state_dict(self, state: dict) -> None:

@@ -95,6 +95,11 @@ class StreamingBatches:
             batches.append({name: torch.from_numpy(array.astype(np.int64)) for name, array in rows.items()})
         return batches
 
+    def pass_over(self, count: int) -> None:
+        """Read the next `count` global batches' shares of this rank and drop them."""
+        for _ in range(count):
+            self.micro_batches(0)
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "documents": self.documents.state_dict(), "carry": self.carry}
 

@@ -90,7 +90,8 @@ def run_stage(args: argparse.Namespace, stage: str, output_dir: Path) -> str | N
 
 def read_run(run_dir: Path) -> tuple[dict, dict[int, float]]:
     summary = json.loads((run_dir / "summary.json").read_text())
-    losses = {record["step"]: record["loss"] for record in map(json.loads, (run_dir / "metrics.jsonl").open())}
+    losses = {record["step"]: record["loss"] for record in map(json.loads, (run_dir / "metrics.jsonl").open())
+              if "event" not in record}  # stability events have lines of their own
     measured = summary.get("model_state_bytes") or {}
     device = "cuda" if "cuda" in measured else "cpu"
     row = {"status": "ok", "tokens_per_s": summary["mean_tokens_per_s"], "tflops": summary.get("tflops"),

@@ -73,6 +73,12 @@ def restore_rng_states(states: dict) -> None:
     get_accelerator().set_rng_state(states["accelerator"])
 
 
+def rank_state(engine: DeepSpeedEngine, data_state: dict) -> dict:
+    """This rank's states that DeepSpeed's checkpoint leaves out: data position, RNG, fp16's loss scale at ZeRO-0."""
+    scaler = engine.torch_autocast_z0_gradscaler
+    return {"data": data_state, "rng": rng_states(), **({"grad_scaler": scaler.state_dict()} if scaler else {})}
+
+
 def save_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, run_state: dict, data_state: dict,
                     hf_files: tuple, keep_last: int | None) -> dict:
     """Every rank calls it. `run_state` must hold `step`; `hf_files` is (model config, tokenizer). Returns the
@@ -81,9 +87,7 @@ def save_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, run_state: di
     tag, rank = f"global_step{run_state['step']}", dist.get_rank()
     tag_dir = checkpoint_dir / tag
     tag_dir.mkdir(parents=True, exist_ok=True)
-    scaler = engine.torch_autocast_z0_gradscaler  # fp16 at ZeRO-0: DeepSpeed's checkpoint leaves its loss scale out
-    torch.save({"data": data_state, "rng": rng_states(), **({"grad_scaler": scaler.state_dict()} if scaler else {})},
-               tag_dir / f"rank_state{rank}.pt")
+    torch.save(rank_state(engine, data_state), tag_dir / f"rank_state{rank}.pt")
     engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state={"step": run_state["step"]}, save_latest=False)
     if rank == 0:
         for item in hf_files:
@@ -103,6 +107,21 @@ def save_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, run_state: di
     seconds = time.perf_counter() - started
     dist.barrier()
     return {"seconds": seconds, "bytes": size}
+
+
+def record_position(engine: DeepSpeedEngine, checkpoint_dir: Path, run_state: dict, data_state: dict) -> None:
+    """Every rank calls it when the latest checkpoint is at this step already and only the data position has moved
+    on (batches passed over since): the run and rank states are replaced, each file atomically, and DeepSpeed's
+    files, which are the same, are left alone (rewriting them in place could leave no complete checkpoint)."""
+    tag_dir = checkpoint_dir / f"global_step{run_state['step']}"
+    path = tag_dir / f"rank_state{dist.get_rank()}.pt"
+    temporary = path.with_name(f".{path.name}.tmp")
+    torch.save(rank_state(engine, data_state), temporary)
+    os.replace(temporary, path)
+    if dist.get_rank() == 0:
+        write_atomically(tag_dir / RUN_STATE, json.dumps(run_state, indent=2) + "\n")
+    os.sync()
+    dist.barrier()
 
 
 RUN_STATE_KEYS = ("step", "tokens_seen", "world_size", "zero_stage", "precision")

@@ -151,6 +151,20 @@ def measured_model_states(held: dict[str, int]) -> dict[str, int] | None:
     return {device: int(size) for device, size in zip(devices, sizes) if size >= 0} or None
 
 
+def run_totals(records: list[dict], timed: dict, saves: list[dict], flops: FlopsMeter | None) -> dict:
+    """summary.json's totals from the logged records, the timed intervals (tokens, steps, seconds after the first
+    step) and the checkpoint saves."""
+    return {"first_loss": records[0]["loss"], "final_loss": records[-1]["loss"],
+            "mean_tokens_per_s": timed["tokens"] / timed["seconds"] if timed["seconds"] else records[0]["tokens_per_s"],
+            **(flops.metrics(timed["steps"], timed["seconds"]) if flops and timed["seconds"] else {}),
+            "peak_mem_bytes": max(r["peak_mem_bytes"] for r in records),
+            **({"peak_mem_reserved_bytes": max(r["peak_mem_reserved_bytes"] for r in records)}
+               if "peak_mem_reserved_bytes" in records[0] else {}),
+            **({"checkpoint_bytes": saves[-1]["bytes"], "checkpoint_save_s": max(s["seconds"] for s in saves)}
+               if saves else {}),
+            **{key: records[-1][key] for key in ("eval_loss", "eval_perplexity") if key in records[-1]}}
+
+
 def format_line(record: dict, total_steps: int) -> str:
     return (f"step {record['step']:>{len(str(total_steps))}}/{total_steps}  loss {record['loss']:.4f}  "
             f"lr {record['lr']:.2e}  grad_norm {record['grad_norm']:.3f}  "
@@ -166,19 +180,41 @@ class MetricsLogger:
     """Rank 0's reporting; on other ranks every method does nothing."""
 
     def __init__(self, output_dir: Path, total_steps: int, start_step: int, tensorboard: bool, enabled: bool):
-        self.enabled, self.total_steps = enabled, total_steps
+        self.enabled, self.total_steps, self.output_dir, self.tensorboard = enabled, total_steps, output_dir, tensorboard
         if not enabled:
             return
-        path = output_dir / "metrics.jsonl"
-        kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= start_step] \
-            if start_step and path.exists() else []  # a resumed run rewrites what came after its checkpoint
+        self.file, self.writer = None, None
+        self.open_at(start_step)
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="training", unit="step", dynamic_ncols=True)
+
+    def open_at(self, step: int) -> None:
+        """Continue the files at `step`: a resumed or rewound run rewrites the steps after it (its events stay)."""
+        path = self.output_dir / "metrics.jsonl"
+        kept = [line for line in path.read_text().splitlines()
+                if json.loads(line)["step"] <= step or "event" in json.loads(line)] if step and path.exists() else []
         path.write_text("".join(line + "\n" for line in kept))
         self.file = path.open("a")
-        self.writer = None
-        if tensorboard:
+        if self.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(str(output_dir / "tensorboard"), purge_step=start_step + 1)
-        self.bar = tqdm(total=total_steps, initial=start_step, desc="training", unit="step", dynamic_ncols=True)
+            self.writer = SummaryWriter(str(self.output_dir / "tensorboard"), purge_step=step + 1)
+
+    def rewind_to(self, step: int) -> None:
+        if self.enabled:
+            self.file.close()
+            if self.writer:
+                self.writer.close()
+            self.open_at(step)
+            self.bar.n = step
+            self.bar.refresh()
+
+    def event(self, event: dict) -> None:
+        """A stability event (training/stability.py): a line of its own in metrics.jsonl and on the console."""
+        if self.enabled:
+            self.file.write(json.dumps(event) + "\n")
+            self.file.flush()
+            self.bar.write(f"step {event['step']}: {event['event']} ({event['reason']}, data position "
+                           f"{event['data_position']}, loss {event['loss']})" + (f": {event['message']}" if
+                                                                                  "message" in event else ""))
 
     def advance(self) -> None:
         if self.enabled:
@@ -225,6 +261,8 @@ def print_summary(summary: dict) -> None:
         *([("TFLOP/s per GPU (model / with recomputation)", f"{summary['tflops']:.1f} / "
             f"{summary['hardware_tflops']:.1f}")] if "tflops" in summary else []),
         *([("MFU", f"{summary['mfu']:.1%}")] if "mfu" in summary else []),
+        *([("stability: batches skipped / spikes / rewinds", "{skip} / {spike} / {rewind}".format(**summary["stability"]))]
+          if "stability" in summary else []),
         ("peak memory per rank", f"{summary['peak_mem_bytes'] / 2**30:.2f} GiB"),
         *([("model states per rank (measured)", ", ".join(f"{size / 2**30:.2f} GiB on {device}" for device, size
                                                           in summary["model_state_bytes"].items()))]

@@ -13,6 +13,7 @@ so that it starts from the same weights as the same recipe without pipeline para
 import importlib
 import json
 from collections.abc import Iterator
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from training.errors import ConfigError
+from training.stability import withheld_step
 
 FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 TIED_KEY = "embeddings"
@@ -204,11 +206,12 @@ class CheckpointTensors:
             return f.get_tensor(name)
 
 
-def report_grad_norm(engine: PipelineEngine) -> None:
+def report_grad_norm(engine: PipelineEngine, withhold_nonfinite: bool) -> None:
     """Without ZeRO, DeepSpeed's pipeline engine reports no gradient norm: its clipping computes one and drops
     it. So it is computed where the engine steps: after the gradients are reduced over the data-parallel
     ranks, before any clipping or unscaling, over each stage's own parameters (a tied embedding once), summed
-    over the stages of a replica. It stays on the device until the step is logged."""
+    over the stages of a replica. With `withhold_nonfinite` (the stability guard, training/stability.py), a
+    norm that is not finite withholds the step on every rank, as DeepSpeed's ZeRO optimizers do on their own."""
     take_model_step = engine._take_model_step
 
     def norm_then_step(lr_kwargs=None):
@@ -219,6 +222,8 @@ def report_grad_norm(engine: PipelineEngine) -> None:
         dist.all_reduce(squares, group=engine.mpu.get_model_parallel_group())
         scaler = engine.torch_autocast_z0_gradscaler  # fp16 at ZeRO-0: the gradients are still scaled here
         engine._global_grad_norm = squares.sqrt() / (scaler.get_scale() if scaler else 1.0)
-        take_model_step(lr_kwargs)
+        nonfinite = withhold_nonfinite and not torch.isfinite(engine._global_grad_norm).item()
+        with withheld_step(engine.optimizer) if nonfinite else nullcontext():
+            take_model_step(lr_kwargs)
 
     engine._take_model_step = norm_then_step

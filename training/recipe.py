@@ -100,6 +100,22 @@ class CheckpointingSection(StrictModel):
     keep_last: PositiveInt | None = None  # None: keep every checkpoint
 
 
+class StabilitySection(StrictModel):
+    """Non-finite and spiking steps (training/stability.py). A step whose loss or gradient is not finite is never
+    applied; a loss spike is not applied either, and with `rewind` the run also goes back to its last checkpoint."""
+    enabled: bool = True
+    policy: Literal["skip", "rewind"] = "skip"  # skip: pass over the batch; rewind: to the last checkpoint, past it
+    window: PositiveInt = 50  # recent applied steps that a spike is measured against
+    min_history: PositiveInt = 20  # applied steps before spikes are looked for (losses fall fast at first)
+    spike_sigma: PositiveFloat = 6.0  # a loss spike: above the window's mean by this many standard deviations
+    spike_grad_factor: PositiveFloat | None = 10.0  # a gradient spike: norm above this x the window's median
+    max_skips: PositiveInt = 10  # this many skipped batches within skip_window steps: save and stop (exit 3)
+    skip_window: PositiveInt = 100
+    max_rewinds: PositiveInt = 3  # then save and stop (exit 3): the data or the settings need a human
+    rewind_lr_factor: float = Field(1.0, gt=0, le=1)  # after a rewind, the learning rate x this ...
+    rewind_lr_steps: NonNegativeInt = 0  # ... for this many steps
+
+
 class LoggingSection(StrictModel):
     every_steps: PositiveInt = 10
     tensorboard: bool = False
@@ -118,6 +134,7 @@ class Recipe(StrictModel):
     compile: bool = False  # torch.compile the model through DeepSpeed (engine.compile): fuses FP8's casts, among others
     parallelism: ParallelismSection = ParallelismSection()
     checkpointing: CheckpointingSection = CheckpointingSection()
+    stability: StabilitySection = StabilitySection()
     logging: LoggingSection = LoggingSection()
 
     _name: str = PrivateAttr("")
@@ -136,6 +153,8 @@ class Recipe(StrictModel):
     def consistent(self) -> "Recipe":
         if self.tokenizer.name_or_path is None and self.model.name_or_path is None:
             raise ValueError("tokenizer.name_or_path is needed when the model is built from model.config")
+        if self.stability.enabled and self.stability.policy == "rewind" and not self.checkpointing.every_steps:
+            raise ValueError("stability.policy=rewind goes back to the last checkpoint: set checkpointing.every_steps")
         if self.data.streaming and self.training.max_steps is None:
             raise ValueError("data.streaming needs training.max_steps: the length of a stream is not known ahead")
         return self

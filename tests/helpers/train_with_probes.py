@@ -12,7 +12,12 @@
 --blind-node-on-rank RANK: that rank acts as the first rank of another node, one that cannot see the output
     folder (a node-local disk).
 --slow-save SECONDS: DeepSpeed takes that much longer to write every checkpoint.
+--insert-poisoned-batches KIND:POSITIONS[:RANK]: poisoned batches are inserted into the data at those data
+    positions (comma-separated), pushing the data's own batches back: `nonfinite` makes the model's embedding
+    output infinite, `spike` multiplies its logits by 30 (a finite loss spike), on RANK only or on every rank.
+    Without the poisoned batches, a run reads exactly the data of a run without this probe.
 """
+import math
 import os
 import signal
 import sys
@@ -48,10 +53,10 @@ def kill_after_deepspeed_save(step: int) -> None:
 def fail_on_rank(rank: int) -> None:
     step = train.train_step
 
-    def step_or_fail(engine, micro_batches, dp_size):
+    def step_or_fail(engine, *args, **kwargs):
         if dist.get_rank() == rank and engine.global_steps == 2:
             raise RuntimeError(f"probe: rank {rank} fails in step 3")
-        return step(engine, micro_batches, dp_size)
+        return step(engine, *args, **kwargs)
 
     train.train_step = step_or_fail
 
@@ -97,10 +102,37 @@ def record_logits() -> None:
     train.train = train_and_record
 
 
+def insert_poisoned_batches(spec: str) -> None:
+    kind, positions, *rank = spec.split(":")
+    poisoned = sorted(int(p) for p in positions.split(","))
+    factor = {"nonfinite": math.inf, "spike": 30.0}[kind]
+    state = {"poisoned": False}
+    read = train.StepBatches.micro_batches
+
+    def read_with_poison(batches, position):
+        state["poisoned"] = position in poisoned
+        return read(batches, position - sum(p < position for p in poisoned))
+
+    def poison(module, inputs, output):
+        on_this_rank = not rank or dist.get_rank() == int(rank[0])
+        return output * factor if state["poisoned"] and on_this_rank else output
+
+    run = train.train
+
+    def train_with_hook(engine, *args, **kwargs):
+        layer = engine.module.get_input_embeddings() if kind == "nonfinite" else engine.module.get_output_embeddings()
+        layer.register_forward_hook(poison)
+        return run(engine, *args, **kwargs)
+
+    train.StepBatches.micro_batches = read_with_poison
+    train.train = train_with_hook
+
+
 PROBES = {"--kill-after-deepspeed-save": lambda value: kill_after_deepspeed_save(int(value)),
           "--fail-on-rank": lambda value: fail_on_rank(int(value)),
           "--blind-node-on-rank": lambda value: blind_node_on_rank(int(value)),
-          "--slow-save": lambda value: slow_save(float(value))}
+          "--slow-save": lambda value: slow_save(float(value)),
+          "--insert-poisoned-batches": insert_poisoned_batches}
 
 
 if __name__ == "__main__":
