@@ -10,26 +10,22 @@ The story: validate the recipe and DeepSpeed config (exit 2 on bad input) -> pre
 import argparse
 import json
 import logging
-import math
 import os
-import shutil
 import signal
 import sys
 import threading
 import time
 import warnings
 from contextlib import nullcontext
-from itertools import islice
 from pathlib import Path
 
 import deepspeed
 import torch
 import torch.distributed as dist
-import yaml
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from data_pipeline import DataError
-from data_pipeline.loader import EvalBatches, StepBatches
+from data_pipeline.loader import EvalBatches, StepBatches, model_inputs, target_count
 from data_pipeline.prepare import prepare_dataset
 from data_pipeline.stream import StreamingBatches
 from training import distributed
@@ -37,6 +33,7 @@ from training.checkpoint import (check_resume, export_hf, latest_tag, load_check
                                  remove_unfinished_tags, save_checkpoint)
 from training.ds_config import accumulation_steps, load_ds_config, resolve_ds_config, zero_stage
 from training.errors import ConfigError, positive_float, positive_int, report
+from training.evaluation import evaluate
 from training.export import export_checkpoint
 from training.fp8 import convert_linears_to_fp8
 from training.metrics import (FlopsMeter, MetricsLogger, Stopwatch, device_name, flops_meter, gpu_metrics,
@@ -45,14 +42,13 @@ from training.model import (build_model, check_checkpoint_folder, check_checkpoi
                             load_model_config, load_tokenizer)
 from training.optimizer import lr_schedule, weight_decay_groups
 from training.pipeline import TokenMeanLoss, build_pipeline, check_pipeline, pipeline_batches, report_grad_norm
+from training.output_dir import check_output_dir, default_output_dir, start_output_dir
 from training.plan import RunPlan, planned_machine, print_plan
 from training.precision import DTYPES, loss_scale, resolve_precision, use_fp16_block_loss_scaling
 from training.recipe import load_recipe
 from training.stability import StabilityGuard, WeightWatch, finite, rewind, withheld_step
 from training.universal import convert_on_rank_0, provide_universal_info, with_universal_load
 
-OUTPUT_ROOT = Path("outputs")
-RUN_FILES = ("metrics.jsonl", "summary.json", "resolved_recipe.yaml", "ds_config.json", "checkpoints", "hf", "tensorboard")
 stop_requested = threading.Event()  # set by SIGTERM: the run saves a checkpoint at the end of the step and exits
 
 
@@ -72,36 +68,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # set by the launcher
     parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="e.g. training.max_steps=20")
     return parser.parse_intermixed_args(argv)  # overrides may come before or after the options
-
-
-def holds_run(path: Path) -> bool:
-    return (path / "checkpoints" / "latest").exists() or (path / "metrics.jsonl").exists()
-
-
-def default_output_dir(recipe_name: str, resume: bool) -> Path:
-    """outputs/<recipe>, or outputs/<recipe>-2, -3, ... when earlier runs hold those; --resume takes the latest."""
-    runs = [OUTPUT_ROOT / recipe_name]
-    while holds_run(runs[-1]):
-        runs.append(OUTPUT_ROOT / f"{recipe_name}-{len(runs) + 1}")
-    return runs[-2] if resume and len(runs) > 1 else runs[-1]
-
-
-def check_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
-    """The output folder can hold this run, and no flag combination can lose an earlier one."""
-    if resume and overwrite:
-        raise ConfigError("--resume continues the run in the output folder and --overwrite replaces it: pass one of "
-                          "them (nothing was deleted)")
-    existing = next(path for path in (output_dir, *output_dir.parents) if path.exists())
-    if not existing.is_dir():
-        raise ConfigError(f"--output-dir {output_dir}: {existing} is a file, not a folder; choose another --output-dir")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"--output-dir {output_dir}: {existing} is not writable by this user; choose another "
-                          f"--output-dir")
-    if resume and not (output_dir / "checkpoints" / "latest").exists():
-        raise ConfigError(f"--resume: {output_dir}/checkpoints holds no checkpoint to continue from")
-    if holds_run(output_dir) and not (resume or overwrite):
-        raise ConfigError(f"{output_dir} already holds a run; pass --resume to continue it, --overwrite to "
-                          f"replace it, or another --output-dir")
 
 
 def make_plan(args: argparse.Namespace, world_size: int | None = None) -> RunPlan:
@@ -144,20 +110,6 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> RunPla
         ds_config = with_universal_load(ds_config)
     return RunPlan(recipe, model_config, tokenizer, precision, ds_config, ds_config_path, world_size,
                    accumulation_steps(recipe.training, world_size // stages), output_dir, resume_universal)
-
-
-def start_output_dir(plan: RunPlan, overwrite: bool) -> None:
-    """Rank 0 clears an earlier run (with --overwrite) and writes exactly what will run."""
-    if dist.get_rank() == 0:
-        if overwrite:
-            for name in RUN_FILES:
-                path = plan.output_dir / name
-                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-        plan.output_dir.mkdir(parents=True, exist_ok=True)
-        recipe_tree = plan.recipe.model_dump(mode="json")
-        (plan.output_dir / "resolved_recipe.yaml").write_text(yaml.safe_dump(recipe_tree, sort_keys=False))
-        (plan.output_dir / "ds_config.json").write_text(json.dumps(plan.ds_config, indent=2) + "\n")
-    dist.barrier()
 
 
 def make_batches(plan: RunPlan) -> tuple[StepBatches | StreamingBatches, EvalBatches | None, dict]:
@@ -229,50 +181,6 @@ def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict], dp_
         loss_sum += loss.detach()
     grad_norm = engine.get_global_grad_norm() if grad_norm is None else grad_norm
     return loss_sum / shares, grad_norm, int(tokens), stops > 0
-
-
-def target_count(batch: dict) -> int:
-    """Tokens the batch takes a loss on: each label predicts from the token before it."""
-    return int((batch["labels"][:, 1:] != -100).sum())
-
-
-def model_inputs(batch: dict, device: torch.device) -> dict:
-    return {name: batch[name].to(device, non_blocking=True) for name in ("input_ids", "labels", "position_ids")}
-
-
-def evaluate(engine: deepspeed.DeepSpeedEngine, batches: EvalBatches) -> dict:
-    """Mean token loss over the evaluation rows (every data-parallel rank its share) and its perplexity."""
-    if isinstance(engine, PipelineEngine):
-        loss_sum, targets = pipeline_eval_sums(engine, batches)
-    else:
-        loss_sum, targets = eval_sums(engine, batches)
-    stages = dist.get_world_size() // batches.dp_size  # the ranks of a pipeline hold the same rows
-    loss = loss_sum / (distributed.all_reduce_on_host([targets])[0] / stages)
-    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0))}
-
-
-def eval_sums(engine: deepspeed.DeepSpeedEngine, batches: EvalBatches) -> tuple[float, int]:
-    """The summed token loss of every rank's rows, and this rank's target count."""
-    engine.eval()
-    loss_sum, targets = torch.zeros((), dtype=torch.float64, device=engine.device), 0
-    with torch.no_grad():
-        for batch in batches:
-            loss_sum += engine(**model_inputs(batch, engine.device), num_items_in_batch=1).loss.double()  # a sum
-            targets += target_count(batch)
-    engine.train()
-    return distributed.all_reduce(loss_sum).item(), targets
-
-
-def pipeline_eval_sums(engine: PipelineEngine, batches: EvalBatches) -> tuple[float, int]:
-    """The same through the pipeline's own evaluation schedule, which returns the mean of its micro-batches'
-    losses over them and the data-parallel ranks."""
-    engine.module.loss_fn.targets_per_micro_batch = 1.0  # the loss function then returns summed token losses
-    loss_sum, targets, remaining = 0.0, 0, iter(batches)
-    while chunk := list(islice(remaining, engine.micro_batches)):
-        mean = engine.eval_batch(pipeline_batches(chunk), num_micro_batches=len(chunk))
-        loss_sum += float(mean) * len(chunk) * batches.dp_size
-        targets += sum(map(target_count, chunk))
-    return loss_sum, targets
 
 
 def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: EvalBatches | None, plan: RunPlan,

@@ -76,8 +76,8 @@ def main() -> None:
     baseline = statistics.median(speeds["bare loop"])
     print(f"{args.recipe}: {args.steps} steps x {recipe.training.global_batch_size} rows x {recipe.data.seq_len} tokens, "
           f"{summary['world_size']} rank(s), ZeRO-{summary['zero_stage']}, {summary['precision']}")
-    print(f"| loop | tokens/s per repeat | median tokens/s | vs bare loop |")
-    print(f"|---|---|---|---|")
+    print("| loop | tokens/s per repeat | median tokens/s | vs bare loop |")
+    print("|---|---|---|---|")
     for name, values in speeds.items():
         median = statistics.median(values)
         print(f"| {name} | {', '.join(f'{v:,.0f}' for v in values)} | {median:,.0f} | {median / baseline:.3f} |")

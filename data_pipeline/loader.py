@@ -16,6 +16,16 @@ def fetch_rows(rows: datasets.Dataset, indices: np.ndarray) -> dict[str, torch.T
     return {name: torch.from_numpy(batch[name].astype(np.int64)) for name in ROW_COLUMNS}
 
 
+def target_count(batch: dict) -> int:
+    """Tokens the batch takes a loss on: each label predicts from the token before it."""
+    return int((batch["labels"][:, 1:] != -100).sum())
+
+
+def model_inputs(batch: dict, device: torch.device) -> dict:
+    """What the model takes of a batch, on its device."""
+    return {name: batch[name].to(device, non_blocking=True) for name in ("input_ids", "labels", "position_ids")}
+
+
 class StepBatches:
     """The micro-batches each rank trains on at a given optimizer step.
 

@@ -55,16 +55,17 @@ def test_an_earlier_run_is_not_overwritten_silently(no_model_building, capsys, t
 
 
 def test_default_output_dirs_never_replace_an_earlier_run(monkeypatch, tmp_path):
-    monkeypatch.setattr(train, "OUTPUT_ROOT", tmp_path)
-    assert train.default_output_dir("tiny_llama", resume=False) == tmp_path / "tiny_llama"
+    from training import output_dir
+    monkeypatch.setattr(output_dir, "OUTPUT_ROOT", tmp_path)
+    assert output_dir.default_output_dir("tiny_llama", resume=False) == tmp_path / "tiny_llama"
     (tmp_path / "tiny_llama" / "checkpoints").mkdir(parents=True)
     (tmp_path / "tiny_llama" / "checkpoints" / "latest").write_text("global_step5")
-    assert train.default_output_dir("tiny_llama", resume=False) == tmp_path / "tiny_llama-2"
-    assert train.default_output_dir("tiny_llama", resume=True) == tmp_path / "tiny_llama"
+    assert output_dir.default_output_dir("tiny_llama", resume=False) == tmp_path / "tiny_llama-2"
+    assert output_dir.default_output_dir("tiny_llama", resume=True) == tmp_path / "tiny_llama"
     (tmp_path / "tiny_llama-2").mkdir()
     (tmp_path / "tiny_llama-2" / "metrics.jsonl").write_text("")
-    assert train.default_output_dir("tiny_llama", resume=False) == tmp_path / "tiny_llama-3"
-    assert train.default_output_dir("tiny_llama", resume=True) == tmp_path / "tiny_llama-2"
+    assert output_dir.default_output_dir("tiny_llama", resume=False) == tmp_path / "tiny_llama-3"
+    assert output_dir.default_output_dir("tiny_llama", resume=True) == tmp_path / "tiny_llama-2"
 
 
 def test_dry_run_prints_the_plan_and_writes_nothing(no_model_building, capsys, tmp_path):

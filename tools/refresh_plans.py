@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import train  # noqa: E402
+from training import output_dir  # noqa: E402
 
 BLOCK = re.compile(r"```\n(\$ python train\.py [^\n]*)\n(.*?)```", re.S)
 
@@ -33,12 +34,12 @@ def markdown_files() -> list[Path]:
 def plan_output(command: str) -> str:
     """What `command` ($ python train.py ...) prints, as it prints it in a fresh checkout (no earlier runs)."""
     args = shlex.split(command)[3:]
-    holds_run, train.holds_run = train.holds_run, lambda path: False
+    holds_run, output_dir.holds_run = output_dir.holds_run, lambda path: False
     try:
         with contextlib.redirect_stdout(io.StringIO()) as out:
             code = train.main(args)
     finally:
-        train.holds_run = holds_run
+        output_dir.holds_run = holds_run
     if code != 0 or "--dry-run" not in args:
         raise SystemExit(f"{command}: not a dry run that succeeds (exit {code})")
     return out.getvalue()
