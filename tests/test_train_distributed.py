@@ -54,6 +54,8 @@ def curves(tmp_path_factory, data_cache) -> dict:
         assert (summary["world_size"], summary["precision"]) == (ranks, precision)
         assert f"zero{summary['zero_stage']}" == ds_config.removesuffix("_offload")
         results[precision, run_name, ranks] = loss_curve(out)
+        results["health", precision, run_name, ranks] = [(record["param_norm"], record["update_ratio"]) for record in
+                                                         map(json.loads, (out / "metrics.jsonl").open())]
         results["checkpoint", precision, run_name, ranks] = deepspeed_files(out / "checkpoints" / f"global_step{STEPS}")
     results["shared memory left"] = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) - shared_memory_before
     return results
@@ -76,6 +78,15 @@ def test_zero_stages_agree_with_stage_0(curves, precision, ds_config):
 @pytest.mark.parametrize("ds_config", ["zero2_offload", "zero3_offload"])
 def test_cpu_offload_agrees_with_stage_0(curves, ds_config):
     assert max_difference(curves["fp32", "zero0", 2], curves["fp32", ds_config, 2]) <= TOLERANCE["fp32"]
+
+
+@pytest.mark.parametrize("ds_config", ["zero1", "zero2", "zero3", "zero2_offload", "zero3_offload"])
+def test_health_signals_are_the_same_under_every_stage(curves, ds_config):
+    """param_norm and update_ratio read each rank's own share of the fp32 weights (partitions, fragments of the
+    master copy, or whole weights), which the stages split differently: the signals do not depend on it."""
+    reference, signals = curves["health", "fp32", "zero0", 2], curves["health", "fp32", ds_config, 2]
+    assert len(signals) == STEPS and all(ratio > 0 for _, ratio in signals[1:])
+    assert signals == pytest.approx(reference, rel=1e-4)
 
 
 def test_activation_checkpointing_recomputes_the_same_loss(curves):

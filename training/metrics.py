@@ -261,7 +261,7 @@ def print_summary(summary: dict) -> None:
         *([("TFLOP/s per GPU (model / with recomputation)", f"{summary['tflops']:.1f} / "
             f"{summary['hardware_tflops']:.1f}")] if "tflops" in summary else []),
         *([("MFU", f"{summary['mfu']:.1%}")] if "mfu" in summary else []),
-        *([("stability: batches skipped / spikes / rewinds", "{skip} / {spike} / {rewind}".format(**summary["stability"]))]
+        *([("skipped batches / spikes / rewinds", "{skip} / {spike} / {rewind}".format(**summary["stability"]))]
           if "stability" in summary else []),
         ("peak memory per rank", f"{summary['peak_mem_bytes'] / 2**30:.2f} GiB"),
         *([("model states per rank (measured)", ", ".join(f"{size / 2**30:.2f} GiB on {device}" for device, size

@@ -108,7 +108,8 @@ class StabilitySection(StrictModel):
     window: PositiveInt = 50  # recent applied steps that a spike is measured against
     min_history: PositiveInt = 20  # applied steps before spikes are looked for (losses fall fast at first)
     spike_sigma: PositiveFloat = 6.0  # a loss spike: above the window's mean by this many standard deviations
-    spike_grad_factor: PositiveFloat | None = 10.0  # a gradient spike: norm above this x the window's median
+    spike_grad_factor: PositiveFloat | None = None  # a gradient spike: norm above this x the window's median (off:
+    # tiny_llama's own default run has a norm 19x its median without any loss spike; clipping bounds such a step)
     max_skips: PositiveInt = 10  # this many skipped batches within skip_window steps: save and stop (exit 3)
     skip_window: PositiveInt = 100
     max_rewinds: PositiveInt = 3  # then save and stop (exit 3): the data or the settings need a human

@@ -10,7 +10,7 @@ from training.stability import StabilityGuard, withheld_step
 
 
 def guard(tmp_path, **settings) -> StabilityGuard:
-    return StabilityGuard(StabilitySection(**{"min_history": 5, "window": 5, **settings}), fp16=False,
+    return StabilityGuard(StabilitySection(**{"min_history": 5, "window": 5, "spike_grad_factor": 10.0, **settings}), fp16=False,
                           checkpoint_dir=tmp_path)
 
 
