@@ -356,10 +356,11 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
     totals = train(engine, batches, evaluation, plan, start, total_steps, flops)
     totals["model_state_bytes"] = measured_model_states(held_tensors)
     if totals["last_step"] < total_steps:
-        why = f"stopped by the stability guard: {totals['stopped']}" if "stopped" in totals else "stopped by SIGTERM"
+        by = "the stability guard" if "stopped" in totals else "SIGTERM"
         if dist.get_rank() == 0:
-            print(f"{why}; after step {totals['last_step']} of {total_steps} the checkpoint is saved: continue with "
-                  f"--resume --output-dir {plan.output_dir}", file=sys.stderr)
+            print(f"stopped by {by} after step {totals['last_step']} of {total_steps}"
+                  + (f": {totals['stopped']}" if "stopped" in totals else "") +
+                  f"; the checkpoint is saved: continue with --resume --output-dir {plan.output_dir}", file=sys.stderr)
         return 3 if "stopped" in totals else 0
     if plan.pipeline_stages > 1:  # the stages' weights are in the final checkpoint's layer files
         if dist.get_rank() == 0:

@@ -114,7 +114,8 @@ def test_without_the_guard_the_same_data_ruins_the_run(runs):
 def test_repeated_skips_save_and_stop_with_exit_3_and_resume_goes_on(runs, data_cache):
     out, result = runs["3 nonfinite in a row, ZeRO-2"]
     assert result.returncode == 3, result.stdout[-2000:] + result.stderr[-3000:]
-    assert "stopped by the stability guard: 3 batches skipped within 100 steps (stability.max_skips)" in result.stderr
+    assert (f"stopped by the stability guard after step {POISONED} of {STEPS}: 3 batches skipped within 100 steps "
+            f"(stability.max_skips)") in result.stderr
     assert [e["event"] for e in events(out)] == ["skip", "skip", "stop"]
     run_state = json.loads((out / "checkpoints" / f"global_step{POISONED}" / "run_state.json").read_text())
     assert (run_state["step"], run_state["data_position"]) == (POISONED, POISONED + 3)

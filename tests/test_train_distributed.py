@@ -86,7 +86,8 @@ def test_health_signals_are_the_same_under_every_stage(curves, ds_config):
     master copy, or whole weights), which the stages split differently: the signals do not depend on it."""
     reference, signals = curves["health", "fp32", "zero0", 2], curves["health", "fp32", ds_config, 2]
     assert len(signals) == STEPS and all(ratio > 0 for _, ratio in signals[1:])
-    assert signals == pytest.approx(reference, rel=1e-4)
+    for name, column in (("param_norm", 0), ("update_ratio", 1)):
+        assert [row[column] for row in signals] == pytest.approx([row[column] for row in reference], rel=1e-4), name
 
 
 def test_activation_checkpointing_recomputes_the_same_loss(curves):

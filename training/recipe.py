@@ -116,6 +116,13 @@ class StabilitySection(StrictModel):
     rewind_lr_factor: float = Field(1.0, gt=0, le=1)  # after a rewind, the learning rate x this ...
     rewind_lr_steps: NonNegativeInt = 0  # ... for this many steps
 
+    @model_validator(mode="after")
+    def history_fits_the_window(self) -> "StabilitySection":
+        if self.min_history > self.window:
+            raise ValueError(f"stability.min_history={self.min_history} is more than stability.window={self.window}: "
+                             f"the window would never hold that many steps, and no spike would be looked for")
+        return self
+
 
 class LoggingSection(StrictModel):
     every_steps: PositiveInt = 10

@@ -26,14 +26,16 @@ import statistics
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from deepspeed import DeepSpeedEngine
 from deepspeed.utils import safe_get_local_fp32_param
 
+from data_pipeline.loader import StepBatches
+from data_pipeline.stream import StreamingBatches
 from training import distributed
 from training.checkpoint import latest_tag, load_checkpoint
 from training.recipe import StabilitySection
@@ -62,7 +64,7 @@ def as_json(value: float) -> float | str:
     return value if math.isfinite(value) else str(value)
 
 
-def rewind(engine: DeepSpeedEngine, batches, checkpoint_dir: Path, position: int) -> dict:
+def rewind(engine: DeepSpeedEngine, batches: StepBatches | StreamingBatches, checkpoint_dir: Path, position: int) -> dict:
     """Back to the latest checkpoint, every rank: weights, optimizer, schedule and RNG as they were there, and the
     data at `position`, past the batches since the checkpoint (the spike's included). Returns the checkpoint's
     run state."""
@@ -162,10 +164,9 @@ class StabilityGuard:
         return event
 
     def rewound(self, to_step: int) -> None:
-        """The run is back at `to_step`: the lowered learning rate, if any, holds for the next steps."""
+        """The run is back at `to_step`: the lowered learning rate, if any, holds for the next steps. The history
+        stays: its steps were healthy, and a second spike soon after must not find the detector unarmed."""
         self.lower_lr_until = to_step + self.section.rewind_lr_steps
-        self.losses.clear()  # the history after the checkpoint led to the spike
-        self.grad_norms.clear()
 
     def set_lr(self, engine: DeepSpeedEngine, step: int) -> float:
         """The learning rate for `step`: the schedule's, lowered for a while after a rewind when so configured."""
@@ -197,30 +198,31 @@ def fp32_shares(engine: DeepSpeedEngine) -> list[tuple[int, int, torch.Tensor]]:
 
 class WeightWatch:
     """The parameter norm and the update-to-weight ratio (|update| / |weights|) at logging steps. The norm is over
-    every weight; the ratio over the first SAMPLE elements of each weight tensor, copied before the step (no
-    second copy of the model): the same elements whatever the ranks and ZeRO stage. Under ZeRO each rank holds
-    a disjoint share and the sums are reduced over the ranks; without ZeRO every rank holds all of it."""
+    every weight; the ratio over the first SAMPLE elements of each weight tensor, copied to the host before the
+    step (no second copy of the model; as NumPy arrays, which are not model state and stay out of the measured
+    model-state census): the same elements whatever the ranks and ZeRO stage. Under ZeRO each rank holds a
+    disjoint share and the sums are reduced over the ranks; without ZeRO every rank holds all of it."""
 
     def __init__(self, engine: DeepSpeedEngine):
         self.engine, self.before = engine, None
 
-    def sample(self) -> list[torch.Tensor]:
-        return [share.detach().reshape(-1)[:max(0, min(SAMPLE, size) - start)]
-                for start, size, share in fp32_shares(self.engine)]
+    def sample(self) -> list[np.ndarray]:
+        return [np.array(share.detach().reshape(-1)[:max(0, min(SAMPLE, size) - start)].float().cpu(), copy=True)
+                for start, size, share in fp32_shares(self.engine)]  # a copy: on a CPU .numpy() would share memory
 
     def remember(self) -> None:
-        self.before = [w.clone() for w in self.sample()]
+        self.before = self.sample()
 
     def measure(self) -> dict:
         """After the step: `param_norm` and `update_ratio` (the step's update over the sampled weights)."""
         device = self.engine.device  # the weights may be offloaded to the CPU
-
-        def squares(tensors) -> torch.Tensor:
-            return sum((t.float().square().sum().to(device) for t in tensors), torch.zeros((), device=device))
-
+        squares = sum((share.float().square().sum().to(device) for _, _, share in fp32_shares(self.engine)),
+                      torch.zeros((), device=device))
         after = self.sample()
-        sums = torch.stack([squares(share for _, _, share in fp32_shares(self.engine)),
-                            squares(a - b for a, b in zip(after, self.before)), squares(after)])
+        update = sum(float(np.square(a - b, dtype=np.float64).sum()) for a, b in zip(after, self.before))
+        sampled = sum(float(np.square(a, dtype=np.float64).sum()) for a in after)
+        sums = torch.stack([squares.double(), torch.tensor(update, device=device, dtype=torch.float64),
+                            torch.tensor(sampled, device=device, dtype=torch.float64)])
         if self.engine.zero_optimization():
             dist.all_reduce(sums)
         norm, update, sampled = sums.sqrt().tolist()

@@ -89,16 +89,18 @@ def test_too_many_skips_in_the_window_stop_the_run(tmp_path):
 
 
 def test_rewinds_need_a_checkpoint_and_are_limited(tmp_path):
-    g = guard(tmp_path, policy="rewind", max_rewinds=2)
+    g = guard(tmp_path / "none", policy="rewind")
     warm(g)
     stop = attempt(g, 6, 50.0)
     assert stop["event"] == "stop" and "a spike before the first checkpoint" in stop["message"]
     (tmp_path / "latest").write_text("global_step4")
+    g = guard(tmp_path, policy="rewind", max_rewinds=2)
+    warm(g)
     assert attempt(g, 6, 50.0)["event"] == "rewind"
     g.rewound(4)
-    assert not g.losses  # the history since the checkpoint led to the spike
-    warm(g)
-    stop = attempt(g, 6, 50.0)
+    assert attempt(g, 5, 50.0)["event"] == "rewind"  # the history stays: the detector is still armed
+    g.rewound(4)
+    stop = attempt(g, 5, 50.0)
     assert stop["event"] == "stop" and "2 rewinds did not get past the spikes" in stop["message"]
 
 
@@ -143,3 +145,12 @@ def test_a_withheld_step_leaves_the_optimizer_as_it_was():
     weight.grad = torch.ones(3)
     optimizer.step()
     assert not torch.equal(weight.detach(), torch.ones(3))
+
+
+def test_a_history_longer_than_its_window_is_refused(tmp_path):
+    from training.errors import ConfigError
+    from training.recipe import load_recipe
+    with pytest.raises(ConfigError, match="stability.min_history=60 is more than stability.window=50"):
+        load_recipe("tiny_llama", ["stability.min_history=60"])
+    with pytest.raises(ConfigError, match="stability.policy=rewind goes back to the last checkpoint"):
+        load_recipe("tiny_llama", ["stability.policy=rewind", "checkpointing.every_steps=null"])
