@@ -34,6 +34,7 @@ from training.checkpoint import (check_resume, export_hf, latest_tag, load_check
 from training.ds_config import accumulation_steps, load_ds_config, resolve_ds_config, zero_stage
 from training.errors import ConfigError, positive_float, positive_int, report
 from training.evaluation import evaluate
+from training.long_context import apply_long_context
 from training.export import export_checkpoint
 from training.fp8 import convert_linears_to_fp8
 from training.metrics import (FlopsMeter, MetricsLogger, Stopwatch, device_name, flops_meter, gpu_metrics,
@@ -46,6 +47,7 @@ from training.output_dir import check_output_dir, default_output_dir, start_outp
 from training.plan import RunPlan, planned_machine, print_plan
 from training.precision import DTYPES, loss_scale, resolve_precision, use_fp16_block_loss_scaling
 from training.recipe import load_recipe
+from training.sequence_parallel import check_sequence_parallel, enable_sequence_parallel
 from training.stability import StabilityGuard, WeightWatch, finite, rewind, withheld_step
 from training.universal import convert_on_rank_0, provide_universal_info, with_universal_load
 
@@ -94,11 +96,13 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> RunPla
                           f"autocast over fp32 weights, which this FP8 path does not support; use deepspeed.config=zero1, "
                           f"zero2 or zero3")
     world_size = world_size or (args.num_gpus * args.num_nodes if args.num_gpus else distributed.world_size())
-    stages = recipe.parallelism.pipeline_stages
+    stages, sequence = recipe.parallelism.pipeline_stages, recipe.parallelism.sequence_parallel
+    if sequence > 1:
+        check_sequence_parallel(recipe, model_config, world_size, zero_stage(raw_ds_config), precision)
     if stages > 1:
         check_pipeline(model_config, stages, zero_stage(raw_ds_config), world_size)
-    ds_config = resolve_ds_config(raw_ds_config, ds_config_path, recipe, model_config.hidden_size, world_size // stages,
-                                  precision)
+    dp_size = world_size // (stages * sequence)
+    ds_config = resolve_ds_config(raw_ds_config, ds_config_path, recipe, model_config.hidden_size, dp_size, precision)
     output_dir = args.output_dir or default_output_dir(recipe.name, args.resume)
     if not args.dry_run:
         check_output_dir(output_dir, args.resume, args.overwrite)
@@ -109,14 +113,14 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> RunPla
     if resume_universal:  # another layout wrote the checkpoint
         ds_config = with_universal_load(ds_config)
     return RunPlan(recipe, model_config, tokenizer, precision, ds_config, ds_config_path, world_size,
-                   accumulation_steps(recipe.training, world_size // stages), output_dir, resume_universal)
+                   accumulation_steps(recipe.training, dp_size), output_dir, resume_universal)
 
 
 def make_batches(plan: RunPlan) -> tuple[StepBatches | StreamingBatches, EvalBatches | None, dict]:
     """Training batches from prepared rows (local rank 0 prepares and caches them while the other ranks
     wait) or from a stream, and evaluation batches when the data has an eval split."""
     data, training = plan.recipe.data, plan.recipe.training
-    rank = dist.get_rank() % plan.dp_size  # data-parallel rank: DeepSpeed numbers ranks stage-major
+    rank = plan.dp_rank(dist.get_rank())
     if data.streaming:
         return StreamingBatches(data, plan.tokenizer, training.micro_batch_size, plan.accumulation_steps, rank,
                                 plan.dp_size, training.seed), None, {"streaming": True}
@@ -143,10 +147,12 @@ def grad_norm_before_step(engine: deepspeed.DeepSpeedEngine) -> torch.Tensor | N
 
 
 def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict], dp_size: int,
-               guard: StabilityGuard | None = None) -> tuple[torch.Tensor, torch.Tensor | float, int, bool]:
+               guard: StabilityGuard | None = None,
+               shard: tuple[int, int] = (0, 1)) -> tuple[torch.Tensor, torch.Tensor | float, int, bool]:
     """One optimizer step. Returns this rank's share of the step's loss (the shares of all ranks sum to the
     mean over every target token of the global batch), the gradient norm before clipping, the real
-    (non-padding) tokens of the global batch, and whether any rank has been asked to stop.
+    (non-padding) tokens of the global batch, and whether any rank has been asked to stop. Under sequence
+    parallelism (shard) each rank of a group holds the same rows and runs its slice of them.
 
     Each micro-batch's loss is its summed token loss divided by (global target count / (micro-batches
     x ranks)): DeepSpeed's averaging over accumulation steps and ranks then yields exactly the global
@@ -156,8 +162,8 @@ def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict], dp_
     targets, tokens, stops = distributed.all_reduce_on_host([
         sum(map(target_count, micro_batches)), sum(int(batch["length"].sum()) for batch in micro_batches),
         float(stop_requested.is_set())])
-    stages = dist.get_world_size() // dp_size  # the ranks of a pipeline all hold their data-parallel rank's batch
-    targets, tokens = targets / stages, tokens // stages
+    copies = dist.get_world_size() // dp_size  # the ranks of a pipeline or sequence group hold the same rows
+    targets, tokens = targets / copies, tokens // copies
     targets_per_micro_batch = targets / (len(micro_batches) * dp_size)  # a float: no copy to the device
     if isinstance(engine, PipelineEngine):
         engine.module.loss_fn.targets_per_micro_batch = targets_per_micro_batch
@@ -168,7 +174,7 @@ def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict], dp_
         return loss / dist.get_world_size(), engine.get_global_grad_norm(), int(tokens), stops > 0
     loss_sum, grad_norm, shares = torch.zeros((), device=engine.device), None, len(micro_batches) * dp_size
     for index, batch in enumerate(micro_batches):
-        loss = engine(**model_inputs(batch, engine.device), num_items_in_batch=targets_per_micro_batch).loss
+        loss = engine(**model_inputs(batch, engine.device, shard), num_items_in_batch=targets_per_micro_batch).loss
         if guard and index == len(micro_batches) - 1:
             loss = guard.drop_if_bad((loss_sum + loss.detach()) / shares, loss)
         engine.backward(loss)
@@ -218,7 +224,8 @@ def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: E
             watch.remember()
         lr = guard.set_lr(engine, step + 1) if guard else engine.get_lr()[0]
         skipped_before = engine.skipped_steps
-        loss_share, grad_norm, tokens, stop = train_step(engine, batches.micro_batches(position), plan.dp_size, guard)
+        loss_share, grad_norm, tokens, stop = train_step(engine, batches.micro_batches(position), plan.dp_size, guard,
+                                                         plan.sequence_shard(dist.get_rank()))
         position += 1
         event = guard.after_step(step + 1, position - 1, float(grad_norm), engine.skipped_steps > skipped_before) \
             if guard else None
@@ -259,7 +266,7 @@ def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: E
                 timed.update(tokens=timed["tokens"] + interval["tokens"], steps=timed["steps"] + interval["steps"],
                              seconds=timed["seconds"] + seconds)
             if evaluate_at(step):
-                records[-1].update(evaluate(engine, evaluation))
+                records[-1].update(evaluate(engine, evaluation, plan.sequence_shard(dist.get_rank())))
             logger.log(records[-1])
             interval = {"tokens": 0, "steps": 0}
         if save_now:
@@ -327,13 +334,15 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
     else:
         model = build_model(recipe, plan.model_config, plan.ds_config, plan.precision)
         provide_universal_info(model)
+        apply_long_context(model, recipe.long_context)
+    mpu = enable_sequence_parallel(model, plan.sequence_parallel, training.micro_batch_size, recipe.data.seq_len)
     if plan.precision == "fp8":
         converted = convert_linears_to_fp8(model, recipe.fp8, plan.model_config.vocab_size)
         if dist.get_rank() == 0:
             print(f"fp8 ({recipe.fp8.recipe} scaling): {len(converted)} linear layers; the rest stays bf16")
     engine, *_ = deepspeed.initialize(model=model, config=plan.ds_config,
                                       model_parameters=weight_decay_groups(model, training.weight_decay),
-                                      lr_scheduler=lr_schedule(training, total_steps))
+                                      lr_scheduler=lr_schedule(training, total_steps), mpu=mpu)
     use_fp16_block_loss_scaling(engine)
     if isinstance(engine, PipelineEngine) and not plan.zero_stage:
         report_grad_norm(engine, withhold_nonfinite=recipe.stability.enabled)
@@ -372,6 +381,7 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
         summary = {"recipe": recipe.name, "device": device_name(), **({"peak_tflops": flops.peak_tflops} if flops else {}),
                    "world_size": plan.world_size, "zero_stage": plan.zero_stage,
                    "precision": plan.precision, "pipeline_stages": plan.pipeline_stages,
+                   "sequence_parallel": plan.sequence_parallel,
                    "activation_checkpointing": recipe.activation_checkpointing,
                    "steps": total_steps, "start_step": start["step"], **totals,
                    "wall_time_s": time.perf_counter() - run_start, "output_dir": str(plan.output_dir),

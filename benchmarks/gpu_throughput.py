@@ -1,11 +1,14 @@
-"""Training throughput of a ~1B Llama on one GPU: bf16 vs fp8 x activation checkpointing x ZeRO-1/3.
+"""Training throughput of a ~1B Llama on one GPU: bf16 vs fp8 x activation checkpointing x ZeRO-1/3 (and, on a
+multi-GPU machine, the same with long rows split by sequence parallelism).
 
     python benchmarks/gpu_throughput.py                                   # the 8 runs, 30 steps each
     python benchmarks/gpu_throughput.py --only fp8-zero1,bf16-zero1       # a subset (see --only)
     python benchmarks/gpu_throughput.py --allow-cpu --model-config recipes/tiny_llama/config.json \\
         --seq-len 256 --steps 4 --micro-batch-size 2                      # plumbing smoke on a CPU: not a measurement
+    python benchmarks/gpu_throughput.py --num-gpus 8 --sequence-parallel 8 --seq-len 65536 --micro-batch-size 1 \\
+        --only bf16-ac-zero3 long_context.tiled_mlp=true long_context.logits_tile_tokens=2048   # long rows, 8 GPUs
 
-Each run is train.py through the real `deepspeed` launcher (1 GPU, its own --output-dir and --master_port)
+Each run is train.py through the real `deepspeed` launcher (1 GPU or --num-gpus, its own --output-dir and --master_port)
 on recipe tiny_llama with the model swapped for benchmarks/llama_1b/config.json (Llama-3.2-1B's
 architecture; tiny_llama's 4,096-token tokenizer and its ~300k-token corpus, repeated; fine for
 throughput). The numbers are train.py's own summary.json: real tokens/s and TFLOP/s per GPU (mean after
@@ -121,7 +124,8 @@ def overrides(args: argparse.Namespace, run: Run) -> list[str]:
         f"model.config={args.model_config}",
         f"data.seq_len={args.seq_len}",
         f"training.micro_batch_size={args.micro_batch_size}",
-        f"training.global_batch_size={args.micro_batch_size}",  # 1 GPU, accumulation 1
+        f"training.global_batch_size={args.micro_batch_size * args.num_gpus // args.sequence_parallel}",  # no accumulation
+        f"parallelism.sequence_parallel={args.sequence_parallel}",
         f"training.max_steps={args.steps}",
         f"training.warmup_steps={min(5, args.steps - 1)}",
         "training.lr=3.0e-4",  # tiny_llama's 3e-3 suits a 5M model, not a 1B one; only the loss sanity column cares
@@ -140,7 +144,7 @@ def overrides(args: argparse.Namespace, run: Run) -> list[str]:
 
 def launch(args: argparse.Namespace, run: Run) -> Result:
     out = args.output / run.name
-    command = launcher_command(1, "train.py", ["--recipe", "tiny_llama", "--output-dir", str(out), "--overwrite",
+    command = launcher_command(args.num_gpus, "train.py", ["--recipe", "tiny_llama", "--output-dir", str(out), "--overwrite",
                                                *overrides(args, run)])
     log = args.output / f"{run.name}.log"
     start = time.perf_counter()
@@ -245,7 +249,8 @@ def header(args: argparse.Namespace, gpu: dict | None, runs: list[Run]) -> str:
     peak = args.peak_tflops or (peak_tflops(gpu["name"]) if gpu else None)
     lines = [
         f"gpu_throughput: {shown(args.model_config)} ({shape.parameters:,} parameters), {len(runs)} run(s) x {args.steps} "
-        f"steps x {args.micro_batch_size} rows x {args.seq_len} tokens, 1 GPU, accumulation 1",
+        f"steps x {args.micro_batch_size} rows x {args.seq_len} tokens, {args.num_gpus} GPU(s), sequence parallelism "
+        f"{args.sequence_parallel}, accumulation 1",
         f"device: {device}; {versions()}; {datetime.date.today().isoformat()}",
         f"model FLOPs per token (training/flops.py, 6N + 12 x layers x q_dim x seq_len): {model_flops / 1e9:.2f} GFLOP"
         + (f"; dense bf16 peak {peak:,.0f} TFLOP/s, so MFU {TARGET_MFU:.0%} = "
@@ -271,6 +276,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--micro-batch-size", type=int, default=4, help="rows per step (accumulation 1)")
     parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--num-gpus", type=int, default=1, help="GPUs per run (default 1)")
+    parser.add_argument("--sequence-parallel", type=int, default=1, help="split each row over this many GPUs "
+                        "(Ulysses, docs/parallelism.md); with --num-gpus")
     parser.add_argument("--model-config", default=MODEL_CONFIG, help=f"a config.json (default {MODEL_CONFIG})")
     parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak, for a GPU not in "
                         "training/flops.py's table")

@@ -21,9 +21,20 @@ def target_count(batch: dict) -> int:
     return int((batch["labels"][:, 1:] != -100).sum())
 
 
-def model_inputs(batch: dict, device: torch.device) -> dict:
-    """What the model takes of a batch, on its device."""
-    return {name: batch[name].to(device, non_blocking=True) for name in ("input_ids", "labels", "position_ids")}
+def model_inputs(batch: dict, device: torch.device, shard: tuple[int, int] = (0, 1)) -> dict:
+    """What the model takes of a batch, on its device. Under sequence parallelism, shard = (index, count):
+    this rank's slice of the sequence, with the labels shifted first (`shift_labels`, which transformers'
+    loss takes as they are) so that a slice's last token still predicts the next slice's first."""
+    index, count = shard
+    if count == 1:
+        return {name: batch[name].to(device, non_blocking=True) for name in ("input_ids", "labels", "position_ids")}
+    shifted = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+    width = shifted.shape[1] // count
+    part = slice(index * width, (index + 1) * width)
+    inputs = {name: batch[name][:, part].contiguous().to(device, non_blocking=True)
+              for name in ("input_ids", "position_ids")}
+    labels = shifted[:, part].contiguous().to(device, non_blocking=True)
+    return {**inputs, "labels": labels, "shift_labels": labels}
 
 
 class StepBatches:

@@ -72,7 +72,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(no_model_building, capsys, t
     assert train.main(["--recipe", "tiny_llama", "--dry-run", "--output-dir", str(tmp_path / "out")]) == 0
     out = " ".join(capsys.readouterr().out.split())  # undo the console's line wrapping
     assert "4,999,424 parameters" in out
-    assert "8 rows/rank x 2 accumulation x 1 ranks = 16 rows x 256 tokens = 4,096 tokens per step" in out
+    assert "8 rows/rank x 2 accumulation x 1 data-parallel ranks = 16 rows x 256 tokens = 4,096 tokens per step" in out
     assert "1 (this run)" in out and "activations:" in out and "yes" in out
     assert "precision fp32" in out  # this CPU
     assert not (tmp_path / "out").exists()
@@ -82,7 +82,7 @@ def test_dry_run_plans_for_gpus_this_machine_lacks(no_model_building, capsys):
     assert train.main(["--recipe", "tiny_llama", "--dry-run", "--num-gpus", "8", "--gpu-mem", "80",
                        "training.global_batch_size=64"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "8 rows/rank x 1 accumulation x 8 ranks" in out and "precision bf16" in out
+    assert "8 rows/rank x 1 accumulation x 8 data-parallel ranks" in out and "precision bf16" in out
     assert "8 GPU(s) x 1 node(s)" in out and "80.00 GiB (--gpu-mem)" in out
     assert re.search(r"3 \+ offload .* DeepSpeed estimator", out)
 

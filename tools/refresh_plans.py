@@ -1,4 +1,5 @@
-"""Rewrite the --dry-run plans quoted in the Markdown files from the commands that head them.
+"""Rewrite the --dry-run plans quoted in the Markdown files, and those stored under recipes/*/measured/ and
+benchmarks/results/, from the commands that head them.
 
     python tools/refresh_plans.py           # rewrite every quoted plan that differs from its command's output
     python tools/refresh_plans.py --check   # only list them (exit 1 if any): tests/test_docs.py
@@ -31,6 +32,12 @@ def markdown_files() -> list[Path]:
                    REPO / "benchmarks/README.md"])
 
 
+def stored_plans() -> list[Path]:
+    """Plan files: a `$ python train.py ... --dry-run` line, then what it printed."""
+    return sorted(path for path in [*REPO.glob("recipes/*/measured/*.txt"), *REPO.glob("benchmarks/results/**/*.txt")]
+                  if path.read_text().startswith("$ python train.py") and "--dry-run" in path.read_text().split("\n")[0])
+
+
 def plan_output(command: str) -> str:
     """What `command` ($ python train.py ...) prints, as it prints it in a fresh checkout (no earlier runs)."""
     args = shlex.split(command)[3:]
@@ -49,13 +56,18 @@ def refreshed(text: str) -> str:
     return BLOCK.sub(lambda block: f"```\n{block.group(1)}\n{plan_output(block.group(1))}```", text)
 
 
+def refreshed_plan(text: str) -> str:
+    command = text.split("\n")[0]
+    return f"{command}\n{plan_output(command)}"
+
+
 def main() -> int:
     check = "--check" in sys.argv[1:]
     os.chdir(REPO)  # the plans print paths relative to the repository
     stale = []
-    for path in markdown_files():
+    for path in markdown_files() + stored_plans():
         text = path.read_text()
-        new = refreshed(text)
+        new = refreshed(text) if path.suffix == ".md" else refreshed_plan(text)
         if new != text:
             stale.append(path.relative_to(REPO))
             if not check:

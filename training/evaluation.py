@@ -13,24 +13,25 @@ from training import distributed
 from training.pipeline import pipeline_batches
 
 
-def evaluate(engine: deepspeed.DeepSpeedEngine, batches: EvalBatches) -> dict:
-    """Mean token loss over the evaluation rows (every data-parallel rank its share) and its perplexity."""
+def evaluate(engine: deepspeed.DeepSpeedEngine, batches: EvalBatches, shard: tuple[int, int] = (0, 1)) -> dict:
+    """Mean token loss over the evaluation rows (every data-parallel rank its share; under sequence parallelism
+    each rank its `shard` of them) and its perplexity."""
     if isinstance(engine, PipelineEngine):
         loss_sum, targets = pipeline_eval_sums(engine, batches)
     else:
-        loss_sum, targets = eval_sums(engine, batches)
-    stages = dist.get_world_size() // batches.dp_size  # the ranks of a pipeline hold the same rows
-    loss = loss_sum / (distributed.all_reduce_on_host([targets])[0] / stages)
+        loss_sum, targets = eval_sums(engine, batches, shard)
+    copies = dist.get_world_size() // batches.dp_size  # the ranks of a pipeline or sequence group hold the same rows
+    loss = loss_sum / (distributed.all_reduce_on_host([targets])[0] / copies)
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0))}
 
 
-def eval_sums(engine: deepspeed.DeepSpeedEngine, batches: EvalBatches) -> tuple[float, int]:
+def eval_sums(engine: deepspeed.DeepSpeedEngine, batches: EvalBatches, shard: tuple[int, int]) -> tuple[float, int]:
     """The summed token loss of every rank's rows, and this rank's target count."""
     engine.eval()
     loss_sum, targets = torch.zeros((), dtype=torch.float64, device=engine.device), 0
     with torch.no_grad():
         for batch in batches:
-            loss_sum += engine(**model_inputs(batch, engine.device), num_items_in_batch=1).loss.double()  # a sum
+            loss_sum += engine(**model_inputs(batch, engine.device, shard), num_items_in_batch=1).loss.double()  # a sum
             targets += target_count(batch)
     engine.train()
     return distributed.all_reduce(loss_sum).item(), targets

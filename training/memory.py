@@ -95,10 +95,13 @@ def checkpoint_bytes(params: float, stage: int, ranks: int, precision: str) -> C
     return CheckpointSize(weights + 12 * params, weights + 12 * params / ranks)
 
 
-def layer_bytes_per_token(shape: ModelShape, seq_len: int, dtype_bytes: int, attn_implementation: str) -> float | None:
-    """Bytes one decoder layer saves for the backward pass per token (rules in the module docstring)."""
+def layer_bytes_per_token(shape: ModelShape, seq_len: int, dtype_bytes: int, attn_implementation: str,
+                          sequence_parallel: int = 1) -> float | None:
+    """Bytes one decoder layer saves for the backward pass per token on a rank (rules in the module docstring).
+    Under sequence parallelism a rank holds seq_len / N tokens of each row; attention then sees the whole row
+    for heads / N (the same bytes), but sdpa's [seq, seq] mask is whole on every rank: N x as much per token."""
     a, h, s = dtype_bytes, shape.hidden_size, seq_len
-    mask = 0 if attn_implementation == "flash_attention_2" else a * s
+    mask = 0 if attn_implementation == "flash_attention_2" else a * s * sequence_parallel
     attention_softmax = 4 * shape.num_heads + mask  # sdpa keeps a log-sum-exp per head
     if attn_implementation == "eager":  # the probabilities (fp32, and their cast to a) instead
         attention_softmax = shape.num_heads * s * (4 + (a if a != 4 else 0))
@@ -130,13 +133,29 @@ class Activations:
 
 
 def activation_bytes(shape: ModelShape, tokens: int, seq_len: int, dtype_bytes: int, attn_implementation: str,
-                     layers: int | None = None, with_head: bool = True) -> Activations | None:
-    """Peak activation memory of one micro-batch of `tokens` tokens through `layers` decoder layers (default:
-    all) and, with_head, the embedding, head and loss; None for a model type without a rule."""
-    per_layer = layer_bytes_per_token(shape, seq_len, dtype_bytes, attn_implementation)
+                     layers: int | None = None, with_head: bool = True, sequence_parallel: int = 1,
+                     tiled_mlp: bool = False, logits_tile_tokens: int | None = None) -> Activations | None:
+    """Peak activation memory of one micro-batch of `tokens` tokens (on this rank: a 1/N slice of each row under
+    sequence parallelism) through `layers` decoder layers (default: all) and, with_head, the embedding, head and
+    loss; None for a model type without a rule.
+
+    Tiling (training/long_context.py): a tiled MLP saves only its input, which the layer's norm output already
+    counts, and one tile of hidden_size tokens per row is live at a time; tiled logits save nothing of the
+    vocabulary's width, and one tile's logits and their fp32 copy are live at a time."""
+    a, h, vocab = dtype_bytes, shape.hidden_size, shape.vocab_size
+    per_layer = layer_bytes_per_token(shape, seq_len, a, attn_implementation, sequence_parallel)
     if per_layer is None:
         return None
     layers = shape.num_layers if layers is None else layers
-    outside = outside_layers_bytes_per_token(shape, dtype_bytes) if with_head else 0.0
-    checkpointed = layers * dtype_bytes * shape.hidden_size + (per_layer if layers else 0.0)
-    return Activations(tokens * (layers * per_layer + outside), tokens * (checkpointed + outside))
+    transient = 0.0
+    if tiled_mlp and shape.model_type in LLAMA_FAMILY:
+        per_layer -= 4 * a * shape.intermediate_size
+        rows = max(1, tokens * sequence_parallel // seq_len)
+        transient = min(tokens, rows * h) * 4 * a * shape.intermediate_size
+    outside = outside_layers_bytes_per_token(shape, a) if with_head else 0.0
+    if with_head and logits_tile_tokens:
+        outside -= (a + 8) * vocab
+        transient = max(transient, min(tokens, logits_tile_tokens) * (a + 4) * vocab)
+    checkpointed = layers * a * h + (per_layer if layers else 0.0)
+    return Activations(tokens * (layers * per_layer + outside) + transient,
+                       tokens * (checkpointed + outside) + transient)

@@ -45,9 +45,22 @@ class RunPlan:
         return self.recipe.parallelism.pipeline_stages
 
     @property
+    def sequence_parallel(self) -> int:
+        return self.recipe.parallelism.sequence_parallel
+
+    @property
     def dp_size(self) -> int:
-        """Data-parallel ranks: the world size over the pipeline stages."""
-        return self.world_size // self.pipeline_stages
+        """Data-parallel ranks: the world size over the pipeline stages or sequence-parallel ranks."""
+        return self.world_size // (self.pipeline_stages * self.sequence_parallel)
+
+    def dp_rank(self, rank: int) -> int:
+        """A rank's data-parallel rank: DeepSpeed numbers pipeline ranks stage-major, and a sequence-parallel
+        group is N consecutive ranks."""
+        return rank // self.sequence_parallel if self.sequence_parallel > 1 else rank % self.dp_size
+
+    def sequence_shard(self, rank: int) -> tuple[int, int]:
+        """(the rank's slice of each row, slices per row)."""
+        return rank % self.sequence_parallel, self.sequence_parallel
 
 
 @dataclass(frozen=True)
@@ -103,10 +116,12 @@ def memory_cells(states: float, acts: Activations | None, memory: float, in_flig
 
 
 def activations(plan: RunPlan, shape: ModelShape, **stage) -> Activations | None:
-    training = plan.recipe.training
-    return activation_bytes(shape, training.micro_batch_size * plan.recipe.data.seq_len, plan.recipe.data.seq_len,
+    """One micro-batch's activations on a rank: its slice of the rows under sequence parallelism."""
+    seq_len, long_context = plan.recipe.data.seq_len, plan.recipe.long_context
+    return activation_bytes(shape, plan.recipe.training.micro_batch_size * seq_len // plan.sequence_parallel, seq_len,
                             DTYPES[plan.precision].itemsize, plan.recipe.model.attn_implementation,
-                            **stage)
+                            sequence_parallel=plan.sequence_parallel, tiled_mlp=long_context.tiled_mlp,
+                            logits_tile_tokens=long_context.logits_tile_tokens, **stage)
 
 
 def shown(path: str | Path) -> str:
@@ -126,9 +141,13 @@ def print_plan(plan: RunPlan, machine: Machine) -> None:
     if plan.tokenizer is None:
         print(f"tokenizer: {recipe.tokenizer_path} is not in the local Hugging Face cache; not checked here "
               f"(the run downloads it)")
+    print(f"layout: {plan.world_size} rank(s) = {plan.dp_size} data-parallel x {plan.sequence_parallel} "
+          f"sequence-parallel x {plan.pipeline_stages} pipeline stage(s)")
     print(f"batch: {training.micro_batch_size} rows/rank x {plan.accumulation_steps} accumulation x {plan.dp_size} "
-          f"ranks = {training.global_batch_size} rows x {recipe.data.seq_len} tokens = "
-          f"{training.global_batch_size * recipe.data.seq_len:,} tokens per step")
+          f"data-parallel ranks = {training.global_batch_size} rows x {recipe.data.seq_len} tokens = "
+          f"{training.global_batch_size * recipe.data.seq_len:,} tokens per step"
+          + (f"; each row split over {plan.sequence_parallel} ranks, {recipe.data.seq_len // plan.sequence_parallel:,} "
+             f"tokens each" if plan.sequence_parallel > 1 else ""))
     print(f"DeepSpeed: {plan.ds_config_path.name} (ZeRO-{plan.zero_stage}), precision {plan.precision}, "
           f"activation checkpointing {'on' if recipe.activation_checkpointing else 'off'}")
     model_flops, hardware_flops = flops_per_token(shape, recipe.data.seq_len, recipe.activation_checkpointing)
@@ -143,7 +162,7 @@ def print_plan(plan: RunPlan, machine: Machine) -> None:
 
 def print_checkpoint_size(plan: RunPlan, shape: ModelShape) -> None:
     """What a save writes, against the time a preempted run has to write it (docs/checkpoints.md#preemption)."""
-    size = checkpoint_bytes(shape.parameters, plan.zero_stage, plan.dp_size, plan.precision)
+    size = checkpoint_bytes(shape.parameters, plan.zero_stage, plan.world_size // plan.pipeline_stages, plan.precision)
     print(f"checkpoint: {format_bytes(size.total)} per save, {format_bytes(size.largest_rank)} from the busiest rank; "
           f"under the deepspeed launcher a SIGTERM save must finish within its {LAUNCHER_GRACE_S} s "
           f"({format_bytes(size.largest_rank / LAUNCHER_GRACE_S)}/s per rank), under srun within SLURM's grace")
@@ -154,7 +173,8 @@ def print_memory_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> Non
     acts = activations(plan, shape)
     current = zero_setting(plan.ds_config)
     print(f"memory per rank, {machine.gpus_per_node} GPU(s) x {machine.nodes} node(s), micro-batch "
-          f"{plan.recipe.training.micro_batch_size} x {plan.recipe.data.seq_len} tokens; fits = within "
+          f"{plan.recipe.training.micro_batch_size} x {plan.recipe.data.seq_len // plan.sequence_parallel} tokens "
+          f"on each rank; fits = within "
           f"{HEADROOM:.0%} of {format_bytes(machine.memory_per_rank)} ({machine.memory_source}):")
     if acts:
         print(f"activations: {format_bytes(acts.without_checkpointing)} without checkpointing, "

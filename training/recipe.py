@@ -86,6 +86,13 @@ class DeepSpeedSection(StrictModel):
 class ParallelismSection(StrictModel):
     pipeline_stages: PositiveInt = 1  # > 1: DeepSpeed pipeline parallelism; world size = data-parallel x stages
     partition_method: Literal["parameters", "uniform"] = "parameters"  # balance stages by parameters or by layers
+    sequence_parallel: PositiveInt = 1  # > 1: Ulysses; each row split over this many ranks (training/sequence_parallel.py)
+
+
+class LongContextSection(StrictModel):
+    """ALST's memory savers for long rows (training/long_context.py); useful with or without sequence parallelism."""
+    tiled_mlp: bool = False  # the MLPs on tiles of hidden_size tokens: their intermediate activations never whole
+    logits_tile_tokens: PositiveInt | None = None  # head and loss on tiles of this many tokens: no whole logits
 
 
 class Fp8Section(StrictModel):
@@ -141,6 +148,7 @@ class Recipe(StrictModel):
     activation_checkpointing: bool = False
     compile: bool = False  # torch.compile the model through DeepSpeed (engine.compile): fuses FP8's casts, among others
     parallelism: ParallelismSection = ParallelismSection()
+    long_context: LongContextSection = LongContextSection()
     checkpointing: CheckpointingSection = CheckpointingSection()
     stability: StabilitySection = StabilitySection()
     logging: LoggingSection = LoggingSection()
@@ -163,6 +171,9 @@ class Recipe(StrictModel):
             raise ValueError("tokenizer.name_or_path is needed when the model is built from model.config")
         if self.stability.enabled and self.stability.policy == "rewind" and not self.checkpointing.every_steps:
             raise ValueError("stability.policy=rewind goes back to the last checkpoint: set checkpointing.every_steps")
+        if self.parallelism.pipeline_stages > 1 and (self.long_context.tiled_mlp or self.long_context.logits_tile_tokens):
+            raise ValueError("long_context tiling with parallelism.pipeline_stages > 1: the pipeline builds its own "
+                             "stages from the model's layers and does not tile them; use one or the other")
         if self.data.streaming and self.training.max_steps is None:
             raise ValueError("data.streaming needs training.max_steps: the length of a stream is not known ahead")
         return self

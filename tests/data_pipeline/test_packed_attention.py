@@ -3,9 +3,35 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from data_pipeline.pack import pack_concat
+
+LENGTHS = [7, 12, 5, 8]  # 32 tokens: two slices of 16 under sequence parallelism, the second document spans both
+
+
+def packed_row() -> tuple[dict[str, torch.Tensor], list[np.ndarray]]:
+    """One row of four random documents packed as data_pipeline packs them, and the documents."""
+    rng = np.random.default_rng(0)
+    documents = [rng.integers(1, 97, size=n) for n in LENGTHS]
+    rows = pack_concat(np.concatenate(documents), np.array(LENGTHS), seq_len=sum(LENGTHS))
+    return {name: torch.from_numpy(rows[name][0]).long() for name in ("input_ids", "labels", "position_ids")}, documents
+
+
+def sharp_model(model_type: str = "llama", attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """A tiny seeded model (GQA: llama 4 heads over 2 key/value heads, qwen2 over 1) whose queries are scaled up
+    so that attention is peaked, as in a trained model: attending across documents then changes the loss clearly."""
+    torch.manual_seed(0)
+    config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[
+        model_type]
+    config = config_class(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2 if model_type == "llama" else 1,
+                          max_position_embeddings=64, use_cache=False, attn_implementation=attn_implementation)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+    return model
 
 
 def per_token_loss(model, input_ids, position_ids, labels) -> torch.Tensor:
@@ -13,27 +39,26 @@ def per_token_loss(model, input_ids, position_ids, labels) -> torch.Tensor:
     return F.cross_entropy(logits[:-1].float(), labels[1:], ignore_index=-100, reduction="none")
 
 
+def losses_alone(model, documents: list[np.ndarray]) -> list[torch.Tensor]:
+    """Each document's per-token loss (targets 2..n) run on its own."""
+    with torch.no_grad():
+        return [per_token_loss(model, ids, torch.arange(len(ids)), ids)
+                for ids in (torch.from_numpy(document).long() for document in documents)]
+
+
+def assert_documents_kept_apart(packed: torch.Tensor, alone: list[torch.Tensor]) -> None:
+    """packed: the row's per-token losses (target t + 1 at index t)."""
+    start = 0
+    for expected in alone:
+        torch.testing.assert_close(packed[start:start + len(expected)], expected, rtol=1e-5, atol=1e-5)
+        start += len(expected) + 1
+    assert torch.all(packed[np.cumsum(LENGTHS)[:-1] - 1] == 0)  # a document's first token is never a target
+
+
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
 def test_documents_do_not_attend_across_boundaries(attn_implementation):
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
-    model = LlamaForCausalLM(config).eval()
-    model.config._attn_implementation = attn_implementation
-    rng = np.random.default_rng(0)
-    lengths = np.array([7, 12, 5, 9])
-    documents = [rng.integers(1, 97, size=n) for n in lengths]
-    rows = pack_concat(np.concatenate(documents), lengths, seq_len=int(lengths.sum()))
-    row = {name: torch.from_numpy(rows[name][0]).long() for name in ("input_ids", "labels", "position_ids")}
+    model = sharp_model(attn_implementation=attn_implementation)
+    row, documents = packed_row()
     with torch.no_grad():
         packed = per_token_loss(model, row["input_ids"], row["position_ids"], row["labels"])
-        start = 0
-        for document in documents:
-            ids = torch.from_numpy(document).long()
-            alone = per_token_loss(model, ids, torch.arange(len(ids)), ids)
-            inside = packed[start:start + len(ids) - 1]  # targets 2..n of this document
-            torch.testing.assert_close(inside, alone, rtol=1e-5, atol=1e-5)
-            start += len(ids)
-        # the first token of each following document is never a target
-        boundaries = np.cumsum(lengths)[:-1]
-        assert torch.all(packed[boundaries - 1] == 0)
+    assert_documents_kept_apart(packed, losses_alone(model, documents))

@@ -35,12 +35,15 @@ def saved_activation_bytes(model: torch.nn.Module, input_ids: torch.Tensor, posi
     return sum(storages.values())
 
 
-def measure(model_type: str, dtype: torch.dtype, checkpointing: bool):
+def measure(model_type: str, dtype: torch.dtype, checkpointing: bool, tiling=None):
     layers_key = "n_layer" if model_type == "gpt2" else "num_hidden_layers"
     config = AutoConfig.for_model(model_type, **CONFIGS[model_type], **{layers_key: LAYERS})
     config.use_cache = False
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype).train()
+    if tiling:
+        from training.long_context import apply_long_context
+        apply_long_context(model, tiling)
     if checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     input_ids = torch.randint(0, config.vocab_size, (BATCH, SEQ_LEN))
@@ -96,3 +99,23 @@ def test_model_states_use_deepspeeds_estimators_for_zero_2_and_3():
 def test_zero_setting_of_the_shipped_configs(name, expected):
     import json
     assert zero_setting(json.loads(open(f"ds_configs/{name}.json").read())) == expected
+
+
+@pytest.mark.parametrize("tiled_mlp, logits_tile_tokens", [(True, None), (False, 64), (True, 64)])
+def test_tiling_rules_match_the_saved_tensors(tiled_mlp, logits_tile_tokens):
+    """training/long_context.py's tiles: the MLPs' and the head's wide activations are no longer saved; one tile's
+    are live at a time."""
+    from training.recipe import LongContextSection
+    section = LongContextSection(tiled_mlp=tiled_mlp, logits_tile_tokens=logits_tile_tokens)
+    shape, measured = measure("llama", torch.bfloat16, checkpointing=False, tiling=section)
+    tokens, a, vocab = BATCH * SEQ_LEN, 2, shape.vocab_size
+    estimate = activation_bytes(shape, tokens, SEQ_LEN, a, "sdpa", tiled_mlp=tiled_mlp,
+                                logits_tile_tokens=logits_tile_tokens).without_checkpointing
+    mlp_tile = min(tokens, BATCH * shape.hidden_size) * 4 * a * shape.intermediate_size if tiled_mlp else 0
+    logits = min(tokens, logits_tile_tokens or tokens) * (a + 4) * vocab
+    transient = max(mlp_tile, logits) if logits_tile_tokens else mlp_tile + logits
+    # sequence_tiled_compute keeps its inputs (the head's input and the labels) on its context object, out of
+    # the saved-tensor hooks' sight: added to the measurement
+    held = tokens * (a * shape.hidden_size + 8) if logits_tile_tokens else 0
+    assert estimate - transient == pytest.approx(measured + held, rel=0.005)
+    assert estimate < activation_bytes(shape, tokens, SEQ_LEN, a, "sdpa").without_checkpointing
