@@ -48,6 +48,7 @@ from training.plan import RunPlan, planned_machine, print_plan
 from training.precision import DTYPES, loss_scale, resolve_precision, use_fp16_block_loss_scaling
 from training.recipe import load_recipe
 from training.sequence_parallel import check_sequence_parallel, enable_sequence_parallel
+from training.tensor_parallel import check_tensor_parallel, with_tensor_parallel
 from training.stability import StabilityGuard, WeightWatch, finite, rewind, withheld_step
 from training.universal import convert_on_rank_0, provide_universal_info, with_universal_load
 
@@ -96,18 +97,22 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> RunPla
                           f"autocast over fp32 weights, which this FP8 path does not support; use deepspeed.config=zero1, "
                           f"zero2 or zero3")
     world_size = world_size or (args.num_gpus * args.num_nodes if args.num_gpus else distributed.world_size())
-    stages, sequence = recipe.parallelism.pipeline_stages, recipe.parallelism.sequence_parallel
+    stages, sequence, tensor = (recipe.parallelism.pipeline_stages, recipe.parallelism.sequence_parallel,
+                                recipe.parallelism.tensor_parallel)
     if sequence > 1:
         check_sequence_parallel(recipe, model_config, world_size, zero_stage(raw_ds_config), precision)
+    if tensor > 1:
+        check_tensor_parallel(recipe, model_config, world_size, zero_stage(raw_ds_config))
     if stages > 1:
         check_pipeline(model_config, stages, zero_stage(raw_ds_config), world_size)
-    dp_size = world_size // (stages * sequence)
-    ds_config = resolve_ds_config(raw_ds_config, ds_config_path, recipe, model_config.hidden_size, dp_size, precision)
+    dp_size = world_size // (stages * sequence * tensor)
+    ds_config = with_tensor_parallel(resolve_ds_config(raw_ds_config, ds_config_path, recipe, model_config.hidden_size,
+                                                       dp_size, precision), tensor)
     output_dir = args.output_dir or default_output_dir(recipe.name, args.resume)
     if not args.dry_run:
         check_output_dir(output_dir, args.resume, args.overwrite)
     layout = {"world_size": world_size, "zero_stage": zero_stage(ds_config), "precision": precision,
-              "pipeline_stages": stages}
+              "pipeline_stages": stages, "tensor_parallel": tensor}
     resume_universal = args.resume and check_resume(output_dir / "checkpoints", layout, recipe.data.streaming,
                                                     recipe.training.max_steps)
     if resume_universal:  # another layout wrote the checkpoint
@@ -162,7 +167,7 @@ def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict], dp_
     targets, tokens, stops = distributed.all_reduce_on_host([
         sum(map(target_count, micro_batches)), sum(int(batch["length"].sum()) for batch in micro_batches),
         float(stop_requested.is_set())])
-    copies = dist.get_world_size() // dp_size  # the ranks of a pipeline or sequence group hold the same rows
+    copies = dist.get_world_size() // dp_size  # the ranks of a pipeline, sequence or tensor group hold the same rows
     targets, tokens = targets / copies, tokens // copies
     targets_per_micro_batch = targets / (len(micro_batches) * dp_size)  # a float: no copy to the device
     if isinstance(engine, PipelineEngine):
@@ -172,7 +177,9 @@ def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict], dp_
         if guard:
             guard.note_pipeline_loss(loss / dist.get_world_size())
         return loss / dist.get_world_size(), engine.get_global_grad_norm(), int(tokens), stops > 0
-    loss_sum, grad_norm, shares = torch.zeros((), device=engine.device), None, len(micro_batches) * dp_size
+    # the ranks of a tensor-parallel group each hold the whole loss: one share each of what the step's sums
+    shares = len(micro_batches) * dp_size * max(1, engine.autotp_size())
+    loss_sum, grad_norm = torch.zeros((), device=engine.device), None
     for index, batch in enumerate(micro_batches):
         loss = engine(**model_inputs(batch, engine.device, shard), num_items_in_batch=targets_per_micro_batch).loss
         if guard and index == len(micro_batches) - 1:
@@ -199,7 +206,7 @@ def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: E
     recipe, start_step, checkpoints = plan.recipe, start["step"], plan.output_dir / "checkpoints"
     logger = MetricsLogger(plan.output_dir, total_steps, start_step, recipe.logging.tensorboard, dist.get_rank() == 0)
     guard = StabilityGuard(recipe.stability, plan.precision == "fp16", checkpoints) if recipe.stability.enabled else None
-    watch = WeightWatch(engine) if plan.pipeline_stages == 1 else None
+    watch = WeightWatch(engine) if plan.pipeline_stages == plan.tensor_parallel == 1 else None
     records, saves, tokens_seen, position = [], [], start["tokens_seen"], start["data_position"]
     interval, timed = {"tokens": 0, "steps": 0}, {"tokens": 0, "steps": 0, "seconds": 0.0}
     clock, step, every, stopped = Stopwatch(), start_step, recipe.checkpointing.every_steps, None
@@ -295,7 +302,7 @@ def run_state(plan: RunPlan, step: int, tokens_seen: int, data_position: int) ->
     the step by the batches passed over), and what wrote it."""
     return {"step": step, "tokens_seen": tokens_seen, "data_position": data_position, "recipe": plan.recipe.name,
             "world_size": plan.world_size, "zero_stage": plan.zero_stage, "precision": plan.precision,
-            "pipeline_stages": plan.pipeline_stages}
+            "pipeline_stages": plan.pipeline_stages, "tensor_parallel": plan.tensor_parallel}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -381,7 +388,7 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
         summary = {"recipe": recipe.name, "device": device_name(), **({"peak_tflops": flops.peak_tflops} if flops else {}),
                    "world_size": plan.world_size, "zero_stage": plan.zero_stage,
                    "precision": plan.precision, "pipeline_stages": plan.pipeline_stages,
-                   "sequence_parallel": plan.sequence_parallel,
+                   "sequence_parallel": plan.sequence_parallel, "tensor_parallel": plan.tensor_parallel,
                    "activation_checkpointing": recipe.activation_checkpointing,
                    "steps": total_steps, "start_step": start["step"], **totals,
                    "wall_time_s": time.perf_counter() - run_start, "output_dir": str(plan.output_dir),

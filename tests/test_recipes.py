@@ -26,14 +26,15 @@ PUBLISHED_PARAMETERS = {
     "llama2_7b_sft": 6_738_415_616,  # the same checkpoint
     "llama3_8b": 8_030_261_248,  # meta-llama/Meta-Llama-3-8B
     "llama3_8b_long": 8_030_261_248,  # the same checkpoint, its RoPE base and context raised
+    "llama3_70b": 70_553_706_496,  # meta-llama/Meta-Llama-3-70B
     "mistral_7b": 7_241_732_096,  # mistralai/Mistral-7B-v0.1
     "qwen2_5_1_5b": 1_543_714_304,  # Qwen/Qwen2.5-1.5B
     "gpt2": 124_439_808,  # openai-community/gpt2
 }
 
 # The GPUs each recipe is written for (its header and README): H100s, 80 GB.
-TARGET_GPUS = {"llama2_7b": 8, "llama2_7b_sft": 8, "llama3_8b": 8, "llama3_8b_long": 8, "mistral_7b": 8,
-               "qwen2_5_1_5b": 1, "gpt2": 1}
+TARGET_GPUS = {"llama2_7b": 8, "llama2_7b_sft": 8, "llama3_8b": 8, "llama3_8b_long": 8, "llama3_70b": 32,
+               "mistral_7b": 8, "qwen2_5_1_5b": 1, "gpt2": 1}
 
 TINY_TOKENIZER = str(REPO / "recipes/tiny_llama/tokenizer")  # 4,096 tokens: fits every model's vocabulary
 
@@ -129,10 +130,13 @@ def local_data(name: str) -> list[str]:
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_trains_two_steps_on_cpu(name, tmp_path, data_cache):
     """The recipe as shipped (its packing, streaming, evaluation, ZeRO stage, schedule, tiling), 2 steps in one
-    process (under sequence parallelism 2 ranks, each holding half of every row): only the model size, the data
-    files, the batch and the precision are changed, and flash_attention_2 where this machine cannot run it."""
+    process (under sequence or tensor parallelism 2 ranks, each holding half of every row or matrix): only the
+    model size, the data files, the batch and the precision are changed, and flash_attention_2 where this
+    machine cannot run it."""
     recipe = load_recipe(name)
     sequence_parallel = min(recipe.parallelism.sequence_parallel, 2)
+    tensor_parallel = min(recipe.parallelism.tensor_parallel, 2)
+    ranks = max(sequence_parallel, tensor_parallel)
     out = tmp_path / "run"
     # one key at a time, so that the recipe's own overrides (gpt2: no dropout) stay
     shrink = [f"model.config_overrides.{key}={json.dumps(value)}"
@@ -142,8 +146,9 @@ def test_recipe_trains_two_steps_on_cpu(name, tmp_path, data_cache):
                         "model.name_or_path=null", f"tokenizer.name_or_path={TINY_TOKENIZER}", *steps,
                         "training.max_steps=2", "training.micro_batch_size=2", "training.global_batch_size=2",
                         "precision=fp32", f"model.attn_implementation={cpu_attention(name)}",
-                        f"parallelism.sequence_parallel={sequence_parallel}"],
-                       ranks=sequence_parallel if sequence_parallel > 1 else None)
+                        f"parallelism.sequence_parallel={sequence_parallel}",
+                        f"parallelism.tensor_parallel={tensor_parallel}"],
+                       ranks=ranks if ranks > 1 else None)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2 and math.isfinite(summary["final_loss"])

@@ -205,9 +205,9 @@ def load_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, universal: bo
 def export_hf(engine: DeepSpeedEngine, tokenizer: PreTrainedTokenizerBase, out_dir: Path, dtype: torch.dtype) -> None:
     """A folder that `AutoModelForCausalLM.from_pretrained` loads: config, safetensors weights in `dtype`, tokenizer.
 
-    Every rank must call it: under ZeRO-3 the weights are gathered layer by layer onto rank 0."""
-    if engine.zero_optimization_partition_weights():
-        state_dict = engine._zero3_consolidated_16bit_state_dict()  # the gather accelerate's get_state_dict uses
+    Every rank must call it: under ZeRO-3 and tensor parallelism the weights are gathered onto rank 0."""
+    if engine.zero_optimization_partition_weights() or engine.autotp_size() > 1:
+        state_dict = engine._consolidated_16bit_state_dict()  # ZeRO-3's and AutoTP's gather onto rank 0
     else:
         state_dict = engine.module.state_dict()
     if dist.get_rank() == 0:

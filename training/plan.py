@@ -1,7 +1,7 @@
 """`--dry-run`: the run's plan with nothing built: batch arithmetic, parameter count, FLOPs per token, memory
 per rank under each ZeRO setting (model states and activations) and whether it fits, per pipeline stage too."""
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psutil
@@ -49,14 +49,19 @@ class RunPlan:
         return self.recipe.parallelism.sequence_parallel
 
     @property
+    def tensor_parallel(self) -> int:
+        return self.recipe.parallelism.tensor_parallel
+
+    @property
     def dp_size(self) -> int:
-        """Data-parallel ranks: the world size over the pipeline stages or sequence-parallel ranks."""
-        return self.world_size // (self.pipeline_stages * self.sequence_parallel)
+        """Data-parallel ranks: the world size over the pipeline stages, sequence- or tensor-parallel ranks."""
+        return self.world_size // (self.pipeline_stages * self.sequence_parallel * self.tensor_parallel)
 
     def dp_rank(self, rank: int) -> int:
-        """A rank's data-parallel rank: DeepSpeed numbers pipeline ranks stage-major, and a sequence-parallel
-        group is N consecutive ranks."""
-        return rank // self.sequence_parallel if self.sequence_parallel > 1 else rank % self.dp_size
+        """A rank's data-parallel rank: DeepSpeed numbers pipeline ranks stage-major, and a sequence- or
+        tensor-parallel group is N consecutive ranks."""
+        group = self.sequence_parallel * self.tensor_parallel
+        return rank // group if group > 1 else rank % self.dp_size
 
     def sequence_shard(self, rank: int) -> tuple[int, int]:
         """(the rank's slice of each row, slices per row)."""
@@ -116,8 +121,10 @@ def memory_cells(states: float, acts: Activations | None, memory: float, in_flig
 
 
 def activations(plan: RunPlan, shape: ModelShape, **stage) -> Activations | None:
-    """One micro-batch's activations on a rank: its slice of the rows under sequence parallelism."""
+    """One micro-batch's activations on a rank: its slice of the rows under sequence parallelism, its share of
+    the heads and the MLP width under tensor parallelism."""
     seq_len, long_context = plan.recipe.data.seq_len, plan.recipe.long_context
+    shape = tensor_parallel_shard(shape, plan.tensor_parallel)
     return activation_bytes(shape, plan.recipe.training.micro_batch_size * seq_len // plan.sequence_parallel, seq_len,
                             DTYPES[plan.precision].itemsize, plan.recipe.model.attn_implementation,
                             sequence_parallel=plan.sequence_parallel, tiled_mlp=long_context.tiled_mlp,
@@ -141,8 +148,8 @@ def print_plan(plan: RunPlan, machine: Machine) -> None:
     if plan.tokenizer is None:
         print(f"tokenizer: {recipe.tokenizer_path} is not in the local Hugging Face cache; not checked here "
               f"(the run downloads it)")
-    print(f"layout: {plan.world_size} rank(s) = {plan.dp_size} data-parallel x {plan.sequence_parallel} "
-          f"sequence-parallel x {plan.pipeline_stages} pipeline stage(s)")
+    print(f"layout: {plan.world_size} rank(s) = {plan.dp_size} data-parallel x {plan.tensor_parallel} "
+          f"tensor-parallel x {plan.sequence_parallel} sequence-parallel x {plan.pipeline_stages} pipeline stage(s)")
     print(f"batch: {training.micro_batch_size} rows/rank x {plan.accumulation_steps} accumulation x {plan.dp_size} "
           f"data-parallel ranks = {training.global_batch_size} rows x {recipe.data.seq_len} tokens = "
           f"{training.global_batch_size * recipe.data.seq_len:,} tokens per step"
@@ -187,7 +194,8 @@ def print_memory_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> Non
     for setting in ZERO_SETTINGS:
         if plan.precision == "fp32" and setting.endswith("_offload"):
             continue  # DeepSpeed's offload runs keep 16-bit weights on the GPU
-        states = model_states(setting, shape, machine.gpus_per_node, machine.nodes, plan.precision,
+        states = model_states(setting, tensor_parallel_shard(shape, plan.tensor_parallel),
+                              machine.gpus_per_node // plan.tensor_parallel, machine.nodes, plan.precision,
                               zero_init=plan.recipe.model.name_or_path is not None)
         marker = " (this run)" if setting == current else ""
         table.add_row(setting.replace("_", " + ") + marker, format_bytes(states.device_bytes),
@@ -221,12 +229,25 @@ def print_pipeline_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> N
     Console(width=140).print(table)
 
 
+def tensor_parallel_shard(shape: ModelShape, size: int) -> ModelShape:
+    """What one rank of a tensor-parallel group holds and computes: AutoTP splits the decoder layers' matrices
+    (their norms, a small part, are counted split too) and so their heads and MLP width; the embedding, the
+    head and the hidden-wide activations stay whole."""
+    if size == 1:
+        return shape
+    layers = tuple(count // size for count in shape.layer_parameters)
+    return replace(shape, parameters=shape.parameters - sum(shape.layer_parameters) + sum(layers),
+                   layer_parameters=layers, num_heads=shape.num_heads // size,
+                   num_kv_heads=shape.num_kv_heads // size, intermediate_size=shape.intermediate_size // size)
+
+
 def planned_model_states(plan: RunPlan) -> ModelStates:
     """The run's model-state estimate per rank: its ZeRO setting over its data-parallel ranks (one node), or
     with pipeline stages the largest stage's share. ValueError where there is no estimate (offload in fp32)."""
     shape = model_shape(plan.model_config)
     if plan.pipeline_stages == 1:
-        return model_states(zero_setting(plan.ds_config), shape, plan.world_size, 1, plan.precision,
+        return model_states(zero_setting(plan.ds_config), tensor_parallel_shard(shape, plan.tensor_parallel),
+                            plan.world_size // plan.tensor_parallel, 1, plan.precision,
                             zero_init=plan.recipe.model.name_or_path is not None)
     layers = shape.pipeline_layer_parameters
     bounds = stage_bounds(layers, plan.pipeline_stages, plan.recipe.parallelism.partition_method)

@@ -87,6 +87,7 @@ class ParallelismSection(StrictModel):
     pipeline_stages: PositiveInt = 1  # > 1: DeepSpeed pipeline parallelism; world size = data-parallel x stages
     partition_method: Literal["parameters", "uniform"] = "parameters"  # balance stages by parameters or by layers
     sequence_parallel: PositiveInt = 1  # > 1: Ulysses; each row split over this many ranks (training/sequence_parallel.py)
+    tensor_parallel: PositiveInt = 1  # > 1: AutoTP; each matrix split over this many ranks (training/tensor_parallel.py)
 
 
 class LongContextSection(StrictModel):

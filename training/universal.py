@@ -32,7 +32,7 @@ from training.distributed import host_group
 from training.errors import ConfigError
 
 UNIVERSAL = "universal"  # the folder under checkpoints/ that holds converted checkpoints, one per tag
-LAYOUT_KEYS = ("world_size", "zero_stage", "precision", "pipeline_stages")
+LAYOUT_KEYS = ("world_size", "zero_stage", "precision", "pipeline_stages", "tensor_parallel")
 
 
 def provide_universal_info(model: torch.nn.Module) -> None:
@@ -43,7 +43,7 @@ def provide_universal_info(model: torch.nn.Module) -> None:
 def needs_universal(run_state: dict, layout: dict, streaming: bool, export_hint: str) -> bool:
     """Whether resuming `run_state`'s checkpoint in `layout` (the LAYOUT_KEYS of this run) goes through a
     universal checkpoint; a ConfigError where neither way can load it."""
-    wrote = {key: run_state.get(key, 1) for key in LAYOUT_KEYS}  # pipeline_stages is absent from older run states
+    wrote = {key: run_state.get(key, 1) for key in LAYOUT_KEYS}  # older run states lack the newer keys
     if wrote == layout:
         return False
     change = ", ".join(f"{key} {wrote[key]} -> {layout[key]}" for key in LAYOUT_KEYS if wrote[key] != layout[key])
@@ -56,6 +56,10 @@ def needs_universal(run_state: dict, layout: dict, streaming: bool, export_hint:
         raise ConfigError(f"--resume ({change}): a pipeline checkpoint keeps each layer's weights in a file of its own "
                           f"and DeepSpeed's universal converter reads only Megatron's layer layout; resume in the "
                           f"layout that wrote it, or start a new run from its weights: {export_hint}")
+    if wrote["tensor_parallel"] > 1 or layout["tensor_parallel"] > 1:
+        raise ConfigError(f"--resume ({change}): a tensor-parallel checkpoint holds each rank's slices of the "
+                          f"matrices, which the universal conversion does not reassemble here; resume in the layout "
+                          f"that wrote it, or start a new run from its weights: {export_hint}")
     if wrote["zero_stage"] == 0 and layout["zero_stage"] == 0:
         return False  # nothing is partitioned: DeepSpeed loads the whole weights and optimizer state on any ranks
     if 0 in (wrote["zero_stage"], layout["zero_stage"]):

@@ -1,5 +1,5 @@
 """Run one packed row through a model under Ulysses sequence parallelism (launched with 2 ranks) and save every
-token's loss, gathered from the ranks' slices: tests/test_sequence_parallel.py compares them with each document
+token's loss, gathered from the ranks' slices: tests/test_parallelism.py compares them with each document
 run alone, without sequence parallelism.
 
     deepspeed --num_gpus 2 tests/helpers/sequence_parallel_row.py MODEL_TYPE OUT.pt

@@ -1,5 +1,5 @@
 """parallelism.sequence_parallel: the checks before anything is built, the plan's layout and activations per
-rank, and each rank's slice of a row (the runs themselves: tests/test_sequence_parallel.py)."""
+rank, and each rank's slice of a row (the runs themselves: tests/test_parallelism.py)."""
 import re
 
 import pytest
@@ -45,7 +45,7 @@ def test_the_plan_shows_the_layout_and_a_ranks_slice(no_model_building, capsys):
             "parallelism.sequence_parallel=2", "deepspeed.config=zero3"]
     assert train.main(args) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "layout: 4 rank(s) = 2 data-parallel x 2 sequence-parallel x 1 pipeline stage(s)" in out
+    assert "layout: 4 rank(s) = 2 data-parallel x 1 tensor-parallel x 2 sequence-parallel x 1 pipeline stage(s)" in out
     assert "8 rows/rank x 1 accumulation x 2 data-parallel ranks = 16 rows" in out
     assert "each row split over 2 ranks, 128 tokens each" in out
     assert "micro-batch 8 x 128 tokens on each rank" in out

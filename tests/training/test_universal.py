@@ -10,7 +10,8 @@ HINT = "python -m training export X DIR"
 
 
 def layout(**changes) -> dict:
-    return {"world_size": 2, "zero_stage": 2, "precision": "fp32", "pipeline_stages": 1, **changes}
+    return {"world_size": 2, "zero_stage": 2, "precision": "fp32", "pipeline_stages": 1, "tensor_parallel": 1,
+            **changes}
 
 
 @pytest.mark.parametrize("changes, universal", [
@@ -38,6 +39,8 @@ def test_run_states_older_than_pipeline_stages_count_as_one_stage():
     ({"zero_stage": 0}, {"zero_stage": 3}, "zero_stage 0 -> 3.*universal checkpoints connect ZeRO stages 1, 2 and 3"),
     ({}, {"zero_stage": 0}, "zero_stage 2 -> 0.*Resume at ZeRO-0 \\(on any number of ranks\\)"),
     ({"pipeline_stages": 2}, {"world_size": 4, "pipeline_stages": 2}, "a pipeline checkpoint keeps each layer"),
+    ({"tensor_parallel": 2}, {"world_size": 4, "tensor_parallel": 2}, "a tensor-parallel checkpoint holds each rank's"),
+    ({}, {"tensor_parallel": 2}, "tensor_parallel 1 -> 2.*resume in the layout that wrote it"),
     ({}, {"pipeline_stages": 2}, "pipeline_stages 1 -> 2.*Megatron's layer layout"),
 ])
 def test_what_cannot_be_converted_is_refused_with_the_way_out(wrote, changes, message):

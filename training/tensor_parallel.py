@@ -1,0 +1,47 @@
+"""Tensor parallelism for Hugging Face models with DeepSpeed's AutoTP (`parallelism.tensor_parallel: N`).
+
+Each group of N consecutive ranks holds one copy of the model with every attention and MLP matrix split N ways
+(DeepSpeed shards the model inside deepspeed.initialize, from the model's own `base_model_tp_plan` or its
+presets for Llama, Mistral, Qwen2, ...); the ranks of a group read the same rows and compute the same loss.
+Data parallelism runs over the groups: data-parallel ranks = world size / N.
+
+DeepSpeed 0.19.8 checks `train_batch_size` against the whole world before AutoTP makes its groups and, under
+ZeRO-3, against the data-parallel ranks after: no value passes both, so the config leaves it out and DeepSpeed
+derives it from the micro-batch and the accumulation steps, which train.py sets.
+"""
+from transformers import PretrainedConfig
+
+from training.errors import ConfigError
+from training.recipe import Recipe
+
+
+def check_tensor_parallel(recipe: Recipe, config: PretrainedConfig, world_size: int, zero_stage: int) -> None:
+    """Whether the model's heads and the ranks split N ways in a layout built here: before anything is built."""
+    size, problems = recipe.parallelism.tensor_parallel, []
+    text = config.get_text_config()
+    heads, kv_heads = text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    for count, what in ((heads, "attention heads"), (kv_heads, "key/value heads")):
+        if count % size:
+            problems.append(f"the model's {count} {what} do not divide into {size} groups: choose a "
+                            f"parallelism.tensor_parallel that divides {count}")
+    if world_size % size:
+        problems.append(f"{world_size} rank(s) do not form groups of {size}: launch a multiple of {size} ranks "
+                        f"(world size = data-parallel x tensor-parallel)")
+    if recipe.parallelism.pipeline_stages > 1 or recipe.parallelism.sequence_parallel > 1:
+        problems.append("tensor parallelism with pipeline stages or sequence parallelism is not built: use one of "
+                        "them")
+    if zero_stage == 0:
+        problems.append("ZeRO-0: train.py computes ZeRO-0's gradient norm itself, over whole weights, and AutoTP's "
+                        "are split; use deepspeed.config=zero1, zero2 or zero3")
+    if recipe.long_context.tiled_mlp or recipe.long_context.logits_tile_tokens:
+        problems.append("long_context tiling with tensor parallelism is not built: turn it off")
+    if problems:
+        raise ConfigError(f"parallelism.tensor_parallel={size}:\n" + "\n".join(f"  {p}" for p in problems))
+
+
+def with_tensor_parallel(ds_config: dict, size: int) -> dict:
+    """The resolved DeepSpeed config with AutoTP on (size > 1) and train_batch_size left to DeepSpeed."""
+    if size == 1:
+        return ds_config
+    config = {key: value for key, value in ds_config.items() if key != "train_batch_size"}
+    return {**config, "tensor_parallel": {"autotp_size": size}}
