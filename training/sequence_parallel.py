@@ -29,6 +29,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from training.errors import ConfigError
 from training.recipe import Recipe
+from training.shape import head_counts, rank_groups_problem
 
 SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2")
 
@@ -39,8 +40,7 @@ def check_sequence_parallel(recipe: Recipe, config: PretrainedConfig, world_size
     built."""
     size, seq_len, problems = recipe.parallelism.sequence_parallel, recipe.data.seq_len, []
     pipeline_stages, attn_implementation = recipe.parallelism.pipeline_stages, recipe.model.attn_implementation
-    text = config.get_text_config()
-    heads, kv_heads = text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    heads, kv_heads = head_counts(config)
     if heads % size:
         problems.append(f"the model's {heads} attention heads do not divide into {size} groups: choose a "
                         f"parallelism.sequence_parallel that divides {heads}")
@@ -51,9 +51,7 @@ def check_sequence_parallel(recipe: Recipe, config: PretrainedConfig, world_size
     if seq_len % size:
         problems.append(f"data.seq_len={seq_len} does not split into {size} equal slices: choose a data.seq_len "
                         f"divisible by {size}")
-    if world_size % size:
-        problems.append(f"{world_size} rank(s) do not form groups of {size}: launch a multiple of {size} ranks "
-                        f"(world size = data-parallel x sequence-parallel)")
+    problems += rank_groups_problem(world_size, size, "sequence")
     if pipeline_stages > 1:
         problems.append(f"parallelism.pipeline_stages={pipeline_stages} with sequence parallelism: DeepSpeed's "
                         f"pipeline engine cannot run Ulysses attention; use one of them (ZeRO-3 with sequence "

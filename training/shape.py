@@ -68,3 +68,17 @@ def model_shape(config: PretrainedConfig) -> ModelShape:
         or 4 * config.hidden_size,
         num_layers=len(layers), num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=head_dim, vocab_size=config.vocab_size)
+
+
+def head_counts(config: PretrainedConfig) -> tuple[int, int]:
+    """Query heads and key/value heads (as many as the queries' without grouped-query attention)."""
+    text = config.get_text_config()
+    return text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+
+
+def rank_groups_problem(world_size: int, size: int, kind: str) -> list[str]:
+    """Why `world_size` ranks cannot form groups of `size` for `kind` parallelism, if they cannot."""
+    if world_size % size == 0:
+        return []
+    return [f"{world_size} rank(s) do not form groups of {size}: launch a multiple of {size} ranks (world size = "
+            f"data-parallel x {kind}-parallel)"]

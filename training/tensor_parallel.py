@@ -13,20 +13,17 @@ from transformers import PretrainedConfig
 
 from training.errors import ConfigError
 from training.recipe import Recipe
+from training.shape import head_counts, rank_groups_problem
 
 
 def check_tensor_parallel(recipe: Recipe, config: PretrainedConfig, world_size: int, zero_stage: int) -> None:
     """Whether the model's heads and the ranks split N ways in a layout built here: before anything is built."""
     size, problems = recipe.parallelism.tensor_parallel, []
-    text = config.get_text_config()
-    heads, kv_heads = text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    for count, what in ((heads, "attention heads"), (kv_heads, "key/value heads")):
+    for count, what in zip(head_counts(config), ("attention heads", "key/value heads")):
         if count % size:
             problems.append(f"the model's {count} {what} do not divide into {size} groups: choose a "
                             f"parallelism.tensor_parallel that divides {count}")
-    if world_size % size:
-        problems.append(f"{world_size} rank(s) do not form groups of {size}: launch a multiple of {size} ranks "
-                        f"(world size = data-parallel x tensor-parallel)")
+    problems += rank_groups_problem(world_size, size, "tensor")
     if recipe.parallelism.pipeline_stages > 1 or recipe.parallelism.sequence_parallel > 1:
         problems.append("tensor parallelism with pipeline stages or sequence parallelism is not built: use one of "
                         "them")
