@@ -48,7 +48,7 @@ from training.plan import RunPlan, planned_machine, print_plan
 from training.precision import DTYPES, loss_scale, resolve_precision, use_fp16_block_loss_scaling
 from training.recipe import load_recipe
 from training.sequence_parallel import check_sequence_parallel, enable_sequence_parallel
-from training.tensor_parallel import check_tensor_parallel, with_tensor_parallel
+from training.tensor_parallel import check_tensor_parallel, loss_copies, with_tensor_parallel
 from training.stability import StabilityGuard, WeightWatch, finite, rewind, withheld_step
 from training.universal import convert_on_rank_0, provide_universal_info, with_universal_load
 
@@ -177,8 +177,7 @@ def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict], dp_
         if guard:
             guard.note_pipeline_loss(loss / dist.get_world_size())
         return loss / dist.get_world_size(), engine.get_global_grad_norm(), int(tokens), stops > 0
-    # the ranks of a tensor-parallel group each hold the whole loss: one share each of what the step's sums
-    shares = len(micro_batches) * dp_size * max(1, engine.autotp_size())
+    shares = len(micro_batches) * dp_size * loss_copies(engine)
     loss_sum, grad_norm = torch.zeros((), device=engine.device), None
     for index, batch in enumerate(micro_batches):
         loss = engine(**model_inputs(batch, engine.device, shard), num_items_in_batch=targets_per_micro_batch).loss

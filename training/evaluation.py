@@ -11,6 +11,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from data_pipeline.loader import EvalBatches, model_inputs, target_count
 from training import distributed
 from training.pipeline import pipeline_batches
+from training.tensor_parallel import loss_copies
 
 
 def evaluate(engine: deepspeed.DeepSpeedEngine, batches: EvalBatches, shard: tuple[int, int] = (0, 1)) -> dict:
@@ -21,7 +22,7 @@ def evaluate(engine: deepspeed.DeepSpeedEngine, batches: EvalBatches, shard: tup
     else:
         loss_sum, targets = eval_sums(engine, batches, shard)
     copies = dist.get_world_size() // batches.dp_size  # the ranks of a pipeline or sequence group hold the same rows
-    loss_sum /= max(1, engine.autotp_size())  # the ranks of a tensor-parallel group each hold the whole loss
+    loss_sum /= loss_copies(engine)
     loss = loss_sum / (distributed.all_reduce_on_host([targets])[0] / copies)
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0))}
 

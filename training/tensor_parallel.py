@@ -9,6 +9,7 @@ DeepSpeed 0.19.8 checks `train_batch_size` against the whole world before AutoTP
 ZeRO-3, against the data-parallel ranks after: no value passes both, so the config leaves it out and DeepSpeed
 derives it from the micro-batch and the accumulation steps, which train.py sets.
 """
+from deepspeed import DeepSpeedEngine
 from transformers import PretrainedConfig
 
 from training.errors import ConfigError
@@ -42,3 +43,9 @@ def with_tensor_parallel(ds_config: dict, size: int) -> dict:
         return ds_config
     config = {key: value for key, value in ds_config.items() if key != "train_batch_size"}
     return {**config, "tensor_parallel": {"autotp_size": size}}
+
+
+def loss_copies(engine: DeepSpeedEngine) -> int:
+    """How many ranks hold each loss whole: the ranks of a tensor-parallel group (1 without one), so that sums of
+    the ranks' losses count each once."""
+    return max(1, engine.autotp_size())  # DeepSpeed's autotp_size is 0 when AutoTP is off
