@@ -1,16 +1,20 @@
-"""ALST's memory savers for long rows (the `long_context` recipe section), from DeepSpeed's ulysses_sp module.
+"""ALST's memory savers for long rows (the `long_context` recipe section), from DeepSpeed's ulysses_sp module and
+PyTorch's saved-tensor hooks.
 
 With sequence parallelism a rank's activations shrink with its slice of each row, except two that scale with the
 slice times a wide dimension: the MLP's [tokens, intermediate] activations, and the LM head's [tokens, vocab]
 logits (with their fp32 copy in the loss, the largest tensors of a long-context step). Both are computed here in
 tiles of the sequence and recomputed tile by tile in the backward pass, so only one tile's worth exists at a
 time; each tile's weight gradients are added up before ZeRO reduces them (DeepSpeed's `ds_grad_is_ready`).
+With activation checkpointing the largest activations left are the layers' saved inputs, layers x tokens x hidden;
+`offload_checkpoints` keeps them in host memory until the backward pass recomputes their layer.
 """
 import math
 import types
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP, sequence_tiled_compute
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -25,6 +29,21 @@ def apply_long_context(model: PreTrainedModel, section: LongContextSection) -> N
             tile_mlp(layer.mlp, model.config.hidden_size)
     if section.logits_tile_tokens:
         tile_logits_and_loss(model, section.logits_tile_tokens)
+    if section.offload_checkpoints:
+        offload_checkpoints(model)
+
+
+def offload_checkpoints(model: PreTrainedModel) -> None:
+    """Activation checkpointing (already on) saving each layer's input in host memory: copied out in the forward
+    pass, back in the backward pass before the layer is recomputed (pinned memory on CUDA). transformers' own
+    `offload=True` asks for pinned memory on CPU-only machines too, which PyTorch refuses."""
+    pinned = torch.cuda.is_available()
+
+    def checkpoint_on_host(function, *args, **kwargs):
+        with torch.autograd.graph.save_on_cpu(pin_memory=pinned):
+            return checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpoint_on_host)
 
 
 def tile_mlp(mlp: torch.nn.Module, hidden_size: int) -> None:

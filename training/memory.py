@@ -127,6 +127,7 @@ def outside_layers_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> float
 class Activations:
     without_checkpointing: float
     with_checkpointing: float
+    host: float = 0.0  # with checkpointing, the saved layer inputs offloaded to host memory
 
     def peak(self, checkpointing: bool) -> float:
         return self.with_checkpointing if checkpointing else self.without_checkpointing
@@ -134,14 +135,16 @@ class Activations:
 
 def activation_bytes(shape: ModelShape, tokens: int, seq_len: int, dtype_bytes: int, attn_implementation: str,
                      layers: int | None = None, with_head: bool = True, sequence_parallel: int = 1,
-                     tiled_mlp: bool = False, logits_tile_tokens: int | None = None) -> Activations | None:
+                     tiled_mlp: bool = False, logits_tile_tokens: int | None = None,
+                     offload_checkpoints: bool = False) -> Activations | None:
     """Peak activation memory of one micro-batch of `tokens` tokens (on this rank: a 1/N slice of each row under
     sequence parallelism) through `layers` decoder layers (default: all) and, with_head, the embedding, head and
     loss; None for a model type without a rule.
 
     Tiling (training/long_context.py): a tiled MLP saves only its input, which the layer's norm output already
     counts, and one tile of hidden_size tokens per row is live at a time; tiled logits save nothing of the
-    vocabulary's width, and one tile's logits and their fp32 copy are live at a time."""
+    vocabulary's width, and one tile's logits and their fp32 copy are live at a time. Offloaded checkpoints keep
+    the layers' saved inputs in host memory, all but the one brought back for the layer being recomputed."""
     a, h, vocab = dtype_bytes, shape.hidden_size, shape.vocab_size
     per_layer = layer_bytes_per_token(shape, seq_len, a, attn_implementation, sequence_parallel)
     if per_layer is None:
@@ -156,6 +159,7 @@ def activation_bytes(shape: ModelShape, tokens: int, seq_len: int, dtype_bytes: 
     if with_head and logits_tile_tokens:
         outside -= (a + 8) * vocab
         transient = max(transient, min(tokens, logits_tile_tokens) * (a + 4) * vocab)
-    checkpointed = layers * a * h + (per_layer if layers else 0.0)
+    on_device = 1 if offload_checkpoints and layers else layers
+    checkpointed = on_device * a * h + (per_layer if layers else 0.0)
     return Activations(tokens * (layers * per_layer + outside) + transient,
-                       tokens * (checkpointed + outside) + transient)
+                       tokens * (checkpointed + outside) + transient, tokens * (layers - on_device) * a * h)

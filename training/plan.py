@@ -128,7 +128,8 @@ def activations(plan: RunPlan, shape: ModelShape, **stage) -> Activations | None
     return activation_bytes(shape, plan.recipe.training.micro_batch_size * seq_len // plan.sequence_parallel, seq_len,
                             DTYPES[plan.precision].itemsize, plan.recipe.model.attn_implementation,
                             sequence_parallel=plan.sequence_parallel, tiled_mlp=long_context.tiled_mlp,
-                            logits_tile_tokens=long_context.logits_tile_tokens, **stage)
+                            logits_tile_tokens=long_context.logits_tile_tokens,
+                            offload_checkpoints=long_context.offload_checkpoints, **stage)
 
 
 def shown(path: str | Path) -> str:
@@ -185,7 +186,9 @@ def print_memory_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> Non
           f"{HEADROOM:.0%} of {format_bytes(machine.memory_per_rank)} ({machine.memory_source}):")
     if acts:
         print(f"activations: {format_bytes(acts.without_checkpointing)} without checkpointing, "
-              f"{format_bytes(acts.with_checkpointing)} with")
+              f"{format_bytes(acts.with_checkpointing)} with"
+              + (f" (and {format_bytes(acts.host)} of saved layer inputs in host memory per rank, "
+                 f"{format_bytes(acts.host * machine.gpus_per_node)} per node)" if acts.host else ""))
     else:
         print(f"activations: no estimate for model type {shape.model_type}")
     table = Table()

@@ -94,6 +94,7 @@ class LongContextSection(StrictModel):
     """ALST's memory savers for long rows (training/long_context.py); useful with or without sequence parallelism."""
     tiled_mlp: bool = False  # the MLPs on tiles of hidden_size tokens: their intermediate activations never whole
     logits_tile_tokens: PositiveInt | None = None  # head and loss on tiles of this many tokens: no whole logits
+    offload_checkpoints: bool = False  # activation checkpointing's saved layer inputs held in host memory
 
 
 class Fp8Section(StrictModel):
@@ -175,6 +176,11 @@ class Recipe(StrictModel):
         if self.parallelism.pipeline_stages > 1 and (self.long_context.tiled_mlp or self.long_context.logits_tile_tokens):
             raise ValueError("long_context tiling with parallelism.pipeline_stages > 1: the pipeline builds its own "
                              "stages from the model's layers and does not tile them; use one or the other")
+        if self.long_context.offload_checkpoints and (not self.activation_checkpointing
+                                                      or self.parallelism.pipeline_stages > 1):
+            raise ValueError("long_context.offload_checkpoints moves activation checkpointing's saved layer inputs "
+                             "to host memory: set activation_checkpointing=true (without pipeline stages, whose "
+                             "checkpointing DeepSpeed's pipeline engine does)")
         if self.data.streaming and self.training.max_steps is None:
             raise ValueError("data.streaming needs training.max_steps: the length of a stream is not known ahead")
         return self

@@ -1,5 +1,6 @@
 """training/long_context.py: the tiled MLPs and the tiled head and loss compute what the model computes, with
-the same gradients, and never hold more than a tile of the wide activations."""
+the same gradients, and never hold more than a tile of the wide activations; offloaded checkpoints change
+nothing but where the layers' saved inputs are held, and the plan counts them."""
 import copy
 
 import pytest
@@ -7,7 +8,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from training.long_context import apply_long_context
+from training.memory import activation_bytes
 from training.recipe import LongContextSection
+from training.shape import model_shape
 
 HIDDEN, ROWS, SEQ_LEN, TILE = 32, 2, 80, 48
 
@@ -57,3 +60,32 @@ def test_without_a_token_count_the_loss_is_the_token_mean():
     tiled = copy.deepcopy(model)
     apply_long_context(tiled, LongContextSection(logits_tile_tokens=TILE))
     torch.testing.assert_close(tiled(**batch).loss, model(**batch).loss, rtol=1e-6, atol=1e-6)
+
+
+def test_offloaded_checkpoints_hold_each_layers_input_in_host_memory(monkeypatch):
+    model, batch = model_and_batch()
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    offloaded = copy.deepcopy(model)
+    apply_long_context(offloaded, LongContextSection(offload_checkpoints=True))
+    packed = []
+
+    class RecordingSaveOnCpu(torch.autograd.graph.save_on_cpu):
+        def __init__(self, pin_memory: bool) -> None:
+            super().__init__(pin_memory=pin_memory)
+            pack = self.pack_hook
+            self.pack_hook = lambda tensor: (packed.append(tensor), pack(tensor))[1]
+
+    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", RecordingSaveOnCpu)
+    expected, loss = model(**batch).loss, offloaded(**batch).loss
+    expected.backward()
+    loss.backward()
+    torch.testing.assert_close(loss, expected, rtol=0, atol=0)
+    for (name, weight), offloaded_weight in zip(model.named_parameters(), offloaded.parameters()):
+        torch.testing.assert_close(offloaded_weight.grad, weight.grad, rtol=0, atol=0, msg=name)
+    layers = model.config.num_hidden_layers
+    assert [tuple(tensor.shape) for tensor in packed] == [(ROWS, SEQ_LEN, HIDDEN)] * layers  # nothing else
+    plan = activation_bytes(model_shape(model.config), ROWS * SEQ_LEN, SEQ_LEN, 4, "sdpa", offload_checkpoints=True)
+    one_layer_input = ROWS * SEQ_LEN * HIDDEN * 4  # brought back for the layer being recomputed
+    assert plan.host + one_layer_input == sum(tensor.nbytes for tensor in packed)
+    on_device = activation_bytes(model_shape(model.config), ROWS * SEQ_LEN, SEQ_LEN, 4, "sdpa")
+    assert on_device.with_checkpointing - plan.with_checkpointing == plan.host

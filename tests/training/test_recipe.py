@@ -82,6 +82,7 @@ def test_every_problem_is_reported_at_once():
     ("model.config=null", "set model.config .*, model.name_or_path .*, or both"),
     ("oops", "not of the form key.path=value"),
     ("training.lr.value=1", "training.lr is a float, not a mapping"),
+    ("long_context.offload_checkpoints=true", "set activation_checkpointing=true"),
 ])
 def test_invalid_overrides(override, expected):
     with pytest.raises(ConfigError, match=expected):
