@@ -41,7 +41,7 @@ from training.metrics import (FlopsMeter, MetricsLogger, Stopwatch, device_name,
                               measured_model_states, peak_memory_bytes, print_summary, record_model_states, run_totals)
 from training.model import (build_model, check_checkpoint_folder, check_checkpoint_matches, check_recipe_against_model,
                             load_model_config, load_tokenizer)
-from training.optimizer import lr_schedule, weight_decay_groups
+from training.optimizer import check_optimizer, client_optimizer, lr_schedule, weight_decay_groups
 from training.pipeline import TokenMeanLoss, build_pipeline, check_pipeline, pipeline_batches, report_grad_norm
 from training.output_dir import check_output_dir, default_output_dir, start_output_dir
 from training.plan import RunPlan, planned_machine, print_plan
@@ -105,6 +105,7 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> RunPla
         check_tensor_parallel(recipe, model_config, world_size, zero_stage(raw_ds_config))
     if stages > 1:
         check_pipeline(model_config, stages, zero_stage(raw_ds_config), world_size)
+    check_optimizer(recipe, model_config, raw_ds_config)
     dp_size = world_size // (stages * sequence * tensor)
     ds_config = with_tensor_parallel(resolve_ds_config(raw_ds_config, ds_config_path, recipe, model_config.hidden_size,
                                                        dp_size, precision), tensor)
@@ -112,7 +113,7 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> RunPla
     if not args.dry_run:
         check_output_dir(output_dir, args.resume, args.overwrite)
     layout = {"world_size": world_size, "zero_stage": zero_stage(ds_config), "precision": precision,
-              "pipeline_stages": stages, "tensor_parallel": tensor}
+              "pipeline_stages": stages, "tensor_parallel": tensor, "optimizer": recipe.optimizer.name}
     resume_universal = args.resume and check_resume(output_dir / "checkpoints", layout, recipe.data.streaming,
                                                     recipe.training.max_steps)
     if resume_universal:  # another layout wrote the checkpoint
@@ -301,7 +302,8 @@ def run_state(plan: RunPlan, step: int, tokens_seen: int, data_position: int) ->
     the step by the batches passed over), and what wrote it."""
     return {"step": step, "tokens_seen": tokens_seen, "data_position": data_position, "recipe": plan.recipe.name,
             "world_size": plan.world_size, "zero_stage": plan.zero_stage, "precision": plan.precision,
-            "pipeline_stages": plan.pipeline_stages, "tensor_parallel": plan.tensor_parallel}
+            "pipeline_stages": plan.pipeline_stages, "tensor_parallel": plan.tensor_parallel,
+            "optimizer": plan.recipe.optimizer.name}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -346,7 +348,7 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
         converted = convert_linears_to_fp8(model, recipe.fp8, plan.model_config.vocab_size)
         if dist.get_rank() == 0:
             print(f"fp8 ({recipe.fp8.recipe} scaling): {len(converted)} linear layers; the rest stays bf16")
-    engine, *_ = deepspeed.initialize(model=model, config=plan.ds_config,
+    engine, *_ = deepspeed.initialize(model=model, config=plan.ds_config, optimizer=client_optimizer(plan.ds_config),
                                       model_parameters=weight_decay_groups(model, training.weight_decay),
                                       lr_scheduler=lr_schedule(training, total_steps), mpu=mpu)
     use_fp16_block_loss_scaling(engine)
@@ -388,7 +390,7 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
                    "world_size": plan.world_size, "zero_stage": plan.zero_stage,
                    "precision": plan.precision, "pipeline_stages": plan.pipeline_stages,
                    "sequence_parallel": plan.sequence_parallel, "tensor_parallel": plan.tensor_parallel,
-                   "activation_checkpointing": recipe.activation_checkpointing,
+                   "activation_checkpointing": recipe.activation_checkpointing, "optimizer": recipe.optimizer.name,
                    "steps": total_steps, "start_step": start["step"], **totals,
                    "wall_time_s": time.perf_counter() - run_start, "output_dir": str(plan.output_dir),
                    "data": data_stats, "ds_config": plan.ds_config}

@@ -1,9 +1,11 @@
 """DeepSpeed JSON configs: find, merge the recipe's overrides, resolve every "auto" from the recipe and the model.
 
-"auto" means what it means to the Hugging Face Trainer, so the files under ds_configs/ serve both:
-batch sizes, clipping and the AdamW hyper-parameters come from the recipe's `training` section,
-bucket sizes from the model's hidden size, bf16/fp16 from the recipe's precision. A concrete value
-in the JSON that contradicts the recipe is an error naming both files.
+"auto" means what it means to the Hugging Face Trainer: batch sizes, clipping and the optimizer's
+hyper-parameters come from the recipe's `training` and `optimizer` sections, bucket sizes from the model's
+hidden size, bf16/fp16 from the recipe's precision. The optimizer's type comes from the recipe's
+`optimizer.name`: the shipped files say "AdamW", the Trainer's only choice, and train.py reads that, or "auto",
+as the recipe's; another type that contradicts the recipe is an error. So do other concrete values in the JSON
+that contradict the recipe, naming both files.
 """
 import copy
 import json
@@ -14,6 +16,7 @@ from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from pydantic import ValidationError
 
 from training.errors import ConfigError
+from training.optimizer import ADAMW_ONLY_KEYS, deepspeed_optimizer_keys
 from training.precision import fp16_block
 from training.recipe import Recipe, TrainingSection
 
@@ -150,22 +153,20 @@ def resolve_ds_config(raw: dict, source: Path, recipe: Recipe, hidden_size: int,
     if "scheduler" in config:
         problems.append(f"{source}: remove the 'scheduler' section; the schedule comes from the recipe's "
                         f"training.schedule ({recipe.path})")
-    optimizer_type = get_key(config, "optimizer.type")
-    if optimizer_type != "AdamW":
-        problems.append(f"{source}: optimizer.type must be \"AdamW\" (found {optimizer_type if optimizer_type is not MISSING else 'none'}); "
-                        f"its hyper-parameters come from the recipe's training section")
+    stage = zero_stage(config)
+    if get_key(config, "optimizer.type") == "AdamW":  # the HF Trainer's type, in the shipped files: the recipe's
+        set_key(config, "optimizer.type", "auto")
+    if recipe.optimizer.name == "lion":
+        for key in ADAMW_ONLY_KEYS:
+            config.get("optimizer", {}).get("params", {}).pop(key, None)
     from_recipe = {
         "train_micro_batch_size_per_gpu": ("training.micro_batch_size", training.micro_batch_size),
         "gradient_accumulation_steps": ("training.global_batch_size / (micro_batch_size x ranks)",
                                         accumulation_steps(training, dp_size)),
         "train_batch_size": ("training.global_batch_size", training.global_batch_size),
         "gradient_clipping": ("training.grad_clip", training.grad_clip),
-        "optimizer.params.lr": ("training.lr", training.lr),
-        "optimizer.params.betas": ("training.betas", list(training.betas)),
-        "optimizer.params.eps": ("training.eps", training.eps),
-        "optimizer.params.weight_decay": ("training.weight_decay", training.weight_decay),
+        **deepspeed_optimizer_keys(recipe, config),
     }
-    stage = zero_stage(config)
     grad_accum_dtype = get_key(config, "data_types.grad_accum_dtype")
     if grad_accum_dtype is MISSING:
         grad_accum_dtype = default_grad_accum_dtype(config, stage)

@@ -44,33 +44,44 @@ def zero_setting(ds_config: dict) -> str:
     return f"{zero.get('stage', 0)}{'_offload' if offloaded else ''}"
 
 
-def zero_arithmetic(params: float, stage: int, ranks: int, precision: str) -> float:
-    """Per-rank bytes of weights + gradients + AdamW states (the ZeRO paper's arithmetic).
+def zero_arithmetic(params: float, stage: int, ranks: int, precision: str, state_bytes: float = 8.0) -> float:
+    """Per-rank bytes of weights + gradients + optimizer states (the ZeRO paper's arithmetic).
 
-    Mixed precision keeps 16-bit weights and gradients (2 + 2 bytes) and fp32 master weights, momentum and
-    variance (12 bytes); fp32 keeps 4 + 4 and, under ZeRO, its own fp32 master copy too (12; measured), at
-    ZeRO-0 only momentum and variance (8). ZeRO-1 shards the optimizer states over the ranks, ZeRO-2 the
-    gradients too, ZeRO-3 the weights too. (ZeRO-0 bf16 runs as torch autocast over fp32 weights: 16 bytes.)"""
-    weights, grads, optimizer = (2, 2, 12) if precision in ("bf16", "fp16", "fp8") else (4, 4, 12 if stage else 8)
+    Mixed precision keeps 16-bit weights and gradients (2 + 2 bytes) and fp32 master weights (4) and optimizer
+    states (`state_bytes`: AdamW's momentum and variance, 8); fp32 keeps 4 + 4 and, under ZeRO, its own fp32
+    master copy too (4; measured), at ZeRO-0 only the optimizer states. ZeRO-1 shards the optimizer states
+    over the ranks, ZeRO-2 the gradients too, ZeRO-3 the weights too. (ZeRO-0 bf16 runs as torch autocast
+    over fp32 weights: 16 bytes with AdamW.)"""
+    mixed = precision in ("bf16", "fp16", "fp8")
+    weights, grads = (2, 2) if mixed else (4, 4)
+    optimizer = state_bytes + (4 if mixed or stage else 0)
     shard = [(1, 1, 1), (1, 1, ranks), (1, ranks, ranks), (ranks, ranks, ranks)][stage]
     return params * (weights / shard[0] + grads / shard[1] + optimizer / shard[2])
 
 
 def model_states(setting: str, shape: ModelShape, gpus_per_node: int, nodes: int, precision: str,
-                 zero_init: bool) -> ModelStates:
-    """Model-state memory for one ZeRO setting over gpus_per_node x nodes data-parallel ranks."""
+                 zero_init: bool, state_bytes: float = 8.0) -> ModelStates:
+    """Model-state memory for one ZeRO setting over gpus_per_node x nodes data-parallel ranks, with
+    `state_bytes` of optimizer states per parameter (DeepSpeed's estimators assume AdamW's 8: the difference
+    is taken from the sharded states, on the GPUs or, offloaded, in the nodes' memory)."""
     stage, offload = int(setting[0]), setting.endswith("_offload")
     ranks = gpus_per_node * nodes
     if stage < 2 or precision == "fp32":
         if offload:
             raise ValueError(f"no estimate for ZeRO-{setting} in {precision}")
-        return ModelStates(zero_arithmetic(shape.parameters, stage, ranks, precision), 0.0, "ZeRO arithmetic")
+        return ModelStates(zero_arithmetic(shape.parameters, stage, ranks, precision, state_bytes), 0.0,
+                           "ZeRO arithmetic")
     if stage == 2:
         host, device = estimate_zero2_model_states_mem_needs(shape.parameters, gpus_per_node, nodes, offload)
     else:
         largest_layer = max(shape.layer_parameters + (shape.embedding_parameters, shape.head_parameters))
         host, device, _ = estimate_zero3_model_states_mem_needs(shape.parameters, largest_layer, gpus_per_node,
                                                                 nodes, offload, offload, zero_init)
+    fewer = (8.0 - state_bytes) * shape.parameters
+    if offload:
+        host -= fewer / nodes
+    else:
+        device -= fewer / ranks
     return ModelStates(float(device), float(host), "DeepSpeed estimator")
 
 
@@ -83,16 +94,18 @@ class CheckpointSize:
     largest_rank: float  # bytes the busiest rank writes (rank 0, where it writes the weights)
 
 
-def checkpoint_bytes(params: float, stage: int, ranks: int, precision: str) -> CheckpointSize:
-    """DeepSpeed's files for one save with AdamW, as measured on its checkpoints (tests/test_train_distributed.py).
-    ZeRO-0: rank 0 writes the fp32 weights (train.py's ZeRO-0 keeps fp32 weights, also under autocast) and both
-    moments, 12 bytes per parameter. ZeRO-1/2: rank 0 writes the weights in the run's dtype, and every rank its
-    1/N of the fp32 master weights and moments (12/N). ZeRO-3: only those shards (the master copy is the
-    weights). The model config and tokenizer, and each rank's data and RNG state, add a few MB."""
+def checkpoint_bytes(params: float, stage: int, ranks: int, precision: str, state_bytes: float = 8.0) -> CheckpointSize:
+    """DeepSpeed's files for one save, as measured on its checkpoints with AdamW (tests/test_train_distributed.py;
+    `state_bytes` of optimizer states per parameter, AdamW's 8). ZeRO-0: rank 0 writes the fp32 weights
+    (train.py's ZeRO-0 keeps fp32 weights, also under autocast) and the states, 12 bytes per parameter with
+    AdamW. ZeRO-1/2: rank 0 writes the weights in the run's dtype, and every rank its 1/N of the fp32 master
+    weights and states (12/N). ZeRO-3: only those shards (the master copy is the weights). The model config and
+    tokenizer, and each rank's data and RNG state, add a few MB."""
+    shards = (4 + state_bytes) * params
     if stage == 0:
-        return CheckpointSize(12 * params, 12 * params)
+        return CheckpointSize(shards, shards)
     weights = 0 if stage == 3 else params * (2 if precision in ("bf16", "fp16", "fp8") else 4)
-    return CheckpointSize(weights + 12 * params, weights + 12 * params / ranks)
+    return CheckpointSize(weights + shards, weights + shards / ranks)
 
 
 def layer_bytes_per_token(shape: ModelShape, seq_len: int, dtype_bytes: int, attn_implementation: str,

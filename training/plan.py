@@ -17,6 +17,7 @@ from training.errors import ConfigError
 from training.flops import flops_per_token
 from training.memory import (HEADROOM, LAUNCHER_GRACE_S, ZERO_SETTINGS, Activations, ModelStates, activation_bytes,
                              checkpoint_bytes, model_states, zero_arithmetic, zero_setting)
+from training.optimizer import optimizer_state_bytes
 from training.precision import DTYPES
 from training.recipe import Recipe
 from training.shape import ModelShape, model_shape
@@ -156,7 +157,8 @@ def print_plan(plan: RunPlan, machine: Machine) -> None:
           f"{training.global_batch_size * recipe.data.seq_len:,} tokens per step"
           + (f"; each row split over {plan.sequence_parallel} ranks, {recipe.data.seq_len // plan.sequence_parallel:,} "
              f"tokens each" if plan.sequence_parallel > 1 else ""))
-    print(f"DeepSpeed: {plan.ds_config_path.name} (ZeRO-{plan.zero_stage}), precision {plan.precision}, "
+    print(f"DeepSpeed: {plan.ds_config_path.name} (ZeRO-{plan.zero_stage}), optimizer {recipe.optimizer.name}, "
+          f"precision {plan.precision}, "
           f"activation checkpointing {'on' if recipe.activation_checkpointing else 'off'}")
     model_flops, hardware_flops = flops_per_token(shape, recipe.data.seq_len, recipe.activation_checkpointing)
     print(f"training FLOPs per token: {model_flops:.3e} (6N + attention), {hardware_flops:.3e} with recomputation")
@@ -170,7 +172,8 @@ def print_plan(plan: RunPlan, machine: Machine) -> None:
 
 def print_checkpoint_size(plan: RunPlan, shape: ModelShape) -> None:
     """What a save writes, against the time a preempted run has to write it (docs/checkpoints.md#preemption)."""
-    size = checkpoint_bytes(shape.parameters, plan.zero_stage, plan.world_size // plan.pipeline_stages, plan.precision)
+    size = checkpoint_bytes(shape.parameters, plan.zero_stage, plan.world_size // plan.pipeline_stages, plan.precision,
+                            state_bytes(plan, shape))
     print(f"checkpoint: {format_bytes(size.total)} per save, {format_bytes(size.largest_rank)} from the busiest rank; "
           f"under the deepspeed launcher a SIGTERM save must finish within its {LAUNCHER_GRACE_S} s "
           f"({format_bytes(size.largest_rank / LAUNCHER_GRACE_S)}/s per rank), under srun within SLURM's grace")
@@ -199,7 +202,8 @@ def print_memory_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> Non
             continue  # DeepSpeed's offload runs keep 16-bit weights on the GPU
         states = model_states(setting, tensor_parallel_shard(shape, plan.tensor_parallel),
                               machine.gpus_per_node // plan.tensor_parallel, machine.nodes, plan.precision,
-                              zero_init=plan.recipe.model.name_or_path is not None)
+                              zero_init=plan.recipe.model.name_or_path is not None,
+                              state_bytes=state_bytes(plan, shape))
         marker = " (this run)" if setting == current else ""
         table.add_row(setting.replace("_", " + ") + marker, format_bytes(states.device_bytes),
                       format_bytes(states.host_bytes) if states.host_bytes else "-", states.source,
@@ -223,7 +227,7 @@ def print_pipeline_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> N
     for stage in range(stages):
         start, end = bounds[stage], bounds[stage + 1]
         params = sum(layers[start:end])
-        states = zero_arithmetic(params, plan.zero_stage, plan.dp_size, plan.precision)
+        states = zero_arithmetic(params, plan.zero_stage, plan.dp_size, plan.precision, state_bytes(plan, shape))
         decoder_layers = sum(1 <= index <= shape.num_layers for index in range(start, end))
         acts = activations(plan, shape, layers=decoder_layers, with_head=stage == stages - 1)
         in_flight = min(stages - stage, plan.accumulation_steps)
@@ -251,8 +255,14 @@ def planned_model_states(plan: RunPlan) -> ModelStates:
     if plan.pipeline_stages == 1:
         return model_states(zero_setting(plan.ds_config), tensor_parallel_shard(shape, plan.tensor_parallel),
                             plan.world_size // plan.tensor_parallel, 1, plan.precision,
-                            zero_init=plan.recipe.model.name_or_path is not None)
+                            zero_init=plan.recipe.model.name_or_path is not None, state_bytes=state_bytes(plan, shape))
     layers = shape.pipeline_layer_parameters
     bounds = stage_bounds(layers, plan.pipeline_stages, plan.recipe.parallelism.partition_method)
     largest = max(sum(layers[start:end]) for start, end in zip(bounds, bounds[1:]))
-    return ModelStates(zero_arithmetic(largest, plan.zero_stage, plan.dp_size, plan.precision), 0.0, "ZeRO arithmetic")
+    return ModelStates(zero_arithmetic(largest, plan.zero_stage, plan.dp_size, plan.precision, state_bytes(plan, shape)),
+                       0.0, "ZeRO arithmetic")
+
+
+def state_bytes(plan: RunPlan, shape: ModelShape) -> float:
+    """The run's optimizer-state bytes per parameter."""
+    return optimizer_state_bytes(plan.recipe.optimizer.name, shape)

@@ -78,6 +78,22 @@ class TrainingSection(StrictModel):
         return self
 
 
+class OptimizerSection(StrictModel):
+    """Which update rule (training/optimizer.py). The learning rate, betas, eps, weight decay and clipping stay in
+    `training`: AdamW uses them all, Lion all but eps, Muon its own rate and momentum for the decoder layers'
+    matrices and AdamW (training.*) for the rest."""
+    name: Literal["adamw", "lion", "muon"] = "adamw"
+    muon_lr: PositiveFloat = 0.02  # Muon's matrices (the schedule scales it as it scales training.lr)
+    muon_momentum: float = Field(0.95, gt=0, lt=1)  # Muon's momentum (Nesterov)
+
+    @model_validator(mode="after")
+    def muon_settings_only_for_muon(self) -> "OptimizerSection":
+        stray = sorted(self.model_fields_set & {"muon_lr", "muon_momentum"})
+        if stray and self.name != "muon":
+            raise ValueError(f"optimizer.{stray[0]} applies to optimizer.name=muon, not {self.name}")
+        return self
+
+
 class DeepSpeedSection(StrictModel):
     config: str = "zero1"  # a name under ds_configs/ (zero0..zero3, zero2_offload, ...) or a path to a JSON file
     overrides: dict[str, Any] = {}  # merged into that JSON, e.g. {zero_optimization: {overlap_comm: false}}
@@ -144,6 +160,7 @@ class Recipe(StrictModel):
     tokenizer: TokenizerSection = TokenizerSection()
     data: DataConfig
     training: TrainingSection
+    optimizer: OptimizerSection = OptimizerSection()
     deepspeed: DeepSpeedSection = DeepSpeedSection()
     precision: Literal["auto", "bf16", "fp16", "fp32", "fp8"] = "auto"
     fp8: Fp8Section = Fp8Section()

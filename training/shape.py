@@ -14,6 +14,7 @@ class ModelShape:
     lookup_parameters: int  # every embedding table (token, and position where the model learns one)
     head_parameters: int  # the LM head's own weights: 0 when tied to the embedding
     layer_parameters: tuple[int, ...]  # per decoder layer
+    layer_matrix_parameters: int  # the decoder layers' 2-D weights (what Muon updates)
     final_norm_parameters: int
     hidden_size: int
     intermediate_size: int
@@ -50,12 +51,16 @@ def count(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    return model.base_model.layers if hasattr(model.base_model, "layers") else model.base_model.h  # GPT-2: h
+
+
 def model_shape(config: PretrainedConfig) -> ModelShape:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head.weight is embedding.weight
-    layers = model.base_model.layers if hasattr(model.base_model, "layers") else model.base_model.h  # GPT-2: h
+    layers = decoder_layers(model)
     final_norm = getattr(model.base_model, "norm", None) or getattr(model.base_model, "ln_f")
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -63,6 +68,7 @@ def model_shape(config: PretrainedConfig) -> ModelShape:
         model_type=config.model_type, parameters=count(model), embedding_parameters=count(embedding),
         lookup_parameters=sum(count(m) for m in model.modules() if isinstance(m, torch.nn.Embedding)),
         head_parameters=0 if tied else count(head), layer_parameters=tuple(count(layer) for layer in layers),
+        layer_matrix_parameters=sum(p.numel() for p in layers.parameters() if p.ndim >= 2),
         final_norm_parameters=count(final_norm), hidden_size=config.hidden_size,
         intermediate_size=getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
         or 4 * config.hidden_size,

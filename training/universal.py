@@ -32,7 +32,8 @@ from training.distributed import host_group
 from training.errors import ConfigError
 
 UNIVERSAL = "universal"  # the folder under checkpoints/ that holds converted checkpoints, one per tag
-LAYOUT_KEYS = ("world_size", "zero_stage", "precision", "pipeline_stages", "tensor_parallel")
+LAYOUT_KEYS = ("world_size", "zero_stage", "precision", "pipeline_stages", "tensor_parallel", "optimizer")
+WRITTEN_BEFORE_THE_KEY = {"pipeline_stages": 1, "tensor_parallel": 1, "optimizer": "adamw"}  # older run states
 
 
 def provide_universal_info(model: torch.nn.Module) -> None:
@@ -43,10 +44,13 @@ def provide_universal_info(model: torch.nn.Module) -> None:
 def needs_universal(run_state: dict, layout: dict, streaming: bool, export_hint: str) -> bool:
     """Whether resuming `run_state`'s checkpoint in `layout` (the LAYOUT_KEYS of this run) goes through a
     universal checkpoint; a ConfigError where neither way can load it."""
-    wrote = {key: run_state.get(key, 1) for key in LAYOUT_KEYS}  # older run states lack the newer keys
+    wrote = {key: run_state.get(key, WRITTEN_BEFORE_THE_KEY.get(key)) for key in LAYOUT_KEYS}
     if wrote == layout:
         return False
     change = ", ".join(f"{key} {wrote[key]} -> {layout[key]}" for key in LAYOUT_KEYS if wrote[key] != layout[key])
+    if wrote["optimizer"] != layout["optimizer"]:
+        raise ConfigError(f"--resume ({change}): the checkpoint holds {wrote['optimizer']}'s optimizer states; resume "
+                          f"with optimizer.name={wrote['optimizer']}, or start a new run from its weights: {export_hint}")
     if streaming and wrote["world_size"] != layout["world_size"]:
         raise ConfigError(f"--resume ({change}): with data.streaming each rank reads its own share of the stream and "
                           f"the checkpoint holds each rank's position in it, so another number of ranks cannot "
@@ -62,6 +66,10 @@ def needs_universal(run_state: dict, layout: dict, streaming: bool, export_hint:
                           f"that wrote it, or start a new run from its weights: {export_hint}")
     if wrote["zero_stage"] == 0 and layout["zero_stage"] == 0:
         return False  # nothing is partitioned: DeepSpeed loads the whole weights and optimizer state on any ranks
+    if layout["optimizer"] != "adamw":
+        raise ConfigError(f"--resume ({change}): the universal conversion is proven here with AdamW's moments, not "
+                          f"{layout['optimizer']}'s states; resume in the layout that wrote the checkpoint, or start a "
+                          f"new run from its weights: {export_hint}")
     if 0 in (wrote["zero_stage"], layout["zero_stage"]):
         raise ConfigError(f"--resume ({change}): DeepSpeed's universal checkpoints connect ZeRO stages 1, 2 and 3; a "
                           f"ZeRO-0 optimizer state is neither written nor read by them. Resume at ZeRO-0 (on any number "
