@@ -11,7 +11,7 @@ HINT = "python -m training export X DIR"
 
 def layout(**changes) -> dict:
     return {"world_size": 2, "zero_stage": 2, "precision": "fp32", "pipeline_stages": 1, "tensor_parallel": 1,
-            **changes}
+            "optimizer": "adamw", **changes}
 
 
 @pytest.mark.parametrize("changes, universal", [
@@ -30,8 +30,9 @@ def test_zero_0_resumes_as_it_is_on_any_ranks_and_precision():
     assert needs_universal(wrote, layout(zero_stage=0, world_size=4, precision="bf16"), False, HINT) is False
 
 
-def test_run_states_older_than_pipeline_stages_count_as_one_stage():
-    wrote = {key: value for key, value in WROTE.items() if key != "pipeline_stages"}
+@pytest.mark.parametrize("key", ["pipeline_stages", "tensor_parallel", "optimizer"])
+def test_run_states_older_than_a_key_count_as_its_default(key):
+    wrote = {name: value for name, value in WROTE.items() if name != key}
     assert needs_universal(wrote, layout(), False, HINT) is False
 
 
@@ -42,6 +43,8 @@ def test_run_states_older_than_pipeline_stages_count_as_one_stage():
     ({"tensor_parallel": 2}, {"world_size": 4, "tensor_parallel": 2}, "a tensor-parallel checkpoint holds each rank's"),
     ({}, {"tensor_parallel": 2}, "tensor_parallel 1 -> 2.*resume in the layout that wrote it"),
     ({}, {"pipeline_stages": 2}, "pipeline_stages 1 -> 2.*Megatron's layer layout"),
+    ({}, {"optimizer": "lion"}, "optimizer adamw -> lion.*holds adamw's optimizer states; resume with optimizer.name=adamw"),
+    ({"optimizer": "muon"}, {"optimizer": "muon", "world_size": 1}, "proven here with AdamW's moments, not muon's"),
 ])
 def test_what_cannot_be_converted_is_refused_with_the_way_out(wrote, changes, message):
     with pytest.raises(ConfigError, match=message) as error:
