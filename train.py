@@ -31,9 +31,11 @@ from data_pipeline.stream import StreamingBatches
 from training import distributed
 from training.checkpoint import (check_resume, export_hf, latest_tag, load_checkpoint, record_position,
                                  remove_unfinished_tags, save_checkpoint)
+from training.auto_config import choose_ds_config
 from training.ds_config import accumulation_steps, load_ds_config, resolve_ds_config, zero_stage
 from training.errors import ConfigError, positive_float, positive_int, report
 from training.evaluation import evaluate
+from training.layout import check_layout, refusal
 from training.long_context import apply_long_context
 from training.export import export_checkpoint
 from training.fp8 import convert_linears_to_fp8
@@ -41,14 +43,14 @@ from training.metrics import (FlopsMeter, MetricsLogger, Stopwatch, device_name,
                               measured_model_states, peak_memory_bytes, print_summary, record_model_states, run_totals)
 from training.model import (build_model, check_checkpoint_folder, check_checkpoint_matches, check_recipe_against_model,
                             load_model_config, load_tokenizer)
-from training.optimizer import check_optimizer, client_optimizer, lr_schedule, weight_decay_groups
-from training.pipeline import TokenMeanLoss, build_pipeline, check_pipeline, pipeline_batches, report_grad_norm
+from training.optimizer import client_optimizer, lr_schedule, weight_decay_groups
+from training.pipeline import TokenMeanLoss, build_pipeline, pipeline_batches, report_grad_norm
 from training.output_dir import check_output_dir, default_output_dir, start_output_dir
 from training.plan import RunPlan, planned_machine, print_plan
 from training.precision import DTYPES, loss_scale, resolve_precision, use_fp16_block_loss_scaling
 from training.recipe import load_recipe
-from training.sequence_parallel import check_sequence_parallel, enable_sequence_parallel
-from training.tensor_parallel import check_tensor_parallel, loss_copies, with_tensor_parallel
+from training.sequence_parallel import enable_sequence_parallel
+from training.tensor_parallel import loss_copies, with_tensor_parallel
 from training.stability import StabilityGuard, WeightWatch, finite, rewind, withheld_step
 from training.universal import convert_on_rank_0, provide_universal_info, with_universal_load
 
@@ -90,36 +92,34 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> RunPla
         check_checkpoint_matches(model_config, recipe.model)
     tokenizer = load_tokenizer(recipe.tokenizer_path, recipe.model.trust_remote_code, cached_only=args.dry_run)
     check_recipe_against_model(recipe, model_config, len(tokenizer) if tokenizer else None)
+    world_size = world_size or (args.num_gpus * args.num_nodes if args.num_gpus else distributed.world_size())
+    machine = None
+    if recipe.deepspeed.config == "auto":
+        machine = planned_machine(args.num_gpus, args.num_nodes, args.gpu_mem, world_size)
+        precision = resolve_precision(recipe.precision, {}, for_gpus=args.num_gpus is not None)
+        recipe = choose_ds_config(recipe, model_config, precision, machine,
+                                  lambda chosen: refusal(chosen, model_config, world_size, args.num_gpus is not None))
     raw_ds_config, ds_config_path = load_ds_config(recipe)
     precision = resolve_precision(recipe.precision, raw_ds_config, for_gpus=args.num_gpus is not None)
-    if precision == "fp8" and zero_stage(raw_ds_config) == 0:
-        raise ConfigError(f"precision=fp8 with ZeRO-0 ({ds_config_path.name}): ZeRO-0 runs mixed precision as torch "
-                          f"autocast over fp32 weights, which this FP8 path does not support; use deepspeed.config=zero1, "
-                          f"zero2 or zero3")
-    world_size = world_size or (args.num_gpus * args.num_nodes if args.num_gpus else distributed.world_size())
-    stages, sequence, tensor = (recipe.parallelism.pipeline_stages, recipe.parallelism.sequence_parallel,
-                                recipe.parallelism.tensor_parallel)
-    if sequence > 1:
-        check_sequence_parallel(recipe, model_config, world_size, zero_stage(raw_ds_config), precision)
-    if tensor > 1:
-        check_tensor_parallel(recipe, model_config, world_size, zero_stage(raw_ds_config))
-    if stages > 1:
-        check_pipeline(model_config, stages, zero_stage(raw_ds_config), world_size)
-    check_optimizer(recipe, model_config, raw_ds_config)
-    dp_size = world_size // (stages * sequence * tensor)
+    check_layout(recipe, model_config, raw_ds_config, precision, world_size)
+    parallelism = recipe.parallelism
+    tensor = parallelism.tensor_parallel
+    dp_size = world_size // (parallelism.pipeline_stages * parallelism.sequence_parallel * tensor)
     ds_config = with_tensor_parallel(resolve_ds_config(raw_ds_config, ds_config_path, recipe, model_config.hidden_size,
                                                        dp_size, precision), tensor)
     output_dir = args.output_dir or default_output_dir(recipe.name, args.resume)
     if not args.dry_run:
         check_output_dir(output_dir, args.resume, args.overwrite)
     layout = {"world_size": world_size, "zero_stage": zero_stage(ds_config), "precision": precision,
-              "pipeline_stages": stages, "tensor_parallel": tensor, "optimizer": recipe.optimizer.name}
+              "pipeline_stages": parallelism.pipeline_stages, "tensor_parallel": tensor,
+              "optimizer": recipe.optimizer.name}
     resume_universal = args.resume and check_resume(output_dir / "checkpoints", layout, recipe.data.streaming,
                                                     recipe.training.max_steps)
     if resume_universal:  # another layout wrote the checkpoint
         ds_config = with_universal_load(ds_config)
     return RunPlan(recipe, model_config, tokenizer, precision, ds_config, ds_config_path, world_size,
-                   accumulation_steps(recipe.training, dp_size), output_dir, resume_universal)
+                   accumulation_steps(recipe.training, dp_size), output_dir, resume_universal,
+                   chosen_for=machine)
 
 
 def make_batches(plan: RunPlan) -> tuple[StepBatches | StreamingBatches, EvalBatches | None, dict]:
@@ -316,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             print_plan(plan, planned_machine(args.num_gpus, args.num_nodes, args.gpu_mem, plan.world_size))
             return 0
+        if plan.chosen_for and distributed.local_rank() == 0:
+            print_plan(plan, plan.chosen_for)  # why this DeepSpeed config
     except Exception as error:  # noqa: BLE001 (report raises again what is not a user error)
         # every rank checks the same inputs, so the first rank of each node says why (on one node: once)
         return report(error, printing=distributed.local_rank() == 0)

@@ -36,6 +36,7 @@ class RunPlan:
     accumulation_steps: int
     output_dir: Path
     resume_universal: bool = False  # --resume from a checkpoint of another layout, through a universal checkpoint
+    chosen_for: "Machine | None" = None  # deepspeed.config=auto: the machine the DeepSpeed config was chosen for
 
     @property
     def zero_stage(self) -> int:
@@ -121,14 +122,14 @@ def memory_cells(states: float, acts: Activations | None, memory: float, in_flig
     return [*map(format_bytes, totals), fits(*totals, memory)]
 
 
-def activations(plan: RunPlan, shape: ModelShape, **stage) -> Activations | None:
+def activations(recipe: Recipe, precision: str, shape: ModelShape, **stage) -> Activations | None:
     """One micro-batch's activations on a rank: its slice of the rows under sequence parallelism, its share of
     the heads and the MLP width under tensor parallelism."""
-    seq_len, long_context = plan.recipe.data.seq_len, plan.recipe.long_context
-    shape = tensor_parallel_shard(shape, plan.tensor_parallel)
-    return activation_bytes(shape, plan.recipe.training.micro_batch_size * seq_len // plan.sequence_parallel, seq_len,
-                            DTYPES[plan.precision].itemsize, plan.recipe.model.attn_implementation,
-                            sequence_parallel=plan.sequence_parallel, tiled_mlp=long_context.tiled_mlp,
+    seq_len, long_context, parallelism = recipe.data.seq_len, recipe.long_context, recipe.parallelism
+    shape = tensor_parallel_shard(shape, parallelism.tensor_parallel)
+    return activation_bytes(shape, recipe.training.micro_batch_size * seq_len // parallelism.sequence_parallel, seq_len,
+                            DTYPES[precision].itemsize, recipe.model.attn_implementation,
+                            sequence_parallel=parallelism.sequence_parallel, tiled_mlp=long_context.tiled_mlp,
                             logits_tile_tokens=long_context.logits_tile_tokens,
                             offload_checkpoints=long_context.offload_checkpoints, **stage)
 
@@ -157,7 +158,8 @@ def print_plan(plan: RunPlan, machine: Machine) -> None:
           f"{training.global_batch_size * recipe.data.seq_len:,} tokens per step"
           + (f"; each row split over {plan.sequence_parallel} ranks, {recipe.data.seq_len // plan.sequence_parallel:,} "
              f"tokens each" if plan.sequence_parallel > 1 else ""))
-    print(f"DeepSpeed: {plan.ds_config_path.name} (ZeRO-{plan.zero_stage}), optimizer {recipe.optimizer.name}, "
+    chosen = " chosen by deepspeed.config=auto: the least-sharded that fits" if plan.chosen_for else ""
+    print(f"DeepSpeed: {plan.ds_config_path.name} (ZeRO-{plan.zero_stage}{chosen}), optimizer {recipe.optimizer.name}, "
           f"precision {plan.precision}, "
           f"activation checkpointing {'on' if recipe.activation_checkpointing else 'off'}")
     model_flops, hardware_flops = flops_per_token(shape, recipe.data.seq_len, recipe.activation_checkpointing)
@@ -181,7 +183,7 @@ def print_checkpoint_size(plan: RunPlan, shape: ModelShape) -> None:
 
 def print_memory_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> None:
     """Model states per ZeRO setting over the data-parallel ranks, plus one micro-batch's activations."""
-    acts = activations(plan, shape)
+    acts = activations(plan.recipe, plan.precision, shape)
     current = zero_setting(plan.ds_config)
     print(f"memory per rank, {machine.gpus_per_node} GPU(s) x {machine.nodes} node(s), micro-batch "
           f"{plan.recipe.training.micro_batch_size} x {plan.recipe.data.seq_len // plan.sequence_parallel} tokens "
@@ -229,7 +231,7 @@ def print_pipeline_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> N
         params = sum(layers[start:end])
         states = zero_arithmetic(params, plan.zero_stage, plan.dp_size, plan.precision, state_bytes(plan, shape))
         decoder_layers = sum(1 <= index <= shape.num_layers for index in range(start, end))
-        acts = activations(plan, shape, layers=decoder_layers, with_head=stage == stages - 1)
+        acts = activations(plan.recipe, plan.precision, shape, layers=decoder_layers, with_head=stage == stages - 1)
         in_flight = min(stages - stage, plan.accumulation_steps)
         table.add_row(str(stage), f"{start}-{end - 1}", f"{params:,}", format_bytes(states),
                       *memory_cells(states, acts, machine.memory_per_rank, in_flight))

@@ -95,7 +95,8 @@ class OptimizerSection(StrictModel):
 
 
 class DeepSpeedSection(StrictModel):
-    config: str = "zero1"  # a name under ds_configs/ (zero0..zero3, zero2_offload, ...) or a path to a JSON file
+    config: str = "zero1"  # a name under ds_configs/ (zero0..zero3, zero2_offload, ...), a JSON file, or auto
+    # (auto: chosen from the memory plan, training/auto_config.py)
     overrides: dict[str, Any] = {}  # merged into that JSON, e.g. {zero_optimization: {overlap_comm: false}}
 
 
