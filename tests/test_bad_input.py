@@ -79,7 +79,7 @@ def test_weights_without_config_next_to_a_shipped_config_are_refused(tmp_path):
     (["training.betas=[0.9,"], "override 'training.betas=[0.9,': the value is not valid YAML"),
     (["--num-gpus", "0"], "argument --num-gpus: must be a whole number above 0"),
     (["--steps", "-1"], "argument --steps: must be a whole number above 0"),
-    (["--stages", "2,3", "parallelism.pipeline_stages=2"], "every stage is refused by train.py's checks"),
+    (["--stages", "2,3", "parallelism.pipeline_stages=2"], "every cell is refused by train.py's checks"),
 ])
 def test_compare_zero_refuses_bad_input_before_any_launch(args, message, tmp_path):
     result = run_command("tools/compare_zero.py", "--recipe", "tiny_llama", "--output-dir", str(tmp_path / "out"), *args)

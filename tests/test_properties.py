@@ -147,7 +147,7 @@ def test_convert(workplace, capsys, checkpoint):
        stages=st.sampled_from([[], ["--stages", "0,1"], ["--stages", "4"], ["--stages", ""]]), output=PATHS)
 def test_compare_zero(workplace, monkeypatch, capsys, overrides, numbers, stages, output):
     earlier_run, before = workplace
-    monkeypatch.setattr(compare_zero, "run_stage", stop_here)
+    monkeypatch.setattr(compare_zero.compare, "run_cell", stop_here)
     argv = ["--recipe", "tiny_llama", "--output-dir", output, *stages, *[x for pair in numbers for x in pair],
             *overrides]
     check(exit_status(compare_zero.main, argv), capsys)

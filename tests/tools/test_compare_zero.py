@@ -1,4 +1,5 @@
-"""tools/compare_zero.py on 2 CPU ranks: every stage through the real launcher, one table, one CSV, one picture."""
+"""tools/compare_zero.py (compare.py's short form for ZeRO stages) on 2 CPU ranks: every stage through the real
+launcher, one table, one CSV, one picture; compare.py's grid of --vary values."""
 import csv
 import sys
 
@@ -12,7 +13,7 @@ import compare_zero  # noqa: E402
 
 def read_rows(output_dir):
     with (output_dir / "comparison.csv").open() as file:
-        return {row["stage"]: row for row in csv.DictReader(file)}
+        return {row["cell"].removeprefix("deepspeed.config=zero"): row for row in csv.DictReader(file)}
 
 
 @pytest.fixture
@@ -24,13 +25,14 @@ def one_thread_per_rank(monkeypatch):
 def test_compare_stages_on_tiny_llama(tmp_path, data_cache, monkeypatch, one_thread_per_rank):
     """Losses agree across ZeRO 0-3, ZeRO-3 holds less model state per rank than ZeRO-0, and a stage that fails
     (here ZeRO-1, made to fail as an out-of-memory run would) is a row with its error while the others run."""
-    launch = compare_zero.run_stage
+    launch = compare_zero.compare.run_cell
 
-    def run_or_fail(args, stage, output_dir):
-        return "exit 1: torch.OutOfMemoryError: (made to fail by the test)" if stage == "1" else launch(args, stage,
-                                                                                                        output_dir)
+    def run_or_fail(args, cell, output_dir):
+        if cell == ["deepspeed.config=zero1"]:
+            return "exit 1: torch.OutOfMemoryError: (made to fail by the test)"
+        return launch(args, cell, output_dir)
 
-    monkeypatch.setattr(compare_zero, "run_stage", run_or_fail)
+    monkeypatch.setattr(compare_zero.compare, "run_cell", run_or_fail)
     out = tmp_path / "compare"
     assert compare_zero.main(["--recipe", "tiny_llama", "--stages", "0,1,2,3", "--num-gpus", "2", "--steps", "4",
                               "--output-dir", str(out), SMALL_MODEL, data_cache, "training.warmup_steps=1"]) == 0
@@ -45,9 +47,10 @@ def test_compare_stages_on_tiny_llama(tmp_path, data_cache, monkeypatch, one_thr
     assert float(rows["3"]["model_states_bytes"]) < 0.7 * float(rows["0"]["model_states_bytes"])
     assert float(rows["3"]["estimated_model_states_bytes"]) < float(rows["0"]["estimated_model_states_bytes"])
     table = (out / "comparison.md").read_text()
-    assert "| 1 | failed: exit 1: torch.OutOfMemoryError" in table and "| 3 |" in table
+    assert "| deepspeed.config=zero1 | failed: exit 1: torch.OutOfMemoryError" in table
+    assert "| deepspeed.config=zero3 |" in table
     assert (out / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (out / "zero3" / "summary.json").is_file() and (out / "zero3.log").is_file()
+    assert (out / "deepspeed.config=zero3" / "summary.json").is_file() and (out / "deepspeed.config=zero3.log").is_file()
 
 
 @pytest.mark.slow
@@ -60,8 +63,18 @@ def test_compare_understands_pipeline_stages(tmp_path, data_cache, one_thread_pe
                               "training.warmup_steps=1"]) == 0
     rows = read_rows(out)
     assert rows["2"]["status"] == "failed" and "supports ZeRO 0 and 1 only" in rows["2"]["error"]
-    assert not (out / "zero2.log").exists()  # refused by the checks, never launched
+    assert not (out / "deepspeed.config=zero2.log").exists()  # refused by the checks, never launched
     assert rows["0"]["status"] == rows["1"]["status"] == "ok"
     assert float(rows["1"]["max_loss_diff"]) < 1e-5
     assert rows["1"]["estimate_source"] == "ZeRO arithmetic"
-    assert "pipeline_stages" in (out / "zero1" / "resolved_recipe.yaml").read_text()
+    assert "pipeline_stages" in (out / "deepspeed.config=zero1" / "resolved_recipe.yaml").read_text()
+
+
+def test_vary_makes_a_grid_and_keeps_bracketed_commas():
+    args = compare_zero.compare.parse_args(["--recipe", "tiny_llama", "--vary", "optimizer.name=adamw,lion",
+                                            "--vary", "training.betas=[0.9, 0.95],[0.9, 0.99]"])
+    assert args.cells == [["optimizer.name=adamw", "training.betas=[0.9, 0.95]"],
+                          ["optimizer.name=adamw", "training.betas=[0.9, 0.99]"],
+                          ["optimizer.name=lion", "training.betas=[0.9, 0.95]"],
+                          ["optimizer.name=lion", "training.betas=[0.9, 0.99]"]]
+    assert compare_zero.compare.cell_folder(args.cells[1]) == "optimizer.name=adamw__training.betas=_0.9_0.99_"
