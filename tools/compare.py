@@ -138,12 +138,17 @@ def compare(args: argparse.Namespace) -> tuple[list[dict], dict[str, dict[int, f
             row.update(status="failed", error=error)
             print(f"{name} failed: {error}", file=sys.stderr)
         rows.append(row)
-    reference = next(iter(curves), None)  # the first cell that ran
+    reference = reference_cell(curves)
     for row in rows:
         if row["cell"] in curves:
             steps = curves[reference].keys() & curves[row["cell"]].keys()
             row["max_loss_diff"] = max(abs(curves[row["cell"]][s] - curves[reference][s]) for s in steps)
     return rows, curves
+
+
+def reference_cell(curves: dict[str, dict[int, float]]) -> str | None:
+    """The cell the others' losses are compared with: the first that ran."""
+    return next(iter(curves), None)
 
 
 def gib(value: float | None) -> str:
@@ -223,7 +228,7 @@ def compare_and_report(args: argparse.Namespace) -> int:
     load_recipe(args.recipe, args.overrides)  # what every cell shares is checked once, before anything runs
     args.output_dir = args.output_dir or REPO / "outputs" / f"compare-{Path(args.recipe).name}"
     rows, curves = compare(args)
-    reference = next(iter(curves), None)
+    reference = reference_cell(curves)
     with (args.output_dir / "comparison.csv").open("w", newline="") as file:
         writer = csv.DictWriter(file, fieldnames=COLUMNS, extrasaction="ignore")
         writer.writeheader()

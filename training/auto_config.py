@@ -14,11 +14,10 @@ from dataclasses import dataclass
 from transformers import PretrainedConfig
 
 from training.errors import ConfigError
-from training.memory import HEADROOM, model_states
-from training.optimizer import optimizer_state_bytes
-from training.plan import Machine, activations, format_bytes, tensor_parallel_shard
+from training.memory import HEADROOM
+from training.plan import Machine, activations, format_bytes, states_per_setting
 from training.recipe import Recipe
-from training.shape import model_shape
+from training.shape import ModelShape, model_shape
 
 AUTO_ORDER = ("0", "1", "2", "3", "3_offload")  # least sharded first, named as ds_configs/zero*.json
 
@@ -42,9 +41,9 @@ def choose_ds_config(recipe: Recipe, config: PretrainedConfig, precision: str, m
     if recipe.parallelism.pipeline_stages > 1:
         raise ConfigError("deepspeed.config=auto plans one model per rank; with pipeline stages choose zero0 or "
                           "zero1 yourself (--dry-run prints each stage's memory)")
-    budget = HEADROOM * machine.memory_per_rank
+    budget, shape = HEADROOM * machine.memory_per_rank, model_shape(config)
     refused = []
-    for need in memory_needs(recipe, config, precision, machine):
+    for need in memory_needs(recipe, shape, precision, machine):
         if need.total <= budget:
             chosen = with_setting(recipe, need)
             why = refusal(chosen)
@@ -53,27 +52,19 @@ def choose_ds_config(recipe: Recipe, config: PretrainedConfig, precision: str, m
             refused.append(f"  {chosen.deepspeed.config}: " + " ".join(why.split()))
     if refused:
         raise ConfigError("deepspeed.config=auto: what fits, the run's checks refuse:\n" + "\n".join(refused))
-    raise ConfigError(shortfall(recipe, config, precision, machine))
+    raise ConfigError(shortfall(recipe, shape, precision, machine))
 
 
-def memory_needs(recipe: Recipe, config: PretrainedConfig, precision: str, machine: Machine) -> list[Need]:
+def memory_needs(recipe: Recipe, shape: ModelShape, precision: str, machine: Machine) -> list[Need]:
     """Each candidate's bytes per rank, in the order of preference."""
-    shape = model_shape(config)
     acts = activations(recipe, precision, shape)
     if acts is None:
         raise ConfigError(f"deepspeed.config=auto: the plan has no activation rule for model type {shape.model_type}; "
                           f"choose a config under ds_configs/ yourself")
-    tp = recipe.parallelism.tensor_parallel
-    needs = []
-    for checkpointing in ([True] if recipe.activation_checkpointing else [False, True]):
-        for setting in AUTO_ORDER:
-            if precision == "fp32" and setting.endswith("_offload"):
-                continue  # DeepSpeed's offload keeps 16-bit weights on the GPU
-            states = model_states(setting, tensor_parallel_shard(shape, tp), machine.gpus_per_node // tp,
-                                  machine.nodes, precision, zero_init=recipe.model.name_or_path is not None,
-                                  state_bytes=optimizer_state_bytes(recipe.optimizer.name, shape))
-            needs.append(Need(setting, checkpointing, states.device_bytes, acts.peak(checkpointing)))
-    return needs
+    states = states_per_setting(recipe, precision, shape, machine)
+    return [Need(setting, checkpointing, states[setting].device_bytes, acts.peak(checkpointing))
+            for checkpointing in ([True] if recipe.activation_checkpointing else [False, True])
+            for setting in AUTO_ORDER if setting in states]
 
 
 def with_setting(recipe: Recipe, need: Need) -> Recipe:
@@ -81,11 +72,11 @@ def with_setting(recipe: Recipe, need: Need) -> Recipe:
     return recipe.model_copy(update={"deepspeed": deepspeed, "activation_checkpointing": need.checkpointing})
 
 
-def shortfall(recipe: Recipe, config: PretrainedConfig, precision: str, machine: Machine) -> str:
+def shortfall(recipe: Recipe, shape: ModelShape, precision: str, machine: Machine) -> str:
     """Why nothing fits, with the smallest need, and what would fit: more GPUs, a smaller micro-batch, shorter
     rows (each tried alone, the rest as the recipe says)."""
     budget = HEADROOM * machine.memory_per_rank
-    smallest = min(memory_needs(recipe, config, precision, machine), key=lambda need: need.total)
+    smallest = min(memory_needs(recipe, shape, precision, machine), key=lambda need: need.total)
     lines = [f"deepspeed.config=auto: nothing fits in {format_bytes(budget)} per rank ({HEADROOM:.0%} of "
              f"{format_bytes(machine.memory_per_rank)}, {machine.memory_source}); the smallest is ZeRO-"
              f"{smallest.setting.replace('_', ' + ')}{' with activation checkpointing' if smallest.checkpointing else ''}"
@@ -93,15 +84,15 @@ def shortfall(recipe: Recipe, config: PretrainedConfig, precision: str, machine:
              f"{format_bytes(smallest.activations)} activations). What would fit:"]
     for nodes in (2, 4, 8, 16, 32, 64):
         more = Machine(machine.gpus_per_node, machine.nodes * nodes, machine.memory_per_rank, machine.memory_source)
-        if fits(recipe, config, precision, more):
+        if fits(recipe, shape, precision, more):
             lines.append(f"  {more.nodes} node(s) x {more.gpus_per_node} GPU(s) (ZeRO-3 shards the model states "
                          f"over more ranks)")
             break
     training = recipe.training
-    if training.micro_batch_size > 1 and fits(with_training(recipe, micro_batch_size=1), config, precision, machine):
+    if training.micro_batch_size > 1 and fits(with_training(recipe, micro_batch_size=1), shape, precision, machine):
         lines.append("  training.micro_batch_size=1 (the global batch stays: more accumulation steps)")
     seq_len = recipe.data.seq_len // 2
-    while seq_len >= 128 and not fits(with_seq_len(recipe, seq_len), config, precision, machine):
+    while seq_len >= 128 and not fits(with_seq_len(recipe, seq_len), shape, precision, machine):
         seq_len //= 2
     if seq_len >= 128:
         lines.append(f"  data.seq_len={seq_len}")
@@ -110,9 +101,9 @@ def shortfall(recipe: Recipe, config: PretrainedConfig, precision: str, machine:
     return "\n".join(lines)
 
 
-def fits(recipe: Recipe, config: PretrainedConfig, precision: str, machine: Machine) -> bool:
+def fits(recipe: Recipe, shape: ModelShape, precision: str, machine: Machine) -> bool:
     budget = HEADROOM * machine.memory_per_rank
-    return any(need.total <= budget for need in memory_needs(recipe, config, precision, machine))
+    return any(need.total <= budget for need in memory_needs(recipe, shape, precision, machine))
 
 
 def with_training(recipe: Recipe, **changes) -> Recipe:

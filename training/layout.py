@@ -17,9 +17,9 @@ def check_layout(recipe: Recipe, model_config: PretrainedConfig, raw_ds_config: 
     """The checks of the ranks' layout, the ZeRO stage, the precision and the optimizer together."""
     stage, parallelism = zero_stage(raw_ds_config), recipe.parallelism
     if precision == "fp8" and stage == 0:
-        raise ConfigError(f"precision=fp8 with ZeRO-0 ({ds_config_file(recipe.deepspeed.config).name}): ZeRO-0 runs mixed precision as "
-                          f"torch autocast over fp32 weights, which this FP8 path does not support; use "
-                          f"deepspeed.config=zero1, zero2 or zero3")
+        raise ConfigError(f"precision=fp8 with ZeRO-0 ({ds_config_file(recipe.deepspeed.config).name}): ZeRO-0 runs "
+                          f"mixed precision as torch autocast over fp32 weights, which this FP8 path does not "
+                          f"support; use deepspeed.config=zero1, zero2 or zero3")
     if parallelism.sequence_parallel > 1:
         check_sequence_parallel(recipe, model_config, world_size, stage, precision)
     if parallelism.tensor_parallel > 1:

@@ -199,13 +199,7 @@ def print_memory_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> Non
     table = Table()
     for column in ("ZeRO", "model states", "CPU per node", "estimated by", "+ activations", "+ act. (ckpt)", "fits"):
         table.add_column(column, justify="left" if column in ("ZeRO", "estimated by", "fits") else "right")
-    for setting in ZERO_SETTINGS:
-        if plan.precision == "fp32" and setting.endswith("_offload"):
-            continue  # DeepSpeed's offload runs keep 16-bit weights on the GPU
-        states = model_states(setting, tensor_parallel_shard(shape, plan.tensor_parallel),
-                              machine.gpus_per_node // plan.tensor_parallel, machine.nodes, plan.precision,
-                              zero_init=plan.recipe.model.name_or_path is not None,
-                              state_bytes=state_bytes(plan, shape))
+    for setting, states in states_per_setting(plan.recipe, plan.precision, shape, machine).items():
         marker = " (this run)" if setting == current else ""
         table.add_row(setting.replace("_", " + ") + marker, format_bytes(states.device_bytes),
                       format_bytes(states.host_bytes) if states.host_bytes else "-", states.source,
@@ -248,6 +242,17 @@ def tensor_parallel_shard(shape: ModelShape, size: int) -> ModelShape:
     return replace(shape, parameters=shape.parameters - sum(shape.layer_parameters) + sum(layers),
                    layer_parameters=layers, num_heads=shape.num_heads // size,
                    num_kv_heads=shape.num_kv_heads // size, intermediate_size=shape.intermediate_size // size)
+
+
+def states_per_setting(recipe: Recipe, precision: str, shape: ModelShape, machine: Machine) -> dict[str, ModelStates]:
+    """Each ZeRO setting's model states per rank on `machine` (a rank's slice under tensor parallelism, ZeRO over
+    the data-parallel ranks); offload only in mixed precision (DeepSpeed's offload keeps 16-bit weights on the
+    GPU)."""
+    tp = recipe.parallelism.tensor_parallel
+    return {setting: model_states(setting, tensor_parallel_shard(shape, tp), machine.gpus_per_node // tp,
+                                  machine.nodes, precision, zero_init=recipe.model.name_or_path is not None,
+                                  state_bytes=optimizer_state_bytes(recipe.optimizer.name, shape))
+            for setting in ZERO_SETTINGS if not (precision == "fp32" and setting.endswith("_offload"))}
 
 
 def planned_model_states(plan: RunPlan) -> ModelStates:
