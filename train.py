@@ -37,6 +37,7 @@ from training.errors import ConfigError, positive_float, positive_int, report
 from training.evaluation import evaluate
 from training.layout import check_layout, refusal
 from training.long_context import apply_long_context
+from training.lora import export_lora, with_lora
 from training.export import export_checkpoint
 from training.fp8 import convert_linears_to_fp8
 from training.metrics import (FlopsMeter, MetricsLogger, Stopwatch, device_name, flops_meter, gpu_metrics,
@@ -101,7 +102,7 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> RunPla
                                   lambda chosen: refusal(chosen, model_config, world_size, args.num_gpus is not None))
     raw_ds_config, ds_config_path = load_ds_config(recipe)
     precision = resolve_precision(recipe.precision, raw_ds_config, for_gpus=args.num_gpus is not None)
-    check_layout(recipe, model_config, raw_ds_config, precision, world_size)
+    check_layout(recipe, model_config, raw_ds_config, precision, world_size, args.num_gpus is not None)
     parallelism = recipe.parallelism
     tensor = parallelism.tensor_parallel
     dp_size = world_size // (parallelism.pipeline_stages * parallelism.sequence_parallel * tensor)
@@ -112,7 +113,7 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> RunPla
         check_output_dir(output_dir, args.resume, args.overwrite)
     layout = {"world_size": world_size, "zero_stage": zero_stage(ds_config), "precision": precision,
               "pipeline_stages": parallelism.pipeline_stages, "tensor_parallel": tensor,
-              "optimizer": recipe.optimizer.name}
+              "optimizer": recipe.optimizer.name, "lora": recipe.lora.enabled}
     resume_universal = args.resume and check_resume(output_dir / "checkpoints", layout, recipe.data.streaming,
                                                     recipe.training.max_steps)
     if resume_universal:  # another layout wrote the checkpoint
@@ -303,7 +304,7 @@ def run_state(plan: RunPlan, step: int, tokens_seen: int, data_position: int) ->
     return {"step": step, "tokens_seen": tokens_seen, "data_position": data_position, "recipe": plan.recipe.name,
             "world_size": plan.world_size, "zero_stage": plan.zero_stage, "precision": plan.precision,
             "pipeline_stages": plan.pipeline_stages, "tensor_parallel": plan.tensor_parallel,
-            "optimizer": plan.recipe.optimizer.name}
+            "optimizer": plan.recipe.optimizer.name, "lora": plan.recipe.lora.enabled}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -345,6 +346,7 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
         model = build_model(recipe, plan.model_config, plan.ds_config, plan.precision)
         provide_universal_info(model)
         apply_long_context(model, recipe.long_context)
+        model = with_lora(model, recipe.lora, training.seed)
     mpu = enable_sequence_parallel(model, plan.sequence_parallel, training.micro_batch_size, recipe.data.seq_len)
     if plan.precision == "fp8":
         converted = convert_linears_to_fp8(model, recipe.fp8, plan.model_config.vocab_size)
@@ -385,6 +387,8 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
         if dist.get_rank() == 0:
             export_checkpoint(checkpoint_dir, plan.output_dir / "hf", overwrite=True)
         dist.barrier()
+    elif recipe.lora.enabled:
+        export_lora(engine, plan.tokenizer, plan.output_dir, DTYPES[plan.precision], recipe.export.merge)
     else:
         export_hf(engine, plan.tokenizer, plan.output_dir / "hf", DTYPES[plan.precision])
     if dist.get_rank() == 0:
@@ -393,6 +397,7 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
                    "precision": plan.precision, "pipeline_stages": plan.pipeline_stages,
                    "sequence_parallel": plan.sequence_parallel, "tensor_parallel": plan.tensor_parallel,
                    "activation_checkpointing": recipe.activation_checkpointing, "optimizer": recipe.optimizer.name,
+                   "lora": recipe.lora.enabled,
                    "steps": total_steps, "start_step": start["step"], **totals,
                    "wall_time_s": time.perf_counter() - run_start, "output_dir": str(plan.output_dir),
                    "data": data_stats, "ds_config": plan.ds_config}

@@ -41,7 +41,7 @@ def choose_ds_config(recipe: Recipe, config: PretrainedConfig, precision: str, m
     if recipe.parallelism.pipeline_stages > 1:
         raise ConfigError("deepspeed.config=auto plans one model per rank; with pipeline stages choose zero0 or "
                           "zero1 yourself (--dry-run prints each stage's memory)")
-    budget, shape = HEADROOM * machine.memory_per_rank, model_shape(config)
+    budget, shape = HEADROOM * machine.memory_per_rank, model_shape(config, recipe.lora)
     refused = []
     for need in memory_needs(recipe, shape, precision, machine):
         if need.total <= budget:

@@ -79,6 +79,11 @@ def rank_state(engine: DeepSpeedEngine, data_state: dict) -> dict:
     return {"data": data_state, "rng": rng_states(), **({"grad_scaler": scaler.state_dict()} if scaler else {})}
 
 
+def has_frozen_parameters(engine: DeepSpeedEngine) -> bool:
+    """A LoRA run's frozen base weights: checkpoints leave them out, since they load again from the base model."""
+    return any(not p.requires_grad for p in engine.module.parameters())
+
+
 def save_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, run_state: dict, data_state: dict,
                     hf_files: tuple, keep_last: int | None) -> dict:
     """Every rank calls it. `run_state` must hold `step`; `hf_files` is (model config, tokenizer). Returns the
@@ -88,7 +93,8 @@ def save_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, run_state: di
     tag_dir = checkpoint_dir / tag
     tag_dir.mkdir(parents=True, exist_ok=True)
     torch.save(rank_state(engine, data_state), tag_dir / f"rank_state{rank}.pt")
-    engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state={"step": run_state["step"]}, save_latest=False)
+    engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state={"step": run_state["step"]}, save_latest=False,
+                           exclude_frozen_parameters=has_frozen_parameters(engine))
     if rank == 0:
         for item in hf_files:
             item.save_pretrained(tag_dir / "hf")
@@ -187,7 +193,7 @@ def load_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, universal: bo
     load_dir = checkpoint_dir / UNIVERSAL if universal else checkpoint_dir
     try:
         with universal_load_repaired(engine.optimizer) if universal else nullcontext():
-            path, _ = engine.load_checkpoint(str(load_dir), tag=tag)
+            path, _ = engine.load_checkpoint(str(load_dir), tag=tag, load_module_strict=not has_frozen_parameters(engine))
         rank_state = torch.load(rank_state_file, weights_only=False)
     except (RuntimeError, EOFError, pickle.UnpicklingError, OSError, KeyError) as error:
         raise ConfigError(f"--resume: {load_dir / tag} cannot be loaded into this run ({error}); "

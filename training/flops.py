@@ -4,7 +4,8 @@ Per token of a row of `seq_len` tokens, forward + backward (the backward costs t
   model FLOPs    = 6 * N  +  12 * layers * q_dim * seq_len
   hardware FLOPs = model FLOPs  +  (with activation checkpointing) 2 * N_layers  +  4 * layers * q_dim * seq_len
 N counts the parameters a token multiplies with (all but the embedding tables; a tied LM head counts);
-N_layers the decoder layers' alone (checkpointing recomputes their forward, not the head's). The attention term
+With LoRA the frozen weights need no weight gradients: 4 * N + 6 * N_LoRA (the adapters' parameters) instead
+of 6 * N. N_layers the decoder layers' alone (checkpointing recomputes their forward, not the head's). The attention term
 is QK^T and AV over the whole row (PaLM's and torchtitan's convention; causal masking and packed documents do
 less work, so this is an upper bound and comparable with their MFU figures).
 MFU = model FLOPs per second / peak dense bf16 FLOP/s of the GPU (FP8 runs too, as torchtitan reports);
@@ -35,7 +36,9 @@ PEAK_BF16_TFLOPS = (
 def flops_per_token(shape: ModelShape, seq_len: int, recompute: bool) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) per trained token; the formulas are in the module docstring."""
     attention = 12 * shape.num_layers * shape.q_dim * seq_len
-    model = 6 * shape.matmul_parameters + attention
+    lora = shape.lora_parameters
+    weights = 6 * shape.matmul_parameters if lora is None else 4 * shape.matmul_parameters + 6 * lora
+    model = weights + attention
     if not recompute:
         return model, model
     return model, model + 2 * sum(shape.layer_parameters) + attention / 3

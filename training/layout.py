@@ -4,6 +4,7 @@ from transformers import PretrainedConfig
 
 from training.ds_config import ds_config_file, load_ds_config, zero_stage
 from training.errors import ConfigError
+from training.lora import check_lora
 from training.optimizer import check_optimizer
 from training.pipeline import check_pipeline
 from training.precision import resolve_precision
@@ -13,7 +14,7 @@ from training.tensor_parallel import check_tensor_parallel
 
 
 def check_layout(recipe: Recipe, model_config: PretrainedConfig, raw_ds_config: dict, precision: str,
-                 world_size: int) -> None:
+                 world_size: int, for_gpus: bool = False) -> None:
     """The checks of the ranks' layout, the ZeRO stage, the precision and the optimizer together."""
     stage, parallelism = zero_stage(raw_ds_config), recipe.parallelism
     if precision == "fp8" and stage == 0:
@@ -27,6 +28,8 @@ def check_layout(recipe: Recipe, model_config: PretrainedConfig, raw_ds_config: 
     if parallelism.pipeline_stages > 1:
         check_pipeline(model_config, parallelism.pipeline_stages, stage, world_size)
     check_optimizer(recipe, model_config, raw_ds_config)
+    if recipe.lora.enabled:
+        check_lora(recipe, model_config, precision, for_gpus)
 
 
 def refusal(recipe: Recipe, model_config: PretrainedConfig, world_size: int, for_gpus: bool) -> str | None:
@@ -34,7 +37,7 @@ def refusal(recipe: Recipe, model_config: PretrainedConfig, world_size: int, for
     try:
         raw_ds_config, _ = load_ds_config(recipe)
         check_layout(recipe, model_config, raw_ds_config, resolve_precision(recipe.precision, raw_ds_config, for_gpus),
-                     world_size)
+                     world_size, for_gpus)
     except ConfigError as error:
         return str(error)
     return None

@@ -85,6 +85,20 @@ def model_states(setting: str, shape: ModelShape, gpus_per_node: int, nodes: int
     return ModelStates(float(device), float(host), "DeepSpeed estimator")
 
 
+def lora_model_states(setting: str, shape: ModelShape, trainable: int, gpus_per_node: int, nodes: int,
+                      precision: str, state_bytes: float = 8.0) -> ModelStates:
+    """Model states of a LoRA run (training/lora.py): the frozen base weights in the run's dtype, with no gradients,
+    master copy or optimizer states (ZeRO-3 shards them; ZeRO-0 keeps fp32 weights, also under autocast), plus the
+    `trainable` parameters' by the ZeRO arithmetic; offload moves those parameters' fp32 master weights and
+    optimizer states to the nodes' memory."""
+    stage, offload = int(setting[0]), setting.endswith("_offload")
+    ranks = gpus_per_node * nodes
+    frozen = shape.parameters * (2 if stage and precision in ("bf16", "fp16", "fp8") else 4) / (ranks if stage == 3 else 1)
+    trained = zero_arithmetic(trainable, stage, ranks, precision, state_bytes)
+    host = trainable * (4 + state_bytes) / ranks if offload else 0.0
+    return ModelStates(frozen + trained - host, host * gpus_per_node, "ZeRO arithmetic (LoRA)")
+
+
 LAUNCHER_GRACE_S = 30  # DeepSpeed's launcher, on SIGTERM: passes it to the ranks, SIGKILLs them 30 s later
 
 

@@ -133,7 +133,7 @@ def flops_meter(plan: RunPlan) -> FlopsMeter | None:
     if get_accelerator().device_name() != "cuda":
         return None
     recipe = plan.recipe
-    model, hardware = flops_per_token(model_shape(plan.model_config), recipe.data.seq_len,
+    model, hardware = flops_per_token(model_shape(plan.model_config, recipe.lora), recipe.data.seq_len,
                                       recipe.activation_checkpointing)
     tokens_per_gpu = recipe.training.global_batch_size * recipe.data.seq_len / plan.world_size
     name = torch.cuda.get_device_name()

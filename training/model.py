@@ -8,6 +8,7 @@ from transformers.integrations import HfDeepSpeedConfig
 
 from training.ds_config import zero_stage
 from training.errors import ConfigError
+from training.lora import nf4_quantization
 from training.precision import DTYPES
 from training.recipe import ModelSection, Recipe
 
@@ -131,8 +132,9 @@ def build_model(recipe: Recipe, config: PretrainedConfig, ds_config: dict, preci
     if recipe.model.name_or_path:
         stage = zero_stage(ds_config)
         zero3 = HfDeepSpeedConfig(ds_config) if stage == 3 else None  # noqa: F841 (held by a weak reference)
+        quantized = {"quantization_config": nf4_quantization(DTYPES[precision])} if recipe.lora.quantize == "nf4" else {}
         model = AutoModelForCausalLM.from_pretrained(recipe.model.name_or_path, dtype=weights_dtype(precision, stage),
-                                                     **options)
+                                                     **options, **quantized)
     else:
         model = AutoModelForCausalLM.from_config(dtype=torch.float32, **options)
     if recipe.activation_checkpointing:

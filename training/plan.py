@@ -16,7 +16,8 @@ from training.ds_config import zero_stage
 from training.errors import ConfigError
 from training.flops import flops_per_token
 from training.memory import (HEADROOM, LAUNCHER_GRACE_S, ZERO_SETTINGS, Activations, ModelStates, activation_bytes,
-                             checkpoint_bytes, model_states, zero_arithmetic, zero_setting)
+                             checkpoint_bytes, lora_model_states, model_states, zero_arithmetic,
+                             zero_setting)
 from training.optimizer import optimizer_state_bytes
 from training.precision import DTYPES
 from training.recipe import Recipe
@@ -144,7 +145,7 @@ def shown(path: str | Path) -> str:
 
 def print_plan(plan: RunPlan, machine: Machine) -> None:
     recipe, training = plan.recipe, plan.recipe.training
-    shape = model_shape(plan.model_config)
+    shape = model_shape(plan.model_config, recipe.lora)
     print(f"{recipe.name} ({shown(recipe.path)})")
     print(f"model: {shown(recipe.model.config or recipe.model.name_or_path)} ({type(plan.model_config).__name__}), "
           f"{shape.parameters:,} parameters ({shape.matmul_parameters:,} in matrix multiplies)")
@@ -162,8 +163,13 @@ def print_plan(plan: RunPlan, machine: Machine) -> None:
     print(f"DeepSpeed: {plan.ds_config_path.name} (ZeRO-{plan.zero_stage}{chosen}), optimizer {recipe.optimizer.name}, "
           f"precision {plan.precision}, "
           f"activation checkpointing {'on' if recipe.activation_checkpointing else 'off'}")
+    trainable = shape.lora_parameters
+    if trainable is not None:
+        print(f"LoRA: rank {recipe.lora.rank}, alpha {recipe.lora.alpha:g}, on {recipe.lora.target_modules}: "
+              f"{trainable:,} trainable parameters ({trainable / shape.parameters:.2%} of the model's), the rest frozen")
     model_flops, hardware_flops = flops_per_token(shape, recipe.data.seq_len, recipe.activation_checkpointing)
-    print(f"training FLOPs per token: {model_flops:.3e} (6N + attention), {hardware_flops:.3e} with recomputation")
+    print(f"training FLOPs per token: {model_flops:.3e} ({'4N + 6N_LoRA' if trainable else '6N'} + attention), "
+          f"{hardware_flops:.3e} with recomputation")
     if plan.pipeline_stages > 1:
         print_pipeline_plan(plan, shape, machine)
     else:
@@ -174,7 +180,7 @@ def print_plan(plan: RunPlan, machine: Machine) -> None:
 
 def print_checkpoint_size(plan: RunPlan, shape: ModelShape) -> None:
     """What a save writes, against the time a preempted run has to write it (docs/checkpoints.md#preemption)."""
-    size = checkpoint_bytes(shape.parameters, plan.zero_stage, plan.world_size // plan.pipeline_stages, plan.precision,
+    size = checkpoint_bytes(shape.lora_parameters or shape.parameters, plan.zero_stage, plan.world_size // plan.pipeline_stages, plan.precision,
                             state_bytes(plan, shape))
     print(f"checkpoint: {format_bytes(size.total)} per save, {format_bytes(size.largest_rank)} from the busiest rank; "
           f"under the deepspeed launcher a SIGTERM save must finish within its {LAUNCHER_GRACE_S} s "
@@ -246,19 +252,24 @@ def tensor_parallel_shard(shape: ModelShape, size: int) -> ModelShape:
 
 def states_per_setting(recipe: Recipe, precision: str, shape: ModelShape, machine: Machine) -> dict[str, ModelStates]:
     """Each ZeRO setting's model states per rank on `machine` (a rank's slice under tensor parallelism, ZeRO over
-    the data-parallel ranks); offload only in mixed precision (DeepSpeed's offload keeps 16-bit weights on the
-    GPU)."""
-    tp = recipe.parallelism.tensor_parallel
+    the data-parallel ranks; with LoRA, the shape's lora_parameters on frozen weights); offload only in mixed precision
+    (DeepSpeed's offload keeps 16-bit weights on the GPU)."""
+    tp, state_bytes = recipe.parallelism.tensor_parallel, optimizer_state_bytes(recipe.optimizer.name, shape)
+    settings = [setting for setting in ZERO_SETTINGS if not (precision == "fp32" and setting.endswith("_offload"))]
+    if shape.lora_parameters is not None:
+        return {setting: lora_model_states(setting, shape, shape.lora_parameters, machine.gpus_per_node, machine.nodes, precision,
+                                           state_bytes) for setting in settings}
     return {setting: model_states(setting, tensor_parallel_shard(shape, tp), machine.gpus_per_node // tp,
                                   machine.nodes, precision, zero_init=recipe.model.name_or_path is not None,
-                                  state_bytes=optimizer_state_bytes(recipe.optimizer.name, shape))
-            for setting in ZERO_SETTINGS if not (precision == "fp32" and setting.endswith("_offload"))}
+                                  state_bytes=state_bytes) for setting in settings}
 
 
 def planned_model_states(plan: RunPlan) -> ModelStates:
     """The run's model-state estimate per rank: its ZeRO setting over its data-parallel ranks (one node), or
     with pipeline stages the largest stage's share. ValueError where there is no estimate (offload in fp32)."""
-    shape = model_shape(plan.model_config)
+    shape = model_shape(plan.model_config, plan.recipe.lora)
+    if shape.lora_parameters is not None:
+        return lora_model_states(zero_setting(plan.ds_config), shape, shape.lora_parameters, plan.world_size, 1, plan.precision, state_bytes(plan, shape))
     if plan.pipeline_stages == 1:
         return model_states(zero_setting(plan.ds_config), tensor_parallel_shard(shape, plan.tensor_parallel),
                             plan.world_size // plan.tensor_parallel, 1, plan.precision,

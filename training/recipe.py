@@ -121,6 +121,30 @@ class Fp8Section(StrictModel):
     exclude: list[str] = []  # module names (fnmatch patterns) kept in BF16, e.g. ["model.layers.0.*"]
 
 
+class LoraSection(StrictModel):
+    """Low-rank adapters (peft) trained on a frozen base model (training/lora.py)."""
+    enabled: bool = False
+    rank: PositiveInt = 16
+    alpha: PositiveFloat = 32  # the adapters' output is scaled by alpha / rank
+    dropout: float = Field(0.0, ge=0, lt=1)  # on the adapters' input
+    target_modules: list[str] | str = "all-linear"  # module name suffixes, a regular expression over the full
+    # names, or all-linear (every linear layer but the LM head; MoE experts' fused weights are not linear layers)
+    modules_to_save: list[str] = []  # modules trained in full besides the adapters, e.g. [lm_head]
+    quantize: Literal["none", "nf4"] = "none"  # nf4: QLoRA, the frozen base model in 4 bits (bitsandbytes, CUDA)
+
+    @model_validator(mode="after")
+    def settings_only_when_enabled(self) -> "LoraSection":
+        stray = sorted(self.model_fields_set - {"enabled"})
+        if stray and not self.enabled:
+            raise ValueError(f"lora.{stray[0]} is set but lora.enabled is false: set lora.enabled=true to train "
+                             f"adapters, or remove the lora settings")
+        return self
+
+
+class ExportSection(StrictModel):
+    merge: bool = False  # with lora: also write the base weights with the adapters merged into them (hf/)
+
+
 class CheckpointingSection(StrictModel):
     every_steps: PositiveInt | None = None  # None: only at the end
     keep_last: PositiveInt | None = None  # None: keep every checkpoint
@@ -168,6 +192,8 @@ class Recipe(StrictModel):
     activation_checkpointing: bool = False
     compile: bool = False  # torch.compile the model through DeepSpeed (engine.compile): fuses FP8's casts, among others
     parallelism: ParallelismSection = ParallelismSection()
+    lora: LoraSection = LoraSection()
+    export: ExportSection = ExportSection()
     long_context: LongContextSection = LongContextSection()
     checkpointing: CheckpointingSection = CheckpointingSection()
     stability: StabilitySection = StabilitySection()
@@ -199,6 +225,12 @@ class Recipe(StrictModel):
             raise ValueError("long_context.offload_checkpoints moves activation checkpointing's saved layer inputs "
                              "to host memory: set activation_checkpointing=true (without pipeline stages, whose "
                              "checkpointing DeepSpeed's pipeline engine does)")
+        if self.export.merge and not self.lora.enabled:
+            raise ValueError("export.merge merges LoRA adapters into the base weights: it needs lora.enabled=true "
+                             "(a full fine-tune's hf/ holds its weights already)")
+        if self.lora.enabled and not self.model.name_or_path:
+            raise ValueError("lora.enabled trains adapters on a frozen base model: set model.name_or_path to the "
+                             "checkpoint to adapt (from model.config alone the frozen weights would be random)")
         if self.data.streaming and self.training.max_steps is None:
             raise ValueError("data.streaming needs training.max_steps: the length of a stream is not known ahead")
         return self

@@ -5,6 +5,9 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from training.lora import trainable_parameters
+from training.recipe import LoraSection
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -23,6 +26,7 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     vocab_size: int
+    lora_parameters: int | None = None  # a LoRA run's trained parameters (adapters, modules_to_save); None: all train
 
     @property
     def q_dim(self) -> int:
@@ -55,7 +59,8 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return model.base_model.layers if hasattr(model.base_model, "layers") else model.base_model.h  # GPT-2: h
 
 
-def model_shape(config: PretrainedConfig) -> ModelShape:
+def model_shape(config: PretrainedConfig, lora: LoraSection | None = None) -> ModelShape:
+    """The shape of the model `config` builds; with lora (enabled), also the parameters its adapters train."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -73,7 +78,8 @@ def model_shape(config: PretrainedConfig) -> ModelShape:
         intermediate_size=getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
         or 4 * config.hidden_size,
         num_layers=len(layers), num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=head_dim, vocab_size=config.vocab_size)
+        head_dim=head_dim, vocab_size=config.vocab_size,
+        lora_parameters=trainable_parameters(lora, config) if lora and lora.enabled else None)
 
 
 def head_counts(config: PretrainedConfig) -> tuple[int, int]:

@@ -32,8 +32,9 @@ from training.distributed import host_group
 from training.errors import ConfigError
 
 UNIVERSAL = "universal"  # the folder under checkpoints/ that holds converted checkpoints, one per tag
-LAYOUT_KEYS = ("world_size", "zero_stage", "precision", "pipeline_stages", "tensor_parallel", "optimizer")
-WRITTEN_BEFORE_THE_KEY = {"pipeline_stages": 1, "tensor_parallel": 1, "optimizer": "adamw"}  # older run states
+LAYOUT_KEYS = ("world_size", "zero_stage", "precision", "pipeline_stages", "tensor_parallel", "optimizer", "lora")
+WRITTEN_BEFORE_THE_KEY = {"pipeline_stages": 1, "tensor_parallel": 1, "optimizer": "adamw", "lora": False}  # older
+# run states
 
 
 def provide_universal_info(model: torch.nn.Module) -> None:
@@ -51,6 +52,14 @@ def needs_universal(run_state: dict, layout: dict, streaming: bool, export_hint:
     if wrote["optimizer"] != layout["optimizer"]:
         raise ConfigError(f"--resume ({change}): the checkpoint holds {wrote['optimizer']}'s optimizer states; resume "
                           f"with optimizer.name={wrote['optimizer']}, or start a new run from its weights: {export_hint}")
+    if wrote["lora"] != layout["lora"]:
+        raise ConfigError(f"--resume ({change}): a LoRA checkpoint holds the adapters and their optimizer states, a full "
+                          f"fine-tune's the whole model's; resume with lora.enabled={str(wrote['lora']).lower()}, or "
+                          f"start a new run from its exported weights")
+    if layout["lora"]:
+        raise ConfigError(f"--resume ({change}): a LoRA checkpoint resumes in the layout that wrote it (DeepSpeed's "
+                          f"universal conversion is not proven here without the frozen base weights); resume with "
+                          f"{wrote['world_size']} rank(s) at ZeRO-{wrote['zero_stage']} in {wrote['precision']}")
     if streaming and wrote["world_size"] != layout["world_size"]:
         raise ConfigError(f"--resume ({change}): with data.streaming each rank reads its own share of the stream and "
                           f"the checkpoint holds each rank's position in it, so another number of ranks cannot "
