@@ -37,7 +37,7 @@ from training.errors import ConfigError, positive_float, positive_int, report
 from training.evaluation import evaluate
 from training.layout import check_layout, refusal
 from training.long_context import apply_long_context
-from training.lora import export_lora, with_lora
+from training.lora import export_lora, lora_files, with_lora
 from training.export import export_checkpoint
 from training.fp8 import convert_linears_to_fp8
 from training.metrics import (FlopsMeter, MetricsLogger, Stopwatch, device_name, flops_meter, gpu_metrics,
@@ -220,9 +220,9 @@ def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: E
         return s == start_step + 1 or s % recipe.logging.every_steps == 0 or s == total_steps or evaluate_at(s)
 
     def save() -> None:
+        hf_files = (plan.model_config, plan.tokenizer, *lora_files(engine.module))
         saves.append(save_checkpoint(engine, checkpoints, run_state(plan, step, tokens_seen, position),
-                                     batches.state_dict(), (plan.model_config, plan.tokenizer),
-                                     recipe.checkpointing.keep_last))
+                                     batches.state_dict(), hf_files, recipe.checkpointing.keep_last))
         logger.note(f"checkpoint global_step{step}: {saves[-1]['bytes'] / 2**20:,.1f} MiB in "
                     f"{saves[-1]['seconds']:.2f} s")
 

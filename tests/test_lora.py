@@ -90,3 +90,15 @@ def test_the_export_is_the_adapter_folder(runs):
     assert (config["r"], config["peft_type"]) == (4, "LORA")
     assert (out / "adapter" / "adapter_model.safetensors").stat().st_size > 0
     assert not (out / "hf").exists()  # merged weights only with export.merge=true
+
+
+@pytest.mark.parametrize("ds_config", ["zero1", "zero3"])
+def test_a_checkpoint_exports_the_run_s_adapter(runs, ds_config, tmp_path):
+    """python -m training export on a LoRA checkpoint writes peft's adapter folder: at the last step, the run's own."""
+    from safetensors.torch import load_file
+    from training.__main__ import main as training_cli
+    assert training_cli(["export", str(runs[ds_config] / "checkpoints"), str(tmp_path / "adapter")]) == 0
+    exported = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    written = load_file(runs[ds_config] / "adapter" / "adapter_model.safetensors")
+    assert sorted(exported) == sorted(written) and len(written) == 28
+    assert all(torch.equal(exported[name], written[name]) for name in written)

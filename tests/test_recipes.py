@@ -26,6 +26,7 @@ PUBLISHED_PARAMETERS = {
     "llama2_7b_sft": 6_738_415_616,  # the same checkpoint
     "llama3_8b": 8_030_261_248,  # meta-llama/Meta-Llama-3-8B
     "llama3_8b_long": 8_030_261_248,  # the same checkpoint, its RoPE base and context raised
+    "llama3_8b_lora": 8_030_261_248,  # the same checkpoint, frozen under adapters
     "llama3_70b": 70_553_706_496,  # meta-llama/Meta-Llama-3-70B
     "mistral_7b": 7_241_732_096,  # mistralai/Mistral-7B-v0.1
     "qwen2_5_1_5b": 1_543_714_304,  # Qwen/Qwen2.5-1.5B
@@ -33,7 +34,7 @@ PUBLISHED_PARAMETERS = {
 }
 
 # The GPUs each recipe is written for (its header and README): H100s, 80 GB.
-TARGET_GPUS = {"llama2_7b": 8, "llama2_7b_sft": 8, "llama3_8b": 8, "llama3_8b_long": 8, "llama3_70b": 32,
+TARGET_GPUS = {"llama2_7b": 8, "llama2_7b_sft": 8, "llama3_8b": 8, "llama3_8b_long": 8, "llama3_8b_lora": 1, "llama3_70b": 32,
                "mistral_7b": 8, "qwen2_5_1_5b": 1, "gpt2": 1}
 
 TINY_TOKENIZER = str(REPO / "recipes/tiny_llama/tokenizer")  # 4,096 tokens: fits every model's vocabulary
@@ -142,8 +143,14 @@ def test_recipe_trains_two_steps_on_cpu(name, tmp_path, data_cache):
     shrink = [f"model.config_overrides.{key}={json.dumps(value)}"
               for key, value in small_sizes(model_config(name)).items()]
     steps = ["training.epochs=null"] if recipe.training.epochs else []
+    base = "null"
+    if recipe.lora.enabled:  # adapters need a checkpoint to adapt: the shrunk model, saved
+        base = tmp_path / "base"
+        config = model_config(name)
+        config.update(small_sizes(config))
+        AutoModelForCausalLM.from_config(config).save_pretrained(base)
     result = run_train(["--recipe", name, "--output-dir", str(out), data_cache, *shrink, *local_data(name),
-                        "model.name_or_path=null", f"tokenizer.name_or_path={TINY_TOKENIZER}", *steps,
+                        f"model.name_or_path={base}", f"tokenizer.name_or_path={TINY_TOKENIZER}", *steps,
                         "training.max_steps=2", "training.micro_batch_size=2", "training.global_batch_size=2",
                         "precision=fp32", f"model.attn_implementation={cpu_attention(name)}",
                         f"parallelism.sequence_parallel={sequence_parallel}",
@@ -156,6 +163,10 @@ def test_recipe_trains_two_steps_on_cpu(name, tmp_path, data_cache):
     assert summary["zero_stage"] == ds_config["zero_optimization"]["stage"]
     if recipe.data.eval.fraction or recipe.data.eval.sources:
         assert math.isfinite(summary["eval_loss"])
+    if recipe.lora.enabled:
+        assert json.loads((out / "adapter" / "adapter_config.json").read_text())["r"] == recipe.lora.rank
+        assert (out / "adapter" / "adapter_model.safetensors").is_file() and not recipe.export.merge
+        return
     exported = json.loads((out / "hf" / "config.json").read_text())
     assert exported["model_type"] == model_config(name).model_type
     assert {key: exported[key] for key in recipe.model.config_overrides} == recipe.model.config_overrides

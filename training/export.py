@@ -1,4 +1,5 @@
-"""A saved checkpoint to a Hugging Face folder, with DeepSpeed's own readers.
+"""A saved checkpoint to a Hugging Face folder, with DeepSpeed's own readers; a LoRA checkpoint to peft's adapter
+folder.
 
 ZeRO checkpoints (stages 1-3, each rank's partition in its own file) go through DeepSpeed's
 `zero_to_fp32`, which joins the fp32 master weights. Checkpoints without ZeRO partitions hold the
@@ -18,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 
 from training.checkpoint import RUN_STATE, latest_tag, save_hf
 from training.errors import ConfigError
+from training.lora import export_adapters, is_lora_checkpoint
 from training.pipeline import hf_name
 from training.precision import DTYPES
 
@@ -91,22 +93,30 @@ def export_checkpoint(path: Path, out_dir: Path, dtype: str | None = None, overw
         raise ConfigError(f"{tag_dir / RUN_STATE} names precision {run_state['precision']!r}; pass --dtype")
     dtype = DTYPES[dtype or run_state["precision"]]
     config = AutoConfig.from_pretrained(tag_dir / "hf")
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
     try:
         weights = checkpoint_weights(checkpoint_dir, tag, config)
     except (RuntimeError, ValueError, EOFError, OSError, KeyError, pickle.UnpicklingError) as error:
         raise ConfigError(f"{tag_dir} cannot be read ({error}): a damaged or partial checkpoint; export another "
                           f"one") from None
+    partial = out_dir.with_name(f".{out_dir.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    if is_lora_checkpoint(tag_dir):
+        export_adapters(tag_dir, weights, AutoTokenizer.from_pretrained(tag_dir / "hf"), partial, dtype)
+    else:
+        save_full_model(tag_dir, config, weights, partial, dtype)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    partial.rename(out_dir)
+    return tag_dir
+
+
+def save_full_model(tag_dir: Path, config: PretrainedConfig, weights: dict[str, torch.Tensor], out_dir: Path,
+                    dtype: torch.dtype) -> None:
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
     expected = model.state_dict().keys()
     missing = [name for name in expected if name not in weights and name not in model.all_tied_weights_keys]
     if missing:
         raise ConfigError(f"{tag_dir} lacks weights for {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
     state_dict = {name: weights[name].to(dtype) for name in expected if name in weights}
-    partial = out_dir.with_name(f".{out_dir.name}.partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    save_hf(model, AutoTokenizer.from_pretrained(tag_dir / "hf"), partial, state_dict, dtype)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    partial.rename(out_dir)
-    return tag_dir
+    save_hf(model, AutoTokenizer.from_pretrained(tag_dir / "hf"), out_dir, state_dict, dtype)

@@ -16,7 +16,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import (AutoModelForCausalLM, BitsAndBytesConfig, PretrainedConfig, PreTrainedModel,
+from transformers import (AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig, PretrainedConfig, PreTrainedModel,
                           PreTrainedTokenizerBase)
 
 from training.checkpoint import save_hf
@@ -24,6 +24,7 @@ from training.errors import ConfigError
 from training.recipe import LoraSection, Recipe
 
 ADAPTER_DIR = "adapter"  # beside hf/ in the output folder
+ADAPTER_CONFIG = "adapter_config.json"  # in a LoRA checkpoint's hf/ folder, beside the model config
 QLORA_REQUIREMENTS = "requirements-qlora.txt"
 # peft asks the model with a name transformers 5 has deprecated: a FutureWarning on every rank, for nothing
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
@@ -146,3 +147,29 @@ def save_merged(model: PeftModel, state_dict: dict[str, torch.Tensor], tokenizer
     if still_meta:
         raise RuntimeError(f"merging the adapters: no gathered weights for {still_meta[:3]} (missing {missing[:3]})")
     save_hf(merged, tokenizer, out_dir, {name: t.to(dtype) for name, t in merged.state_dict().items()}, dtype)
+
+
+def lora_files(model: torch.nn.Module) -> tuple:
+    """What a LoRA run's checkpoints keep in hf/ besides the model config and tokenizer: the adapters' config, so
+    that the checkpoint exports on its own (export_adapters)."""
+    return (model.peft_config["default"],) if isinstance(model, PeftModel) else ()
+
+
+def is_lora_checkpoint(tag_dir: Path) -> bool:
+    return (tag_dir / "hf" / ADAPTER_CONFIG).is_file()
+
+
+def export_adapters(tag_dir: Path, weights: dict[str, torch.Tensor], tokenizer: PreTrainedTokenizerBase,
+                    out_dir: Path, dtype: torch.dtype) -> None:
+    """A LoRA checkpoint's trained weights as peft's adapter folder (its names and format, through a copy of the
+    model built on the meta device)."""
+    with torch.device("meta"):
+        model = get_peft_model(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tag_dir / "hf")),
+                               LoraConfig.from_pretrained(tag_dir / "hf"))
+    trained = [name for name, p in model.named_parameters() if p.requires_grad]
+    missing = [name for name in trained if name not in weights]
+    if missing:
+        raise ConfigError(f"{tag_dir} lacks the adapter weights {', '.join(missing[:3])}: a damaged checkpoint, or "
+                          f"one of other adapters than {tag_dir / 'hf' / ADAPTER_CONFIG}; export another one")
+    model.save_pretrained(out_dir, state_dict={name: weights[name].to(dtype) for name in trained})
+    tokenizer.save_pretrained(out_dir)

@@ -85,15 +85,23 @@ def model_states(setting: str, shape: ModelShape, gpus_per_node: int, nodes: int
     return ModelStates(float(device), float(host), "DeepSpeed estimator")
 
 
+NF4_BYTES = 4.127 / 8  # QLoRA's 4-bit NormalFloat with double-quantized block constants (Dettmers et al. 2023)
+
+
 def lora_model_states(setting: str, shape: ModelShape, trainable: int, gpus_per_node: int, nodes: int,
-                      precision: str, state_bytes: float = 8.0) -> ModelStates:
+                      precision: str, state_bytes: float = 8.0, nf4: bool = False) -> ModelStates:
     """Model states of a LoRA run (training/lora.py): the frozen base weights in the run's dtype, with no gradients,
     master copy or optimizer states (ZeRO-3 shards them; ZeRO-0 keeps fp32 weights, also under autocast), plus the
     `trainable` parameters' by the ZeRO arithmetic; offload moves those parameters' fp32 master weights and
-    optimizer states to the nodes' memory."""
+    optimizer states to the nodes' memory. With nf4 (QLoRA) the decoder layers' matrices take NF4_BYTES each (the
+    embedding, head and norms stay 16-bit)."""
     stage, offload = int(setting[0]), setting.endswith("_offload")
     ranks = gpus_per_node * nodes
-    frozen = shape.parameters * (2 if stage and precision in ("bf16", "fp16", "fp8") else 4) / (ranks if stage == 3 else 1)
+    weight_bytes = 2 if stage and precision in ("bf16", "fp16", "fp8") else 4
+    frozen = shape.parameters * weight_bytes
+    if nf4:
+        frozen -= shape.layer_matrix_parameters * (weight_bytes - NF4_BYTES)
+    frozen /= ranks if stage == 3 else 1
     trained = zero_arithmetic(trainable, stage, ranks, precision, state_bytes)
     host = trainable * (4 + state_bytes) / ranks if offload else 0.0
     return ModelStates(frozen + trained - host, host * gpus_per_node, "ZeRO arithmetic (LoRA)")

@@ -165,7 +165,8 @@ def print_plan(plan: RunPlan, machine: Machine) -> None:
           f"activation checkpointing {'on' if recipe.activation_checkpointing else 'off'}")
     trainable = shape.lora_parameters
     if trainable is not None:
-        print(f"LoRA: rank {recipe.lora.rank}, alpha {recipe.lora.alpha:g}, on {recipe.lora.target_modules}: "
+        print(f"LoRA: rank {recipe.lora.rank}, alpha {recipe.lora.alpha:g}, on {recipe.lora.target_modules}"
+              f"{', base model in nf4 (QLoRA)' if recipe.lora.quantize == 'nf4' else ''}: "
               f"{trainable:,} trainable parameters ({trainable / shape.parameters:.2%} of the model's), the rest frozen")
     model_flops, hardware_flops = flops_per_token(shape, recipe.data.seq_len, recipe.activation_checkpointing)
     print(f"training FLOPs per token: {model_flops:.3e} ({'4N + 6N_LoRA' if trainable else '6N'} + attention), "
@@ -257,8 +258,9 @@ def states_per_setting(recipe: Recipe, precision: str, shape: ModelShape, machin
     tp, state_bytes = recipe.parallelism.tensor_parallel, optimizer_state_bytes(recipe.optimizer.name, shape)
     settings = [setting for setting in ZERO_SETTINGS if not (precision == "fp32" and setting.endswith("_offload"))]
     if shape.lora_parameters is not None:
-        return {setting: lora_model_states(setting, shape, shape.lora_parameters, machine.gpus_per_node, machine.nodes, precision,
-                                           state_bytes) for setting in settings}
+        return {setting: lora_model_states(setting, shape, shape.lora_parameters, machine.gpus_per_node, machine.nodes,
+                                           precision, state_bytes, recipe.lora.quantize == "nf4")
+                for setting in settings}
     return {setting: model_states(setting, tensor_parallel_shard(shape, tp), machine.gpus_per_node // tp,
                                   machine.nodes, precision, zero_init=recipe.model.name_or_path is not None,
                                   state_bytes=state_bytes) for setting in settings}
@@ -269,7 +271,8 @@ def planned_model_states(plan: RunPlan) -> ModelStates:
     with pipeline stages the largest stage's share. ValueError where there is no estimate (offload in fp32)."""
     shape = model_shape(plan.model_config, plan.recipe.lora)
     if shape.lora_parameters is not None:
-        return lora_model_states(zero_setting(plan.ds_config), shape, shape.lora_parameters, plan.world_size, 1, plan.precision, state_bytes(plan, shape))
+        return lora_model_states(zero_setting(plan.ds_config), shape, shape.lora_parameters, plan.world_size, 1,
+                                 plan.precision, state_bytes(plan, shape), plan.recipe.lora.quantize == "nf4")
     if plan.pipeline_stages == 1:
         return model_states(zero_setting(plan.ds_config), tensor_parallel_shard(shape, plan.tensor_parallel),
                             plan.world_size // plan.tensor_parallel, 1, plan.precision,
