@@ -38,6 +38,7 @@ from training.evaluation import evaluate
 from training.layout import check_layout, refusal
 from training.long_context import apply_long_context
 from training.lora import export_lora, lora_files, with_lora
+from training.moe import RouterLoss, mark_sparse_blocks, router_loss, with_router_loss
 from training.export import export_checkpoint
 from training.fp8 import convert_linears_to_fp8
 from training.metrics import (FlopsMeter, MetricsLogger, Stopwatch, device_name, flops_meter, gpu_metrics,
@@ -88,7 +89,7 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> RunPla
     recipe = load_recipe(args.recipe, args.overrides)
     if recipe.model.name_or_path:
         check_checkpoint_folder(recipe.model.name_or_path)
-    model_config = load_model_config(recipe.model)
+    model_config = with_router_loss(load_model_config(recipe.model), recipe.moe)
     if recipe.model.config and recipe.model.name_or_path:
         check_checkpoint_matches(model_config, recipe.model)
     tokenizer = load_tokenizer(recipe.tokenizer_path, recipe.model.trust_remote_code, cached_only=args.dry_run)
@@ -198,7 +199,7 @@ def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict], dp_
 
 
 def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: EvalBatches | None, plan: RunPlan,
-          start: dict, total_steps: int, flops: FlopsMeter | None) -> dict:
+          start: dict, total_steps: int, flops: FlopsMeter | None, router: RouterLoss | None = None) -> dict:
     """The loop: batch, forward/backward/step, log every N steps, evaluate every E, checkpoint every M, and
     on SIGTERM checkpoint and stop. A step the stability guard drops is tried again on the next batch; a
     rewind goes back to the last checkpoint (training/stability.py). Returns run totals. Only training is
@@ -226,6 +227,7 @@ def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: E
         logger.note(f"checkpoint global_step{step}: {saves[-1]['bytes'] / 2**20:,.1f} MiB in "
                     f"{saves[-1]['seconds']:.2f} s")
 
+    engine.train()  # from_pretrained returns a model in eval mode: dropout (LoRA's too) and the MoE router's loss off
     clock.start()
     while step < total_steps:
         if watch and log_at(step + 1):
@@ -267,7 +269,7 @@ def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: E
         clock.stop()
         if log_now:
             seconds = clock.take()
-            records.append(step_record(engine, step, lr, loss_share, grad_norm, interval, seconds, flops))
+            records.append(step_record(engine, step, lr, loss_share, grad_norm, interval, seconds, flops, router))
             if watch and watch.before is not None:
                 records[-1].update(watch.measure())
             if step > start_step + 1:  # the first step pays for warm-up and is left out of the mean
@@ -288,12 +290,16 @@ def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: E
 
 
 def step_record(engine: deepspeed.DeepSpeedEngine, step: int, lr: float, loss_share: torch.Tensor,
-                grad_norm: torch.Tensor | float, interval: dict, seconds: float, flops: FlopsMeter | None) -> dict:
-    """The metrics.jsonl line of a logged step: the step's loss and gradient norm, and the interval since the
-    last logged step's throughput and peak memory."""
+                grad_norm: torch.Tensor | float, interval: dict, seconds: float, flops: FlopsMeter | None,
+                router: RouterLoss | None) -> dict:
+    """The metrics.jsonl line of a logged step: the step's loss (the language model's: without an MoE router's
+    load-balancing loss, logged apart as aux_loss) and gradient norm, and the interval since the last logged
+    step's throughput and peak memory."""
     peak = distributed.all_reduce(torch.tensor(peak_memory_bytes(), device=engine.device), dist.ReduceOp.MAX)
     scale = loss_scale(engine)
-    return {"step": step, "loss": distributed.all_reduce(loss_share).item(), "lr": lr, "grad_norm": float(grad_norm),
+    aux = router.step_mean() if router else None
+    loss = distributed.all_reduce(loss_share).item() - (router.coefficient * aux if router else 0.0)
+    return {"step": step, "loss": loss, **({"aux_loss": aux} if router else {}), "lr": lr, "grad_norm": float(grad_norm),
             "tokens_per_s": interval["tokens"] / seconds, "peak_mem_bytes": int(peak.item()),
             **({"loss_scale": scale} if scale is not None else {}), **gpu_metrics(flops, interval["steps"], seconds)}
 
@@ -347,6 +353,7 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
         provide_universal_info(model)
         apply_long_context(model, recipe.long_context)
         model = with_lora(model, recipe.lora, training.seed)
+        mark_sparse_blocks(model)
     mpu = enable_sequence_parallel(model, plan.sequence_parallel, training.micro_batch_size, recipe.data.seq_len)
     if plan.precision == "fp8":
         converted = convert_linears_to_fp8(model, recipe.fp8, plan.model_config.vocab_size)
@@ -374,7 +381,8 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
     held_tensors = {}
     record_model_states(engine.optimizer, lambda: engine.global_steps, start["step"] + 1, held_tensors)
     flops = flops_meter(plan)
-    totals = train(engine, batches, evaluation, plan, start, total_steps, flops)
+    totals = train(engine, batches, evaluation, plan, start, total_steps, flops,
+                   router_loss(engine.module, plan.accumulation_steps))
     totals["model_state_bytes"] = measured_model_states(held_tensors)
     if totals["last_step"] < total_steps:
         by = "the stability guard" if "stopped" in totals else "SIGTERM"

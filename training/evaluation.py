@@ -10,6 +10,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from data_pipeline.loader import EvalBatches, model_inputs, target_count
 from training import distributed
+from training.moe import without_router_loss
 from training.pipeline import pipeline_batches
 from training.tensor_parallel import loss_copies
 
@@ -31,7 +32,7 @@ def eval_sums(engine: deepspeed.DeepSpeedEngine, batches: EvalBatches, shard: tu
     """The summed token loss of every rank's rows, and this rank's target count."""
     engine.eval()
     loss_sum, targets = torch.zeros((), dtype=torch.float64, device=engine.device), 0
-    with torch.no_grad():
+    with torch.no_grad(), without_router_loss(engine.module.config):
         for batch in batches:
             loss_sum += engine(**model_inputs(batch, engine.device, shard), num_items_in_batch=1).loss.double()  # a sum
             targets += target_count(batch)

@@ -3,7 +3,8 @@
 Per token of a row of `seq_len` tokens, forward + backward (the backward costs twice the forward):
   model FLOPs    = 6 * N  +  12 * layers * q_dim * seq_len
   hardware FLOPs = model FLOPs  +  (with activation checkpointing) 2 * N_layers  +  4 * layers * q_dim * seq_len
-N counts the parameters a token multiplies with (all but the embedding tables; a tied LM head counts);
+N counts the parameters a token multiplies with (all but the embedding tables; a tied LM head counts; in a
+mixture of experts only the top-k experts the router picks for it, the active parameters);
 With LoRA the frozen weights need no weight gradients: 4 * N + 6 * N_LoRA (the adapters' parameters) instead
 of 6 * N. N_layers the decoder layers' alone (checkpointing recomputes their forward, not the head's). The attention term
 is QK^T and AV over the whole row (PaLM's and torchtitan's convention; causal masking and packed documents do
@@ -41,7 +42,7 @@ def flops_per_token(shape: ModelShape, seq_len: int, recompute: bool) -> tuple[f
     model = weights + attention
     if not recompute:
         return model, model
-    return model, model + 2 * sum(shape.layer_parameters) + attention / 3
+    return model, model + 2 * (sum(shape.layer_parameters) - shape.inactive_expert_parameters) + attention / 3
 
 
 def peak_tflops(device_name: str) -> float | None:

@@ -5,6 +5,7 @@ from transformers import PretrainedConfig
 from training.ds_config import ds_config_file, load_ds_config, zero_stage
 from training.errors import ConfigError
 from training.lora import check_lora
+from training.moe import check_moe
 from training.optimizer import check_optimizer
 from training.pipeline import check_pipeline
 from training.precision import resolve_precision
@@ -28,6 +29,7 @@ def check_layout(recipe: Recipe, model_config: PretrainedConfig, raw_ds_config: 
     if parallelism.pipeline_stages > 1:
         check_pipeline(model_config, parallelism.pipeline_stages, stage, world_size)
     check_optimizer(recipe, model_config, raw_ds_config)
+    check_moe(recipe, model_config)
     if recipe.lora.enabled:
         check_lora(recipe, model_config, precision, for_gpus)
 

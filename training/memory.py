@@ -9,6 +9,7 @@ GPT-2 modules save them with PyTorch's scaled-dot-product attention. The rules b
 modules and are checked against a measurement of the saved tensors (tests/training/test_memory.py):
   Llama, Mistral, Qwen2 (per decoder layer): a*(4h + 4q + 4i + s) + 8h + 4*heads + 8
      Qwen3 adds its q/k norms:               (a + 4)*(q + kv) + 4*(heads + kv_heads)
+     Mixtral, Qwen3-MoE: the MLP's 4*a*i becomes k*a*(2h + 4i_e) + 4E + 28k + 4 (top-k of E experts of width i_e)
   GPT-2 (per layer, no dropout):             28*a*h + a*s + 4*heads + 4*a
   outside the layers: Llama family (2a + 4)*h + 2*a*head_dim + 4*V + 20, GPT-2 2*a*h + 4*V + 24 + 2a
 with a the activation dtype's bytes, h the hidden size, q/kv the query/key widths, i the MLP width, s the
@@ -26,7 +27,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem
 from training.shape import ModelShape
 
 ZERO_SETTINGS = ("0", "1", "2", "3", "2_offload", "3_offload")  # named as the ds_configs/zero*.json files
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3")
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")  # the MoE ones with their own MLP term
 HEADROOM = 0.9  # share of a GPU's memory the estimate may fill
 
 
@@ -141,13 +142,25 @@ def layer_bytes_per_token(shape: ModelShape, seq_len: int, dtype_bytes: int, att
     if attn_implementation == "eager":  # the probabilities (fp32, and their cast to a) instead
         attention_softmax = shape.num_heads * s * (4 + (a if a != 4 else 0))
     if shape.model_type in LLAMA_FAMILY:
-        per_layer = a * (4 * h + 4 * shape.q_dim + 4 * shape.intermediate_size) + 8 * h + 8 + attention_softmax
-        if shape.model_type == "qwen3":
+        per_layer = a * (4 * h + 4 * shape.q_dim) + 8 * h + 8 + attention_softmax + mlp_bytes_per_token(shape, a)
+        if shape.model_type in ("qwen3", "qwen3_moe"):
             per_layer += (a + 4) * (shape.q_dim + shape.kv_dim) + 4 * (shape.num_heads + shape.num_kv_heads)
         return per_layer
     if shape.model_type == "gpt2" and shape.intermediate_size == 4 * h and attn_implementation != "eager":
         return 28 * a * h + 4 * a + attention_softmax
     return None
+
+
+def mlp_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> float:
+    """What a Llama-family MLP saves per token: 4 intermediate-wide tensors; in a mixture of experts (Mixtral,
+    Qwen3-MoE), for each of the token's top-k experts its gathered input, the down projection's output and the 4
+    intermediate-wide tensors, plus the router's fp32 probabilities (4 per expert) and its top-k indices and
+    weights (28 bytes per pick, measured; Qwen3-MoE's are 12 to 18 bytes fewer per token)."""
+    a = dtype_bytes
+    if not shape.num_experts:
+        return 4 * a * shape.intermediate_size
+    k = shape.experts_per_token
+    return k * a * (2 * shape.hidden_size + 4 * shape.expert_intermediate_size) + 4 * shape.num_experts + 28 * k + 4
 
 
 def outside_layers_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> float:
@@ -186,7 +199,7 @@ def activation_bytes(shape: ModelShape, tokens: int, seq_len: int, dtype_bytes: 
         return None
     layers = shape.num_layers if layers is None else layers
     transient = 0.0
-    if tiled_mlp and shape.model_type in LLAMA_FAMILY:
+    if tiled_mlp and shape.model_type in LLAMA_FAMILY and not shape.num_experts:
         per_layer -= 4 * a * shape.intermediate_size
         rows = max(1, tokens * sequence_parallel // seq_len)
         transient = min(tokens, rows * h) * 4 * a * shape.intermediate_size

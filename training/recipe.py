@@ -141,6 +141,12 @@ class LoraSection(StrictModel):
         return self
 
 
+class MoeSection(StrictModel):
+    """Mixture-of-experts models (training/moe.py)."""
+    aux_loss_coef: NonNegativeFloat | None = None  # the router's load-balancing loss in the training loss, times
+    # this; None: the checkpoint config's router_aux_loss_coef; 0: off
+
+
 class ExportSection(StrictModel):
     merge: bool = False  # with lora: also write the base weights with the adapters merged into them (hf/)
 
@@ -193,6 +199,7 @@ class Recipe(StrictModel):
     compile: bool = False  # torch.compile the model through DeepSpeed (engine.compile): fuses FP8's casts, among others
     parallelism: ParallelismSection = ParallelismSection()
     lora: LoraSection = LoraSection()
+    moe: MoeSection = MoeSection()
     export: ExportSection = ExportSection()
     long_context: LongContextSection = LongContextSection()
     checkpointing: CheckpointingSection = CheckpointingSection()

@@ -27,6 +27,15 @@ class ModelShape:
     head_dim: int
     vocab_size: int
     lora_parameters: int | None = None  # a LoRA run's trained parameters (adapters, modules_to_save); None: all train
+    num_experts: int = 0  # mixture of experts: experts per MoE layer (0: a dense model)
+    experts_per_token: int = 0  # the router's top-k
+    expert_intermediate_size: int = 0
+    expert_parameters: int = 0  # every expert's weights, all layers
+
+    @property
+    def inactive_expert_parameters(self) -> float:
+        """The experts' weights that one token does not multiply with: all but its top-k of each layer."""
+        return self.expert_parameters * (1 - self.experts_per_token / self.num_experts) if self.num_experts else 0.0
 
     @property
     def q_dim(self) -> int:
@@ -38,10 +47,12 @@ class ModelShape:
         return self.num_kv_heads * self.head_dim
 
     @property
-    def matmul_parameters(self) -> int:
-        """Parameters a token multiplies with: all but the embedding tables (lookups); a head tied to the token
-        embedding multiplies with it."""
-        return self.parameters - self.lookup_parameters + (0 if self.head_parameters else self.embedding_parameters)
+    def matmul_parameters(self) -> float:
+        """Parameters a token multiplies with: all but the embedding tables (lookups) and, in a mixture of experts,
+        the experts the router does not pick for it (the active parameters); a head tied to the token embedding
+        multiplies with it."""
+        return (self.parameters - self.lookup_parameters + (0 if self.head_parameters else self.embedding_parameters)
+                - self.inactive_expert_parameters)
 
     @property
     def pipeline_layer_parameters(self) -> list[int]:
@@ -79,7 +90,20 @@ def model_shape(config: PretrainedConfig, lora: LoraSection | None = None) -> Mo
         or 4 * config.hidden_size,
         num_layers=len(layers), num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=head_dim, vocab_size=config.vocab_size,
-        lora_parameters=trainable_parameters(lora, config) if lora and lora.enabled else None)
+        lora_parameters=trainable_parameters(lora, config) if lora and lora.enabled else None,
+        **expert_shape(model, config))
+
+
+def expert_shape(model: torch.nn.Module, config: PretrainedConfig) -> dict:
+    """A mixture of experts' numbers (transformers 5 keeps each layer's experts as 3-D weights of one `...Experts`
+    module, e.g. MixtralExperts, Qwen3MoeExperts); nothing for a dense model."""
+    experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
+    if not experts:
+        return {}
+    return {"num_experts": getattr(config, "num_local_experts", None) or config.num_experts,
+            "experts_per_token": config.num_experts_per_tok,
+            "expert_intermediate_size": getattr(config, "moe_intermediate_size", None) or config.intermediate_size,
+            "expert_parameters": sum(count(m) for m in experts)}
 
 
 def head_counts(config: PretrainedConfig) -> tuple[int, int]:

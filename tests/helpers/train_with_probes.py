@@ -12,11 +12,14 @@
 --blind-node-on-rank RANK: that rank acts as the first rank of another node, one that cannot see the output
     folder (a node-local disk).
 --slow-save SECONDS: DeepSpeed takes that much longer to write every checkpoint.
+--record-routing [--route-by-rank]: the experts each MoE router picks in the first step, per rank
+    (routing_rank{r}.json); with --route-by-rank the ranks' tokens go to disjoint experts.
 --insert-poisoned-batches KIND:POSITIONS[:RANK]: poisoned batches are inserted into the data at those data
     positions (comma-separated), pushing the data's own batches back: `nonfinite` makes the model's embedding
     output infinite, `spike` multiplies its logits by 30 (a finite loss spike), on RANK only or on every rank.
     Without the poisoned batches, a run reads exactly the data of a run without this probe.
 """
+import json
 import math
 import os
 import signal
@@ -128,6 +131,39 @@ def insert_poisoned_batches(spec: str) -> None:
     train.train = train_with_hook
 
 
+def record_routing(by_rank: bool) -> None:
+    """The experts each MoE router picks for this rank's tokens in the first optimizer step, by layer, written to
+    <output dir>/routing_rank{r}.json. by_rank: every router sends rank r's tokens to experts r*k .. r*k + k-1
+    instead of its own top-k (with its own top-k weights), so that the ranks use disjoint experts."""
+    run = train.train
+
+    def route_by_rank(module, inputs, output):
+        logits, weights, indices = output
+        first = dist.get_rank() * module.top_k % module.num_experts
+        return logits, weights, (torch.arange(module.top_k, device=indices.device) + first).expand_as(indices)
+
+    def train_and_record(engine, *args, **kwargs):
+        picked, routers = {}, [m for m in engine.module.modules() if type(m).__name__.endswith("TopKRouter")]
+        if by_rank:
+            for router in routers:
+                router.register_forward_hook(route_by_rank)
+
+        def note(layer):
+            def hook(module, inputs, output):
+                if engine.global_steps == 0:
+                    picked.setdefault(layer, set()).update(output[2].flatten().tolist())
+            return hook
+
+        for layer, router in enumerate(routers):
+            router.register_forward_hook(note(layer))
+        totals = run(engine, *args, **kwargs)
+        out = Path(kwargs.get("plan", args[2]).output_dir) / f"routing_rank{dist.get_rank()}.json"
+        out.write_text(json.dumps({layer: sorted(experts) for layer, experts in picked.items()}))
+        return totals
+
+    train.train = train_and_record
+
+
 PROBES = {"--kill-after-deepspeed-save": lambda value: kill_after_deepspeed_save(int(value)),
           "--fail-on-rank": lambda value: fail_on_rank(int(value)),
           "--blind-node-on-rank": lambda value: blind_node_on_rank(int(value)),
@@ -142,6 +178,10 @@ if __name__ == "__main__":
             at = args.index(option)
             install(args[at + 1])
             del args[at:at + 2]
+    if "--record-routing" in args:
+        args.remove("--record-routing")
+        record_routing(by_rank="--route-by-rank" in args)
+        args = [arg for arg in args if arg != "--route-by-rank"]
     if "--record-logits" in args:
         args.remove("--record-logits")
         record_logits()

@@ -13,6 +13,10 @@ CONFIGS = {
                     head_dim=48, vocab_size=500),
     "qwen3": dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=40, vocab_size=600),
+    "mixtral": dict(hidden_size=128, intermediate_size=200, num_attention_heads=4, num_key_value_heads=2, head_dim=40,
+                    vocab_size=600, num_local_experts=6, num_experts_per_tok=2),
+    "qwen3_moe": dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=96, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=40, vocab_size=600, num_experts=8, num_experts_per_tok=3),
     "gpt2": dict(n_embd=160, n_head=5, vocab_size=900, n_positions=512, resid_pdrop=0.0, embd_pdrop=0.0,
                  attn_pdrop=0.0),
 }
