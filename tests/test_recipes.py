@@ -31,11 +31,13 @@ PUBLISHED_PARAMETERS = {
     "mistral_7b": 7_241_732_096,  # mistralai/Mistral-7B-v0.1
     "qwen2_5_1_5b": 1_543_714_304,  # Qwen/Qwen2.5-1.5B
     "gpt2": 124_439_808,  # openai-community/gpt2
+    "mixtral_8x7b": 46_702_792_704,  # mistralai/Mixtral-8x7B-v0.1
+    "qwen3_30b_a3b": 30_532_122_624,  # Qwen/Qwen3-30B-A3B-Base
 }
 
 # The GPUs each recipe is written for (its header and README): H100s, 80 GB.
 TARGET_GPUS = {"llama2_7b": 8, "llama2_7b_sft": 8, "llama3_8b": 8, "llama3_8b_long": 8, "llama3_8b_lora": 1, "llama3_70b": 32,
-               "mistral_7b": 8, "qwen2_5_1_5b": 1, "gpt2": 1}
+               "mistral_7b": 8, "qwen2_5_1_5b": 1, "gpt2": 1, "mixtral_8x7b": 32, "qwen3_30b_a3b": 16}
 
 TINY_TOKENIZER = str(REPO / "recipes/tiny_llama/tokenizer")  # 4,096 tokens: fits every model's vocabulary
 
@@ -64,6 +66,10 @@ def small_sizes(config) -> dict:
                  "num_key_value_heads": 2}
         if hasattr(config, "head_dim"):  # Llama and Mistral keep a head_dim; Qwen2 derives it
             sizes["head_dim"] = 16
+        if config.model_type == "mixtral":
+            sizes |= {"num_local_experts": 4, "num_experts_per_tok": 2}
+        if config.model_type == "qwen3_moe":
+            sizes |= {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
     return sizes | {"vocab_size": 4096, "bos_token_id": 1, "eos_token_id": 2}
 
 
