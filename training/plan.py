@@ -148,7 +148,8 @@ def print_plan(plan: RunPlan, machine: Machine) -> None:
     shape = model_shape(plan.model_config, recipe.lora)
     print(f"{recipe.name} ({shown(recipe.path)})")
     print(f"model: {shown(recipe.model.config or recipe.model.name_or_path)} ({type(plan.model_config).__name__}), "
-          f"{shape.parameters:,} parameters ({shape.matmul_parameters:,} in matrix multiplies)")
+          f"{shape.parameters:,} parameters ({shape.matmul_parameters:,} in matrix multiplies"
+          + (f" per token: {shape.experts_per_token} of {shape.num_experts} experts" if shape.num_experts else "") + ")")
     if plan.tokenizer is None:
         print(f"tokenizer: {recipe.tokenizer_path} is not in the local Hugging Face cache; not checked here "
               f"(the run downloads it)")

@@ -33,9 +33,10 @@ class ModelShape:
     expert_parameters: int = 0  # every expert's weights, all layers
 
     @property
-    def inactive_expert_parameters(self) -> float:
+    def inactive_expert_parameters(self) -> int:
         """The experts' weights that one token does not multiply with: all but its top-k of each layer."""
-        return self.expert_parameters * (1 - self.experts_per_token / self.num_experts) if self.num_experts else 0.0
+        return self.expert_parameters * (self.num_experts - self.experts_per_token) // self.num_experts \
+            if self.num_experts else 0
 
     @property
     def q_dim(self) -> int:
@@ -47,7 +48,7 @@ class ModelShape:
         return self.num_kv_heads * self.head_dim
 
     @property
-    def matmul_parameters(self) -> float:
+    def matmul_parameters(self) -> int:
         """Parameters a token multiplies with: all but the embedding tables (lookups) and, in a mixture of experts,
         the experts the router does not pick for it (the active parameters); a head tied to the token embedding
         multiplies with it."""
