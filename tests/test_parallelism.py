@@ -1,8 +1,9 @@
 """Sequence (Ulysses) and tensor (AutoTP) parallelism through the launcher, fp32 on CPU ranks: the same per-step
 losses and gradient norms as the data-parallel run. Sequence parallelism under ZeRO 1, 2 and 3 for Llama (4
-heads over 2 key/value heads), ZeRO 1 and 3 for Qwen2 (4 heads over 1, which DeepSpeed copies to each rank),
+heads over 2 key/value heads), ZeRO-3 for Qwen2 (4 heads over 1, which DeepSpeed copies to each rank),
 and SP=2 x DP=2 on 4 ranks; a packed row keeps its documents apart. Tensor parallelism under ZeRO 1 and 3, and
-TP=2 x DP=2. (Qwen2 and TP at ZeRO-2 agree too, checked by hand; left out to keep CI within its time.) The
+TP=2 x DP=2. (Qwen2 at ZeRO 1 and 2 and TP at ZeRO-2 agree too, checked by hand; left out to keep CI within its
+time.) The
 ZeRO-3 Llama runs also checkpoint activations with the saved layer inputs offloaded to host memory
 (long_context.offload_checkpoints), against a reference run that does neither.
 For both, the final evaluation, the hf/ export (the shards gathered) and a resume after a kill work as without.
@@ -41,7 +42,6 @@ RUNS = {  # name: (model, ranks, sequence_parallel, ds_config); " tp2": tensor_p
     "llama sp2 zero3": ("llama", 2, 2, "zero3"),
     "llama sp2 x dp2 zero1": ("llama", 4, 2, "zero1"),
     "qwen2": ("qwen2", 1, 1, "zero1"),
-    "qwen2 sp2 zero1": ("qwen2", 2, 2, "zero1"),
     "qwen2 sp2 zero3": ("qwen2", 2, 2, "zero3"),
     "llama tp2 zero1": ("llama", 2, 1, "zero1"),
     "llama tp2 zero3": ("llama", 2, 1, "zero3"),
@@ -102,7 +102,7 @@ def test_the_summary_names_the_layout(runs):
     assert summary["ds_config"]["gradient_accumulation_steps"] == 1  # 8 rows x 2 data-parallel ranks = 16
 
 
-@pytest.mark.parametrize("name", ["llama sp2 zero3", "qwen2 sp2 zero1", "llama tp2 zero1", "llama tp2 zero3"])
+@pytest.mark.parametrize("name", ["llama sp2 zero3", "qwen2 sp2 zero3", "llama tp2 zero1", "llama tp2 zero3"])
 def test_export_gives_the_runs_evaluation_loss(runs, name, data_cache):
     """The hf/ folder, loaded in plain transformers without sequence parallelism, has the loss on the evaluation
     rows that the run measured under it."""

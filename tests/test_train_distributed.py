@@ -20,7 +20,10 @@ from tests.conftest import SMALL_MODEL, run_train
 pytestmark = pytest.mark.slow
 STEPS = 10
 TOLERANCE = {"fp32": 1e-4, "bf16": 2e-3}
-RUNS = [(precision, f"zero{stage}", 2) for precision in ("fp32", "bf16") for stage in range(4)] + [
+# bf16 leaves out ZeRO-2: its ZeRO-1 and ZeRO-2 run the same DeepSpeed optimizer (ZeRO-2 also partitions the
+# gradients, which fp32 ZeRO-2 covers); left out to keep CI within its time
+STAGES = {"fp32": (0, 1, 2, 3), "bf16": (0, 1, 3)}
+RUNS = [(precision, f"zero{stage}", 2) for precision, stages in STAGES.items() for stage in stages] + [
     ("fp32", "zero2_offload", 2), ("fp32", "zero3_offload", 2), ("fp32", "zero1", 1), ("fp32", "zero3+checkpointing", 2)]
 
 
@@ -61,16 +64,15 @@ def curves(tmp_path_factory, data_cache) -> dict:
     return results
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("stage", range(4))
+@pytest.mark.parametrize("precision, stage", [(p, stage) for p, stages in STAGES.items() for stage in stages])
 def test_loss_decreases(curves, precision, stage):
     curve = curves[precision, f"zero{stage}", 2]
     assert len(curve) == STEPS
     assert curve[-1] < curve[0] - 0.3
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("ds_config", ["zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("precision, ds_config", [(p, f"zero{stage}") for p, stages in STAGES.items()
+                                                  for stage in stages if stage])
 def test_zero_stages_agree_with_stage_0(curves, precision, ds_config):
     assert max_difference(curves[precision, "zero0", 2], curves[precision, ds_config, 2]) <= TOLERANCE[precision]
 
@@ -95,7 +97,7 @@ def test_activation_checkpointing_recomputes_the_same_loss(curves):
 
 
 def test_fp32_agrees_more_tightly_than_bf16(curves):
-    spread = {p: max(max_difference(curves[p, "zero0", 2], curves[p, f"zero{s}", 2]) for s in range(1, 4))
+    spread = {p: max(max_difference(curves[p, "zero0", 2], curves[p, f"zero{s}", 2]) for s in (1, 3))
               for p in ("fp32", "bf16")}
     assert spread["fp32"] < spread["bf16"]
 
@@ -110,8 +112,7 @@ def test_one_rank_sees_the_same_global_batches_as_two(curves):
     assert max_difference(curves["fp32", "zero1", 1], curves["fp32", "zero1", 2]) <= TOLERANCE["fp32"]
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("stage", range(4))
+@pytest.mark.parametrize("precision, stage", [(p, stage) for p, stages in STAGES.items() for stage in stages])
 def test_planned_checkpoint_size_is_what_deepspeed_writes(curves, precision, stage):
     """The --dry-run's checkpoint line (training/memory.py) against the files, in total and from rank 0 (which
     also writes the weights below ZeRO-3). DeepSpeed's pickles add a few KB per file."""
