@@ -11,7 +11,7 @@ HINT = "python -m training export X DIR"
 
 def layout(**changes) -> dict:
     return {"world_size": 2, "zero_stage": 2, "precision": "fp32", "pipeline_stages": 1, "tensor_parallel": 1,
-            "optimizer": "adamw", **changes}
+            "optimizer": "adamw", "lora": False, **changes}
 
 
 @pytest.mark.parametrize("changes, universal", [
@@ -30,7 +30,7 @@ def test_zero_0_resumes_as_it_is_on_any_ranks_and_precision():
     assert needs_universal(wrote, layout(zero_stage=0, world_size=4, precision="bf16"), False, HINT) is False
 
 
-@pytest.mark.parametrize("key", ["pipeline_stages", "tensor_parallel", "optimizer"])
+@pytest.mark.parametrize("key", ["pipeline_stages", "tensor_parallel", "optimizer", "lora"])
 def test_run_states_older_than_a_key_count_as_its_default(key):
     wrote = {name: value for name, value in WROTE.items() if name != key}
     assert needs_universal(wrote, layout(), False, HINT) is False
