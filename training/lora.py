@@ -54,7 +54,8 @@ def trainable_parameters(section: LoraSection, model_config: PretrainedConfig) -
         try:
             model = get_peft_model(model, lora_config(section))
         except (ValueError, TypeError) as error:
-            names = sorted({name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if name})
+            names = sorted({name.rsplit(".", 1)[-1] for name, _ in model.named_modules()} - {""})
+            names = [name for name in names if not name.isdigit()]  # not the indices of layer lists
             raise ConfigError(f"lora.target_modules={section.target_modules!r} / lora.modules_to_save="
                               f"{section.modules_to_save}: {error}. Module names of this model: "
                               f"{', '.join(names)}") from None
