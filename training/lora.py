@@ -57,7 +57,7 @@ def trainable_parameters(section: LoraSection, model_config: PretrainedConfig) -
             names = sorted({name.rsplit(".", 1)[-1] for name, _ in model.named_modules()} - {""})
             names = [name for name in names if not name.isdigit()]  # not the indices of layer lists
             raise ConfigError(f"lora.target_modules={section.target_modules!r} / lora.modules_to_save="
-                              f"{section.modules_to_save}: {error}. Module names of this model: "
+                              f"{section.modules_to_save}: {str(error).rstrip('.')}. Module names of this model: "
                               f"{', '.join(names)}") from None
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
