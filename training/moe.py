@@ -83,8 +83,10 @@ class RouterLoss:
 
 
 def router_loss(model: torch.nn.Module, micro_batches: int) -> RouterLoss | None:
-    config = model.config
-    if not (is_moe(config) and config.output_router_logits):
+    """The router's loss meter of an MoE model trained with it; None otherwise (a pipeline's PipelineModule has no
+    config: MoE models run without pipeline stages)."""
+    config = getattr(model, "config", None)
+    if config is None or not (is_moe(config) and config.output_router_logits):
         return None
     return RouterLoss(model, micro_batches, config.router_aux_loss_coef)
 
