@@ -50,7 +50,12 @@ def trainable_parameters(section: LoraSection, model_config: PretrainedConfig) -
     """The parameters a LoRA run trains (adapters and modules_to_save), counted on the meta device; a ConfigError
     naming the setting when peft cannot place the adapters on this model."""
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config)
+        return adapted_parameters(AutoModelForCausalLM.from_config(model_config), section)
+
+
+def adapted_parameters(model: torch.nn.Module, section: LoraSection) -> int:
+    """The same for a model already built on the meta device, which peft changes in place."""
+    with torch.device("meta"):
         try:
             model = get_peft_model(model, lora_config(section))
         except (ValueError, TypeError) as error:

@@ -55,13 +55,12 @@ def check_moe(recipe: Recipe, config: PretrainedConfig) -> None:
                           f"ZeRO 0-3 (not tested with {'; '.join(refused)}): remove those settings")
 
 
-def mark_sparse_blocks(model: torch.nn.Module) -> list[str]:
-    """Mark the model's sparse MoE blocks as ZeRO-3 leaf modules; the names of their classes (none: dense)."""
+def mark_sparse_blocks(model: torch.nn.Module) -> None:
+    """Mark the model's sparse MoE blocks as ZeRO-3 leaf modules (a dense model has none)."""
     classes = sorted({type(m) for m in model.modules() if type(m).__name__.endswith(SPARSE_BLOCK_SUFFIX)},
                      key=lambda cls: cls.__name__)
     if classes:
         set_z3_leaf_modules(model, classes)
-    return [cls.__name__ for cls in classes]
 
 
 class RouterLoss:

@@ -1,11 +1,11 @@
 """The numbers of a model's architecture that FLOPs and memory estimates need, read from a model built on the
 meta device (no memory, no weights), so a 7B recipe is measured exactly on a laptop."""
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from training.lora import trainable_parameters
+from training.lora import adapted_parameters
 from training.recipe import LoraSection
 
 
@@ -81,7 +81,7 @@ def model_shape(config: PretrainedConfig, lora: LoraSection | None = None) -> Mo
     final_norm = getattr(model.base_model, "norm", None) or getattr(model.base_model, "ln_f")
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return ModelShape(
+    shape = ModelShape(
         model_type=config.model_type, parameters=count(model), embedding_parameters=count(embedding),
         lookup_parameters=sum(count(m) for m in model.modules() if isinstance(m, torch.nn.Embedding)),
         head_parameters=0 if tied else count(head), layer_parameters=tuple(count(layer) for layer in layers),
@@ -90,9 +90,10 @@ def model_shape(config: PretrainedConfig, lora: LoraSection | None = None) -> Mo
         intermediate_size=getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
         or 4 * config.hidden_size,
         num_layers=len(layers), num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=head_dim, vocab_size=config.vocab_size,
-        lora_parameters=trainable_parameters(lora, config) if lora and lora.enabled else None,
-        **expert_shape(model, config))
+        head_dim=head_dim, vocab_size=config.vocab_size, **expert_shape(model, config))
+    if lora and lora.enabled:  # last: peft adds the adapters to this very model
+        shape = replace(shape, lora_parameters=adapted_parameters(model, lora))
+    return shape
 
 
 def expert_shape(model: torch.nn.Module, config: PretrainedConfig) -> dict:
