@@ -1,10 +1,12 @@
 """The data stage on its own.
 
     python -m data_pipeline prepare --recipe NAME_OR_DIR --output DIR [key.path=value ...]
+    python -m data_pipeline prepare ... --engine datatrove [--executor local|slurm|ray] [--tasks N] [--workers W]
     python -m data_pipeline dedup IN.jsonl OUT.jsonl [--text-field text] [--threshold 0.8] [--no-near] [--overwrite]
 
 `prepare` writes the recipe's training-ready splits (`datasets.save_to_disk` layout) and DIR/stats.json;
-point a recipe at it with `data.prepared=DIR` (what multi-node runs should do). `dedup` keeps the first
+point a recipe at it with `data.prepared=DIR` (what multi-node runs should do). `--engine datatrove`
+runs the same steps as a datatrove job (data_pipeline/scale.py, docs/data_at_scale.md). `dedup` keeps the first
 of each group of exact or near duplicates of a JSONL file, in input order, lines copied unchanged.
 """
 import argparse
@@ -44,8 +46,18 @@ def prepare(args: argparse.Namespace) -> int:
     if recipe.data.prepared or recipe.data.streaming:
         raise DataError("the recipe's data is already prepared (data.prepared) or streamed (data.streaming)")
     tokenizer = load_tokenizer(recipe.tokenizer_path, recipe.model.trust_remote_code)  # as train.py loads it
-    prepared, stats = build_dataset(recipe.data, tokenizer)
-    save_prepared(prepared, stats, args.output)
+    if args.engine == "datatrove":
+        from data_pipeline.scale import JobOptions, run_job
+        options = JobOptions(args.executor, args.tasks, args.workers, args.slurm_partition, args.slurm_time,
+                             args.cpus_per_task, args.mem_per_cpu_gb)
+        work = run_job(recipe.data, tokenizer, args.output, options, recipe.name)
+        if not (args.output / "stats.json").exists():  # Slurm and Ray run the stages after this returns
+            print(f"submitted; {args.output}/stats.json appears when the last stage ends (logs: {work}/logs)")
+            return 0
+        stats = json.loads((args.output / "stats.json").read_text())
+    else:
+        prepared, stats = build_dataset(recipe.data, tokenizer)
+        save_prepared(prepared, stats, args.output)
     print_counts(f"{recipe.name}: prepared data in {args.output}", stats)
     if "eval" in stats:
         print_counts("evaluation split", stats["eval"])
@@ -132,6 +144,17 @@ def main(argv: list[str] | None = None) -> int:
     prepare_parser = commands.add_parser("prepare", help="prepare a recipe's data")
     prepare_parser.add_argument("--recipe", required=True)
     prepare_parser.add_argument("--output", type=Path, required=True)
+    prepare_parser.add_argument("--engine", choices=["datasets", "datatrove"], default="datasets",
+                                help="datasets: in this process (num_proc); datatrove: as a restartable datatrove job")
+    prepare_parser.add_argument("--executor", choices=["local", "slurm", "ray"], default="local",
+                                help="datatrove: where the tasks run")
+    prepare_parser.add_argument("--tasks", type=positive_int, default=2,
+                                help="datatrove: tasks per stage that splits its input (files are split among them)")
+    prepare_parser.add_argument("--workers", type=int, default=-1, help="datatrove: tasks at once (-1: all)")
+    prepare_parser.add_argument("--slurm-partition")
+    prepare_parser.add_argument("--slurm-time", default="24:00:00", help="each Slurm job's time limit")
+    prepare_parser.add_argument("--cpus-per-task", type=positive_int, default=1, help="Slurm and Ray")
+    prepare_parser.add_argument("--mem-per-cpu-gb", type=float, default=2.0, help="Slurm and Ray")
     prepare_parser.add_argument("overrides", nargs="*", metavar="key.path=value")
     dedup_parser = commands.add_parser("dedup", help="remove exact and near duplicates from a JSONL file")
     dedup_parser.add_argument("input", type=Path)

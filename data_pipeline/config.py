@@ -1,4 +1,5 @@
 """The recipe's `data:` section: a typed schema, validated once, unknown keys rejected."""
+import glob
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -24,11 +25,20 @@ def resolve_path(value: str, info: ValidationInfo) -> str:
     return str(path.resolve())
 
 
+def matching_files(path: str) -> list[str]:
+    """The files a source path names: itself, or those a glob pattern (a sharded corpus) matches."""
+    return sorted(glob.glob(path)) if any(c in path for c in "*?[") else [path]
+
+
 def existing_data_file(value: str) -> str:
-    if not Path(value).is_file():
-        raise ValueError(f"file not found: {value}")
-    if Path(value).suffix not in SUPPORTED_SUFFIXES:
-        raise ValueError(f"{value}: unsupported file type; use one of {', '.join(SUPPORTED_SUFFIXES)}")
+    files = matching_files(value)
+    if not files:
+        raise ValueError(f"no file matches {value}")
+    for file in files:
+        if not Path(file).is_file():
+            raise ValueError(f"file not found: {file}")
+        if Path(file).suffix not in SUPPORTED_SUFFIXES:
+            raise ValueError(f"{file}: unsupported file type; use one of {', '.join(SUPPORTED_SUFFIXES)}")
     return value
 
 
@@ -45,7 +55,7 @@ LocalPath = Annotated[str, AfterValidator(resolve_path)]
 class DataSource(StrictModel):
     """One data set: a local file or a Hugging Face hub data set, with text for pretraining or chat
     `messages` (a list of {role, content}) for SFT."""
-    path: Annotated[LocalPath, AfterValidator(existing_data_file)] | None = None
+    path: Annotated[LocalPath, AfterValidator(existing_data_file)] | None = None  # a file or a glob of shards
     hub: str | None = None  # e.g. HuggingFaceFW/fineweb-edu (needs the network)
     subset: str | None = None  # the hub data set's configuration name
     split: str = "train"

@@ -16,8 +16,8 @@ import pyarrow as pa
 from datasets.fingerprint import Hasher
 from transformers import PreTrainedTokenizerBase
 
-from data_pipeline import DataError
-from data_pipeline.config import DataConfig, DataSource, DedupConfig
+from data_pipeline import DataError, processes
+from data_pipeline.config import DataConfig, DataSource, DedupConfig, matching_files
 from data_pipeline.dedup import MinHasher, NearDuplicates, repeated_mask, text_hashes
 from data_pipeline.pack import fit_to_length, pack_bfd, pack_concat, pack_padded
 from data_pipeline.sources import load_documents
@@ -32,7 +32,8 @@ LONG_DOCUMENT_STATS = {"split": "long_documents_split", "truncate": "long_docume
 def file_state(sources: list[DataSource]) -> list:
     """What identifies each source's content: a local file's size and modification time (a hub data set
     by its name only: a new revision on the hub is not noticed)."""
-    return [(s.path, os.stat(s.path).st_size, os.stat(s.path).st_mtime_ns) if s.path else s.name for s in sources]
+    return [[(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in matching_files(s.path)] if s.path else s.name
+            for s in sources]
 
 
 def fingerprint(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> str:
@@ -55,7 +56,7 @@ def rows_to_dataset(rows: dict[str, np.ndarray], fingerprint: str) -> datasets.D
 def column_array(dataset: datasets.Dataset, map_function, name: str, num_proc: int, feature) -> np.ndarray:
     """Run `map_function` over the texts with datasets.map (parallel with num_proc) into one NumPy array."""
     result = dataset.map(lambda batch: {name: map_function(batch["text"])}, batched=True, batch_size=1000,
-                         num_proc=num_proc, remove_columns=dataset.column_names,
+                         num_proc=processes(num_proc), remove_columns=dataset.column_names,
                          features=datasets.Features({name: feature}), desc=f"computing {name}")
     column = result.data.table.column(name).combine_chunks()
     values = column.flatten().to_numpy() if isinstance(feature, datasets.List) else column.to_numpy()
@@ -98,32 +99,43 @@ def split_eval(documents: datasets.Dataset, config: DataConfig, stats: dict) -> 
     else:
         return documents, None
     if config.eval.decontaminate:
-        dedup = config.dedup
-        matches = NearDuplicates(dedup.threshold, dedup.num_perm).matching_mask(
-            minhash_signatures(evaluation, dedup, config.num_proc), minhash_signatures(documents, dedup, config.num_proc))
-        stats["decontaminated_removed"] = int(matches.sum())
-        documents = keep(documents, matches)
+        documents = decontaminate(documents, evaluation, config, stats)
     stats["eval_documents"] = len(evaluation)
     return documents, evaluation
 
 
+def decontaminate(documents: datasets.Dataset, evaluation: datasets.Dataset, config: DataConfig,
+                  stats: dict) -> datasets.Dataset:
+    """Drop the training documents that near-duplicate an evaluation document."""
+    dedup = config.dedup
+    matches = NearDuplicates(dedup.threshold, dedup.num_perm).matching_mask(
+        minhash_signatures(evaluation, dedup, config.num_proc), minhash_signatures(documents, dedup, config.num_proc))
+    stats["decontaminated_removed"] = int(matches.sum())
+    return keep(documents, matches)
+
+
 def drop_empty(documents: datasets.Dataset, stats: dict, num_proc: int = 1) -> datasets.Dataset:
     kept = documents.filter(lambda texts: [bool(t and t.strip()) for t in texts], input_columns="text",
-                            batched=True, num_proc=num_proc, desc="dropping empty documents")
+                            batched=True, num_proc=processes(num_proc), desc="dropping empty documents")
     stats["empty_documents_removed"] = len(documents) - len(kept)
     return kept
 
 
-def mixture_rows(sources: np.ndarray, weights: list[float], seed: int) -> np.ndarray:
+def mixture_rows(sources: np.ndarray, weights: list[float], seed: int, task: int | None = None) -> np.ndarray:
     """Which tokenized documents make the training mixture, in a seeded random order: a weight of w
-    takes every document of its source floor(w) times plus a random (w - floor(w)) share of them once more."""
-    rng = np.random.default_rng([seed, 2])
+    takes every document of its source floor(w) times plus a random (w - floor(w)) share of them once more.
+    `task` (a datatrove task's rank) gives each task its own random stream."""
+    rng = np.random.default_rng([seed, 2] if task is None else [seed, 2, task])
     rows = []
     for source, weight in enumerate(weights):
         documents = np.flatnonzero(sources == source)
         whole, extra = divmod(weight, 1)
         rows += [documents] * int(whole) + [np.sort(rng.choice(documents, round(extra * len(documents)), replace=False))]
     return rng.permutation(np.concatenate(rows)) if rows else np.zeros(0, dtype=np.int64)
+
+
+def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
 
 
 def pack(tokenized: datasets.Dataset, rows: np.ndarray | None, config: DataConfig, pad_id: int) -> tuple[dict, dict]:
@@ -158,7 +170,7 @@ def build_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tup
         raise DataError(f"no documents are left after filtering ({json.dumps(stats)}); check the sources")
     sources = np.asarray(tokenized["source"])
     rows = mixture_rows(sources, [s.weight for s in config.sources], config.seed)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
+    pad_id = pad_token_id(tokenizer)
     train, train_stats = pack(tokenized, rows, config, pad_id)
     stats.update(train_stats, seq_len=config.seq_len, packing=config.packing, sources=[
         {"name": s.name, "weight": s.weight, "documents_in": int(per_source[i]),

@@ -9,7 +9,7 @@ from pathlib import Path
 import datasets
 
 from data_pipeline import DataError
-from data_pipeline.config import DataSource
+from data_pipeline.config import DataSource, matching_files
 
 # How each local suffix maps to a `datasets` builder; a .txt file is one document.
 BUILDERS = {".jsonl": ("json", {}), ".json": ("json", {}), ".parquet": ("parquet", {}), ".csv": ("csv", {}),
@@ -42,7 +42,8 @@ def read_source(source: DataSource, streaming: bool = False) -> datasets.Dataset
         return datasets.load_dataset(builder, data_files=source.path, split="train", streaming=streaming, **options)
     except Exception as error:  # datasets wraps pyarrow's parse errors in several exception types
         if Path(source.path).suffix == ".jsonl":
-            raise_on_bad_json_line(source.path)
+            for path in matching_files(source.path):
+                raise_on_bad_json_line(path)
         raise DataError(f"{source.path}: could not be read as {builder}: {error}") from error
 
 

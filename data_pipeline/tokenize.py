@@ -4,6 +4,7 @@ import numpy as np
 import pyarrow as pa
 from transformers import PreTrainedTokenizerBase
 
+from data_pipeline import processes
 from data_pipeline.chat import render_chat
 
 TOKENIZED = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
@@ -37,7 +38,7 @@ def encode_batch(batch: dict, tokenizer: PreTrainedTokenizerBase) -> dict:
 
 def tokenize_documents(documents: datasets.Dataset, tokenizer: PreTrainedTokenizerBase,
                        num_proc: int = 1) -> datasets.Dataset:
-    return documents.map(encode_batch, batched=True, num_proc=num_proc, remove_columns=documents.column_names,
+    return documents.map(encode_batch, batched=True, num_proc=processes(num_proc), remove_columns=documents.column_names,
                          features=TOKENIZED, fn_kwargs={"tokenizer": tokenizer}, desc="tokenizing")
 
 

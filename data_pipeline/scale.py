@@ -1,0 +1,372 @@
+"""The data stage as a datatrove job, for corpora that one machine cannot prepare.
+
+The steps of prepare.py (drop empty documents, exact and MinHash near deduplication, the evaluation
+split and decontamination, tokenization, the mixture and packing) run as datatrove pipeline stages,
+each split into tasks that datatrove's local, Slurm or Ray executor runs. A task marks itself complete
+when it ends, so running the same command again after a crash or a kill redoes only unfinished tasks.
+The last stage writes the same prepared layout as prepare.py (`data.prepared` trains on it).
+
+Where the result can differ from the in-process path (docs/data_at_scale.md has the measurements):
+- Of a group of duplicates, one is kept, not necessarily the first.
+- Near duplicates are datatrove's LSH candidates (bands x rows chosen for the threshold) without the
+  in-process path's check that the two signatures agree on `threshold` of their positions.
+- `eval.fraction` holds out each document by a seeded hash of its text, not by a global permutation.
+- Each task mixes and packs its own documents; under `concat` each task's last partial row is dropped.
+"""
+import json
+import sys
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from types import MethodType
+
+import datasets
+import numpy as np
+import xxhash
+from transformers import PreTrainedTokenizerBase
+
+from data_pipeline import DataError
+from data_pipeline.config import DataConfig, DataSource
+from data_pipeline.dedup import MinHasher, lsh_bands, normalize
+from data_pipeline.prepare import (LONG_DOCUMENT_STATS, decontaminate, drop_empty, fingerprint, mixture_rows, pack,
+                                   pad_token_id, rows_to_dataset, save_prepared)
+from data_pipeline.sources import FEATURES, load_documents
+from data_pipeline.tokenize import tokenize_documents
+
+INSTALL = "pip install -r requirements-scale.txt"
+try:
+    from datatrove.data import Document
+    from datatrove.executor import LocalPipelineExecutor, SlurmPipelineExecutor
+    from datatrove.pipeline.base import PipelineStep
+    from datatrove.pipeline.dedup import MinhashDedupCluster, MinhashDedupFilter, MinhashDedupSignature
+    from datatrove.pipeline.dedup.exact_dedup import (ExactDedupConfig, ExactDedupFilter, ExactDedupSignature,
+                                                      ExactFindDedups)
+    from datatrove.pipeline.dedup.minhash import MinhashConfig, MinhashDedupBuckets
+    from datatrove.pipeline.filters import LambdaFilter
+    from datatrove.pipeline.readers import CSVReader, HuggingFaceDatasetReader, JsonlReader, ParquetReader
+    from datatrove.pipeline.writers import JsonlWriter
+    from datatrove.utils.hashing import HashConfig
+    from datatrove.utils.word_tokenizers import WordTokenizer
+except ImportError as error:
+    raise DataError(f"--engine datatrove needs datatrove ({error}); install it with `{INSTALL}`") from None
+
+READERS = {".jsonl": JsonlReader, ".json": JsonlReader, ".parquet": ParquetReader, ".csv": CSVReader}
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    """How the job runs: which executor, how many tasks, and the executor's own settings."""
+    executor: str = "local"  # local, slurm or ray
+    tasks: int = 2  # per stage that splits its input (reading, signatures, tokenization)
+    workers: int = -1  # tasks run at once (-1: all)
+    slurm_partition: str | None = None
+    slurm_time: str = "24:00:00"
+    cpus_per_task: int = 1
+    mem_per_cpu_gb: float = 2.0
+
+
+def as_document(settings: tuple[int, str, bool], reader, data: dict, path: str, id_in_file) -> dict:
+    """A reader adapter: a record of source `index` as a Document with the in-process path's fields
+    (sources.to_documents): the text (a chat's turns joined), its messages and its source."""
+    index, field, chat = settings
+    value = data.get(field)
+    if not chat:
+        return {"text": value or "", "id": f"{path}/{id_in_file}", "metadata": {"source": index, "messages": None}}
+    messages = [{"role": m.get("role"), "content": m.get("content")} for m in value or []]
+    return {"text": "\n".join(str(m["content"] or "") for m in messages), "id": f"{path}/{id_in_file}",
+            "metadata": {"source": index, "messages": messages}}
+
+
+def reader(source: DataSource, index: int) -> PipelineStep:
+    """A datatrove reader of one recipe source; a local path may be a glob of shards (tasks split the files)."""
+    field = source.messages_field or source.text_field
+    adapter = partial(as_document, (index, field, source.messages_field is not None))
+    if source.hub:
+        return HuggingFaceDatasetReader(source.hub, {"name": source.subset, "split": source.split}, streaming=True,
+                                        adapter=adapter)
+    path = Path(source.path)
+    if path.suffix not in READERS:
+        raise DataError(f"{source.path}: the datatrove engine reads {', '.join(READERS)} files; convert it to JSONL "
+                        f"or prepare it with the in-process engine")
+    return READERS[path.suffix](str(path.parent), glob_pattern=path.name, adapter=adapter)
+
+
+def normalized_text(doc: Document) -> bytes:
+    """What exact deduplication compares, as dedup.text_hashes does (xxhash of the encoded text)."""
+    return normalize(doc.text).encode()
+
+
+def is_held_out(doc: Document, fraction: float, seed: int) -> bool:
+    """The evaluation split: a seeded hash of the text, the same in every task and on every rerun."""
+    return xxhash.xxh3_64_intdigest(f"{seed}:{normalize(doc.text)}".encode()) < fraction * 2**64
+
+
+class RecipeShingles(WordTokenizer):
+    """Given to datatrove's MinHash step as its word tokenizer so that it does not load spaCy; the
+    step's shingles come from MinHasher (RecipeMinhashSignature), the tokenizer is never called."""
+
+    def word_tokenize(self, text: str) -> list[str]:
+        return normalize(text).split()
+
+    def sent_tokenize(self, text: str) -> list[str]:
+        return [text]
+
+    def span_tokenize(self, text: str) -> list[tuple[int, int]]:
+        return [(0, len(text))]
+
+
+class RecipeMinhashSignature(MinhashDedupSignature):
+    """datatrove's MinHash signatures over the recipe's shingles (dedup.shingle, dedup.ngram), so that
+    both engines estimate the same Jaccard similarity."""
+
+    def __init__(self, output_folder: str, config: MinhashConfig, shingle: str):
+        super().__init__(output_folder, config, language=RecipeShingles())
+        self.hasher = MinHasher(1, shingle, config.n_grams)
+
+    def get_shingles(self, text: str) -> np.ndarray:
+        hashes, _ = self.hasher.shingle_hashes([text])
+        return hashes.astype(np.uint64).reshape(-1, 1)
+
+
+def minhash_config(config: DataConfig) -> MinhashConfig:
+    """Bands and rows as the in-process path chooses them for the threshold (dedup.lsh_bands)."""
+    bands, rows = lsh_bands(config.dedup.threshold, config.dedup.num_perm)
+    return MinhashConfig(n_grams=config.dedup.ngram, num_buckets=bands, hashes_per_bucket=rows,
+                         hash_config=HashConfig(precision=32))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The job's folders (OUTPUT.datatrove): each stage's files and datatrove's logs."""
+    root: Path
+
+    def __call__(self, name: str) -> str:
+        return str(self.root / name)
+
+    def logs(self, stage: str) -> str:
+        return str(self.root / "logs" / stage)
+
+
+def deduplicated(config: DataConfig, work: Layout, stop_before: str = "") -> list[PipelineStep]:
+    """The steps every reading stage starts with: read, drop empty documents, and the deduplication
+    filters whose duplicates are already known (those before `stop_before`)."""
+    steps = [reader(s, i) for i, s in enumerate(config.sources)]
+    steps.append(LambdaFilter(lambda doc: bool(doc.text and doc.text.strip())))
+    if config.dedup.exact and stop_before != "exact":
+        steps.append(ExactDedupFilter(work("exact_duplicates"), ExactDedupConfig(content_getter=normalized_text)))
+    if config.dedup.near and stop_before not in ("exact", "near"):
+        steps.append(MinhashDedupFilter(work("minhash_remove")))
+    return steps
+
+
+def evaluation_documents(config: DataConfig, work: Layout) -> datasets.Dataset:
+    """The evaluation documents: `eval.sources`, or those the eval stage held out."""
+    if config.eval.sources:
+        return drop_empty(load_documents(config.eval.sources), {})
+    files = sorted(Path(work("eval_documents")).glob("*.jsonl*"))
+    held_out = datasets.load_dataset("json", data_files=[str(f) for f in files], split="train") if files else []
+    return datasets.Dataset.from_dict({"text": [d["text"] for d in held_out],
+                                       "messages": [d["metadata"]["messages"] for d in held_out],
+                                       "source": [d["metadata"]["source"] for d in held_out]}, features=FEATURES)
+
+
+def pack_rows(tokenized: datasets.Dataset, rows: np.ndarray, config: DataConfig, pad_id: int) -> tuple[dict | None, dict]:
+    """prepare.pack on one task's documents; a task with less than one row of tokens writes no rows."""
+    tokens = int(tokenized.data.table.column("input_ids").combine_chunks().value_lengths().to_numpy()[rows].sum())
+    if tokens < config.seq_len:
+        return None, {"documents_out": len(rows), "tokens_in": tokens, "tokens_out": 0, "tokens_dropped": tokens,
+                      "rows": 0}
+    return pack(tokenized, rows, config, pad_id)
+
+
+class TokenizeAndPack(PipelineStep):
+    """The last per-task stage: decontaminate, tokenize, mix and pack the task's documents as prepare.py
+    does, into datatrove/rows/train-RANK.parquet and its counts into train-RANK.json."""
+    name = "🧱 tokenize, mix and pack"
+    type = "🔢 - TOKENIZER"
+
+    def __init__(self, config: DataConfig, tokenizer: PreTrainedTokenizerBase, work: Layout):
+        super().__init__()
+        self.config, self.tokenizer, self.work = config, tokenizer, work
+
+    def run(self, data, rank: int = 0, world_size: int = 1):
+        documents = [(doc.text, doc.metadata["messages"], doc.metadata["source"]) for doc in data]
+        with self.track_time():
+            packed, stats = self.pack(documents, rank, world_size) if documents else (None, {"rows": 0})
+            folder = Path(self.work("rows"))
+            folder.mkdir(parents=True, exist_ok=True)
+            if packed is not None:
+                rows_to_dataset(packed, f"task-{rank}").to_parquet(str(folder / f"train-{rank:05d}.parquet"))
+            (folder / f"train-{rank:05d}.json").write_text(json.dumps(stats) + "\n")
+            self.stat_update("documents", value=len(documents))
+            self.stat_update("rows", value=stats["rows"])
+
+    def pack(self, documents: list[tuple], rank: int, world_size: int) -> tuple[dict | None, dict]:
+        config, stats = self.config, {}
+        texts, messages, sources = zip(*documents)
+        kept = datasets.Dataset.from_dict({"text": texts, "messages": messages, "source": sources}, features=FEATURES)
+        if (config.eval.sources or config.eval.fraction) and config.eval.decontaminate:
+            kept = decontaminate(kept, evaluation_documents(config, self.work), config, stats)
+        tokenized = tokenize_documents(kept, self.tokenizer)
+        stats["no_assistant_reply_skipped"] = len(kept) - len(tokenized)
+        sources = np.asarray(tokenized["source"], dtype=np.int64)
+        task = rank if world_size > 1 else None  # one task mixes as the in-process path does
+        rows = mixture_rows(sources, [s.weight for s in config.sources], config.seed, task)
+        packed, pack_stats = pack_rows(tokenized, rows, config, pad_token_id(self.tokenizer))
+        stats.update(pack_stats, documents_kept=np.bincount(sources, minlength=len(config.sources)).tolist(),
+                     documents_in_mixture=np.bincount(sources[rows], minlength=len(config.sources)).tolist())
+        return packed, stats
+
+
+def step_counts(logs: str) -> list[dict]:
+    """Each step's counters summed over the stage's tasks (datatrove writes logs/STAGE/stats/RANK.json)."""
+    totals: list[dict] = []
+    for path in sorted(Path(logs, "stats").glob("*.json")):
+        for index, step in enumerate(json.loads(path.read_text())):
+            if index == len(totals):
+                totals.append({})
+            for name, value in step.get("stats", {}).items():
+                count = value["total"] if isinstance(value, dict) else value
+                totals[index][name] = totals[index].get(name, 0) + count
+    return totals
+
+
+def job_stats(config: DataConfig, work: Layout) -> dict:
+    """prepare.py's stats.json from the last stage's step counters and each task's counts."""
+    counts = step_counts(work.logs("rows"))
+    readers = len(config.sources)
+    filters = iter(counts[readers:])
+    stats = {"documents_in": sum(c.get("documents", 0) for c in counts[:readers]),
+             "empty_documents_removed": next(filters).get("dropped", 0),
+             "exact_duplicates_removed": next(filters).get("dropped", 0) if config.dedup.exact else 0,
+             "near_duplicates_removed": next(filters).get("dropped", 0) if config.dedup.near else 0}
+    tasks = [json.loads(p.read_text()) for p in sorted(Path(work("rows")).glob("train-*.json"))]
+    for key in ("decontaminated_removed", "no_assistant_reply_skipped", "documents_out", "tokens_in", "tokens_out",
+                "tokens_dropped", "rows"):
+        stats[key] = sum(task.get(key, 0) for task in tasks)
+    for key in (*LONG_DOCUMENT_STATS.values(),):
+        if any(key in task for task in tasks):
+            stats[key] = sum(task.get(key, 0) for task in tasks)
+    stats["packing_efficiency"] = stats["tokens_out"] / max(1, stats["rows"] * config.seq_len)
+    kept = np.sum([task.get("documents_kept", [0] * readers) for task in tasks], axis=0)
+    mixed = np.sum([task.get("documents_in_mixture", [0] * readers) for task in tasks], axis=0)
+    stats.update(seq_len=config.seq_len, packing=config.packing, engine="datatrove", tasks=len(tasks), sources=[
+        {"name": s.name, "weight": s.weight, "documents_in": counts[i].get("documents", 0),
+         "documents_kept": int(kept[i]), "documents_in_mixture": int(mixed[i])} for i, s in enumerate(config.sources)])
+    return stats
+
+
+class Assemble(PipelineStep):
+    """The job's end (one task): every task's rows as one data set, the evaluation split packed, saved
+    where `data.prepared` reads it, with stats.json last."""
+    name = "📦 assemble the prepared data set"
+    type = "💽 - WRITER"
+
+    def __init__(self, config: DataConfig, tokenizer: PreTrainedTokenizerBase, work: Layout, output: Path):
+        super().__init__()
+        self.config, self.tokenizer, self.work, self.output = config, tokenizer, work, output
+
+    def run(self, data=None, rank: int = 0, world_size: int = 1):
+        with self.track_time():
+            stats = job_stats(self.config, self.work)
+            if stats["rows"] == 0:
+                raise DataError(f"the data holds {stats['tokens_in']} tokens after tokenization, less than one row of "
+                                f"data.seq_len={self.config.seq_len} in any task; add data, lower data.seq_len or "
+                                f"use fewer --tasks ({json.dumps(stats)})")
+            files = sorted(str(p) for p in Path(self.work("rows")).glob("train-*.parquet"))
+            splits = {"train": datasets.Dataset.from_parquet(files, cache_dir=self.work("cache"))}
+            if self.config.eval.sources or self.config.eval.fraction:
+                evaluation = evaluation_documents(self.config, self.work)
+                stats["eval_documents"] = len(evaluation)
+                eval_rows, stats["eval"] = pack(tokenize_documents(evaluation, self.tokenizer), None, self.config,
+                                                pad_token_id(self.tokenizer))
+                splits["eval"] = rows_to_dataset(eval_rows, "eval")
+            save_prepared(datasets.DatasetDict(splits), stats, self.output)
+
+
+def stages(config: DataConfig, tokenizer: PreTrainedTokenizerBase, work: Layout, output: Path,
+           tasks: int) -> list[tuple[str, list[PipelineStep], int]]:
+    """(name, steps, tasks) of each stage, in the order they must run."""
+    exact = ExactDedupConfig(content_getter=normalized_text)
+    minhash = minhash_config(config)
+    result = []
+    if config.dedup.exact:
+        result += [("exact_signatures", [*deduplicated(config, work, "exact"), ExactDedupSignature(work("exact_signatures"),
+                                                                                                    exact)], tasks),
+                   ("exact_duplicates", [ExactFindDedups(work("exact_signatures"), work("exact_duplicates"), exact)], 1)]
+    if config.dedup.near:
+        result += [("minhash_signatures", [*deduplicated(config, work, "near"),
+                                           RecipeMinhashSignature(work("minhash_signatures"), minhash,
+                                                                  config.dedup.shingle)], tasks),
+                   ("minhash_buckets", [MinhashDedupBuckets(work("minhash_signatures"), work("minhash_buckets"),
+                                                            config=minhash)], minhash.num_buckets),
+                   ("minhash_clusters", [MinhashDedupCluster(work("minhash_buckets"), work("minhash_remove"), minhash)], 1)]
+    held_out = partial(is_held_out, fraction=config.eval.fraction, seed=config.seed)
+    if config.eval.fraction:
+        result.append(("eval_documents", [*deduplicated(config, work), LambdaFilter(held_out),
+                                          JsonlWriter(work("eval_documents"))], tasks))
+    training = [LambdaFilter(lambda doc: not held_out(doc))] if config.eval.fraction else []
+    result += [("rows", [*deduplicated(config, work), *training, TokenizeAndPack(config, tokenizer, work)], tasks),
+               ("assemble", [Assemble(config, tokenizer, work, output)], 1)]
+    return result
+
+
+def executor(options: JobOptions, name: str, steps: list[PipelineStep], tasks: int, logs: str, depends,
+             job_name: str):
+    """datatrove's executor of one stage, started after `depends`."""
+    workers = min(options.workers, tasks) if options.workers > 0 else -1
+    if options.executor == "local":
+        return LocalPipelineExecutor(steps, tasks=tasks, workers=workers, logging_dir=logs, depends=depends)
+    if options.executor == "slurm":
+        return SlurmPipelineExecutor(steps, tasks=tasks, workers=workers, logging_dir=logs, depends=depends,
+                                     time=options.slurm_time, partition=options.slurm_partition,
+                                     cpus_per_task=options.cpus_per_task, mem_per_cpu_gb=options.mem_per_cpu_gb,
+                                     job_name=f"{job_name}-{name}", venv_path=f"{sys.prefix}/bin/activate")
+    from datatrove.executor import RayPipelineExecutor
+    return RayPipelineExecutor(steps, tasks=tasks, workers=workers, logging_dir=logs, depends=depends,
+                               cpus_per_task=options.cpus_per_task, mem_per_cpu_gb=options.mem_per_cpu_gb)
+
+
+def check_options(options: JobOptions) -> None:
+    if options.executor == "slurm" and not options.slurm_partition:
+        raise DataError("--executor slurm needs --slurm-partition (the partition the jobs run on)")
+    if options.executor == "ray":
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise DataError("--executor ray needs Ray on this machine and the cluster: pip install 'ray[default]'; "
+                            "start or join a cluster (ray start --head) before running") from None
+
+
+JOB_KEYS = {"fingerprint": "data section, source files or tokenizer", "tasks": "--tasks"}
+
+
+def claim_work_folder(work: Layout, job: dict) -> None:
+    """The job's folder holds the tasks already done. A rerun continues them only for the same data
+    section, tokenizer and task count; anything else would mix two jobs' files."""
+    marker = Path(work.root, "job.json")
+    if marker.exists():
+        started = json.loads(marker.read_text())
+        if started != job:
+            changed = " and ".join(JOB_KEYS[k] for k in job if started.get(k) != job[k])
+            raise DataError(f"{work.root} holds a job started with another {changed}; rerun with the same recipe "
+                            f"and --tasks to finish it, or remove {work.root} to start over")
+        return
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps(job, indent=2) + "\n")
+
+
+def run_job(config: DataConfig, tokenizer: PreTrainedTokenizerBase, output: Path, options: JobOptions,
+            job_name: str) -> Path:
+    """Run (local) or submit (Slurm, Ray) the job; its working files go to OUTPUT.datatrove next to OUTPUT."""
+    check_options(options)
+    for source in config.sources + config.eval.sources:
+        if source.path:
+            reader(source, 0)  # an unsupported file type fails here, before any stage starts
+    work = Layout(output.with_name(f"{output.name}.datatrove"))
+    claim_work_folder(work, {"fingerprint": fingerprint(config, tokenizer), "tasks": options.tasks})
+    previous = None
+    for name, steps, tasks in stages(config, tokenizer, work, output, options.tasks):
+        previous = executor(options, name, steps, tasks, work.logs(name), previous, job_name)
+    previous.run()
+    return Path(work.root)

@@ -1,0 +1,244 @@
+"""`python -m data_pipeline prepare --engine datatrove`: the data stage as a datatrove job, checked against
+the in-process path on the same corpus (2 files, so 2 tasks each read one), with the local executor."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pytest
+
+pytest.importorskip("datatrove", reason="the datatrove engine's extra: pip install -r requirements-scale.txt")
+
+from data_pipeline.__main__ import main  # noqa: E402
+from data_pipeline.dedup import MinHasher, normalize  # noqa: E402
+from data_pipeline.prepare import build_dataset, deduplicate, drop_empty  # noqa: E402
+from data_pipeline.scale import Layout, deduplicated  # noqa: E402
+from data_pipeline.sources import load_documents  # noqa: E402
+from tests.conftest import REPO, SMALL_MODEL, run_train  # noqa: E402
+from training.model import load_tokenizer  # noqa: E402
+from training.recipe import load_recipe  # noqa: E402
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+NEAR = "data.dedup.near=true"
+JOB = (NEAR, "data.eval.fraction=0.05")  # the shared job: every stage, decontamination included
+
+
+def near_copy(text: str, seed: int) -> str:
+    """The text with one word replaced: a near duplicate (word 5-gram Jaccard above 0.8 for long texts)."""
+    words = text.split()
+    words[np.random.default_rng(seed).integers(len(words))] = "CHANGED"
+    return " ".join(words)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> dict:
+    """tiny_llama's corpus as two shards of one source, with exact duplicates (case and spacing changed, some in the other
+    file), near duplicates (one word changed) of long documents, and an empty document."""
+    folder = tmp_path_factory.mktemp("corpus")
+    lines = (REPO / "recipes/tiny_llama/corpus.jsonl").read_text().splitlines()
+    texts = [json.loads(line)["text"] for line in lines]
+    rng = np.random.default_rng(0)
+    long_ones = [i for i, t in enumerate(texts) if len(t.split()) >= 150]
+    near_pairs = [(texts[i], near_copy(texts[i], i)) for i in rng.choice(long_ones, 40, replace=False)]
+    exact = [texts[i].upper().replace(" ", "  ") for i in rng.choice(len(texts), 40, replace=False)]
+    halves = [texts[:len(texts) // 2] + exact[:20], texts[len(texts) // 2:] + exact[20:] + [c for _, c in near_pairs] + [" "]]
+    paths = []
+    for index, half in enumerate(halves):
+        paths.append(folder / f"part-{index}.jsonl")
+        paths[-1].write_text("".join(json.dumps({"text": t}) + "\n" for t in half))
+    return {"sources": f"data.sources=[{{path: '{folder}/part-*.jsonl'}}]", "near_pairs": near_pairs}
+
+
+def prepare_command(output: Path, *overrides: str, tasks: int = 2, workers: int = 2) -> list[str]:
+    return [sys.executable, "-m", "data_pipeline", "prepare", "--recipe", "tiny_llama", "--output", str(output),
+            "--engine", "datatrove", "--tasks", str(tasks), "--workers", str(workers), *overrides]
+
+
+def run_job(output: Path, *overrides: str, tasks: int = 2, workers: int = 2) -> None:
+    done = subprocess.run(prepare_command(output, *overrides, tasks=tasks, workers=workers), cwd=REPO, env=ENV,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+
+
+@pytest.fixture(scope="module")
+def job(corpus, tmp_path_factory) -> Path:
+    """The corpus prepared by a datatrove job: exact and near dedup, an evaluation split, 2 tasks on 2 workers."""
+    output = tmp_path_factory.mktemp("job") / "prepared"
+    run_job(output, corpus["sources"], *JOB)
+    return output
+
+
+def stats_of(prepared: Path) -> dict:
+    return json.loads((prepared / "stats.json").read_text())
+
+
+def recipe_data(corpus: dict, *overrides: str):
+    return load_recipe("tiny_llama", [corpus["sources"], *overrides]).data
+
+
+def kept_by_job(config, work: Path, tasks: int) -> list[str]:
+    """The documents the job's deduplication kept: its reading steps replayed over each task's files,
+    with the duplicate lists the job wrote."""
+    texts = []
+    for rank in range(tasks):
+        documents = None
+        for step in deduplicated(config, Layout(work)):
+            documents = step(documents, rank, tasks)
+        texts += [document.text for document in documents]
+    return texts
+
+
+def kept_in_process(config) -> list[str]:
+    return deduplicate(drop_empty(load_documents(config.sources), {}), config.dedup, 1, {})["text"]
+
+
+def shingle_set(text: str) -> set:
+    hashes, _ = MinHasher(1, "word", 5).shingle_hashes([text])
+    return set(hashes.tolist())
+
+
+def jaccard(a: set, b: set) -> float:
+    return len(a & b) / len(a | b)
+
+
+def near_quality(unique: list[str], kept: list[str], near_pairs: list[tuple[str, str]], threshold: float) -> tuple:
+    """(precision, recall) of the near-duplicate removals against exact Jaccard: a removed document is right
+    if some other document is at least `threshold` similar; recall counts the planted pairs with one removed."""
+    kept_set = {normalize(t) for t in kept}
+    removed = [t for t in unique if normalize(t) not in kept_set]
+    shingles = [shingle_set(t) for t in unique]
+    right = sum(any(jaccard(shingle_set(r), s) >= threshold and normalize(u) != normalize(r)
+                    for u, s in zip(unique, shingles)) for r in removed)
+    found = sum(normalize(a) not in kept_set or normalize(b) not in kept_set for a, b in near_pairs)
+    return right / max(1, len(removed)), found / len(near_pairs)
+
+
+def test_exact_dedup_keeps_the_same_documents_as_the_in_process_path(corpus, job):
+    config = recipe_data(corpus)  # exact only
+    in_process = kept_in_process(config)
+    by_job = kept_by_job(recipe_data(corpus, NEAR), job.with_name("prepared.datatrove"), 2)
+    stats = json.loads((job / "stats.json").read_text())
+    assert stats["exact_duplicates_removed"] == len(load_documents(config.sources)) - 1 - len(in_process) >= 40
+    assert stats["empty_documents_removed"] == 1
+    exact_survivors = {normalize(t) for t in in_process}
+    assert {normalize(t) for t in by_job} <= exact_survivors  # near dedup only removes more
+    assert len(exact_survivors) == len(in_process)  # one of each group, as in-process
+
+
+def test_near_dedup_agrees_with_the_in_process_path_within_lsh_noise(corpus, job):
+    config = recipe_data(corpus, NEAR)
+    unique = kept_in_process(recipe_data(corpus))
+    assert all(jaccard(shingle_set(a), shingle_set(b)) >= 0.8 for a, b in corpus["near_pairs"])
+    by_job = kept_by_job(config, job.with_name("prepared.datatrove"), 2)
+    in_process = kept_in_process(config)
+    assert stats_of(job)["eval_documents"] == pytest.approx(0.05 * len(by_job), rel=0.25)
+    assert len(datasets.load_from_disk(str(job))["eval"]) >= 1
+    job_quality = near_quality(unique, by_job, corpus["near_pairs"], config.dedup.threshold)
+    own_quality = near_quality(unique, in_process, corpus["near_pairs"], config.dedup.threshold)
+    print(f"precision, recall: datatrove {job_quality}, in-process {own_quality}; removed "
+          f"{len(unique) - len(by_job)} against {len(unique) - len(in_process)}")
+    assert job_quality[0] >= 0.9 and job_quality[1] >= 0.95
+    assert own_quality[0] >= 0.9 and own_quality[1] >= 0.95
+    differ = {normalize(t) for t in by_job} ^ {normalize(t) for t in in_process}
+    assert len(differ) <= 0.02 * len(unique)
+    stats = json.loads((job / "stats.json").read_text())
+    assert stats["near_duplicates_removed"] == len(unique) - len(by_job)
+
+
+def test_one_task_writes_the_in_process_rows_row_for_row(corpus, tmp_path):
+    output = tmp_path / "prepared"
+    run_job(output, corpus["sources"], tasks=1, workers=1)
+    config = recipe_data(corpus)
+    expected, expected_stats = build_dataset(config, load_tokenizer(load_recipe("tiny_llama").tokenizer_path, False))
+    got = datasets.load_from_disk(str(output))
+    for column in ("input_ids", "labels", "position_ids", "length"):
+        assert np.array_equal(np.asarray(got["train"][column]), np.asarray(expected["train"][column])), column
+    stats = json.loads((output / "stats.json").read_text())
+    for key in ("documents_in", "exact_duplicates_removed", "documents_out", "tokens_out", "rows"):
+        assert stats[key] == expected_stats[key], key
+
+
+@pytest.mark.slow
+def test_the_jobs_rows_train_tiny_llama_to_the_in_process_first_loss(corpus, job, tmp_path):
+    in_process = tmp_path / "in_process"
+    assert main(["prepare", "--recipe", "tiny_llama", "--output", str(in_process), corpus["sources"], *JOB]) == 0
+    losses = []
+    for prepared in (job, in_process):
+        out = tmp_path / f"run-{prepared.name}"
+        done = run_train(["--recipe", "tiny_llama", "--output-dir", str(out), f"data.prepared={prepared}",
+                          "data.sources=[]", SMALL_MODEL, "training.max_steps=1", "logging.every_steps=1",
+                          "training.eval_every_steps=null"])
+        assert done.returncode == 0, done.stderr[-3000:]
+        losses.append(json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["loss"])
+    assert losses[0] == pytest.approx(losses[1], rel=0.01)  # different rows first, the same model and data
+
+
+@pytest.mark.slow
+def test_a_killed_job_reruns_only_unfinished_tasks_and_ends_as_an_uninterrupted_one(corpus, job, tmp_path):
+    output = tmp_path / "prepared"
+    work = tmp_path / "prepared.datatrove"
+    process = subprocess.Popen(prepare_command(output, corpus["sources"], *JOB, workers=1), cwd=REPO, env=ENV,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    first_rows_task = work / "logs/rows/completions/00000"
+    while not first_rows_task.exists() and process.poll() is None:
+        time.sleep(0.01)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert not (output / "stats.json").exists() and not (work / "logs/rows/completions/00001").exists()
+    finished = {p: p.stat().st_mtime_ns for p in (work / "logs").glob("*/stats/*.json")}
+    assert len(finished) >= 9  # every earlier stage's tasks and the first rows task
+
+    run_job(output, corpus["sources"], *JOB, workers=1)
+    assert all(p.stat().st_mtime_ns == mtime for p, mtime in finished.items())  # not run again
+    assert (work / "logs/rows/stats/00001.json").exists()
+    rerun, uninterrupted = datasets.load_from_disk(str(output)), datasets.load_from_disk(str(job))
+    for split in ("train", "eval"):
+        for column in ("input_ids", "labels", "position_ids", "length"):
+            assert np.array_equal(np.asarray(rerun[split][column]), np.asarray(uninterrupted[split][column])), column
+    stats, expected = (json.loads((p / "stats.json").read_text()) for p in (output, job))
+    assert {k: v for k, v in stats.items() if k != "sources"} == {k: v for k, v in expected.items() if k != "sources"}
+
+
+def test_bad_job_options_are_refused_before_any_stage_runs(corpus, tmp_path, capsys):
+    output = tmp_path / "prepared"
+    base = ["prepare", "--recipe", "tiny_llama", "--output", str(output), "--engine", "datatrove", corpus["sources"]]
+    assert main([*base, "--executor", "slurm"]) == 2
+    assert "--slurm-partition" in capsys.readouterr().err
+    text = tmp_path / "book.txt"
+    text.write_text("one document")
+    assert main([*base[:-1], f"data.sources=[{{path: {text}}}]"]) == 2
+    assert "book.txt" in capsys.readouterr().err
+    assert not (tmp_path / "prepared.datatrove").exists()
+
+
+def test_a_rerun_with_other_settings_is_refused(corpus, job, capsys):
+    work = job.with_name("prepared.datatrove")
+    before = (work / "job.json").read_text()
+    fresh = job.with_name("other")
+    (fresh.with_name("other.datatrove")).mkdir()
+    (fresh.with_name("other.datatrove") / "job.json").write_text(before)
+    args = ["prepare", "--recipe", "tiny_llama", "--output", str(fresh), "--engine", "datatrove", corpus["sources"]]
+    assert main([*args, *JOB, "--tasks", "3"]) == 2
+    assert "--tasks" in capsys.readouterr().err
+    assert main([*args, "data.seq_len=128", *JOB]) == 2
+    assert "data section" in capsys.readouterr().err
+
+
+def test_slurm_stages_are_chained_jobs_with_the_options(corpus, tmp_path):
+    from data_pipeline.scale import JobOptions, executor, stages
+    config = recipe_data(corpus, NEAR)
+    tokenizer = load_tokenizer(load_recipe("tiny_llama").tokenizer_path, False)
+    options = JobOptions("slurm", tasks=64, slurm_partition="cpu", cpus_per_task=2, mem_per_cpu_gb=4)
+    previous = None
+    for name, steps, tasks in stages(config, tokenizer, Layout(tmp_path), tmp_path / "out", options.tasks):
+        current = executor(options, name, steps, tasks, str(tmp_path / name), previous, "tiny")
+        assert current.depends is previous and current.partition == "cpu" and current.cpus_per_task == 2
+        previous = current
+    assert [s[0] for s in stages(config, tokenizer, Layout(tmp_path), tmp_path, 64)] == [
+        "exact_signatures", "exact_duplicates", "minhash_signatures", "minhash_buckets", "minhash_clusters", "rows",
+        "assemble"]
