@@ -13,12 +13,12 @@ Where the result can differ from the in-process path (docs/data_at_scale.md has 
 - `eval.fraction` holds out each document by a seeded hash of its text, not by a global permutation.
 - Each task mixes and packs its own documents; under `concat` each task's last partial row is dropped.
 """
+import importlib.util
 import json
 import sys
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from types import MethodType
 
 import datasets
 import numpy as np
@@ -244,7 +244,7 @@ def job_stats(config: DataConfig, work: Layout) -> dict:
     for key in ("decontaminated_removed", "no_assistant_reply_skipped", "documents_out", "tokens_in", "tokens_out",
                 "tokens_dropped", "rows"):
         stats[key] = sum(task.get(key, 0) for task in tasks)
-    for key in (*LONG_DOCUMENT_STATS.values(),):
+    for key in LONG_DOCUMENT_STATS.values():
         if any(key in task for task in tasks):
             stats[key] = sum(task.get(key, 0) for task in tasks)
     stats["packing_efficiency"] = stats["tokens_out"] / max(1, stats["rows"] * config.seq_len)
@@ -291,9 +291,10 @@ def stages(config: DataConfig, tokenizer: PreTrainedTokenizerBase, work: Layout,
     minhash = minhash_config(config)
     result = []
     if config.dedup.exact:
-        result += [("exact_signatures", [*deduplicated(config, work, "exact"), ExactDedupSignature(work("exact_signatures"),
-                                                                                                    exact)], tasks),
-                   ("exact_duplicates", [ExactFindDedups(work("exact_signatures"), work("exact_duplicates"), exact)], 1)]
+        signatures = ExactDedupSignature(work("exact_signatures"), exact, finder_workers=tasks)  # hash ranges
+        result += [("exact_signatures", [*deduplicated(config, work, "exact"), signatures], tasks),
+                   ("exact_duplicates", [ExactFindDedups(work("exact_signatures"), work("exact_duplicates"), exact)],
+                    tasks)]
     if config.dedup.near:
         result += [("minhash_signatures", [*deduplicated(config, work, "near"),
                                            RecipeMinhashSignature(work("minhash_signatures"), minhash,
@@ -330,12 +331,9 @@ def executor(options: JobOptions, name: str, steps: list[PipelineStep], tasks: i
 def check_options(options: JobOptions) -> None:
     if options.executor == "slurm" and not options.slurm_partition:
         raise DataError("--executor slurm needs --slurm-partition (the partition the jobs run on)")
-    if options.executor == "ray":
-        try:
-            import ray  # noqa: F401
-        except ImportError:
-            raise DataError("--executor ray needs Ray on this machine and the cluster: pip install 'ray[default]'; "
-                            "start or join a cluster (ray start --head) before running") from None
+    if options.executor == "ray" and importlib.util.find_spec("ray") is None:
+        raise DataError("--executor ray needs Ray on this machine and the cluster: pip install 'ray[default]'; "
+                            "start or join a cluster (ray start --head) before running")
 
 
 JOB_KEYS = {"fingerprint": "data section, source files or tokenizer", "tasks": "--tasks"}

@@ -150,17 +150,52 @@ def test_near_dedup_agrees_with_the_in_process_path_within_lsh_noise(corpus, job
     assert stats["near_duplicates_removed"] == len(unique) - len(by_job)
 
 
+def assert_same_rows(got: datasets.DatasetDict, expected: datasets.DatasetDict, split: str) -> None:
+    for column in ("input_ids", "labels", "position_ids", "length"):
+        assert np.array_equal(np.asarray(got[split][column]), np.asarray(expected[split][column])), (split, column)
+
+
 def test_one_task_writes_the_in_process_rows_row_for_row(corpus, tmp_path):
     output = tmp_path / "prepared"
     run_job(output, corpus["sources"], tasks=1, workers=1)
     config = recipe_data(corpus)
     expected, expected_stats = build_dataset(config, load_tokenizer(load_recipe("tiny_llama").tokenizer_path, False))
-    got = datasets.load_from_disk(str(output))
-    for column in ("input_ids", "labels", "position_ids", "length"):
-        assert np.array_equal(np.asarray(got["train"][column]), np.asarray(expected["train"][column])), column
+    assert_same_rows(datasets.load_from_disk(str(output)), expected, "train")
     stats = json.loads((output / "stats.json").read_text())
     for key in ("documents_in", "exact_duplicates_removed", "documents_out", "tokens_out", "rows"):
         assert stats[key] == expected_stats[key], key
+
+
+def test_chat_sources_are_tokenized_with_their_template_and_packed_as_in_process(tmp_path):
+    """tiny_llama_sft's conversations (loss on the assistant replies only), bfd packing, one task."""
+    chat = ["data.sources=[{path: recipes/tiny_llama_sft/chat.jsonl, messages_field: messages}]",
+            "data.packing=bfd", "data.long_documents=truncate"]
+    output = tmp_path / "prepared"
+    run_job(output, *chat, tasks=1, workers=1)
+    recipe = load_recipe("tiny_llama", chat)
+    expected, expected_stats = build_dataset(recipe.data, load_tokenizer(recipe.tokenizer_path, False))
+    got = datasets.load_from_disk(str(output))
+    assert_same_rows(got, expected, "train")
+    assert (np.asarray(got["train"]["labels"]) == -100).mean() > 0.3  # the prompts take no loss
+    assert stats_of(output)["long_documents_truncated"] == expected_stats["long_documents_truncated"]
+
+
+def test_decontamination_against_eval_sources_removes_what_the_in_process_path_removes(corpus, tmp_path):
+    """Each task checks its documents against every evaluation document, so the removals are the
+    in-process path's; the evaluation split is packed by the same code, row for row."""
+    texts = [json.loads(line)["text"] for line in (REPO / "recipes/tiny_llama/corpus.jsonl").read_text().splitlines()]
+    evaluation = tmp_path / "eval.jsonl"
+    planted = [near_copy(t, 1) for t in texts if len(t.split()) >= 150][:10]
+    evaluation.write_text("".join(json.dumps({"text": t}) + "\n" for t in planted + texts[-1:]))
+    overrides = (corpus["sources"], f"data.eval.sources=[{{path: {evaluation}}}]")
+    output = tmp_path / "prepared"
+    run_job(output, *overrides)
+    recipe = load_recipe("tiny_llama", list(overrides))
+    expected, expected_stats = build_dataset(recipe.data, load_tokenizer(recipe.tokenizer_path, False))
+    stats = stats_of(output)
+    assert stats["decontaminated_removed"] == expected_stats["decontaminated_removed"] >= 11
+    assert stats["eval_documents"] == expected_stats["eval_documents"] == 11
+    assert_same_rows(datasets.load_from_disk(str(output)), expected, "eval")
 
 
 @pytest.mark.slow
@@ -198,8 +233,7 @@ def test_a_killed_job_reruns_only_unfinished_tasks_and_ends_as_an_uninterrupted_
     assert (work / "logs/rows/stats/00001.json").exists()
     rerun, uninterrupted = datasets.load_from_disk(str(output)), datasets.load_from_disk(str(job))
     for split in ("train", "eval"):
-        for column in ("input_ids", "labels", "position_ids", "length"):
-            assert np.array_equal(np.asarray(rerun[split][column]), np.asarray(uninterrupted[split][column])), column
+        assert_same_rows(rerun, uninterrupted, split)
     stats, expected = (json.loads((p / "stats.json").read_text()) for p in (output, job))
     assert {k: v for k, v in stats.items() if k != "sources"} == {k: v for k, v in expected.items() if k != "sources"}
 
@@ -213,6 +247,8 @@ def test_bad_job_options_are_refused_before_any_stage_runs(corpus, tmp_path, cap
     text.write_text("one document")
     assert main([*base[:-1], f"data.sources=[{{path: {text}}}]"]) == 2
     assert "book.txt" in capsys.readouterr().err
+    assert main([*base[:-1], f"data.sources=[{{path: '{tmp_path}/part-*.jsonl'}}]"]) == 2
+    assert "no file matches" in capsys.readouterr().err
     assert not (tmp_path / "prepared.datatrove").exists()
 
 

@@ -1,0 +1,111 @@
+"""The data stage in-process (`datasets`, num_proc) against the same stage as a datatrove job on this machine.
+
+    pip install -r requirements-scale.txt
+    python benchmarks/data_engines.py [--copies 30] [--shards 8] [--cores 2]
+
+The corpus: tiny_llama's documents (Python's documentation) `--copies` times, each copy with 10% of its
+words replaced at random (so copies are not near duplicates of each other: word 5-gram Jaccard about
+0.4), plus 2% exact duplicates and 2% near duplicates (one word changed), in `--shards` JSONL files.
+Both engines run tiny_llama's recipe on it with exact and MinHash near dedup, tokenization and packing,
+on `--cores` cores (in-process: data.num_proc; datatrove: --tasks = shards, --workers = cores), each
+through `python -m data_pipeline prepare` as users run it, one after the other. The table shows wall
+time, documents/s and GB/hour; a second table shows where the datatrove job's task time goes (each
+stage's task-seconds, summed over its tasks, per GB of input), from which the 1 TB arithmetic follows.
+"""
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def write_corpus(folder: Path, copies: int, shards: int) -> tuple[int, int]:
+    """(documents, bytes) of the synthetic corpus, written as shards part-00000.jsonl, ..."""
+    texts = [json.loads(line)["text"] for line in (REPO / "recipes/tiny_llama/corpus.jsonl").read_text().splitlines()]
+    vocabulary = np.array(sorted({w for t in texts for w in t.split()}))
+    rng = np.random.default_rng(0)
+    documents = []
+    for _ in range(copies):
+        for text in texts:
+            words = np.array(text.split(), dtype=object)
+            changed = rng.random(len(words)) < 0.1
+            words[changed] = rng.choice(vocabulary, changed.sum())
+            documents.append(" ".join(words))
+    planted = rng.choice(len(documents), len(documents) // 25, replace=False)
+    for i, index in enumerate(planted):
+        words = documents[index].split()
+        if i % 2:
+            words[rng.integers(len(words))] = "CHANGED"
+        documents.append(" ".join(words))
+    order = rng.permutation(len(documents))
+    size = 0
+    for shard, part in enumerate(np.array_split(order, shards)):
+        lines = "".join(json.dumps({"text": documents[i]}) + "\n" for i in part)
+        (folder / f"part-{shard:05d}.jsonl").write_text(lines)
+        size += len(lines.encode())
+    return len(documents), size
+
+
+def prepare(output: Path, engine: list[str], overrides: list[str]) -> float:
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "data_pipeline", "prepare", "--recipe", "tiny_llama", "--output",
+                           str(output), *engine, *overrides], cwd=REPO, capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(done.stdout[-2000:] + done.stderr[-4000:])
+    return time.perf_counter() - start
+
+
+def stage_seconds(work: Path) -> dict[str, tuple[float, int]]:
+    """Each stage's task-seconds (every step's time, summed over the stage's tasks) and its task count."""
+    stages = {}
+    for logs in sorted((work / "logs").iterdir()):
+        tasks = [json.loads(p.read_text()) for p in (logs / "stats").glob("*.json")]
+        stages[logs.name] = (sum(step["time_stats"]["total"] for task in tasks for step in task), len(tasks))
+    return stages
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--copies", type=int, default=30)
+    parser.add_argument("--shards", type=int, default=8)
+    parser.add_argument("--cores", type=int, default=2)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as scratch:
+        scratch = Path(scratch)
+        documents, size = write_corpus(scratch, args.copies, args.shards)
+        overrides = [f"data.sources=[{{path: '{scratch}/part-*.jsonl'}}]", "data.dedup.near=true",
+                     f"data.cache_dir={scratch / 'cache'}"]
+        runs = {"in-process (datasets)": prepare(scratch / "in_process", [], [*overrides, f"data.num_proc={args.cores}"]),
+                "datatrove, local executor": prepare(scratch / "datatrove", [
+                    "--engine", "datatrove", "--tasks", str(args.shards), "--workers", str(args.cores)], overrides)}
+        stats = {name: json.loads((scratch / folder / "stats.json").read_text())
+                 for name, folder in zip(runs, ("in_process", "datatrove"))}
+        stages = stage_seconds(scratch / "datatrove.datatrove")
+    gigabytes = size / 1e9
+    print(f"{documents:,} documents, {size / 1e6:.1f} MB in {args.shards} shards, {args.cores} cores; exact and near "
+          f"dedup, tokenize, pack (tiny_llama's recipe)\n")
+    print("| engine | wall s | documents/s | GB/hour | exact removed | near removed | tokens out |")
+    print("|---|---|---|---|---|---|---|")
+    for name, seconds in runs.items():
+        s = stats[name]
+        print(f"| {name} | {seconds:.1f} | {documents / seconds:,.0f} | {gigabytes / seconds * 3600:.3f} | "
+              f"{s['exact_duplicates_removed']:,} | {s['near_duplicates_removed']:,} | {s['tokens_out']:,} |")
+    print(f"\nratio datatrove / in-process wall time: {runs['datatrove, local executor'] / runs['in-process (datasets)']:.2f}")
+    print("\n| datatrove stage | tasks | task-seconds | task-seconds per GB |")
+    print("|---|---|---|---|")
+    for name, (seconds, tasks) in stages.items():
+        print(f"| {name} | {tasks} | {seconds:.1f} | {seconds / gigabytes:,.0f} |")
+    parallel = sum(s for name, (s, tasks) in stages.items() if tasks > 1)
+    serial = sum(s for name, (s, tasks) in stages.items() if tasks == 1)
+    print(f"\nper core: {documents / parallel:,.0f} documents/s, {gigabytes / parallel * 3600:.3f} GB/hour in the "
+          f"split stages; single-task stages {serial:.1f} s for {documents:,} documents")
+
+
+if __name__ == "__main__":
+    main()
