@@ -215,6 +215,8 @@ def test_the_jobs_rows_train_tiny_llama_to_the_in_process_first_loss(corpus, job
 
 @pytest.mark.slow
 def test_a_killed_job_reruns_only_unfinished_tasks_and_ends_as_an_uninterrupted_one(corpus, job, tmp_path):
+    """With --workers 1 the job runs its tasks in its own process: SIGKILL it while the second task of the
+    last stage runs, as the OOM killer or a lost node would, then run the same command again."""
     output = tmp_path / "prepared"
     work = tmp_path / "prepared.datatrove"
     process = subprocess.Popen(prepare_command(output, corpus["sources"], *JOB, workers=1), cwd=REPO, env=ENV,
@@ -250,6 +252,14 @@ def test_bad_job_options_are_refused_before_any_stage_runs(corpus, tmp_path, cap
     assert main([*base[:-1], f"data.sources=[{{path: '{tmp_path}/part-*.jsonl'}}]"]) == 2
     assert "no file matches" in capsys.readouterr().err
     assert not (tmp_path / "prepared.datatrove").exists()
+
+
+def test_without_datatrove_the_error_names_the_extra(corpus, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "datatrove.data", None)  # as if datatrove were not installed
+    monkeypatch.delitem(sys.modules, "data_pipeline.scale")
+    assert main(["prepare", "--recipe", "tiny_llama", "--output", str(tmp_path / "out"), "--engine", "datatrove",
+                 corpus["sources"]]) == 2
+    assert "pip install -r requirements-scale.txt" in capsys.readouterr().err
 
 
 def test_a_rerun_with_other_settings_is_refused(corpus, job, capsys):
