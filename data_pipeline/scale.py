@@ -15,13 +15,17 @@ Where the result can differ from the in-process path (docs/data_at_scale.md has 
 """
 import importlib.util
 import json
+import os
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import datasets
 import numpy as np
+import psutil
 import xxhash
 from transformers import PreTrainedTokenizerBase
 
@@ -363,8 +367,46 @@ def run_job(config: DataConfig, tokenizer: PreTrainedTokenizerBase, output: Path
             reader(source, 0)  # an unsupported file type fails here, before any stage starts
     work = Layout(output.with_name(f"{output.name}.datatrove"))
     claim_work_folder(work, {"fingerprint": fingerprint(config, tokenizer), "tasks": options.tasks})
-    previous = None
+    previous, plan = None, []
     for name, steps, tasks in stages(config, tokenizer, work, output, options.tasks):
         previous = executor(options, name, steps, tasks, work.logs(name), previous, job_name)
+        plan.append((name, tasks))
+    if options.executor == "local" and options.workers != 1:
+        threading.Thread(target=end_if_a_worker_dies, args=(work, plan), daemon=True).start()
     previous.run()
     return Path(work.root)
+
+
+def stage_running(work: Layout, plan: list[tuple[str, int]]) -> str | None:
+    """The last stage datatrove has started (it writes executor.json before its tasks start)."""
+    started = [name for name, _ in plan if Path(work.logs(name), "executor.json").exists()]
+    return started[-1] if started else None
+
+
+def stage_finished(work: Layout, plan: list[tuple[str, int]], name: str) -> bool:
+    return len(list(Path(work.logs(name), "completions").glob("*"))) >= dict(plan)[name]
+
+
+def end_if_a_worker_dies(work: Layout, plan: list[tuple[str, int]], grace: float = 3.0) -> None:
+    """datatrove's local executor runs tasks in a process pool that waits forever for the task of a worker
+    that died (the OOM killer's SIGKILL, a crash): the pool replaces the worker, never its task. Runs in a
+    thread: when a process the job started during a stage is gone and that stage is still unfinished
+    `grace` seconds later, end the job, telling the user to run it again (finished tasks are skipped)."""
+    job, stage_of = psutil.Process(), {}
+    while True:
+        alive = {process.pid for process in job.children(recursive=True)}
+        for pid in alive - stage_of.keys():
+            stage_of[pid] = stage_running(work, plan)
+        for pid in stage_of.keys() - alive:
+            stage = stage_of.pop(pid)
+            if stage and not stage_finished(work, plan, stage):
+                time.sleep(grace)
+                if not stage_finished(work, plan, stage):
+                    print(f"error: a worker process of the datatrove job (pid {pid}) died during stage {stage} (killed "
+                          f"by the OOM killer or a signal?), and datatrove's local pool would wait for its task "
+                          f"forever; run the same command again: finished tasks are skipped", file=sys.stderr,
+                          flush=True)
+                    for process in job.children(recursive=True):
+                        process.kill()
+                    os._exit(1)
+        time.sleep(0.2)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import datasets
 import numpy as np
+import psutil
 import pytest
 
 pytest.importorskip("datatrove", reason="the datatrove engine's extra: pip install -r requirements-scale.txt")
@@ -213,31 +214,63 @@ def test_the_jobs_rows_train_tiny_llama_to_the_in_process_first_loss(corpus, job
     assert losses[0] == pytest.approx(losses[1], rel=0.01)  # different rows first, the same model and data
 
 
-@pytest.mark.slow
-def test_a_killed_job_reruns_only_unfinished_tasks_and_ends_as_an_uninterrupted_one(corpus, job, tmp_path):
-    """With --workers 1 the job runs its tasks in its own process: SIGKILL it while the second task of the
-    last stage runs, as the OOM killer or a lost node would, then run the same command again."""
-    output = tmp_path / "prepared"
-    work = tmp_path / "prepared.datatrove"
-    process = subprocess.Popen(prepare_command(output, corpus["sources"], *JOB, workers=1), cwd=REPO, env=ENV,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    first_rows_task = work / "logs/rows/completions/00000"
-    while not first_rows_task.exists() and process.poll() is None:
-        time.sleep(0.01)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-    assert not (output / "stats.json").exists() and not (work / "logs/rows/completions/00001").exists()
+def rerun_matches_the_uninterrupted_job(output: Path, corpus: dict, job: Path) -> None:
+    """Run the killed job's command again: the tasks that had finished do not run again (their logs keep
+    their times), the others do, and the result is the uninterrupted job's."""
+    work = output.with_name(f"{output.name}.datatrove")
+    assert not (output / "stats.json").exists()
     finished = {p: p.stat().st_mtime_ns for p in (work / "logs").glob("*/stats/*.json")}
-    assert len(finished) >= 9  # every earlier stage's tasks and the first rows task
-
+    assert finished
     run_job(output, corpus["sources"], *JOB, workers=1)
-    assert all(p.stat().st_mtime_ns == mtime for p, mtime in finished.items())  # not run again
-    assert (work / "logs/rows/stats/00001.json").exists()
+    assert all(p.stat().st_mtime_ns == mtime for p, mtime in finished.items())
+    assert len(list((work / "logs").glob("*/stats/*.json"))) > len(finished)
     rerun, uninterrupted = datasets.load_from_disk(str(output)), datasets.load_from_disk(str(job))
     for split in ("train", "eval"):
         assert_same_rows(rerun, uninterrupted, split)
-    stats, expected = (json.loads((p / "stats.json").read_text()) for p in (output, job))
+    stats, expected = stats_of(output), stats_of(job)
     assert {k: v for k, v in stats.items() if k != "sources"} == {k: v for k, v in expected.items() if k != "sources"}
+
+
+def start_job(output: Path, corpus: dict, workers: int) -> subprocess.Popen:
+    return subprocess.Popen(prepare_command(output, corpus["sources"], *JOB, workers=workers), cwd=REPO, env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def wait_for(path: Path, process: subprocess.Popen) -> None:
+    while not path.exists():
+        assert process.poll() is None, f"the job ended before {path} appeared: {process.stderr.read()[-3000:]}"
+        time.sleep(0.01)
+
+
+@pytest.mark.slow
+def test_a_killed_job_reruns_only_unfinished_tasks_and_ends_as_an_uninterrupted_one(corpus, job, tmp_path):
+    """With --workers 1 the job runs its tasks in its own process: SIGKILL it while the second task of the
+    last stage runs, as a lost node or a preemption would, then run the same command again."""
+    output = tmp_path / "prepared"
+    process = start_job(output, corpus, workers=1)
+    wait_for(tmp_path / "prepared.datatrove/logs/rows/completions/00000", process)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert not (tmp_path / "prepared.datatrove/logs/rows/completions/00001").exists()
+    rerun_matches_the_uninterrupted_job(output, corpus, job)
+
+
+@pytest.mark.slow
+def test_a_job_whose_worker_is_killed_stops_and_its_rerun_finishes_it(corpus, job, tmp_path):
+    """SIGKILL one of the 2 pool workers during MinHash signatures (the OOM killer's way): the job ends with
+    exit 1 and the advice to rerun instead of waiting forever for the lost task; the rerun finishes it."""
+    output = tmp_path / "prepared"
+    process = start_job(output, corpus, workers=2)
+    stage = tmp_path / "prepared.datatrove/logs/minhash_signatures"
+    for task in (0, 1):  # each worker has begun its task (datatrove opens the task's log file)
+        wait_for(stage / f"logs/task_{task:05d}.log", process)
+    forkserver = next(p for p in psutil.Process(process.pid).children() if "forkserver" in " ".join(p.cmdline()))
+    forkserver.children()[0].kill()  # the pool's workers are the forkserver's children
+    assert process.wait(timeout=60) == 1
+    assert "run the same command again" in process.stderr.read()
+    assert not (tmp_path / "prepared.datatrove/logs/minhash_signatures/completions/00001").exists() or \
+        not (tmp_path / "prepared.datatrove/logs/minhash_signatures/completions/00000").exists()
+    rerun_matches_the_uninterrupted_job(output, corpus, job)
 
 
 def test_bad_job_options_are_refused_before_any_stage_runs(corpus, tmp_path, capsys):
