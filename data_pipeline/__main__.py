@@ -44,7 +44,8 @@ def prepare(args: argparse.Namespace) -> int:
     if args.output.exists():
         raise DataError(f"{args.output} already exists; choose another --output or remove it")
     if recipe.data.prepared or recipe.data.streaming:
-        raise DataError("the recipe's data is already prepared (data.prepared) or streamed (data.streaming)")
+        raise DataError("the recipe's data is already prepared (data.prepared) or streamed (data.streaming); to "
+                        "prepare a streamed recipe's sources anyway, add data.streaming=false")
     tokenizer = load_tokenizer(recipe.tokenizer_path, recipe.model.trust_remote_code)  # as train.py loads it
     if args.engine == "datatrove":
         from data_pipeline.scale import JobOptions, run_job

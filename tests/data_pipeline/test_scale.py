@@ -308,6 +308,21 @@ def test_a_rerun_with_other_settings_is_refused(corpus, job, capsys):
     assert "data section" in capsys.readouterr().err
 
 
+def test_each_kind_of_source_gets_its_datatrove_reader(tmp_path):
+    from datatrove.pipeline.readers import HuggingFaceDatasetReader, JsonlReader, ParquetReader
+    from data_pipeline.config import DataSource
+    from data_pipeline.scale import reader
+    for suffix, kind in ((".jsonl", JsonlReader), (".parquet", ParquetReader)):
+        (tmp_path / f"part-0{suffix}").write_text("")
+        made = reader(DataSource(path=str(tmp_path / f"part-*{suffix}")), 0)
+        assert isinstance(made, kind) and made.glob_pattern == f"part-*{suffix}"
+    hub = reader(DataSource(hub="HuggingFaceFW/fineweb-edu", subset="sample-10BT"), 1)
+    assert isinstance(hub, HuggingFaceDatasetReader) and hub.dataset_options == {"name": "sample-10BT",
+                                                                                 "split": "train"}
+    document = hub.adapter({"text": "a document"}, "hub", 3)
+    assert document["text"] == "a document" and document["metadata"] == {"source": 1, "messages": None}
+
+
 def test_slurm_stages_are_chained_jobs_with_the_options(corpus, tmp_path):
     from data_pipeline.scale import JobOptions, executor, stages
     config = recipe_data(corpus, NEAR)
