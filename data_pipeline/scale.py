@@ -34,7 +34,7 @@ from data_pipeline.config import DataConfig, DataSource
 from data_pipeline.dedup import MinHasher, lsh_bands, normalize
 from data_pipeline.prepare import (LONG_DOCUMENT_STATS, decontaminate, drop_empty, fingerprint, mixture_rows, pack,
                                    pad_token_id, rows_to_dataset, save_prepared)
-from data_pipeline.sources import FEATURES, load_documents
+from data_pipeline.sources import FEATURES, load_documents, load_source
 from data_pipeline.tokenize import tokenize_documents
 
 INSTALL = "pip install -r requirements-scale.txt"
@@ -343,6 +343,15 @@ def check_options(options: JobOptions) -> None:
 JOB_KEYS = {"fingerprint": "data section, source files or tokenizer", "tasks": "--tasks"}
 
 
+def check_sources(config: DataConfig) -> None:
+    """Before any stage starts: each local source has a reader, and its first record the recipe's field
+    (a task would otherwise read a missing field as an empty document and drop it)."""
+    for index, source in enumerate(config.sources + config.eval.sources):
+        if source.path:
+            reader(source, index)
+            next(iter(load_source(source, index, streaming=True)), None)
+
+
 def claim_work_folder(work: Layout, job: dict) -> None:
     """The job's folder holds the tasks already done. A rerun continues them only for the same data
     section, tokenizer and task count; anything else would mix two jobs' files."""
@@ -362,9 +371,7 @@ def run_job(config: DataConfig, tokenizer: PreTrainedTokenizerBase, output: Path
             job_name: str) -> Path:
     """Run (local) or submit (Slurm, Ray) the job; its working files go to OUTPUT.datatrove next to OUTPUT."""
     check_options(options)
-    for source in config.sources + config.eval.sources:
-        if source.path:
-            reader(source, 0)  # an unsupported file type fails here, before any stage starts
+    check_sources(config)
     work = Layout(output.with_name(f"{output.name}.datatrove"))
     claim_work_folder(work, {"fingerprint": fingerprint(config, tokenizer), "tasks": options.tasks})
     previous, plan = None, []

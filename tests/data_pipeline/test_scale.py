@@ -284,6 +284,8 @@ def test_bad_job_options_are_refused_before_any_stage_runs(corpus, tmp_path, cap
     assert "book.txt" in capsys.readouterr().err
     assert main([*base[:-1], f"data.sources=[{{path: '{tmp_path}/part-*.jsonl'}}]"]) == 2
     assert "no file matches" in capsys.readouterr().err
+    assert main([*base, "data.sources.0.text_field=body"]) == 2
+    assert "no field 'body'" in capsys.readouterr().err
     assert not (tmp_path / "prepared.datatrove").exists()
 
 
