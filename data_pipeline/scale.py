@@ -34,7 +34,7 @@ from data_pipeline.config import DataConfig, DataSource
 from data_pipeline.dedup import MinHasher, lsh_bands, normalize
 from data_pipeline.prepare import (LONG_DOCUMENT_STATS, decontaminate, drop_empty, fingerprint, mixture_rows, pack,
                                    pad_token_id, rows_to_dataset, save_prepared)
-from data_pipeline.sources import FEATURES, load_documents, load_source
+from data_pipeline.sources import FEATURES, chat_document, load_documents, load_source
 from data_pipeline.tokenize import tokenize_documents
 
 INSTALL = "pip install -r requirements-scale.txt"
@@ -73,12 +73,8 @@ def as_document(settings: tuple[int, str, bool], reader, data: dict, path: str, 
     """A reader adapter: a record of source `index` as a Document with the in-process path's fields
     (sources.to_documents): the text (a chat's turns joined), its messages and its source."""
     index, field, chat = settings
-    value = data.get(field)
-    if not chat:
-        return {"text": value or "", "id": f"{path}/{id_in_file}", "metadata": {"source": index, "messages": None}}
-    messages = [{"role": m.get("role"), "content": m.get("content")} for m in value or []]
-    return {"text": "\n".join(str(m["content"] or "") for m in messages), "id": f"{path}/{id_in_file}",
-            "metadata": {"source": index, "messages": messages}}
+    messages, text = chat_document(data.get(field)) if chat else (None, data.get(field) or "")
+    return {"text": text, "id": f"{path}/{id_in_file}", "metadata": {"source": index, "messages": messages}}
 
 
 def reader(source: DataSource, index: int) -> PipelineStep:
@@ -237,13 +233,13 @@ def step_counts(logs: str) -> list[dict]:
 
 def job_stats(config: DataConfig, work: Layout) -> dict:
     """prepare.py's stats.json from the last stage's step counters and each task's counts."""
-    counts = step_counts(work.logs("rows"))
+    counts = step_counts(work.logs("rows"))  # the rows stage starts with deduplicated()'s steps, in order
+    dropped = {type(step): count.get("dropped", 0) for step, count in zip(deduplicated(config, work), counts)}
     readers = len(config.sources)
-    filters = iter(counts[readers:])
     stats = {"documents_in": sum(c.get("documents", 0) for c in counts[:readers]),
-             "empty_documents_removed": next(filters).get("dropped", 0),
-             "exact_duplicates_removed": next(filters).get("dropped", 0) if config.dedup.exact else 0,
-             "near_duplicates_removed": next(filters).get("dropped", 0) if config.dedup.near else 0}
+             "empty_documents_removed": dropped[LambdaFilter],
+             "exact_duplicates_removed": dropped.get(ExactDedupFilter, 0),
+             "near_duplicates_removed": dropped.get(MinhashDedupFilter, 0)}
     tasks = [json.loads(p.read_text()) for p in sorted(Path(work("rows")).glob("train-*.json"))]
     for key in ("decontaminated_removed", "no_assistant_reply_skipped", "documents_out", "tokens_in", "tokens_out",
                 "tokens_dropped", "rows"):
@@ -340,9 +336,6 @@ def check_options(options: JobOptions) -> None:
                             "start or join a cluster (ray start --head) before running")
 
 
-JOB_KEYS = {"fingerprint": "data section, source files or tokenizer", "tasks": "--tasks"}
-
-
 def check_sources(config: DataConfig) -> None:
     """Before any stage starts: each local source has a reader, and its first record the recipe's field
     (a task would otherwise read a missing field as an empty document and drop it)."""
@@ -350,6 +343,9 @@ def check_sources(config: DataConfig) -> None:
         if source.path:
             reader(source, index)
             next(iter(load_source(source, index, streaming=True)), None)
+
+
+JOB_KEYS = {"fingerprint": "data section, source files or tokenizer", "tasks": "--tasks"}
 
 
 def claim_work_folder(work: Layout, job: dict) -> None:

@@ -56,14 +56,18 @@ def document_field(source: DataSource, columns: list[str]) -> str:
     return field
 
 
+def chat_document(conversation: list | None) -> tuple[list[dict], str]:
+    """A conversation's turns as {role, content}, and its text: the contents joined (what dedup compares)."""
+    messages = [{"role": m.get("role"), "content": m.get("content")} for m in conversation or []]
+    return messages, "\n".join(str(m["content"] or "") for m in messages)
+
+
 def to_documents(batch: dict, field: str, chat: bool, index: int) -> dict:
     values = batch[field]
     if not chat:
         return {"text": values, "messages": [None] * len(values), "source": [index] * len(values)}
-    messages = [[{"role": m.get("role"), "content": m.get("content")} for m in conversation or []]
-                for conversation in values]
-    texts = ["\n".join(str(m["content"] or "") for m in conversation) for conversation in messages]
-    return {"text": texts, "messages": messages, "source": [index] * len(values)}
+    messages, texts = zip(*map(chat_document, values)) if values else ((), ())
+    return {"text": list(texts), "messages": list(messages), "source": [index] * len(values)}
 
 
 def load_source(source: DataSource, index: int, streaming: bool = False) -> datasets.Dataset | datasets.IterableDataset:
