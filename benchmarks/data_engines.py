@@ -11,6 +11,11 @@ on `--cores` cores (in-process: data.num_proc; datatrove: --tasks = shards, --wo
 through `python -m data_pipeline prepare` as users run it, one after the other. The table shows wall
 time, documents/s and GB/hour; a second table shows where the datatrove job's task time goes (each
 stage's task-seconds, summed over its tasks, per GB of input), from which the 1 TB arithmetic follows.
+
+    python benchmarks/data_engines.py --task-memory --copies 25
+
+instead runs the datatrove job as one task over one shard of the corpus, under `/usr/bin/time -v`, and
+prints the text's size and the peak resident memory (the memory one task needs for that much text).
 """
 import argparse
 import json
@@ -61,6 +66,19 @@ def prepare(output: Path, engine: list[str], overrides: list[str]) -> float:
     return time.perf_counter() - start
 
 
+def task_memory(scratch: Path, copies: int) -> None:
+    documents, size = write_corpus(scratch, copies, 1)
+    done = subprocess.run(["/usr/bin/time", "-v", sys.executable, "-m", "data_pipeline", "prepare", "--recipe",
+                           "tiny_llama", "--output", str(scratch / "out"), "--engine", "datatrove", "--tasks", "1",
+                           "--workers", "1", f"data.sources=[{{path: '{scratch}/part-*.jsonl'}}]",
+                           "data.dedup.near=true"], cwd=REPO, capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(done.stderr[-4000:])
+    peak_kb = int(next(line for line in done.stderr.splitlines() if "Maximum resident set size" in line).split()[-1])
+    print(f"one task, {documents:,} documents, {size / 1e6:.1f} MB of text: peak resident memory "
+          f"{peak_kb / 1e6:.2f} GB")
+
+
 def stage_seconds(work: Path) -> dict[str, tuple[float, int]]:
     """Each stage's task-seconds (every step's time, summed over the stage's tasks) and its task count."""
     stages = {}
@@ -75,9 +93,12 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=30)
     parser.add_argument("--shards", type=int, default=8)
     parser.add_argument("--cores", type=int, default=2)
+    parser.add_argument("--task-memory", action="store_true", help="one task's peak memory instead (see above)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
+        if args.task_memory:
+            return task_memory(scratch, args.copies)
         documents, size = write_corpus(scratch, args.copies, args.shards)
         overrides = [f"data.sources=[{{path: '{scratch}/part-*.jsonl'}}]", "data.dedup.near=true",
                      f"data.cache_dir={scratch / 'cache'}"]
