@@ -39,7 +39,7 @@ from training.layout import check_layout, refusal
 from training.long_context import apply_long_context
 from training.lora import export_lora, lora_files, with_lora
 from training.moe import RouterLoss, mark_sparse_blocks, router_loss, with_router_loss
-from training.export import export_checkpoint
+from training.export import export_tag
 from training.fp8 import convert_linears_to_fp8
 from training.metrics import (FlopsMeter, MetricsLogger, Stopwatch, device_name, flops_meter, gpu_metrics,
                               measured_model_states, peak_memory_bytes, print_summary, record_model_states, run_totals)
@@ -50,7 +50,7 @@ from training.pipeline import TokenMeanLoss, build_pipeline, pipeline_batches, r
 from training.output_dir import check_output_dir, default_output_dir, start_output_dir
 from training.plan import RunPlan, planned_machine, print_plan
 from training.precision import DTYPES, loss_scale, resolve_precision, use_fp16_block_loss_scaling
-from training.recipe import load_recipe
+from training.recipe import load_recipe, recipe_inputs
 from training.sequence_parallel import enable_sequence_parallel
 from training.tensor_parallel import loss_copies, with_tensor_parallel
 from training.stability import StabilityGuard, WeightWatch, finite, rewind, withheld_step
@@ -111,7 +111,7 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> RunPla
                                                        dp_size, precision), tensor)
     output_dir = args.output_dir or default_output_dir(recipe.name, args.resume)
     if not args.dry_run:
-        check_output_dir(output_dir, args.resume, args.overwrite)
+        check_output_dir(output_dir, args.resume, args.overwrite, [*recipe_inputs(recipe), ds_config_path])
     layout = {"world_size": world_size, "zero_stage": zero_stage(ds_config), "precision": precision,
               "pipeline_stages": parallelism.pipeline_stages, "tensor_parallel": tensor,
               "optimizer": recipe.optimizer.name, "lora": recipe.lora.enabled}
@@ -393,7 +393,7 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
         return 3 if "stopped" in totals else 0
     if plan.pipeline_stages > 1:  # the stages' weights are in the final checkpoint's layer files
         if dist.get_rank() == 0:
-            export_checkpoint(checkpoint_dir, plan.output_dir / "hf", overwrite=True)
+            export_tag(checkpoint_dir, latest_tag(checkpoint_dir), plan.output_dir / "hf")
         dist.barrier()
     elif recipe.lora.enabled:
         export_lora(engine, plan.tokenizer, plan.output_dir, DTYPES[plan.precision], recipe.export.merge)

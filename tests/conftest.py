@@ -53,6 +53,42 @@ def snapshot(folder: Path) -> dict[str, bytes]:
     return {str(path.relative_to(folder)): path.read_bytes() for path in folder.rglob("*") if path.is_file()}
 
 
+def tree_state(*folders: Path) -> dict[Path, tuple[int, str]]:
+    """Every file under the folders: (size, sha256), by absolute path."""
+    import hashlib
+    return {path: (path.stat().st_size, hashlib.sha256(path.read_bytes()).hexdigest())
+            for folder in folders for path in Path(folder).rglob("*") if path.is_file() and not path.is_symlink()}
+
+
+def assert_only_created(before: dict[Path, tuple[int, str]], after: dict[Path, tuple[int, str]],
+                        replaceable: tuple[Path, ...] = ()) -> None:
+    """The tree guard: every file that was there before is there after, unchanged, except under `replaceable` (an
+    earlier output of the same command, given with --overwrite). New files are what the command created."""
+    def may_change(path: Path) -> bool:
+        return any(path == place or place in path.parents for place in replaceable)
+
+    lost = sorted(str(path) for path in before if path not in after and not may_change(path))
+    changed = sorted(str(path) for path in before if path in after and after[path] != before[path]
+                     and not may_change(path))
+    assert not lost and not changed, f"deleted: {lost[:10]}; changed: {changed[:10]}"
+
+
+@pytest.fixture
+def tree_guard(tmp_path):
+    """Call it around a command: `with tree_guard(): ...` fails the test if the command deleted or changed a file under
+    the test's folder (tmp_path) or the repository's recipes and ds_configs, apart from `replaceable` places."""
+    from contextlib import contextmanager
+
+    @contextmanager
+    def guard(*replaceable: Path, folders: tuple[Path, ...] = ()):
+        watched = (tmp_path, REPO / "recipes", REPO / "ds_configs", *folders)
+        before = tree_state(*watched)
+        yield
+        assert_only_created(before, tree_state(*watched), tuple(Path(p).absolute() for p in replaceable))
+
+    return guard
+
+
 @pytest.fixture
 def earlier_run(tmp_path) -> Path:
     """An output folder holding a run with two checkpoints, as train.py leaves it."""
@@ -65,6 +101,8 @@ def earlier_run(tmp_path) -> Path:
         (tag / "mp_rank_00_model_states.pt").write_bytes(b"weights")
     (run / "checkpoints" / "latest").write_text("global_step4")
     (run / "metrics.jsonl").write_text('{"step": 4, "loss": 5.0}\n')
+    (run / "resolved_recipe.yaml").write_text("model: {}\n")
+    (run / ".written-by.json").write_text('{"command": "train.py"}\n')
     return run
 
 

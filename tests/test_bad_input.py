@@ -159,7 +159,7 @@ def fake_tag(checkpoints: Path, run_state: bool = True, hf: bool = True) -> Path
     ("plain DeepSpeed", "has no run_state.json: it was not written by train.py. For a DeepSpeed ZeRO checkpoint use "
                         "DeepSpeed's converter, python"),
     ("no hf", "global_step2/hf has no config.json"),
-    ("existing output", "already exists; choose another output folder or pass --overwrite"),
+    ("existing output", "already exists; choose another OUT_DIR, or pass --overwrite to replace an earlier output of"),
 ])
 def test_export_refuses_what_it_cannot_export(kind, message, tmp_path):
     fake_tag(tmp_path / "checkpoints", run_state=kind != "plain DeepSpeed", hf=kind != "no hf")

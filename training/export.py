@@ -10,7 +10,6 @@ Pipeline checkpoints hold each layer's module weights in a file of its own.
 """
 import json
 import pickle
-import shutil
 from pathlib import Path
 
 import torch
@@ -20,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from training.checkpoint import RUN_STATE, latest_tag, save_hf
 from training.errors import ConfigError
 from training.lora import export_adapters, is_lora_checkpoint
+from training.output_guard import check_output, staged_folder
 from training.pipeline import hf_name
 from training.precision import DTYPES
 
@@ -80,15 +80,25 @@ def written_by_train_py(tag_dir: Path) -> dict:
     return {**run_state, "precision": precision}
 
 
+COMMAND = "python -m training export"
+
+
 def export_checkpoint(path: Path, out_dir: Path, dtype: str | None = None, overwrite: bool = False) -> Path:
-    """Write `out_dir` (config, safetensors, tokenizer) from a checkpoint; `dtype` defaults to the run's precision.
-    An existing `out_dir` is refused unless `overwrite`, and then replaced only once the new export is complete."""
+    """The export command: `out_dir` (config, safetensors, tokenizer) from a checkpoint; `dtype` defaults to the
+    run's precision. `out_dir` may not hold the checkpoints or lie inside them; an existing one is replaced only with
+    `overwrite`, only if an earlier export wrote it, and only once the new export is complete."""
     checkpoint_dir, tag = find_tag(path)
+    check_output(out_dir, COMMAND, [checkpoint_dir], overwrite, option="OUT_DIR")
+    written_by_train_py(checkpoint_dir / tag)
+    with staged_folder(out_dir, COMMAND) as staging:
+        export_tag(checkpoint_dir, tag, staging, dtype)
+    return checkpoint_dir / tag
+
+
+def export_tag(checkpoint_dir: Path, tag: str, out_dir: Path, dtype: str | None = None) -> None:
+    """Write the checkpoint `tag`'s model (a LoRA checkpoint's adapters) into the folder `out_dir`."""
     tag_dir = checkpoint_dir / tag
     run_state = written_by_train_py(tag_dir)
-    if out_dir.exists() and not (overwrite and out_dir.is_dir()):
-        raise ConfigError(f"{out_dir} already exists; choose another output folder"
-                          + ("" if out_dir.is_dir() else " (it is a file)") + " or pass --overwrite to replace it")
     if dtype is None and run_state["precision"] not in DTYPES:
         raise ConfigError(f"{tag_dir / RUN_STATE} names precision {run_state['precision']!r}; pass --dtype")
     dtype = DTYPES[dtype or run_state["precision"]]
@@ -98,16 +108,10 @@ def export_checkpoint(path: Path, out_dir: Path, dtype: str | None = None, overw
     except (RuntimeError, ValueError, EOFError, OSError, KeyError, pickle.UnpicklingError) as error:
         raise ConfigError(f"{tag_dir} cannot be read ({error}): a damaged or partial checkpoint; export another "
                           f"one") from None
-    partial = out_dir.with_name(f".{out_dir.name}.partial")
-    shutil.rmtree(partial, ignore_errors=True)
     if is_lora_checkpoint(tag_dir):
-        export_adapters(tag_dir, weights, AutoTokenizer.from_pretrained(tag_dir / "hf"), partial, dtype)
+        export_adapters(tag_dir, weights, AutoTokenizer.from_pretrained(tag_dir / "hf"), out_dir, dtype)
     else:
-        save_full_model(tag_dir, config, weights, partial, dtype)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    partial.rename(out_dir)
-    return tag_dir
+        save_full_model(tag_dir, config, weights, out_dir, dtype)
 
 
 def save_full_model(tag_dir: Path, config: PretrainedConfig, weights: dict[str, torch.Tensor], out_dir: Path,

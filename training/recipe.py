@@ -12,7 +12,7 @@ import yaml
 from pydantic import (AfterValidator, BaseModel, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat,
                       PositiveInt, PrivateAttr, ValidationError, ValidationInfo, model_validator)
 
-from data_pipeline.config import DataConfig, LocalPath, StrictModel
+from data_pipeline.config import DataConfig, LocalPath, StrictModel, matching_files
 from training.errors import ConfigError
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
@@ -245,6 +245,15 @@ class Recipe(StrictModel):
     @property
     def tokenizer_path(self) -> str:
         return self.tokenizer.name_or_path or self.model.name_or_path
+
+
+def recipe_inputs(recipe: Recipe) -> list[Path]:
+    """The local files and folders a run of the recipe reads (hub ids left out): what no output may hold or go inside."""
+    data = recipe.data
+    paths = [recipe.path, recipe.model.config, recipe.model.name_or_path, recipe.tokenizer.name_or_path, data.prepared]
+    for source in data.sources + data.eval.sources:
+        paths += matching_files(source.path) if source.path else []
+    return [Path(path) for path in paths if path and Path(path).exists()]
 
 
 def available_recipes() -> list[str]:
