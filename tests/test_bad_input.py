@@ -171,14 +171,24 @@ def test_export_refuses_what_it_cannot_export(kind, message, tmp_path):
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
 
 
-def test_export_overwrite_replaces_the_folder_once_the_export_is_complete(tmp_path, data_cache):
+@pytest.mark.slow
+def test_export_overwrite_replaces_only_an_earlier_export(tmp_path, data_cache, tree_guard):
     result = run_train(["--recipe", "tiny_llama", "--output-dir", str(tmp_path / "run"), SMALL_MODEL, data_cache,
                         "training.max_steps=1"])
     assert result.returncode == 0, result.stderr[-3000:]
-    out = tmp_path / "export"
-    out.mkdir()
+    checkpoints, out, mine = str(tmp_path / "run" / "checkpoints"), tmp_path / "export", tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text("{}")  # a folder the user made, looking like a model
+    with tree_guard():
+        assert_refused(run_command("-m", "training", "export", checkpoints, str(mine), "--overwrite"),
+                       "--overwrite replaces only an earlier output of python -m training export")
+        for inside_the_input in (tmp_path / "run", tmp_path / "run" / "checkpoints" / "out"):
+            assert_refused(run_command("-m", "training", "export", checkpoints, str(inside_the_input), "--overwrite"),
+                           "which this command reads: an output never")
+    assert run_command("-m", "training", "export", checkpoints, str(out)).returncode == 0
     (out / "stale.txt").write_text("from before")
-    result = run_command("-m", "training", "export", str(tmp_path / "run" / "checkpoints"), str(out), "--overwrite")
+    with tree_guard(out):
+        result = run_command("-m", "training", "export", checkpoints, str(out), "--overwrite")
     assert result.returncode == 0, result.stderr[-3000:]
     assert not (out / "stale.txt").exists() and (out / "model.safetensors").is_file()
     assert not list(tmp_path.glob(".export.partial*"))
