@@ -32,8 +32,8 @@ from training import distributed
 from training.checkpoint import (check_resume, export_hf, latest_tag, load_checkpoint, record_position,
                                  remove_unfinished_tags, save_checkpoint)
 from training.auto_config import choose_ds_config
-from training.ds_config import accumulation_steps, load_ds_config, resolve_ds_config, zero_stage
-from training.errors import ConfigError, positive_float, positive_int, report
+from training.ds_config import accumulation_steps, load_ds_config, resolve_ds_config
+from training.errors import ConfigError, positive_float, positive_int
 from training.evaluation import evaluate
 from training.layout import check_layout, refusal
 from training.long_context import apply_long_context
@@ -44,7 +44,7 @@ from training.fp8 import convert_linears_to_fp8
 from training.metrics import (FlopsMeter, MetricsLogger, Stopwatch, device_name, flops_meter, gpu_metrics,
                               measured_model_states, peak_memory_bytes, print_summary, record_model_states, run_totals)
 from training.model import (build_model, check_checkpoint_folder, check_checkpoint_matches, check_recipe_against_model,
-                            load_model_config, load_tokenizer)
+                            check_resumed_model, load_model_config, load_tokenizer, weights_digest)
 from training.optimizer import client_optimizer, lr_schedule, weight_decay_groups
 from training.pipeline import TokenMeanLoss, build_pipeline, pipeline_batches, report_grad_norm
 from training.output_dir import check_output_dir, default_output_dir, start_output_dir
@@ -54,7 +54,7 @@ from training.recipe import load_recipe, recipe_inputs
 from training.sequence_parallel import enable_sequence_parallel
 from training.tensor_parallel import loss_copies, with_tensor_parallel
 from training.stability import StabilityGuard, WeightWatch, finite, rewind, withheld_step
-from training.universal import convert_on_rank_0, provide_universal_info, with_universal_load
+from training.universal import convert_on_rank_0, provide_universal_info
 
 stop_requested = threading.Event()  # set by SIGTERM: the run saves a checkpoint at the end of the step and exits
 
@@ -112,16 +112,14 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> RunPla
     output_dir = args.output_dir or default_output_dir(recipe.name, args.resume)
     if not args.dry_run:
         check_output_dir(output_dir, args.resume, args.overwrite, [*recipe_inputs(recipe), ds_config_path])
-    layout = {"world_size": world_size, "zero_stage": zero_stage(ds_config), "precision": precision,
-              "pipeline_stages": parallelism.pipeline_stages, "tensor_parallel": tensor,
-              "optimizer": recipe.optimizer.name, "lora": recipe.lora.enabled}
-    resume_universal = args.resume and check_resume(output_dir / "checkpoints", layout, recipe.data.streaming,
-                                                    recipe.training.max_steps)
-    if resume_universal:  # another layout wrote the checkpoint
-        ds_config = with_universal_load(ds_config)
-    return RunPlan(recipe, model_config, tokenizer, precision, ds_config, ds_config_path, world_size,
-                   accumulation_steps(recipe.training, dp_size), output_dir, resume_universal,
-                   chosen_for=machine)
+    plan = RunPlan(recipe, model_config, tokenizer, precision, ds_config, ds_config_path, world_size,
+                   accumulation_steps(recipe.training, dp_size), output_dir, chosen_for=machine,
+                   base_digest=weights_digest(recipe.model.name_or_path) if recipe.model.name_or_path else None)
+    if args.resume:  # from a checkpoint of another layout through its universal conversion
+        checkpoints = output_dir / "checkpoints"
+        plan.resume_universal = check_resume(checkpoints, plan.layout(), recipe, plan.base_digest)
+        check_resumed_model(checkpoints / latest_tag(checkpoints), model_config)
+    return plan
 
 
 def make_batches(plan: RunPlan) -> tuple[StepBatches | StreamingBatches, EvalBatches | None, dict]:
@@ -242,7 +240,7 @@ def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: E
         if event and event["event"] != "spike":
             clock.stop()
             if event["event"] == "rewind":
-                state = rewind(engine, batches, checkpoints, position)
+                state = rewind(engine, batches, checkpoints, position, plan.layout())
                 step, tokens_seen = state["step"], state["tokens_seen"]
                 event.update(rewound_to=step, batches_passed_over=position - state["data_position"])
                 logger.rewind_to(step)
@@ -305,12 +303,11 @@ def step_record(engine: deepspeed.DeepSpeedEngine, step: int, lr: float, loss_sh
 
 
 def run_state(plan: RunPlan, step: int, tokens_seen: int, data_position: int) -> dict:
-    """What a checkpoint records besides DeepSpeed's states: where the run is (the data position runs ahead of
-    the step by the batches passed over), and what wrote it."""
+    """What a checkpoint records besides DeepSpeed's states (training/run_state.py): where the run is (the data
+    position runs ahead of the step by the batches passed over), and what wrote it."""
+    base = plan.recipe.model.name_or_path
     return {"step": step, "tokens_seen": tokens_seen, "data_position": data_position, "recipe": plan.recipe.name,
-            "world_size": plan.world_size, "zero_stage": plan.zero_stage, "precision": plan.precision,
-            "pipeline_stages": plan.pipeline_stages, "tensor_parallel": plan.tensor_parallel,
-            "optimizer": plan.recipe.optimizer.name, "lora": plan.recipe.lora.enabled}
+            **plan.layout(), **({"base_model": {"name_or_path": base, "digest": plan.base_digest}} if base else {})}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -325,9 +322,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if plan.chosen_for and distributed.local_rank() == 0:
             print_plan(plan, plan.chosen_for)  # why this DeepSpeed config
-    except Exception as error:  # noqa: BLE001 (report raises again what is not a user error)
-        # every rank checks the same inputs, so the first rank of each node says why (on one node: once)
-        return report(error, printing=distributed.local_rank() == 0)
+    except Exception as error:  # noqa: BLE001 (report_once raises again what is not a user error)
+        return distributed.report_once(error)
     return distributed.run_in_process_group(lambda: run(plan, args))
 
 
@@ -370,8 +366,9 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
     start = {"step": 0, "tokens_seen": 0, "data_position": 0}
     if args.resume:
         remove_unfinished_tags(checkpoint_dir)
-        start, data_state = load_checkpoint(engine, checkpoint_dir, plan.resume_universal)
-        start.setdefault("data_position", start["step"])  # checkpoints written before batches could be passed over
+        start, data_state = load_checkpoint(engine, checkpoint_dir, plan.layout())
+        if start["data_position"] is None:  # checkpoints written before batches could be passed over
+            start["data_position"] = start["step"]
         batches.load_state_dict(data_state)
         if start["step"] >= total_steps:
             raise ConfigError(f"--resume: the checkpoint is at step {start['step']}; the recipe ends at {total_steps} "
@@ -401,11 +398,7 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
         export_hf(engine, plan.tokenizer, plan.output_dir / "hf", DTYPES[plan.precision])
     if dist.get_rank() == 0:
         summary = {"recipe": recipe.name, "device": device_name(), **({"peak_tflops": flops.peak_tflops} if flops else {}),
-                   "world_size": plan.world_size, "zero_stage": plan.zero_stage,
-                   "precision": plan.precision, "pipeline_stages": plan.pipeline_stages,
-                   "sequence_parallel": plan.sequence_parallel, "tensor_parallel": plan.tensor_parallel,
-                   "activation_checkpointing": recipe.activation_checkpointing, "optimizer": recipe.optimizer.name,
-                   "lora": recipe.lora.enabled,
+                   **plan.layout(), "activation_checkpointing": recipe.activation_checkpointing,
                    "steps": total_steps, "start_step": start["step"], **totals,
                    "wall_time_s": time.perf_counter() - run_start, "output_dir": str(plan.output_dir),
                    "data": data_stats, "ds_config": plan.ds_config}

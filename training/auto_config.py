@@ -41,6 +41,12 @@ def choose_ds_config(recipe: Recipe, config: PretrainedConfig, precision: str, m
     if recipe.parallelism.pipeline_stages > 1:
         raise ConfigError("deepspeed.config=auto plans one model per rank; with pipeline stages choose zero0 or "
                           "zero1 yourself (--dry-run prints each stage's memory)")
+    tensor = recipe.parallelism.tensor_parallel
+    if tensor > machine.gpus_per_node:
+        raise ConfigError(f"deepspeed.config=auto with parallelism.tensor_parallel={tensor}: the plan is for "
+                          f"{machine.gpus_per_node} GPU(s) per node, and a tensor-parallel group splits each matrix "
+                          f"over the GPUs of one node; choose parallelism.tensor_parallel of at most "
+                          f"{machine.gpus_per_node}, or plan for nodes of {tensor} or more GPUs (--num-gpus {tensor})")
     budget, shape = HEADROOM * machine.memory_per_rank, model_shape(config, recipe.lora)
     refused = []
     for need in memory_needs(recipe, shape, precision, machine):

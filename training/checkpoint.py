@@ -26,10 +26,13 @@ import torch
 import torch.distributed as dist
 from deepspeed import DeepSpeedEngine
 from deepspeed.accelerator import get_accelerator
+from pydantic import ValidationError
 from transformers import PreTrainedTokenizerBase
 
 from training.errors import ConfigError
-from training.universal import UNIVERSAL, universal_load_repaired, needs_universal, universal_folder
+from training.recipe import Recipe
+from training.run_state import RunState, faults
+from training.universal import UNIVERSAL, loading_universal, needs_universal, universal_folder, universal_load_repaired
 
 TAG = re.compile(r"global_step(\d+)")
 RUN_STATE = "run_state.json"
@@ -98,11 +101,11 @@ def save_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, run_state: di
     if rank == 0:
         for item in hf_files:
             item.save_pretrained(tag_dir / "hf")
-        (tag_dir / RUN_STATE).write_text(json.dumps(run_state, indent=2) + "\n")
-    os.sync()  # this node's files are on disk before `latest` can name them
+    os.sync()  # this node's files are on disk before the run state and `latest` can name them complete
     dist.barrier()
     size = 0
     if rank == 0:
+        write_atomically(tag_dir / RUN_STATE, json.dumps(run_state, indent=2) + "\n")  # last: the tag is complete
         write_atomically(checkpoint_dir / "latest", tag)
         size = sum(path.stat().st_size for path in tag_dir.rglob("*") if path.is_file())
         if keep_last:
@@ -130,82 +133,145 @@ def record_position(engine: DeepSpeedEngine, checkpoint_dir: Path, run_state: di
     dist.barrier()
 
 
-RUN_STATE_KEYS = ("step", "tokens_seen", "world_size", "zero_stage", "precision")
+def is_complete(tag_dir: Path) -> bool:
+    """A save is complete once its run state is written: the last file, after every rank has synced its own."""
+    return (tag_dir / RUN_STATE).is_file()
 
 
-def other_checkpoints(checkpoint_dir: Path, but: str | None) -> str:
-    """The way out when `latest` or its checkpoint is damaged: the other checkpoints that have a run state."""
-    others = [t for t in checkpoint_tags(checkpoint_dir) if t != but and (checkpoint_dir / t / RUN_STATE).is_file()]
-    if not others:
-        return "no other checkpoint here has a run state: start a new run (--overwrite, or another --output-dir)"
-    return (f"to resume from an earlier one, point `latest` at it: echo {others[-1]} > {checkpoint_dir / 'latest'} "
-            f"(checkpoints with a run state: {', '.join(others)})")
+def step_of(tag: str) -> int:
+    return int(TAG.fullmatch(tag).group(1))
 
 
-def read_run_state(checkpoint_dir: Path) -> dict:
-    """The latest complete checkpoint's run state; cheap, so that a resume is checked before anything is built."""
-    tag = latest_tag(checkpoint_dir)
-    if not tag or not TAG.fullmatch(tag) or not (checkpoint_dir / tag / RUN_STATE).is_file():
+def way_back(checkpoint_dir: Path, damaged: str | None) -> str:
+    """The way out when `latest` or its checkpoint is damaged: move it aside and resume from the newest complete one
+    before it (nothing is deleted: the damaged folder is kept for a look)."""
+    earlier = [t for t in checkpoint_tags(checkpoint_dir) if t != damaged and is_complete(checkpoint_dir / t)
+               and (damaged is None or not TAG.fullmatch(damaged) or step_of(t) < step_of(damaged))]
+    if not earlier:
+        return "no earlier complete checkpoint is here: start a new run (--overwrite, or another --output-dir)"
+    aside = (f"mv {checkpoint_dir / damaged} {checkpoint_dir / ('damaged-' + damaged)} && "
+             if damaged and (checkpoint_dir / damaged).is_dir() else "")
+    return (f"to resume from the newest complete one before it: {aside}echo {earlier[-1]} > {checkpoint_dir / 'latest'} "
+            f"(complete checkpoints: {', '.join(earlier)})")
+
+
+def read_run_state(checkpoint_dir: Path, tag: str | None = None) -> RunState:
+    """The run state of `tag` (default: `latest`'s); cheap, so that a resume is checked before anything is built."""
+    tag = tag or latest_tag(checkpoint_dir)
+    if not tag or not TAG.fullmatch(tag) or not is_complete(checkpoint_dir / tag):
         raise ConfigError(f"--resume: {checkpoint_dir / 'latest'} names {tag!r}, not a complete checkpoint (a "
-                          f"global_stepN folder with {RUN_STATE}); {other_checkpoints(checkpoint_dir, tag)}")
+                          f"global_stepN folder with {RUN_STATE}); {way_back(checkpoint_dir, tag)}")
     path = checkpoint_dir / tag / RUN_STATE
     try:
-        run_state = json.loads(path.read_bytes())
+        found = json.loads(path.read_bytes())
+        run_state = RunState.model_validate(found)
     except (json.JSONDecodeError, UnicodeDecodeError):
-        run_state = None
-    missing = [key for key in RUN_STATE_KEYS if key not in run_state] if isinstance(run_state, dict) else RUN_STATE_KEYS
-    if missing:
-        raise ConfigError(f"--resume: {path} is damaged (not JSON, or without {', '.join(missing)}); "
-                          f"{other_checkpoints(checkpoint_dir, tag)}")
+        raise ConfigError(f"--resume: {path} is damaged (not JSON); {way_back(checkpoint_dir, tag)}") from None
+    except ValidationError as error:
+        raise ConfigError(f"--resume: {path} is damaged ({faults(error)}); {way_back(checkpoint_dir, tag)}") from None
+    if "sequence_parallel" not in found:  # written before it was recorded: DeepSpeed names a sequence group's ranks
+        run_state.sequence_parallel = model_parallel_files(checkpoint_dir / tag, run_state)  # as model-parallel ones
     return run_state
 
 
-def check_resume(checkpoint_dir: Path, layout: dict, streaming: bool, max_steps: int | None) -> bool:
-    """Whether the latest checkpoint can continue in this run's `layout` (world size, ZeRO stage, precision,
-    pipeline stages): True when it loads through a universal checkpoint (another layout), False when DeepSpeed
-    loads it as it is; a ConfigError when it cannot, or when it is already at the run's last step."""
-    run_state = read_run_state(checkpoint_dir)
-    if max_steps is not None and run_state["step"] >= max_steps:
-        raise ConfigError(f"--resume: {checkpoint_dir}/{latest_tag(checkpoint_dir)} is at step {run_state['step']} "
-                          f"and training.max_steps is {max_steps}: nothing is left to train (raise training.max_steps "
-                          f"to train on)")
+def model_parallel_files(tag_dir: Path, run_state: RunState) -> int:
+    """How many model-parallel ranks wrote files in the checkpoint (mp_rank_NN) beyond its tensor parallelism: the
+    sequence-parallel size of a checkpoint whose run state does not record it."""
+    ranks = {match.group(1) for path in tag_dir.glob("*mp_rank_*_model_states.pt")
+             if (match := re.search(r"mp_rank_(\d+)", path.name))}
+    return max(1, len(ranks) // run_state.tensor_parallel)
+
+
+def check_resume(checkpoint_dir: Path, layout: dict, recipe: Recipe, base_digest: str | None) -> bool:
+    """Whether the latest checkpoint can continue in this run's `layout` (LAYOUT_KEYS): True when it loads through a
+    universal checkpoint (another layout), False when DeepSpeed loads it as it is; a ConfigError, before anything is
+    built, that says whether the checkpoint is damaged or does not fit this run, and the way out."""
+    run_state, tag = read_run_state(checkpoint_dir), latest_tag(checkpoint_dir)
+    later = [t for t in checkpoint_tags(checkpoint_dir) if step_of(t) > run_state.step and is_complete(checkpoint_dir / t)]
+    if later:
+        raise ConfigError(f"--resume: {checkpoint_dir} holds complete checkpoints after {tag}, which `latest` names: "
+                          f"{', '.join(later)}. A resume from {tag} would save over them, and they are never deleted: "
+                          f"resume from the newest (echo {later[-1]} > {checkpoint_dir / 'latest'}), or move them out "
+                          f"of {checkpoint_dir} first")
+    max_steps = recipe.training.max_steps
+    if max_steps is not None and run_state.step >= max_steps:
+        raise ConfigError(f"--resume: {checkpoint_dir}/{tag} is at step {run_state.step} and training.max_steps is "
+                          f"{max_steps}: nothing is left to train (raise training.max_steps to train on)")
     export_hint = (f"python -m training export {checkpoint_dir} DIR, then model.name_or_path=DIR (the optimizer "
                    f"state starts afresh)")
-    return needs_universal(run_state, layout, streaming, export_hint)
+    if run_state.lora:
+        check_same_base(checkpoint_dir / tag, run_state, recipe, base_digest)
+    return needs_universal(run_state.model_dump(), layout, recipe.data.streaming, export_hint)
+
+
+def check_same_base(tag_dir: Path, run_state: RunState, recipe: Recipe, base_digest: str | None) -> None:
+    """A LoRA checkpoint holds only the adapters: they resume on the base weights they were trained on, or not at all."""
+    wrote = run_state.base_model
+    if wrote is None or wrote.digest is None or base_digest is None or wrote.digest == base_digest:
+        return  # written before the base was recorded, or a base not on this machine: nothing to compare
+    raise ConfigError(f"--resume: the LoRA adapters in {tag_dir} were trained on the base model at {wrote.name_or_path} "
+                      f"(weights digest {wrote.digest}), and model.name_or_path={recipe.model.name_or_path} now holds "
+                      f"other weights (digest {base_digest}); adapters continued on another base would be silently "
+                      f"wrong: point model.name_or_path at the base they were trained on, or start a new run "
+                      f"(--overwrite, or another --output-dir)")
 
 
 def remove_unfinished_tags(checkpoint_dir: Path) -> None:
-    """Tag folders past `latest` are saves that a kill interrupted: rank 0 removes them before resuming."""
-    step = int(TAG.fullmatch(latest_tag(checkpoint_dir)).group(1))
+    """Tag folders past `latest` without a run state are saves of this run that a kill interrupted: rank 0 removes
+    them before resuming, since the resumed run saves its own at those steps. A complete one is never removed
+    (check_resume refuses to resume before it)."""
+    step = step_of(latest_tag(checkpoint_dir))
     if dist.get_rank() == 0:
         for tag in checkpoint_tags(checkpoint_dir):
-            if int(TAG.fullmatch(tag).group(1)) > step:
+            if step_of(tag) > step and not is_complete(checkpoint_dir / tag):
                 shutil.rmtree(checkpoint_dir / tag)
     dist.barrier()
 
 
-def load_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, universal: bool) -> tuple[dict, dict]:
-    """Restore weights, optimizer, scheduler and RNG states (and fp16's loss scale at ZeRO-0) from the tag named
-    in `latest` (from its universal conversion when `universal`); returns the run state and this rank's data
-    position. On another number of ranks, rank r takes the states of rank r mod the ranks that wrote them."""
+MISMATCH = re.compile(r"size mismatch|Missing key|Unexpected key|Error\(s\) in loading state_dict|shape")
+
+
+def load_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, layout: dict) -> tuple[dict, dict]:
+    """Restore weights, optimizer, scheduler and RNG states (and fp16's loss scale at ZeRO-0) from the tag named in
+    `latest`: as it is when this run's `layout` wrote it, else from its universal conversion (converted already:
+    convert_on_rank_0). Returns the run state and this rank's data position. On another number of ranks, rank r takes
+    the states of rank r mod the ranks that wrote them. A failure says whether the checkpoint is damaged (a file
+    missing or unreadable), does not fit this run, or its universal conversion cannot be read."""
     tag, run_state = latest_tag(checkpoint_dir), read_run_state(checkpoint_dir)
-    rank_state_file = checkpoint_dir / tag / f"rank_state{dist.get_rank() % run_state['world_size']}.pt"
+    universal = run_state.layout() != layout
+    rank_state_file = checkpoint_dir / tag / f"rank_state{dist.get_rank() % run_state.world_size}.pt"
     load_dir = checkpoint_dir / UNIVERSAL if universal else checkpoint_dir
     try:
-        with universal_load_repaired(engine.optimizer) if universal else nullcontext():
+        with loading_universal(engine, universal), universal_load_repaired(engine.optimizer) if universal \
+                else nullcontext():
             path, _ = engine.load_checkpoint(str(load_dir), tag=tag, load_module_strict=not has_frozen_parameters(engine))
         rank_state = torch.load(rank_state_file, weights_only=False)
-    except (RuntimeError, EOFError, pickle.UnpicklingError, OSError, KeyError) as error:
-        raise ConfigError(f"--resume: {load_dir / tag} cannot be loaded into this run ({error}); "
-                          f"{other_checkpoints(checkpoint_dir, tag)}") from None
+    except (RuntimeError, EOFError, pickle.UnpicklingError, OSError, KeyError, ValueError, AssertionError) as error:
+        raise ConfigError(load_failure(checkpoint_dir, tag, universal, error)) from None
     if path is None:
-        raise ConfigError(f"--resume: DeepSpeed found no checkpoint in {load_dir / tag}; "
-                          f"{other_checkpoints(checkpoint_dir, tag)}")
+        raise ConfigError(f"--resume: DeepSpeed found no checkpoint files in {load_dir / tag}: it is damaged; "
+                          f"{way_back(checkpoint_dir, tag)}")
     restore_rng_states(rank_state["rng"])
     scaler = engine.torch_autocast_z0_gradscaler
     if scaler and "grad_scaler" in rank_state:
         scaler.load_state_dict(rank_state["grad_scaler"])
-    return run_state, rank_state["data"]
+    return run_state.model_dump(), rank_state["data"]
+
+
+def load_failure(checkpoint_dir: Path, tag: str, universal: bool, error: BaseException) -> str:
+    """What a failed load means: a checkpoint that does not fit this run, a universal conversion that cannot be read,
+    or a damaged checkpoint; each with its way out."""
+    reason = " ".join(str(error).split())[:400]
+    if MISMATCH.search(reason):
+        return (f"--resume: {checkpoint_dir / tag} does not fit the model this run builds ({reason}); the checkpoint "
+                f"is not damaged: resume with the recipe and overrides that wrote it "
+                f"({checkpoint_dir.parent / 'resolved_recipe.yaml'}), or start a new run from its weights "
+                f"(python -m training export {checkpoint_dir / tag} DIR)")
+    if universal:
+        return (f"--resume: the universal conversion {universal_folder(checkpoint_dir, tag)} of {tag} cannot be loaded "
+                f"({reason}); the checkpoint itself is not blamed: remove that folder (train.py made it) and resume "
+                f"again to convert anew, or resume in the layout that wrote {tag}")
+    return f"--resume: {checkpoint_dir / tag} is damaged ({reason}); {way_back(checkpoint_dir, tag)}"
 
 
 def export_hf(engine: DeepSpeedEngine, tokenizer: PreTrainedTokenizerBase, out_dir: Path, dtype: torch.dtype) -> None:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-from training.errors import ConfigError, failure
+from training.errors import ConfigError, failure, report
 from training.failure import FailureWatch
 
 
@@ -74,6 +74,23 @@ def release_shared_memory_buffer() -> None:
     dist.barrier()
     name = f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ['MASTER_ADDR']}_{os.environ['MASTER_PORT']}_{rank()}"
     Path("/dev/shm", name).unlink(missing_ok=True)
+
+
+REPORT_WAIT_S = 60.0  # how long a rank that does not print a user error waits for its local rank 0 to end it
+
+
+def report_once(error: BaseException) -> int:
+    """Exit code 2 for a user error found before the process group exists, its message printed exactly once per node
+    (every rank checks the same inputs): by local rank 0. The node's other ranks print nothing and wait: the launcher
+    ends them once local rank 0 has printed and exited, whereas a rank that left first could get local rank 0 killed
+    before it prints. A rank still alive after REPORT_WAIT_S, whose local rank 0 found nothing wrong (inputs that
+    differ between ranks), prints its own message. A bug is raised again."""
+    printing = local_rank() == 0
+    code = report(error, printing)
+    if not printing:
+        time.sleep(REPORT_WAIT_S)
+        report(error)
+    return code
 
 
 def run_in_process_group(body: Callable[[], int]) -> int:

@@ -9,13 +9,15 @@ that contradict the recipe, naming both files.
 """
 import copy
 import json
+import os
 from pathlib import Path
 from typing import Any
 
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from pydantic import ValidationError
 
-from training.errors import ConfigError
+from training.errors import ConfigError, read_text
 from training.optimizer import ADAMW_ONLY_KEYS, deepspeed_optimizer_keys
 from training.precision import fp16_block
 from training.recipe import Recipe, TrainingSection
@@ -50,14 +52,31 @@ def load_ds_config(recipe: Recipe) -> tuple[dict, Path]:
     """The JSON named by `deepspeed.config` with `deepspeed.overrides` merged in, and its path."""
     path = ds_config_file(recipe.deepspeed.config)
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(read_text(path))
     except json.JSONDecodeError as error:
         raise ConfigError(f"{path}: not valid JSON at line {error.lineno}, column {error.colno}: {error.msg}") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{path}: a JSON {type(config).__name__}; a DeepSpeed config is a JSON object")
     merged = deep_merge(config, recipe.deepspeed.overrides)
-    check_sections(merged, f"{path} with deepspeed.overrides" if recipe.deepspeed.overrides else str(path))
+    check_sections(merged, config_source(recipe))
     return merged, path
+
+
+def config_source(recipe: Recipe) -> str:
+    """How messages name the DeepSpeed config: its file, and the recipe's overrides when there are any."""
+    path = ds_config_file(recipe.deepspeed.config)
+    return f"{path} with deepspeed.overrides" if recipe.deepspeed.overrides else str(path)
+
+
+# DeepSpeed keys that train.py sets from the recipe or the command line: given in a DeepSpeed config they would
+# bypass the recipe's checks and the plan (DeepSpeed would build a layout nothing here expects).
+SET_BY_TRAIN_PY = {
+    "tensor_parallel": "parallelism.tensor_parallel",
+    "sequence_parallel_size": "parallelism.sequence_parallel",
+    "checkpoint.load_universal": "--resume (train.py loads a checkpoint of another layout through a universal one)",
+    "expert_parallel": "nothing yet (train.py does not build expert parallelism; remove the section)",
+}
+OFFLOAD_SECTIONS = ("offload_optimizer", "offload_param")
 
 
 def check_sections(config: dict, source: str) -> None:
@@ -66,6 +85,9 @@ def check_sections(config: dict, source: str) -> None:
     problems = [f"{name}: a JSON {type(config[name]).__name__}, not an object" for name in
                 ("zero_optimization", "bf16", "fp16", "optimizer", "data_types", "torch_autocast")
                 if name in config and not isinstance(config[name], dict)]
+    problems += [f"{key}: train.py sets it from {owner}; remove it from the DeepSpeed config"
+                 + ("" if owner.startswith(("nothing", "--")) else f" and set {owner} in the recipe")
+                 for key, owner in SET_BY_TRAIN_PY.items() if get_key(config, key) is not MISSING]
     if not problems and not isinstance(config.get("optimizer", {}).get("params", {}), dict):
         problems.append("optimizer.params: not an object")
     if not problems:
@@ -75,6 +97,30 @@ def check_sections(config: dict, source: str) -> None:
         except ValidationError as error:
             problems += [f"zero_optimization.{'.'.join(map(str, e['loc']))}: {e['msg']} (found {e['input']!r})"
                          for e in error.errors()]
+    if not problems:
+        problems += [f"zero_optimization.{name}.device=nvme needs nvme_path: the folder on a local NVMe drive that "
+                     f"DeepSpeed swaps to (e.g. \"nvme_path\": \"/local_nvme\"), or use \"device\": \"cpu\""
+                     for name, offload in offloads(config).items() if offload.get("device") == "nvme"
+                     and not offload.get("nvme_path")]
+    if problems:
+        raise ConfigError(f"the DeepSpeed config ({source}) cannot run:\n" + "\n".join(f"  {p}" for p in problems))
+
+
+def offloads(config: dict) -> dict[str, dict]:
+    """The zero_optimization offload sections that are set, by name."""
+    zero = config.get("zero_optimization", {})
+    return {name: zero[name] for name in OFFLOAD_SECTIONS if isinstance(zero.get(name), dict)}
+
+
+def check_nvme_offload(config: dict, source: str) -> None:
+    """NVMe offload on this machine: its folder exists and DeepSpeed's async I/O op can be built (it needs libaio)."""
+    nvme = {name: offload["nvme_path"] for name, offload in offloads(config).items() if offload.get("device") == "nvme"}
+    problems = [f"zero_optimization.{name}.nvme_path={path}: not a folder this user can write to; create it on a "
+                f"local NVMe drive, or name one" for name, path in nvme.items()
+                if not (Path(path).is_dir() and os.access(path, os.W_OK | os.X_OK))]
+    if nvme and not get_accelerator().create_op_builder("AsyncIOBuilder").is_compatible(verbose=False):
+        problems.append("NVMe offload needs DeepSpeed's async_io op, which cannot be built here: it needs libaio "
+                        "(apt install libaio-dev); or offload to \"device\": \"cpu\"")
     if problems:
         raise ConfigError(f"the DeepSpeed config ({source}) cannot run:\n" + "\n".join(f"  {p}" for p in problems))
 

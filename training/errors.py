@@ -12,6 +12,7 @@ import math
 import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 import yaml
 from pydantic import ValidationError
@@ -21,6 +22,17 @@ from data_pipeline import DataError
 
 class ConfigError(ValueError):
     """A recipe, override, option or checkpoint that cannot run: the message names the file, the key and the fix."""
+
+
+def read_text(path: Path) -> str:
+    """A text file's contents; a ConfigError naming the file and the line where it is not UTF-8."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text ({error.reason} at byte {error.start}); save the file as "
+                          f"UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
 
 
 def user_message(error: BaseException) -> str | None:

@@ -2,7 +2,7 @@
 stage, precision and optimizer together, before anything is built."""
 from transformers import PretrainedConfig
 
-from training.ds_config import ds_config_file, load_ds_config, zero_stage
+from training.ds_config import check_nvme_offload, config_source, ds_config_file, load_ds_config, zero_stage
 from training.errors import ConfigError
 from training.lora import check_lora
 from training.moe import check_moe
@@ -32,6 +32,8 @@ def check_layout(recipe: Recipe, model_config: PretrainedConfig, raw_ds_config: 
     check_moe(recipe, model_config)
     if recipe.lora.enabled:
         check_lora(recipe, model_config, precision, for_gpus)
+    if not for_gpus:  # a plan for GPUs elsewhere cannot look at their drives
+        check_nvme_offload(raw_ds_config, config_source(recipe))
 
 
 def refusal(recipe: Recipe, model_config: PretrainedConfig, world_size: int, for_gpus: bool) -> str | None:

@@ -55,16 +55,24 @@ def trainable_parameters(section: LoraSection, model_config: PretrainedConfig) -
 
 def adapted_parameters(model: torch.nn.Module, section: LoraSection) -> int:
     """The same for a model already built on the meta device, which peft changes in place."""
+    full_names = [name for name, _ in model.named_modules()]
+    unmatched = [entry for entry in section.modules_to_save if not any(name.endswith(entry) for name in full_names)]
+    if unmatched:  # peft would train nothing in full for them, silently
+        raise ConfigError(f"lora.modules_to_save={section.modules_to_save}: no module of this model is named "
+                          f"{', '.join(map(repr, unmatched))}. {module_names(full_names)}")
     with torch.device("meta"):
         try:
             model = get_peft_model(model, lora_config(section))
         except (ValueError, TypeError) as error:
-            names = sorted({name.rsplit(".", 1)[-1] for name, _ in model.named_modules()} - {""})
-            names = [name for name in names if not name.isdigit()]  # not the indices of layer lists
             raise ConfigError(f"lora.target_modules={section.target_modules!r} / lora.modules_to_save="
-                              f"{section.modules_to_save}: {str(error).rstrip('.')}. Module names of this model: "
-                              f"{', '.join(names)}") from None
+                              f"{section.modules_to_save}: {str(error).rstrip('.')}. {module_names(full_names)}") from None
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def module_names(full_names: list[str]) -> str:
+    """The model's module names without layer indices, for a message."""
+    names = sorted({name.rsplit(".", 1)[-1] for name in full_names} - {""})
+    return f"Module names of this model: {', '.join(name for name in names if not name.isdigit())}"
 
 
 def check_nf4(precision: str, for_gpus: bool) -> None:

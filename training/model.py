@@ -1,8 +1,10 @@
 """Build the Hugging Face model a recipe describes: from a config (pretraining) or a checkpoint (fine-tuning)."""
+import hashlib
 from pathlib import Path
 
 import torch
-from huggingface_hub.errors import StrictDataclassError
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import HfHubHTTPError, StrictDataclassError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.integrations import HfDeepSpeedConfig
 
@@ -75,6 +77,16 @@ SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "n
               "num_key_value_heads", "head_dim", "tie_word_embeddings")
 
 
+def shape_differences(folder: Path, config: PretrainedConfig, trust_remote_code: bool = False) -> list[str]:
+    """How the model saved in `folder` (its config.json) differs from `config` in the weights' shapes."""
+    try:
+        saved = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{folder / 'config.json'} cannot be read ({error})") from None
+    return [f"{key} {getattr(saved, key, None)} vs {getattr(config, key, None)}" for key in SHAPE_KEYS
+            if getattr(saved, key, None) != getattr(config, key, None)]
+
+
 def check_checkpoint_matches(config: PretrainedConfig, section: ModelSection) -> None:
     """A recipe that ships the architecture (model.config) and names a local checkpoint (model.name_or_path):
     both must describe the same shapes. (A hub checkpoint is checked when its weights load.)"""
@@ -85,16 +97,25 @@ def check_checkpoint_matches(config: PretrainedConfig, section: ModelSection) ->
         raise ConfigError(f"model.name_or_path={folder} holds weights but no config.json, so they cannot be checked "
                           f"against model.config={section.config}: if they are that model's, copy its config.json "
                           f"into {folder}; or save the checkpoint with save_pretrained, which writes both")
-    try:
-        checkpoint = AutoConfig.from_pretrained(folder, trust_remote_code=section.trust_remote_code)
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"model.name_or_path={folder}: its config.json cannot be read ({error})") from None
-    differ = [f"{key} {getattr(checkpoint, key, None)} vs {getattr(config, key, None)}" for key in SHAPE_KEYS
-              if getattr(checkpoint, key, None) != getattr(config, key, None)]
+    differ = shape_differences(folder, config, section.trust_remote_code)
     if differ:
         raise ConfigError(f"model.name_or_path={folder} is another architecture than model.config="
                           f"{section.config} ({'; '.join(differ)}): set model.config=null to take the checkpoint's "
                           f"own config, or point model.name_or_path at a checkpoint of this model")
+
+
+def check_resumed_model(tag_dir: Path, config: PretrainedConfig) -> None:
+    """The checkpoint to resume holds the model this run builds (the config saved in its hf/): a mismatch (a changed
+    override), which is no damage and is not fixed by resuming from another checkpoint."""
+    if not (tag_dir / "hf" / "config.json").is_file():
+        return  # no config saved with it: DeepSpeed's load names any mismatch
+    differ = shape_differences(tag_dir / "hf", config)
+    if differ:
+        raise ConfigError(f"--resume: {tag_dir} holds another model than this run builds (checkpoint vs run: "
+                          f"{'; '.join(differ)}). The checkpoint is not damaged: the recipe or its overrides differ "
+                          f"from those of the run that wrote it ({tag_dir.parent.parent / 'resolved_recipe.yaml'}); "
+                          f"resume with the same model settings, or start a new run from its weights "
+                          f"(python -m training export {tag_dir} DIR, then model.name_or_path=DIR)")
 
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -109,6 +130,32 @@ def check_checkpoint_folder(name_or_path: str) -> None:
     if folder.is_dir() and not any((folder / name).is_file() for name in WEIGHT_FILES):
         raise ConfigError(f"model.name_or_path={folder} holds no weights (none of {', '.join(WEIGHT_FILES)}); "
                           f"point it at a folder written by save_pretrained, or use model.config to train from scratch")
+
+
+SAMPLED_BLOCKS, BLOCK_BYTES = 16, 1 << 16
+
+
+def weights_digest(name_or_path: str) -> str | None:
+    """What identifies a checkpoint's weights without reading all of them: a hash of its config.json and, for each
+    weight file, its name, size and 16 blocks of 64 KiB spread over it (training changes nearly every block). A hub
+    id counts by its snapshot in the local cache; None where it is not there."""
+    folder = Path(name_or_path)
+    if not folder.is_dir():
+        try:
+            folder = Path(snapshot_download(name_or_path, local_files_only=True))
+        except (OSError, ValueError, HfHubHTTPError):
+            return None
+    files = sorted(path for path in folder.iterdir() if path.is_file() and (
+        path.suffix in (".safetensors", ".bin") or path.name.endswith(".index.json") or path.name == "config.json"))
+    digest = hashlib.sha256()
+    for path in files:
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with path.open("rb") as file:
+            for offset in sorted({size * block // SAMPLED_BLOCKS for block in range(SAMPLED_BLOCKS)}):
+                file.seek(offset)
+                digest.update(file.read(BLOCK_BYTES))
+    return digest.hexdigest()[:32]
 
 
 def weights_dtype(precision: str, stage: int) -> torch.dtype:

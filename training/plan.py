@@ -38,6 +38,7 @@ class RunPlan:
     output_dir: Path
     resume_universal: bool = False  # --resume from a checkpoint of another layout, through a universal checkpoint
     chosen_for: "Machine | None" = None  # deepspeed.config=auto: the machine the DeepSpeed config was chosen for
+    base_digest: str | None = None  # the weights at model.name_or_path (training.model.weights_digest)
 
     @property
     def zero_stage(self) -> int:
@@ -54,6 +55,13 @@ class RunPlan:
     @property
     def tensor_parallel(self) -> int:
         return self.recipe.parallelism.tensor_parallel
+
+    def layout(self) -> dict:
+        """What the run's checkpoints belong to (training/run_state.py's LAYOUT_KEYS)."""
+        return {"world_size": self.world_size, "zero_stage": self.zero_stage, "precision": self.precision,
+                "pipeline_stages": self.pipeline_stages, "tensor_parallel": self.tensor_parallel,
+                "sequence_parallel": self.sequence_parallel, "optimizer": self.recipe.optimizer.name,
+                "lora": self.recipe.lora.enabled}
 
     @property
     def dp_size(self) -> int:

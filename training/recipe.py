@@ -4,6 +4,8 @@ Every problem is reported at once, naming the file or override, the key and the 
 anything expensive starts.
 """
 import difflib
+import math
+import re
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -13,7 +15,7 @@ from pydantic import (AfterValidator, BaseModel, Field, NonNegativeFloat, NonNeg
                       PositiveInt, PrivateAttr, ValidationError, ValidationInfo, model_validator)
 
 from data_pipeline.config import DataConfig, LocalPath, StrictModel, matching_files
-from training.errors import ConfigError
+from training.errors import ConfigError, read_text
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
@@ -31,13 +33,38 @@ def local_path_or_hub_id(value: str, info: ValidationInfo) -> str:
 HubIdOrPath = Annotated[str, AfterValidator(local_path_or_hub_id)]
 
 
+def finite_numbers(tree: Any) -> Any:
+    """A free-form mapping (passed on to transformers or DeepSpeed) holds no .inf or .nan."""
+    values = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, list) else [tree]
+    for value in values:
+        if isinstance(value, (dict, list)):
+            finite_numbers(value)
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{value} is not a finite number")
+    return tree
+
+
+FreeForm = Annotated[dict[str, Any], AfterValidator(finite_numbers)]
+
+
+def regular_expression(value: list[str] | str) -> list[str] | str:
+    """lora.target_modules as a string other than all-linear is a regular expression over the full module names."""
+    if isinstance(value, str) and value != "all-linear":
+        try:
+            re.compile(value)
+        except re.error as error:
+            raise ValueError(f"{value!r} is not a valid regular expression ({error}); write one that matches full "
+                             f"module names (e.g. '.*\\.(q_proj|v_proj)'), or a list of name suffixes") from None
+    return value
+
+
 class ModelSection(StrictModel):
     """`config` alone trains from scratch; `name_or_path` alone fine-tunes a checkpoint; both: the weights come
     from `name_or_path` and the shipped `config` (the same architecture) lets --dry-run and the checks run
     without downloading anything."""
     config: LocalPath | None = None  # architecture: a config.json or its folder
     name_or_path: HubIdOrPath | None = None  # checkpoint to start from: hub id or local folder
-    config_overrides: dict[str, Any] = {}  # e.g. {num_hidden_layers: 2} to shrink a model for a smoke test
+    config_overrides: FreeForm = {}  # e.g. {num_hidden_layers: 2} to shrink a model for a smoke test
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     trust_remote_code: bool = False  # run Python code shipped with a hub checkpoint: only for checkpoints you trust
 
@@ -97,7 +124,7 @@ class OptimizerSection(StrictModel):
 class DeepSpeedSection(StrictModel):
     config: str = "zero1"  # a name under ds_configs/ (zero0..zero3, zero2_offload, ...), a JSON file, or auto
     # (auto: chosen from the memory plan, training/auto_config.py)
-    overrides: dict[str, Any] = {}  # merged into that JSON, e.g. {zero_optimization: {overlap_comm: false}}
+    overrides: FreeForm = {}  # merged into that JSON, e.g. {zero_optimization: {overlap_comm: false}}
 
 
 class ParallelismSection(StrictModel):
@@ -127,8 +154,9 @@ class LoraSection(StrictModel):
     rank: PositiveInt = 16
     alpha: PositiveFloat = 32  # the adapters' output is scaled by alpha / rank
     dropout: float = Field(0.0, ge=0, lt=1)  # on the adapters' input
-    target_modules: list[str] | str = "all-linear"  # module name suffixes, a regular expression over the full
-    # names, or all-linear (every linear layer but the LM head; MoE experts' fused weights are not linear layers)
+    # module name suffixes, a regular expression over the full names, or all-linear (every linear layer but the LM
+    # head; MoE experts' fused weights are not linear layers)
+    target_modules: Annotated[list[str] | str, AfterValidator(regular_expression)] = "all-linear"
     modules_to_save: list[str] = []  # modules trained in full besides the adapters, e.g. [lm_head]
     quantize: Literal["none", "nf4"] = "none"  # nf4: QLoRA, the frozen base model in 4 bits (bitsandbytes, CUDA)
 
@@ -354,7 +382,7 @@ def load_recipe(name_or_path: str, overrides: list[str] = ()) -> Recipe:
     current folder."""
     path = recipe_file(name_or_path).resolve()
     try:
-        tree = yaml.safe_load(path.read_text()) or {}
+        tree = yaml.safe_load(read_text(path)) or {}
     except yaml.YAMLError as error:
         raise ConfigError(f"{path} is not valid YAML: {error}") from None
     if not isinstance(tree, dict):

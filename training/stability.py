@@ -64,13 +64,16 @@ def as_json(value: float) -> float | str:
     return value if math.isfinite(value) else str(value)
 
 
-def rewind(engine: DeepSpeedEngine, batches: StepBatches | StreamingBatches, checkpoint_dir: Path, position: int) -> dict:
+def rewind(engine: DeepSpeedEngine, batches: StepBatches | StreamingBatches, checkpoint_dir: Path, position: int,
+           layout: dict) -> dict:
     """Back to the latest checkpoint, every rank: weights, optimizer, schedule and RNG as they were there, and the
-    data at `position`, past the batches since the checkpoint (the spike's included). Returns the checkpoint's
-    run state."""
-    state, data_state = load_checkpoint(engine, checkpoint_dir, universal=False)
+    data at `position`, past the batches since the checkpoint (the spike's included). The checkpoint may be the one
+    this run resumed from in another `layout`: it loads through its universal conversion then. Returns the
+    checkpoint's run state."""
+    state, data_state = load_checkpoint(engine, checkpoint_dir, layout)
     batches.load_state_dict(data_state)
-    state.setdefault("data_position", state["step"])  # checkpoints written before batches could be passed over
+    if state["data_position"] is None:  # checkpoints written before batches could be passed over
+        state["data_position"] = state["step"]
     batches.pass_over(position - state["data_position"])
     return state
 

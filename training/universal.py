@@ -4,16 +4,18 @@ converted once into a DeepSpeed universal checkpoint, which DeepSpeed loads into
 The conversion is DeepSpeed's own, `deepspeed/checkpoint/ds_to_universal.py`, run as a child process: it
 joins every rank's shard of each parameter's fp32 master weights and optimizer states (AdamW's moments
 and step) into one file per parameter and state, `checkpoints/universal/<tag>/zero/<name>/`. Rank 0
-writes it into a staging folder and renames it into place, so a conversion a kill interrupts is never
-mistaken for a finished one, and a finished one is reused. DeepSpeed then loads it with
-`"checkpoint": {"load_universal": true}`; our run state (step, tokens seen, data position, RNG) is read
-from the original checkpoint folder.
+writes it into a staging folder, lists its files and sizes in a manifest and renames it into place, so a
+conversion a kill interrupts is never mistaken for a finished one; a finished one is reused while its manifest
+holds, and made again when a file has gone missing or changed size since. DeepSpeed loads it with its config's
+`checkpoint.load_universal` on (loading_universal); our run state (step, tokens seen, data position, RNG) is
+read from the original checkpoint folder. The folder checkpoints/universal/ is train.py's own cache.
 
 The converter needs DeepSpeed's UNIVERSAL_CHECKPOINT_INFO entry in the checkpoint, which Megatron-style
 models carry and Hugging Face models do not: train.py gives every model it saves the entry (with plain
 data parallelism its version is all there is to say), and for checkpoints written before it did, the
 converter's own --inject_missing_state adds it.
 """
+import json
 import os
 import shutil
 import subprocess
@@ -25,16 +27,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from deepspeed import DeepSpeedEngine
 from deepspeed.checkpoint.constants import (PARAM, UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
                                             UNIVERSAL_CHECKPOINT_VERSION_VALUE)
 
 from training.distributed import host_group
 from training.errors import ConfigError
+from training.run_state import LAYOUT_KEYS, older_default
 
 UNIVERSAL = "universal"  # the folder under checkpoints/ that holds converted checkpoints, one per tag
-LAYOUT_KEYS = ("world_size", "zero_stage", "precision", "pipeline_stages", "tensor_parallel", "optimizer", "lora")
-WRITTEN_BEFORE_THE_KEY = {"pipeline_stages": 1, "tensor_parallel": 1, "optimizer": "adamw", "lora": False}  # older
-# run states
+MANIFEST = ".manifest.json"  # in each converted folder: its files and sizes, written last
 
 
 def provide_universal_info(model: torch.nn.Module) -> None:
@@ -45,7 +47,7 @@ def provide_universal_info(model: torch.nn.Module) -> None:
 def needs_universal(run_state: dict, layout: dict, streaming: bool, export_hint: str) -> bool:
     """Whether resuming `run_state`'s checkpoint in `layout` (the LAYOUT_KEYS of this run) goes through a
     universal checkpoint; a ConfigError where neither way can load it."""
-    wrote = {key: run_state.get(key, WRITTEN_BEFORE_THE_KEY.get(key)) for key in LAYOUT_KEYS}
+    wrote = {key: run_state.get(key, older_default(key)) for key in LAYOUT_KEYS}
     if wrote == layout:
         return False
     change = ", ".join(f"{key} {wrote[key]} -> {layout[key]}" for key in LAYOUT_KEYS if wrote[key] != layout[key])
@@ -73,6 +75,12 @@ def needs_universal(run_state: dict, layout: dict, streaming: bool, export_hint:
         raise ConfigError(f"--resume ({change}): a tensor-parallel checkpoint holds each rank's slices of the "
                           f"matrices, which the universal conversion does not reassemble here; resume in the layout "
                           f"that wrote it, or start a new run from its weights: {export_hint}")
+    if wrote["sequence_parallel"] > 1 or layout["sequence_parallel"] > 1:
+        raise ConfigError(f"--resume ({change}): DeepSpeed names the ranks of a sequence-parallel group as model-parallel "
+                          f"ranks (mp_rank_NN files), and its universal converter and loader take them for tensor-"
+                          f"parallel slices of the weights; resume in the layout that wrote it ({wrote['world_size']} "
+                          f"rank(s), sequence_parallel={wrote['sequence_parallel']}, ZeRO-{wrote['zero_stage']}, "
+                          f"{wrote['precision']}), or start a new run from its weights: {export_hint}")
     if wrote["zero_stage"] == 0 and layout["zero_stage"] == 0:
         return False  # nothing is partitioned: DeepSpeed loads the whole weights and optimizer state on any ranks
     if layout["optimizer"] != "adamw":
@@ -91,10 +99,15 @@ def universal_folder(checkpoint_dir: Path, tag: str) -> Path:
 
 
 def convert(checkpoint_dir: Path, tag: str) -> Path:
-    """checkpoints/<tag> as a universal checkpoint in checkpoints/universal/<tag>, made once."""
+    """checkpoints/<tag> as a universal checkpoint in checkpoints/universal/<tag>, made once; a cached conversion that
+    is not whole (a file missing or cut short since) is made again."""
     target, source = universal_folder(checkpoint_dir, tag), checkpoint_dir / tag
     if target.is_dir():
-        return target  # renamed into place only when complete
+        fault = conversion_fault(target)
+        if fault is None:
+            return target
+        print(f"the cached universal conversion {target} is not whole ({fault}): converting {source} again",
+              flush=True)
     export_hint = f"python -m training export {source} DIR, then model.name_or_path=DIR"
     if (source / "layer_00-model_states.pt").is_file():
         raise ConfigError(f"{source} is a pipeline checkpoint (a file per layer); DeepSpeed's universal converter reads "
@@ -105,7 +118,7 @@ def convert(checkpoint_dir: Path, tag: str) -> Path:
                           f"universal checkpoints connect ZeRO stages 1-3. A ZeRO-0 run resumes at ZeRO-0 on any number "
                           f"of ranks as it is; or start a new run from its weights: {export_hint}")
     staging = checkpoint_dir / UNIVERSAL / f".{tag}.partial"
-    shutil.rmtree(staging, ignore_errors=True)  # left by a conversion that was killed
+    shutil.rmtree(staging, ignore_errors=True)  # left by a conversion of this tag that was killed
     workers = str(min(4, os.cpu_count() or 1))
     command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(source),
                "--output_folder", str(staging / tag), "--inject_missing_state",
@@ -119,9 +132,28 @@ def convert(checkpoint_dir: Path, tag: str) -> Path:
                           f"{last_lines}\n); resume in the layout that wrote it, or start a new run from its weights: "
                           f"{export_hint}")
     make_stage_neutral(staging / tag)
+    files = {str(path.relative_to(staging / tag)): path.stat().st_size for path in (staging / tag).rglob("*")
+             if path.is_file()}
+    (staging / tag / MANIFEST).write_text(json.dumps(files, indent=1) + "\n")
+    if target.is_dir():  # the conversion it replaces, set aside into the staging folder, goes with it
+        os.replace(target, staging / "replaced")
     os.replace(staging / tag, target)
     shutil.rmtree(staging)
     return target
+
+
+def conversion_fault(folder: Path) -> str | None:
+    """What is wrong with a cached conversion: a file its manifest lists missing or of another size, or no manifest
+    (made before conversions had one, or cut short); None when it is whole."""
+    try:
+        files = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return f"no readable {MANIFEST}"
+    for name, size in files.items():
+        path = folder / name
+        if not path.is_file() or path.stat().st_size != size:
+            return f"{name} {'is missing' if not path.is_file() else 'has another size than when it was written'}"
+    return None
 
 
 def make_stage_neutral(folder: Path) -> None:
@@ -190,6 +222,15 @@ def universal_load_repaired(optimizer: torch.optim.Optimizer) -> Iterator[None]:
             state["step"] = state["step"].clone()
 
 
-def with_universal_load(ds_config: dict) -> dict:
-    """The DeepSpeed config that loads a universal checkpoint."""
-    return {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
+@contextmanager
+def loading_universal(engine: DeepSpeedEngine, universal: bool) -> Iterator[None]:
+    """DeepSpeed 0.19.8 reads `checkpoint.load_universal` from the engine's config object at every load_checkpoint
+    (engine.load_universal_checkpoint()), and only there. It is set for each load: a resume in another layout loads
+    the universal conversion, and a rewind later in that run loads either that conversion again or a checkpoint the
+    run saved since, in its own layout."""
+    config, before = engine._config, engine._config.load_universal_checkpoint
+    config.load_universal_checkpoint = universal
+    try:
+        yield
+    finally:
+        config.load_universal_checkpoint = before

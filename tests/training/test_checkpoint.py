@@ -36,6 +36,8 @@ def test_the_zero0_fp16_loss_scale_survives_save_and_resume(one_rank, tmp_path):
 
     resumed = engine_with_fp16_block_scaler()
     assert resumed.torch_autocast_z0_gradscaler.get_scale() == 1024
-    run_state, data_state = load_checkpoint(resumed, tmp_path, universal=False)
-    assert run_state == RUN_STATE and data_state == {"position": 3}
+    run_state, data_state = load_checkpoint(resumed, tmp_path, layout={
+        **{key: value for key, value in RUN_STATE.items() if key not in ("step", "tokens_seen")},
+        "pipeline_stages": 1, "tensor_parallel": 1, "sequence_parallel": 1, "optimizer": "adamw", "lora": False})
+    assert run_state.items() >= RUN_STATE.items() and data_state == {"position": 3}
     assert resumed.torch_autocast_z0_gradscaler.state_dict() == saved

@@ -92,7 +92,7 @@ def test_qlora_is_refused_without_a_cuda_gpu_and_planned_for_one(base):
 
 def test_a_lora_checkpoint_resumes_only_as_lora_in_its_own_layout():
     wrote = {"world_size": 2, "zero_stage": 3, "precision": "fp32", "lora": True}
-    layout = {**wrote, "pipeline_stages": 1, "tensor_parallel": 1, "optimizer": "adamw"}
+    layout = {**wrote, "pipeline_stages": 1, "tensor_parallel": 1, "sequence_parallel": 1, "optimizer": "adamw"}
     assert needs_universal(wrote, layout, False, "export") is False
     with pytest.raises(ConfigError, match="resume with lora.enabled=true"):
         needs_universal(wrote, {**layout, "lora": False}, False, "export")

@@ -11,7 +11,7 @@ HINT = "python -m training export X DIR"
 
 def layout(**changes) -> dict:
     return {"world_size": 2, "zero_stage": 2, "precision": "fp32", "pipeline_stages": 1, "tensor_parallel": 1,
-            "optimizer": "adamw", "lora": False, **changes}
+            "sequence_parallel": 1, "optimizer": "adamw", "lora": False, **changes}
 
 
 @pytest.mark.parametrize("changes, universal", [
@@ -30,7 +30,7 @@ def test_zero_0_resumes_as_it_is_on_any_ranks_and_precision():
     assert needs_universal(wrote, layout(zero_stage=0, world_size=4, precision="bf16"), False, HINT) is False
 
 
-@pytest.mark.parametrize("key", ["pipeline_stages", "tensor_parallel", "optimizer", "lora"])
+@pytest.mark.parametrize("key", ["pipeline_stages", "tensor_parallel", "sequence_parallel", "optimizer", "lora"])
 def test_run_states_older_than_a_key_count_as_its_default(key):
     wrote = {name: value for name, value in WROTE.items() if name != key}
     assert needs_universal(wrote, layout(), False, HINT) is False
@@ -45,6 +45,9 @@ def test_run_states_older_than_a_key_count_as_its_default(key):
     ({}, {"pipeline_stages": 2}, "pipeline_stages 1 -> 2.*Megatron's layer layout"),
     ({}, {"optimizer": "lion"}, "optimizer adamw -> lion.*holds adamw's optimizer states; resume with optimizer.name=adamw"),
     ({"optimizer": "muon"}, {"optimizer": "muon", "world_size": 1}, "proven here with AdamW's moments, not muon's"),
+    ({"sequence_parallel": 2}, {"zero_stage": 3}, "sequence_parallel=2, ZeRO-2, fp32\\), or start a new run"),
+    ({"sequence_parallel": 2}, {"sequence_parallel": 2, "world_size": 4}, "mp_rank_NN files"),
+    ({}, {"sequence_parallel": 2}, "sequence_parallel 1 -> 2.*resume in the layout that wrote it"),
 ])
 def test_what_cannot_be_converted_is_refused_with_the_way_out(wrote, changes, message):
     with pytest.raises(ConfigError, match=message) as error:
