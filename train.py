@@ -54,7 +54,7 @@ from training.recipe import load_recipe, recipe_inputs
 from training.sequence_parallel import enable_sequence_parallel
 from training.tensor_parallel import loss_copies, with_tensor_parallel
 from training.stability import StabilityGuard, WeightWatch, finite, rewind, withheld_step
-from training.universal import convert_on_rank_0, provide_universal_info
+from training.universal import convert_on_rank_0, provide_universal_info, with_universal_load
 
 stop_requested = threading.Event()  # set by SIGTERM: the run saves a checkpoint at the end of the step and exits
 
@@ -119,6 +119,7 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> RunPla
         checkpoints = output_dir / "checkpoints"
         plan.resume_universal = check_resume(checkpoints, plan.layout(), recipe, plan.base_digest)
         check_resumed_model(checkpoints / latest_tag(checkpoints), model_config)
+        plan.ds_config = with_universal_load(ds_config) if plan.resume_universal else ds_config
     return plan
 
 

@@ -32,19 +32,26 @@ def test_resume_with_overwrite_is_refused_and_the_checkpoints_survive(earlier_ru
 
 @pytest.mark.parametrize("damage, message", [
     (lambda run: (run / "checkpoints/global_step4/run_state.json").write_text('{"step": 4, "tok'),
-     "global_step4/run_state.json is damaged (not JSON, or without step, tokens_seen"),
+     "global_step4/run_state.json is damaged (not JSON)"),
+    (lambda run: (run / "checkpoints/global_step4/run_state.json").write_text(
+        '{"step": 4, "tokens_seen": 1, "world_size": 0, "zero_stage": "1", "precision": "fp32"}'),
+     "run_state.json is damaged (world_size: Input should be greater than 0 (found 0); zero_stage: Input should be 0"),
+    (lambda run: (run / "checkpoints/global_step4/run_state.json").write_text('[4]'),
+     "run_state.json is damaged ((top level): Input should be a valid dictionary"),
     (lambda run: (run / "checkpoints/latest").write_text(""),
      "latest names '', not a complete checkpoint"),
     (lambda run: (run / "checkpoints/latest").write_bytes(b"\xff\xfeglobal\x00"),
      "not a complete checkpoint"),
-], ids=["truncated run_state.json", "empty latest", "garbage in latest"])
+], ids=["truncated run_state.json", "run_state.json of wrong types", "run_state.json a list", "empty latest",
+        "garbage in latest"])
 def test_a_damaged_checkpoint_names_the_file_and_the_earlier_checkpoint(earlier_run, damage, message):
     damage(earlier_run)
     before = snapshot(earlier_run)
     result = run_command("train.py", "--recipe", "tiny_llama", "--output-dir", str(earlier_run), "--resume",
                          "training.max_steps=8")
     assert_refused(result, message)
-    assert "point `latest` at it: echo global_step" in " ".join(result.stderr.split())
+    assert "to resume from the newest complete one before it: " in " ".join(result.stderr.split())
+    assert "echo global_step" in result.stderr
     assert snapshot(earlier_run) == before
 
 

@@ -48,8 +48,12 @@ def test_fp16_on_cpu_exits_2(no_model_building, capsys, tmp_path):
 
 def test_an_earlier_run_is_not_overwritten_silently(no_model_building, capsys, tmp_path):
     (tmp_path / "metrics.jsonl").write_text("")
+    (tmp_path / ".written-by.json").write_text('{"command": "train.py"}')
     assert train.main(["--recipe", "tiny_llama", "--output-dir", str(tmp_path)]) == 2
     assert "already holds a run; pass --resume" in capsys.readouterr().err
+    (tmp_path / "mine" / "hf").mkdir(parents=True)  # a folder train.py did not write, with a name a run writes
+    assert train.main(["--recipe", "tiny_llama", "--output-dir", str(tmp_path / "mine"), "--overwrite"]) == 2
+    assert "holds hf, which train.py did not write" in capsys.readouterr().err
     assert train.main(["--recipe", "tiny_llama", "--output-dir", str(tmp_path / "new"), "--resume"]) == 2
     assert "holds no checkpoint to continue from" in capsys.readouterr().err
 

@@ -234,3 +234,8 @@ def loading_universal(engine: DeepSpeedEngine, universal: bool) -> Iterator[None
         yield
     finally:
         config.load_universal_checkpoint = before
+
+
+def with_universal_load(ds_config: dict) -> dict:
+    """The DeepSpeed config of a run resumed from a universal checkpoint, as ds_config.json records it."""
+    return {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
