@@ -29,7 +29,7 @@ from data_pipeline.loader import EvalBatches, StepBatches, model_inputs, target_
 from data_pipeline.prepare import prepare_dataset
 from data_pipeline.stream import StreamingBatches
 from training import distributed
-from training.checkpoint import (check_resume, export_hf, latest_tag, load_checkpoint, record_position,
+from training.checkpoint import (check_files, check_resume, export_hf, latest_tag, load_checkpoint, record_position,
                                  remove_unfinished_tags, save_checkpoint)
 from training.auto_config import choose_ds_config
 from training.ds_config import accumulation_steps, load_ds_config, resolve_ds_config
@@ -46,7 +46,7 @@ from training.metrics import (FlopsMeter, MetricsLogger, Stopwatch, device_name,
 from training.model import (build_model, check_checkpoint_folder, check_checkpoint_matches, check_recipe_against_model,
                             check_resumed_model, load_model_config, load_tokenizer, weights_digest)
 from training.optimizer import client_optimizer, lr_schedule, weight_decay_groups
-from training.pipeline import TokenMeanLoss, build_pipeline, pipeline_batches, report_grad_norm
+from training.pipeline import TokenMeanLoss, build_pipeline, layer_files, pipeline_batches, report_grad_norm
 from training.output_dir import check_output_dir, default_output_dir, start_output_dir
 from training.plan import RunPlan, planned_machine, print_plan
 from training.precision import DTYPES, loss_scale, resolve_precision, use_fp16_block_loss_scaling
@@ -119,6 +119,8 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> RunPla
         checkpoints = output_dir / "checkpoints"
         plan.resume_universal = check_resume(checkpoints, plan.layout(), recipe, plan.base_digest)
         check_resumed_model(checkpoints / latest_tag(checkpoints), model_config)
+        if parallelism.pipeline_stages > 1:
+            check_files(checkpoints, latest_tag(checkpoints), layer_files(model_config))
         plan.ds_config = with_universal_load(ds_config) if plan.resume_universal else ds_config
     return plan
 

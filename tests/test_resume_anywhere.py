@@ -15,6 +15,7 @@ same arithmetic. Tolerances (fp32):
   of the fp32 run's (measured: 3.4e-4).
 """
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -58,11 +59,34 @@ def runs(tmp_path_factory, data_cache) -> dict:
         assert killed.returncode != 0 and (out / "checkpoints" / "latest").read_text() == f"global_step{RESUMED_FROM}"
         before = metrics(out)  # the resume rewrites the lines after its checkpoint
         files = sorted(path.name for path in (out / "checkpoints" / f"global_step{RESUMED_FROM}").iterdir())
+        if not runs.get("rewind"):  # the first case is also resumed into a spike, rewound to its universal conversion
+            runs["rewind"] = resume_into_a_spike(out, tmp_path_factory.mktemp("rewind"), common, CASES[name][1])
         result = run_train(["--output-dir", str(out), "--resume", *common, *layout_args(new_ds_config, new_precision)],
                            ranks=new_ranks)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
         runs[name] = {"out": out, "before": before, "files": files, "console": result.stdout}
     return runs
+
+
+def resume_into_a_spike(killed: Path, out: Path, common: list[str], layout: tuple) -> tuple[Path, str]:
+    """A copy of the killed run resumed in another layout with stability.policy=rewind, a loss spike at step 10, and no
+    checkpoint saved before it: the rewind goes back to the checkpoint of the other layout."""
+    shutil.copytree(killed, out, dirs_exist_ok=True)
+    new_ranks, new_ds_config, new_precision = layout
+    result = run_train(["--insert-poisoned-batches", f"spike:{RESUMED_FROM + 3}", "--output-dir", str(out), "--resume",
+                        *common, *layout_args(new_ds_config, new_precision), "checkpointing.every_steps=6",
+                        "stability.policy=rewind", "stability.min_history=3", "stability.window=3",
+                        "stability.spike_sigma=50"], ranks=new_ranks, script=PROBES)
+    return out, result.stdout + result.stderr if result.returncode else ""
+
+
+def test_a_rewind_after_a_resume_in_another_layout_loads_the_universal_conversion(runs):
+    out, failure = runs["rewind"]
+    assert not failure, failure[-3000:]
+    rewinds = [record for record in metrics(out) if record.get("event") == "rewind"]
+    assert [(r["step"], r["rewound_to"]) for r in rewinds] == [(RESUMED_FROM + 4, RESUMED_FROM)]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["last_step"] == STEPS and summary["stability"]["rewind"] == 1
 
 
 def universal_states(checkpoint: Path) -> dict[tuple[str, str], torch.Tensor]:
@@ -130,3 +154,8 @@ def test_a_conversion_is_made_once_and_one_a_kill_interrupted_is_made_again(runs
     made = (target / "zero" / "optimizer_state.pt").stat().st_mtime_ns
     assert convert(checkpoints, tag) == target
     assert (target / "zero" / "optimizer_state.pt").stat().st_mtime_ns == made
+    fp32 = next((target / "zero").glob("*/fp32.pt"))
+    fp32.unlink()  # a cached conversion missing a file is made again, not blamed on the checkpoint
+    assert convert(checkpoints, tag) == target and fp32.is_file()
+    fp32.write_bytes(fp32.read_bytes()[:100])  # and one cut short
+    assert convert(checkpoints, tag) == target and fp32.stat().st_size > 100

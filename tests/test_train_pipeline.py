@@ -7,6 +7,7 @@ bitwise equal).
 """
 import json
 import re
+import shutil
 import subprocess
 
 import pytest
@@ -123,9 +124,15 @@ def test_pipeline_resume_continues_the_curve(runs, tmp_path, data_cache):
     out = tmp_path / "parts"
     args = [*COMMON, SMALL_MODEL, data_cache, "parallelism.pipeline_stages=2", "--output-dir", str(out)]
     assert run_train([*args, "training.max_steps=3"], ranks=2).returncode == 0
+    damaged = tmp_path / "damaged"
+    shutil.copytree(out, damaged)
     result = run_train([*args, "--resume"], ranks=2)
     assert result.returncode == 0, result.stderr[-3000:]
     assert losses(out) == pytest.approx(losses(runs["untied", 2]), abs=1e-6)
+    (damaged / "checkpoints" / "global_step3" / "layer_01-model_states.pt").unlink()
+    result = run_train([*args[:-1], str(damaged), "--resume"], ranks=2)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "global_step3 is damaged" in result.stderr and "layer_01-model_states.pt" in result.stderr
 
 
 @pytest.mark.parametrize("model_type, tied", [("llama", False), ("llama", True), ("mistral", False), ("qwen2", False),

@@ -204,6 +204,14 @@ def check_resume(checkpoint_dir: Path, layout: dict, recipe: Recipe, base_digest
     return needs_universal(run_state.model_dump(), layout, recipe.data.streaming, export_hint)
 
 
+def check_files(checkpoint_dir: Path, tag: str, names: list[str]) -> None:
+    """Files the checkpoint must hold are there: one missing is damage, named before anything is built."""
+    missing = [name for name in names if not (checkpoint_dir / tag / name).is_file()]
+    if missing:
+        raise ConfigError(f"--resume: {checkpoint_dir / tag} is damaged: it lacks {', '.join(missing)}; "
+                          f"{way_back(checkpoint_dir, tag)}")
+
+
 def check_same_base(tag_dir: Path, run_state: RunState, recipe: Recipe, base_digest: str | None) -> None:
     """A LoRA checkpoint holds only the adapters: they resume on the base weights they were trained on, or not at all."""
     wrote = run_state.base_model
@@ -261,7 +269,7 @@ def load_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, layout: dict)
 def load_failure(checkpoint_dir: Path, tag: str, universal: bool, error: BaseException) -> str:
     """What a failed load means: a checkpoint that does not fit this run, a universal conversion that cannot be read,
     or a damaged checkpoint; each with its way out."""
-    reason = " ".join(str(error).split())[:400]
+    reason = " ".join(str(error).split())[:400] or type(error).__name__
     if MISMATCH.search(reason):
         return (f"--resume: {checkpoint_dir / tag} does not fit the model this run builds ({reason}); the checkpoint "
                 f"is not damaged: resume with the recipe and overrides that wrote it "

@@ -143,6 +143,12 @@ def layer_specs(config: PretrainedConfig) -> list[LayerSpec]:
     return [first, *(LayerSpec(decoder, config, i) for i in range(config.num_hidden_layers)), LayerSpec(norm, config), last]
 
 
+def layer_files(config: PretrainedConfig) -> list[str]:
+    """The files DeepSpeed's PipelineModule writes into a checkpoint, one per layer of layer_specs (each has weights;
+    a tied head's are its embedding's again), as DeepSpeed 0.19.8 names them."""
+    return [f"layer_{index:02d}-model_states.pt" for index in range(len(layer_specs(config)))]
+
+
 def hf_name(layer: int, name: str, config: PretrainedConfig) -> str:
     """The Hugging Face name of parameter `name` of pipeline layer `layer`."""
     if layer == 0:
