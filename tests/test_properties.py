@@ -2,8 +2,10 @@
 
 Whatever the input, a command exits 0 or 2 (argparse's usage errors included) or gets as far as its real
 work (stopped here by a sentinel, so that no example trains), never ends in a traceback, and never deletes or
-changes an earlier run's files. The examples are derandomized, so that CI explores the same ones every time;
-run with HYPOTHESIS_EXAMPLES=2000 to search further.
+changes a file it did not create: a tree guard records every file under the test's folder (an earlier run, a
+data file) and the repository's recipes and DeepSpeed configs before and after each example. Outputs are placed
+inside, beside and above the commands' inputs. The examples are derandomized, so that CI explores the same ones
+every time; run with HYPOTHESIS_EXAMPLES=2000 to search further.
 """
 import json
 import os
@@ -16,8 +18,8 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 import train
-from tests.conftest import snapshot
-from tools import compare_zero
+from tests.conftest import REPO, assert_only_created, tree_state
+from tools import compare, compare_zero
 from training import __main__ as training_cli
 from training.recipe import Recipe
 import data_pipeline.__main__ as data_cli
@@ -74,32 +76,47 @@ def check(status, capsys) -> None:
     assert "Traceback" not in err, err[-3000:]
 
 
+WATCHED = (REPO / "recipes", REPO / "ds_configs")
+
+
 @pytest.fixture
 def workplace(tmp_path, monkeypatch, earlier_run):
-    """Commands run in an empty folder beside an earlier run, with hub downloads off."""
+    """Commands run in a folder holding an earlier run and a data file, with hub downloads off. Returns the tree
+    guard's check: nothing there (or in the repository's recipes and DeepSpeed configs) deleted or changed."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
-    return earlier_run, snapshot(earlier_run)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "in.jsonl").write_text('{"text": "a document"}\n{"text": "another one"}\n')
+
+    def untouched(before: dict) -> None:
+        assert_only_created(before, tree_state(tmp_path, *WATCHED))
+
+    return lambda: tree_state(tmp_path, *WATCHED), untouched
 
 
 @SETTINGS
 @given(overrides=OVERRIDES, options=st.lists(st.sampled_from(["--dry-run", "--resume", "--overwrite"]), unique=True),
        numbers=st.lists(st.tuples(st.sampled_from(["--num-gpus", "--num-nodes", "--gpu-mem"]), NUMBERS), max_size=2),
        into_earlier_run=st.booleans())
-def test_train_py(workplace, monkeypatch, capsys, overrides, options, numbers, into_earlier_run):
-    earlier_run, before = workplace
+def test_train_py(workplace, monkeypatch, capsys, earlier_run, overrides, options, numbers, into_earlier_run):
+    state, untouched = workplace
+    before = state()
     monkeypatch.setattr(train.distributed, "run_in_process_group", stop_here)
     output_dir = str(earlier_run if into_earlier_run else Path("out"))
     argv = ["--recipe", "tiny_llama", "--output-dir", output_dir, *options, *[x for pair in numbers for x in pair],
             *overrides]
     check(exit_status(train.main, argv), capsys)
-    assert snapshot(earlier_run) == before
+    untouched(before)
 
 
-PATHS = st.sampled_from(["in.jsonl", "missing.jsonl", ".", "run", "run/metrics.jsonl", "/dev/null", "out.jsonl",
-                         "run/checkpoints", "run/checkpoints/global_step4", "new/out"])
+INPUTS = ["run/checkpoints", "run/checkpoints/global_step4", "data/in.jsonl", str(REPO / "recipes/tiny_llama/tokenizer")]
+PATHS = st.one_of(  # outputs (and some inputs) inside, beside and above the inputs
+    st.sampled_from(["in.jsonl", "missing.jsonl", ".", "..", "run", "run/metrics.jsonl", "/dev/null", "out.jsonl",
+                     "new/out", "run/out", "run/checkpoints/out", "run/checkpoints/global_step4/hf", "data",
+                     "data/out", "data/in.jsonl/out", str(REPO / "recipes"), str(REPO / "recipes/tiny_llama/out")]),
+    st.sampled_from(INPUTS))
 LINES = st.lists(st.one_of(st.builds(lambda t: json.dumps({"text": t}), st.text(max_size=30)),
                            st.binary(max_size=20).map(lambda b: b.decode("latin1")),
                            st.sampled_from(['{"text": 1}', '{"body": "x"}', "[1]", '"s"', "", "{"])), max_size=6)
@@ -110,45 +127,81 @@ LINES = st.lists(st.one_of(st.builds(lambda t: json.dumps({"text": t}), st.text(
        options=st.lists(st.tuples(st.sampled_from(["--num-perm", "--ngram", "--num-proc", "--threshold"]), NUMBERS),
                         max_size=2), flags=st.lists(st.sampled_from(["--no-near", "--shingle=char"]), unique=True))
 def test_dedup(workplace, capsys, paths, lines, options, flags):
-    earlier_run, before = workplace
+    state, untouched = workplace
     Path("in.jsonl").write_text("\n".join(lines), encoding="latin1")
+    before = state()
     argv = ["dedup", *paths, *flags, *[x for pair in options for x in pair]]
     check(exit_status(data_cli.main, argv), capsys)
-    assert snapshot(earlier_run) == before
+    untouched(before)
+
+
+SOURCES = st.sampled_from([[], ["data.sources=[{path: data/in.jsonl}]"], ["data.eval.sources=[{path: data/in.jsonl}]"],
+                            [f"tokenizer.name_or_path={REPO / 'recipes/tiny_llama/tokenizer'}"]])
 
 
 @SETTINGS
-@given(overrides=OVERRIDES, output=PATHS)
-def test_prepare(workplace, monkeypatch, capsys, overrides, output):
-    earlier_run, before = workplace
+@given(overrides=OVERRIDES, sources=SOURCES, output=PATHS,
+       engine=st.sampled_from([[], ["--engine", "datatrove"]]))
+def test_prepare(workplace, monkeypatch, capsys, overrides, sources, output, engine):
+    state, untouched = workplace
+    before = state()
     monkeypatch.setattr(data_cli, "build_dataset", stop_here)
-    check(exit_status(data_cli.main, ["prepare", "--recipe", "tiny_llama", "--output", output, *overrides]), capsys)
-    assert snapshot(earlier_run) == before
+    if engine:
+        from data_pipeline import scale
+        monkeypatch.setattr(scale, "run_job", stop_here)
+    argv = ["prepare", "--recipe", "tiny_llama", "--output", output, *engine, *sources, *overrides]
+    check(exit_status(data_cli.main, argv), capsys)
+    untouched(before)
 
 
 @SETTINGS
 @given(checkpoint=PATHS, output=PATHS, options=st.lists(st.sampled_from(["--overwrite", "--dtype=bf16"]), unique=True))
-def test_export(workplace, monkeypatch, capsys, checkpoint, output, options):
-    earlier_run, before = workplace
+def test_export(workplace, capsys, checkpoint, output, options):
+    state, untouched = workplace
+    before = state()
     check(exit_status(training_cli.main, ["export", checkpoint, output, *options]), capsys)
-    assert snapshot(earlier_run) == before
+    untouched(before)
 
 
 @SETTINGS
 @given(checkpoint=PATHS)
 def test_convert(workplace, capsys, checkpoint):
-    earlier_run, before = workplace
+    state, untouched = workplace
+    before = state()
     check(exit_status(training_cli.main, ["convert", checkpoint]), capsys)
-    assert snapshot(earlier_run) == before
+    untouched(before)
+
+
+VARIED = st.lists(st.builds(lambda key, values: f"{key}={','.join(values)}",
+                            st.sampled_from(["training.lr", "optimizer.name", "deepspeed.config", "training.max_steps",
+                                             "logging.every_steps", "precision", "no.such.key", ""]),
+                            st.lists(st.sampled_from(["0.001", "0.002", "adamw", "lion", "zero1", "zero3", "fp32", "x",
+                                                      "", "[1,2]"]), max_size=3)), min_size=1, max_size=3)
+
+
+@SETTINGS
+@given(overrides=OVERRIDES, varied=VARIED, output=st.one_of(st.none(), PATHS),
+       flags=st.lists(st.sampled_from(["--overwrite"]), max_size=1),
+       numbers=st.lists(st.tuples(st.sampled_from(["--num-gpus", "--steps"]), NUMBERS), max_size=2))
+def test_compare(workplace, monkeypatch, capsys, overrides, varied, output, flags, numbers):
+    state, untouched = workplace
+    before = state()
+    monkeypatch.setattr(compare, "run_cell", stop_here)
+    monkeypatch.setattr(compare, "REPO", Path.cwd())  # the default output folder goes into the test's folder
+    argv = ["--recipe", "tiny_llama", *[x for v in varied for x in ("--vary", v)], *flags,
+            *(["--output-dir", output] if output else []), *[x for pair in numbers for x in pair], *overrides]
+    check(exit_status(compare.main, argv), capsys)
+    untouched(before)
 
 
 @SETTINGS
 @given(overrides=OVERRIDES, numbers=st.lists(st.tuples(st.sampled_from(["--num-gpus", "--steps"]), NUMBERS), max_size=2),
        stages=st.sampled_from([[], ["--stages", "0,1"], ["--stages", "4"], ["--stages", ""]]), output=PATHS)
 def test_compare_zero(workplace, monkeypatch, capsys, overrides, numbers, stages, output):
-    earlier_run, before = workplace
+    state, untouched = workplace
+    before = state()
     monkeypatch.setattr(compare_zero.compare, "run_cell", stop_here)
     argv = ["--recipe", "tiny_llama", "--output-dir", output, *stages, *[x for pair in numbers for x in pair],
             *overrides]
     check(exit_status(compare_zero.main, argv), capsys)
-    assert snapshot(earlier_run) == before
+    untouched(before)
