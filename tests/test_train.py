@@ -27,11 +27,37 @@ def no_model_building(monkeypatch):
     (["--recipe", "tiny_llama", "deepspeed.config=zero4"], "no DeepSpeed config 'zero4'.*Available: zero0"),
     (["--recipe", "tiny_llama", "data.seq_len=4096"], "data.seq_len=4096 is longer than the model's max_position_embeddings=1024"),
     (["--recipe", "tiny_llama", "training.global_batch_size=12"], r"global_batch_size=12 is not a multiple of .* = 8"),
+    (["--recipe", "tiny_llama", "training.lr=.inf"], "training.lr: Input should be a finite number"),
+    (["--recipe", "tiny_llama", "deepspeed.overrides.gradient_clipping=.nan"], "deepspeed.overrides: nan is not a finite"),
+    (["--recipe", "tiny_llama", "deepspeed.config=auto", "parallelism.tensor_parallel=2"],
+     "deepspeed.config=auto with parallelism.tensor_parallel=2: the plan is for 1 GPU.* choose parallelism.tensor_parallel"),
+    (["--recipe", "tiny_llama", "deepspeed.config=zero3",
+      "deepspeed.overrides={zero_optimization: {offload_optimizer: {device: nvme}}}"],
+     "zero_optimization.offload_optimizer.device=nvme needs nvme_path"),
+    (["--recipe", "tiny_llama", "deepspeed.overrides={tensor_parallel: {autotp_size: 2}}"],
+     "tensor_parallel: train.py sets it from parallelism.tensor_parallel; remove it from the DeepSpeed config"),
 ])
 def test_bad_input_exits_2_before_anything_is_built(args, message, no_model_building, capsys, tmp_path):
     assert train.main(args + ["--output-dir", str(tmp_path / "out")]) == 2
     assert re.search(message, capsys.readouterr().err)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("encoded", ["recipe", "deepspeed config"])
+def test_a_file_that_is_not_utf8_is_named_with_its_line(encoded, no_model_building, capsys, tmp_path):
+    shipped = REPO / "recipes/tiny_llama"
+    recipe = (shipped / "recipe.yaml").read_text()
+    for name in ("config.json", "tokenizer", "corpus.jsonl"):
+        recipe = recipe.replace(f": {name}", f": {shipped / name}")
+    if encoded == "recipe":
+        (tmp_path / "recipe.yaml").write_bytes(recipe.encode() + b"# caf\xe9\n")
+    else:
+        (tmp_path / "recipe.yaml").write_text(recipe)
+        (tmp_path / "zero.json").write_bytes(b'{"zero_optimization": {"stage": 1},\n "note": "caf\xe9"}')
+    args = ["--recipe", str(tmp_path / "recipe.yaml"), "--dry-run"]
+    assert train.main(args + ([f"deepspeed.config={tmp_path / 'zero.json'}"] if encoded != "recipe" else [])) == 2
+    where = f"recipe.yaml:{recipe.count(chr(10)) + 1}" if encoded == "recipe" else "zero.json:2"
+    assert f"error: {tmp_path / where}: not UTF-8 text" in capsys.readouterr().err
 
 
 def test_batch_arithmetic_uses_the_launchers_world_size(no_model_building, capsys, monkeypatch, tmp_path):

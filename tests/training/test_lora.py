@@ -67,6 +67,8 @@ def test_the_plan_prints_the_adapters_and_their_smaller_checkpoint(base, capsys)
     (["lora.rank=8"], "lora.rank is set but lora.enabled is false"),
     (["export.merge=true"], "export.merge merges LoRA adapters"),
     (["lora.enabled=true", "lora.target_modules=[qkv_proj]"], "Module names of this model: "),
+    (["lora.enabled=true", "lora.target_modules=(q_proj"], "'(q_proj' is not a valid regular expression"),
+    (["lora.enabled=true", "lora.modules_to_save=[lm_haed]"], "no module of this model is named 'lm_haed'"),
     (["lora.enabled=true", "optimizer.name=muon", "training.grad_clip=0"], "optimizer.name=muon"),
     (["lora.enabled=true", "parallelism.pipeline_stages=2", "deepspeed.config=zero1"], "pipeline_stages > 1"),
 ])
