@@ -254,12 +254,16 @@ def save_tiny_checkpoint(path, **config_overrides) -> None:
     ("no weights", "holds no weights .*model.safetensors"),
     ("missing folder", "model.name_or_path: no folder .*train or download the checkpoint first"),
     ("small vocabulary", "the tokenizer .* has 4096 tokens but the model's vocab_size is 1000; use the model's own tokenizer"),
+    ("truncated weights", "model.safetensors cannot be read .*: the checkpoint is damaged or incomplete"),
 ])
 def test_bad_checkpoint_exits_2_before_anything_is_built(problem, message, no_model_building, capsys, tmp_path):
     checkpoint = tmp_path / "checkpoint"
     save_tiny_checkpoint(checkpoint, **({"vocab_size": 1000} if problem == "small vocabulary" else {}))
     if problem == "no weights":
         (checkpoint / "model.safetensors").unlink()
+    if problem == "truncated weights":
+        weights = checkpoint / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:50_000])
     name = "./not/there" if problem == "missing folder" else str(checkpoint)
     args = ["--recipe", "tiny_llama", "model.config=null", f"model.name_or_path={name}", "--output-dir", str(tmp_path / "out")]
     assert train.main(args) == 2

@@ -5,6 +5,7 @@ from pathlib import Path
 import torch
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, StrictDataclassError
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.integrations import HfDeepSpeedConfig
 
@@ -130,6 +131,13 @@ def check_checkpoint_folder(name_or_path: str) -> None:
     if folder.is_dir() and not any((folder / name).is_file() for name in WEIGHT_FILES):
         raise ConfigError(f"model.name_or_path={folder} holds no weights (none of {', '.join(WEIGHT_FILES)}); "
                           f"point it at a folder written by save_pretrained, or use model.config to train from scratch")
+    for path in sorted(folder.glob("*.safetensors")) if folder.is_dir() else []:
+        try:  # reads the header only, which lists every tensor's place in the file: a file cut short fails here
+            with safe_open(path, "pt"):
+                pass
+        except (SafetensorError, OSError) as error:
+            raise ConfigError(f"model.name_or_path={folder}: {path.name} cannot be read ({error}): the checkpoint is "
+                              f"damaged or incomplete; download or save it again") from None
 
 
 SAMPLED_BLOCKS, BLOCK_BYTES = 16, 1 << 16
