@@ -118,7 +118,7 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> RunPla
     if args.resume:  # from a checkpoint of another layout through its universal conversion
         checkpoints = output_dir / "checkpoints"
         plan.resume_universal = check_resume(checkpoints, plan.layout(), recipe, plan.base_digest)
-        check_resumed_model(checkpoints / latest_tag(checkpoints), model_config)
+        check_resumed_model(checkpoints / latest_tag(checkpoints), model_config, tokenizer)
         if parallelism.pipeline_stages > 1:
             check_files(checkpoints, latest_tag(checkpoints), layer_files(model_config))
         plan.ds_config = with_universal_load(ds_config) if plan.resume_universal else ds_config

@@ -315,6 +315,18 @@ def test_a_changed_architecture_is_a_mismatch_not_damage(earlier_run, no_model_b
     assert "The checkpoint is not damaged" in error and "echo global_step" not in error
 
 
+def test_another_tokenizer_is_a_mismatch_too(earlier_run, no_model_building, capsys):
+    from transformers import AutoTokenizer
+    tag = earlier_run / "checkpoints" / "global_step4"
+    LlamaConfig.from_pretrained(REPO / "recipes/tiny_llama/config.json").save_pretrained(tag / "hf")
+    other = AutoTokenizer.from_pretrained(REPO / "recipes/tiny_llama/tokenizer")
+    other.add_tokens(["<other>"])  # one more token: every id is still in range of the model
+    other.save_pretrained(tag / "hf")
+    assert train.main(["--recipe", "tiny_llama", "--output-dir", str(earlier_run), "--resume", "precision=fp32",
+                       "training.max_steps=8"]) == 2
+    assert "was trained with another tokenizer than this run's" in " ".join(capsys.readouterr().err.split())
+
+
 def run_state_of(tag, **values) -> None:
     state = {"step": 4, "tokens_seen": 100, "world_size": 1, "zero_stage": 1, "precision": "fp32", **values}
     (tag / "run_state.json").write_text(json.dumps(state))

@@ -105,11 +105,22 @@ def check_checkpoint_matches(config: PretrainedConfig, section: ModelSection) ->
                           f"own config, or point model.name_or_path at a checkpoint of this model")
 
 
-def check_resumed_model(tag_dir: Path, config: PretrainedConfig) -> None:
-    """The checkpoint to resume holds the model this run builds (the config saved in its hf/): a mismatch (a changed
-    override), which is no damage and is not fixed by resuming from another checkpoint."""
+def check_resumed_model(tag_dir: Path, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase | None) -> None:
+    """The checkpoint to resume holds the model this run builds and was trained with this run's tokenizer (both saved
+    in its hf/): else a mismatch (a changed override or tokenizer), which is no damage and is not fixed by resuming
+    from another checkpoint. Another tokenizer of the same size would train on silently wrong token ids."""
     if not (tag_dir / "hf" / "config.json").is_file():
         return  # no config saved with it: DeepSpeed's load names any mismatch
+    if tokenizer is not None and (tag_dir / "hf" / "tokenizer_config.json").is_file():
+        try:
+            saved = AutoTokenizer.from_pretrained(tag_dir / "hf")
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"--resume: the tokenizer saved in {tag_dir / 'hf'} cannot be read ({error}): the "
+                              f"checkpoint is damaged; resume from another one") from None
+        if saved.get_vocab() != tokenizer.get_vocab():
+            raise ConfigError(f"--resume: {tag_dir} was trained with another tokenizer than this run's "
+                              f"({tokenizer.name_or_path}): its token ids mean other text. Resume with the tokenizer "
+                              f"that wrote it (saved in {tag_dir / 'hf'}), or start a new run")
     differ = shape_differences(tag_dir / "hf", config)
     if differ:
         raise ConfigError(f"--resume: {tag_dir} holds another model than this run builds (checkpoint vs run: "
