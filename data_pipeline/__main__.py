@@ -8,10 +8,16 @@
 point a recipe at it with `data.prepared=DIR` (what multi-node runs should do). `--engine datatrove`
 runs the same steps as a datatrove job (data_pipeline/scale.py, docs/data_at_scale.md). `dedup` keeps the first
 of each group of exact or near duplicates of a JSONL file, in input order, lines copied unchanged.
+
+Both follow training/output_guard.py: an output never holds or goes inside an input, its folder is checked
+before any work, and it is marked as the command's. prepare refuses an existing --output; dedup replaces an
+existing OUT only with --overwrite, and only when an earlier dedup wrote it.
 """
 import argparse
 import json
 import math
+import os
+import secrets
 import sys
 from pathlib import Path
 
@@ -24,8 +30,11 @@ from rich.table import Table
 from data_pipeline import DataError
 from data_pipeline.config import DedupConfig
 from data_pipeline.dedup import NearDuplicates, repeated_mask, text_hashes
-from data_pipeline.prepare import build_dataset, minhash_signatures, save_prepared
+from data_pipeline.files import emptiness, json_lines, record_problem
+from data_pipeline.prepare import PREPARE_COMMAND, build_dataset, minhash_signatures, save_prepared
+from data_pipeline.work_folder import check_work_folder, work_folder
 from training.errors import exit_code, positive_int
+from training.output_guard import check_output, mark, overlap
 
 
 def print_counts(title: str, counts: dict) -> None:
@@ -37,24 +46,35 @@ def print_counts(title: str, counts: dict) -> None:
     Console(width=120).print(table)
 
 
+DEDUP_COMMAND = "python -m data_pipeline dedup"
+
+
+def check_prepare_output(output: Path, inputs: list[Path], engine: str) -> None:
+    """output_guard's rules, before any work. prepare has no --overwrite: an existing output is refused, not replaced.
+    The datatrove job's work folder beside it is held to the same inputs."""
+    if (output.exists() or output.is_symlink()) and not overlap(output, inputs):
+        raise DataError(f"{output} already exists; choose another --output or remove it")
+    check_output(output, PREPARE_COMMAND, inputs, option="--output")
+    if engine == "datatrove":
+        check_work_folder(work_folder(output), inputs)
+
+
 def prepare(args: argparse.Namespace) -> int:
     from training.model import load_tokenizer
-    from training.recipe import load_recipe
+    from training.recipe import load_recipe, recipe_inputs
     recipe = load_recipe(args.recipe, args.overrides)
-    if args.output.exists():
-        raise DataError(f"{args.output} already exists; choose another --output or remove it")
     if recipe.data.prepared or recipe.data.streaming:
         raise DataError("the recipe's data is already prepared (data.prepared) or streamed (data.streaming); to "
                         "prepare a streamed recipe's sources anyway, add data.streaming=false")
+    check_prepare_output(args.output, recipe_inputs(recipe), args.engine)
     tokenizer = load_tokenizer(recipe.tokenizer_path, recipe.model.trust_remote_code)  # as train.py loads it
     if args.engine == "datatrove":
         from data_pipeline.scale import JobOptions, run_job
         options = JobOptions(args.executor, args.tasks, args.workers, args.slurm_partition, args.slurm_time,
                              args.cpus_per_task, args.mem_per_cpu_gb)
         work = run_job(recipe.data, tokenizer, args.output, options, recipe.name)
-        if not (args.output / "stats.json").exists():  # Slurm and Ray run the stages after this returns
-            print(f"submitted; {args.output}/stats.json appears when the last stage ends (logs: {work}/logs)")
-            return 0
+        if not (args.output / "stats.json").exists():
+            return job_not_finished(args.output, work, args.executor)
         stats = json.loads((args.output / "stats.json").read_text())
     else:
         prepared, stats = build_dataset(recipe.data, tokenizer)
@@ -67,49 +87,63 @@ def prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def read_jsonl(path: Path, text_field: str) -> tuple[list[str], list[str]]:
-    """Each line's text and the line itself, or a DataError naming the file, the line and the fix."""
-    if not path.is_file():
-        raise DataError(f"{path}: {'a folder' if path.is_dir() else 'no such file'}; pass a .jsonl file, one JSON "
-                        f"object per line")
+def job_not_finished(output: Path, work: Path, executor: str) -> int:
+    """Slurm and Ray run the stages after the command returns; the local executor has run them all, so a job that
+    returns without stats.json has failed."""
+    if executor != "local":
+        print(f"submitted; {output}/stats.json appears when the last stage ends (logs: {work}/logs)")
+        return 0
+    print(f"error: the datatrove job ended without writing {output}/stats.json; its logs are in {work}/logs. Run the "
+          f"same command again (finished tasks are skipped), or remove {work} to start over", file=sys.stderr)
+    return 1
+
+
+def read_jsonl(path: Path, text_field: str) -> tuple[list[bytes], list[str]]:
+    """Each line (its bytes, newline-terminated) and its text, or a DataError naming the file, the line and the fix."""
+    if how := emptiness(str(path)):
+        raise DataError(f"{path} is empty ({how}); pass a .jsonl file with one JSON object per line")
     lines, texts = [], []
-    with path.open("rb") as file:
-        for number, raw in enumerate(file, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as error:
-                raise DataError(f"{path}:{number}: not UTF-8 ({error.reason} at byte {error.start} of the line); "
-                                f"convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise DataError(f"{path}:{number}: not valid JSON ({error.msg} at column {error.colno})") from None
-            if not isinstance(record, dict):
-                raise DataError(f"{path}:{number}: a JSON {type(record).__name__}, not an object; each line must be "
-                                f"an object such as {{\"{text_field}\": \"...\"}}")
-            if text_field not in record:
-                raise DataError(f"{path}:{number}: no field '{text_field}' (fields present: {', '.join(record)}); "
-                                f"pass --text-field")
-            lines.append(line if line.endswith("\n") else line + "\n")
-            texts.append(str(record[text_field] or ""))
+    for number, raw, record in json_lines(str(path)):
+        problem = record_problem(record, text_field, chat=False, setting="--text-field")
+        if problem is None and text_field not in record:
+            problem = f"no field '{text_field}' (fields present: {', '.join(record)}); pass --text-field"
+        if problem:
+            raise DataError(f"{path}:{number}: {problem}")
+        lines.append(raw if raw.endswith(b"\n") else raw + b"\n")
+        texts.append(record[text_field] or "")
     return lines, texts
 
 
-def dedup(args: argparse.Namespace) -> int:
-    if args.output.resolve() == args.input.resolve():
-        raise DataError(f"{args.output} is the input file; write the result to another file")
-    if args.output.is_dir():
-        raise DataError(f"{args.output} is a folder; name the output file, e.g. {args.output / args.input.name}")
-    if args.output.exists() and not args.overwrite:
-        raise DataError(f"{args.output} already exists; name another output file or pass --overwrite to replace it")
+def write_atomically(path: Path, content: bytes) -> None:
+    """Write into a new file beside `path`, then rename it over `path`: an interrupted run leaves no half-written
+    output, and an earlier one stays whole until the new one is complete."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        with partial.open("xb") as file:  # "x": this process creates it
+            file.write(content)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)  # gone already once renamed
+
+
+def dedup_config(args: argparse.Namespace) -> DedupConfig:
     try:  # the recipe's limits apply to the options too
-        config = DedupConfig(near=not args.no_near, threshold=args.threshold, num_perm=args.num_perm,
-                             shingle=args.shingle, ngram=args.ngram)
+        return DedupConfig(near=not args.no_near, threshold=args.threshold, num_perm=args.num_perm,
+                           shingle=args.shingle, ngram=args.ngram)
     except ValidationError as error:
         raise DataError("; ".join(f"--{str(e['loc'][0]).replace('_', '-')} {e['input']}: {e['msg']}"
                                   for e in error.errors())) from None
+
+
+def dedup(args: argparse.Namespace) -> int:
+    if not args.input.is_file():
+        raise DataError(f"{args.input}: {'a folder' if args.input.is_dir() else 'no such file'}; pass a .jsonl file, "
+                        f"one JSON object per line")
+    if args.output.resolve() == args.input.resolve():
+        raise DataError(f"{args.output} is the input file; write the result to another file")
+    check_output(args.output, DEDUP_COMMAND, [args.input], args.overwrite, folder=False, option="OUT")
+    config = dedup_config(args)
     lines, texts = read_jsonl(args.input, args.text_field)
     exact = repeated_mask(text_hashes(texts))
     near = np.zeros(len(texts), dtype=bool)
@@ -119,8 +153,8 @@ def dedup(args: argparse.Namespace) -> int:
         signatures = minhash_signatures(documents, config, args.num_proc)
         near[unique[NearDuplicates(config.threshold, config.num_perm).duplicate_mask(signatures)]] = True
     kept = ~(exact | near)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text("".join(line for line, keep in zip(lines, kept) if keep), encoding="utf-8")
+    write_atomically(args.output, b"".join(line for line, keep in zip(lines, kept) if keep))
+    mark(args.output, DEDUP_COMMAND, folder=False)
     print_counts(f"{args.input} -> {args.output}", {
         "documents_in": len(texts), "exact_duplicates_removed": int(exact.sum()),
         "near_duplicates_removed": int(near.sum()), "documents_out": int(kept.sum())})
@@ -163,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     dedup_parser.add_argument("--text-field", default="text")
     dedup_parser.add_argument("--threshold", type=threshold, default=DedupConfig().threshold)
     dedup_parser.add_argument("--no-near", action="store_true", help="exact duplicates only")
-    dedup_parser.add_argument("--overwrite", action="store_true", help="replace OUT.jsonl if it exists")
+    dedup_parser.add_argument("--overwrite", action="store_true", help="replace OUT.jsonl if an earlier dedup wrote it")
     dedup_parser.add_argument("--num-perm", type=positive_int, default=DedupConfig().num_perm)
     dedup_parser.add_argument("--shingle", choices=["word", "char"], default=DedupConfig().shingle)
     dedup_parser.add_argument("--ngram", type=positive_int, default=DedupConfig().ngram)

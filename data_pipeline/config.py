@@ -1,12 +1,19 @@
 """The recipe's `data:` section: a typed schema, validated once, unknown keys rejected."""
 import glob
+import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
+import pyarrow as pa
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt,
                       ValidationInfo, model_validator)
 
+from data_pipeline import DataError
+
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt")
+PREPARE_AGAIN = ("prepare it again (`python -m data_pipeline prepare --recipe R --output NEW_DIR`) and set "
+                 "data.prepared=NEW_DIR")
 
 
 class StrictModel(BaseModel):
@@ -46,7 +53,37 @@ def existing_prepared_dir(value: str) -> str:
     if not (Path(value) / "stats.json").is_file():
         raise ValueError(f"{value} is not a prepared data set (no stats.json); make one with "
                          f"`python -m data_pipeline prepare --recipe R --output {value}`")
+    check_prepared(Path(value), PREPARE_AGAIN)
     return value
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def read_arrow(path: Path) -> None:
+    with pa.memory_map(str(path)) as source:
+        pa.ipc.open_stream(source).read_all()
+
+
+def check_prepared(folder: Path, fix: str) -> None:
+    """Every file of a prepared folder (`datasets.save_to_disk` layout plus stats.json) reads: a truncated or damaged
+    one is named before any work, not met as a traceback mid-run. Cheap: the Arrow files are memory-mapped and
+    only their record batches' headers are read, as `datasets.load_from_disk` does."""
+    def read(path: Path, reader: Callable[[Path], Any]) -> Any:
+        try:
+            return reader(path)
+        except (OSError, ValueError, KeyError, TypeError) as error:  # pyarrow's ArrowInvalid and JSON's are ValueErrors
+            reason = (error.strerror if isinstance(error, OSError) and error.strerror else
+                      f"no {error} entry" if isinstance(error, KeyError) else str(error))
+            raise DataError(f"{folder} is a damaged prepared data set: {path}: {reason}; {fix}") from None
+
+    read(folder / "stats.json", read_json)
+    for split in read(folder / "dataset_dict.json", lambda path: list(map(str, read_json(path)["splits"]))):
+        read(folder / split / "dataset_info.json", read_json)
+        for name in read(folder / split / "state.json",
+                         lambda path: [str(entry["filename"]) for entry in read_json(path)["_data_files"]]):
+            read(folder / split / name, read_arrow)
 
 
 LocalPath = Annotated[str, AfterValidator(resolve_path)]

@@ -17,11 +17,14 @@ from datasets.fingerprint import Hasher
 from transformers import PreTrainedTokenizerBase
 
 from data_pipeline import DataError, processes
-from data_pipeline.config import DataConfig, DataSource, DedupConfig, matching_files
+from data_pipeline.config import PREPARE_AGAIN, DataConfig, DataSource, DedupConfig, check_prepared, matching_files
 from data_pipeline.dedup import MinHasher, NearDuplicates, repeated_mask, text_hashes
 from data_pipeline.pack import fit_to_length, pack_bfd, pack_concat, pack_padded
 from data_pipeline.sources import load_documents
 from data_pipeline.tokenize import token_stream, tokenize_documents
+from training.output_guard import mark
+
+PREPARE_COMMAND = "python -m data_pipeline prepare"
 
 # Bump when the prepared layout or the meaning of a step changes, so old caches are not reused.
 PIPELINE_VERSION = 2
@@ -186,18 +189,22 @@ def build_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tup
 
 def save_prepared(prepared: datasets.DatasetDict, stats: dict, path: Path) -> None:
     """Write to a temporary folder and rename it into place, so that an interrupted or concurrent
-    preparation never leaves a half-written folder that a later run would trust."""
+    preparation never leaves a half-written folder that a later run would trust. The folder is marked as
+    prepare's output (training/output_guard.py), the training cache's entries too."""
     partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
     path.parent.mkdir(parents=True, exist_ok=True)
     prepared.save_to_disk(str(partial))
     (partial / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+    mark(partial, PREPARE_COMMAND)
     try:
         partial.rename(path)
     except OSError:  # another process finished the same preparation first
         shutil.rmtree(partial)
 
 
-def load_prepared(path: str | Path) -> tuple[datasets.DatasetDict, dict]:
+def load_prepared(path: str | Path, fix: str) -> tuple[datasets.DatasetDict, dict]:
+    """The splits and stats of a prepared folder, or a DataError naming the damaged file and `fix`."""
+    check_prepared(Path(path), fix)
     return datasets.load_from_disk(str(path)), json.loads((Path(path) / "stats.json").read_text())
 
 
@@ -210,8 +217,8 @@ def prepare_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> t
     """The prepared splits and their stats: `data.prepared` if the recipe names one, else from the cache,
     else built now and cached."""
     if config.prepared:
-        return load_prepared(config.prepared)
+        return load_prepared(config.prepared, PREPARE_AGAIN)
     path = cached_path(config, tokenizer)
     if not (path / "stats.json").exists():
         save_prepared(*build_dataset(config, tokenizer), path)
-    return load_prepared(path)
+    return load_prepared(path, f"it is a cache entry: delete it (rm -r {path}) and the next run prepares it again")

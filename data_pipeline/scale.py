@@ -3,8 +3,9 @@
 The steps of prepare.py (drop empty documents, exact and MinHash near deduplication, the evaluation
 split and decontamination, tokenization, the mixture and packing) run as datatrove pipeline stages,
 each split into tasks that datatrove's local, Slurm or Ray executor runs. A task marks itself complete
-when it ends, so running the same command again after a crash or a kill redoes only unfinished tasks.
-The last stage writes the same prepared layout as prepare.py (`data.prepared` trains on it).
+when it ends, so running the same command again after a crash or a kill redoes only unfinished tasks
+(work_folder.py: the job's folder and what a rerun continues from). The last stage writes the same
+prepared layout as prepare.py (`data.prepared` trains on it).
 
 Where the result can differ from the in-process path (docs/data_at_scale.md has the measurements):
 - Of a group of duplicates, one is kept, not necessarily the first.
@@ -30,15 +31,18 @@ import xxhash
 from transformers import PreTrainedTokenizerBase
 
 from data_pipeline import DataError
-from data_pipeline.config import DataConfig, DataSource
+from data_pipeline.config import DataConfig, DataSource, matching_files
 from data_pipeline.dedup import MinHasher, lsh_bands, normalize
+from data_pipeline.files import check_lines, field_problem, is_json_lines
 from data_pipeline.prepare import (LONG_DOCUMENT_STATS, decontaminate, drop_empty, fingerprint, mixture_rows, pack,
                                    pad_token_id, rows_to_dataset, save_prepared)
-from data_pipeline.sources import FEATURES, chat_document, load_documents, load_source
+from data_pipeline.sources import FEATURES, chat_document, load_documents, load_source, source_field
 from data_pipeline.tokenize import tokenize_documents
+from data_pipeline.work_folder import Layout, claim_work_folder, reopen_for_rerun, work_folder
 
 INSTALL = "pip install -r requirements-scale.txt"
 try:
+    import orjson  # datatrove's JSONL reader needs it too
     from datatrove.data import Document
     from datatrove.executor import LocalPipelineExecutor, SlurmPipelineExecutor
     from datatrove.pipeline.base import PipelineStep
@@ -71,8 +75,11 @@ class JobOptions:
 
 def as_document(settings: tuple[int, str, bool], reader, data: dict, path: str, id_in_file) -> dict:
     """A reader adapter: a record of source `index` as a Document with the in-process path's fields
-    (sources.to_documents): the text (a chat's turns joined), its messages and its source."""
+    (sources.to_documents): the text (a chat's turns joined), its messages and its source. check_sources
+    has read every local file's lines before the job; a hub record of the wrong kind is met here."""
     index, field, chat = settings
+    if problem := field_problem(data.get(field), field, chat):
+        raise DataError(f"{path}, record {id_in_file}: {problem}")
     messages, text = chat_document(data.get(field)) if chat else (None, data.get(field) or "")
     return {"text": text, "id": f"{path}/{id_in_file}", "metadata": {"source": index, "messages": messages}}
 
@@ -133,18 +140,6 @@ def minhash_config(config: DataConfig) -> MinhashConfig:
     bands, rows = lsh_bands(config.dedup.threshold, config.dedup.num_perm)
     return MinhashConfig(n_grams=config.dedup.ngram, num_buckets=bands, hashes_per_bucket=rows,
                          hash_config=HashConfig(precision=32))
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The job's folders (OUTPUT.datatrove): each stage's files and datatrove's logs."""
-    root: Path
-
-    def __call__(self, name: str) -> str:
-        return str(self.root / name)
-
-    def logs(self, stage: str) -> str:
-        return str(self.root / "logs" / stage)
 
 
 def deduplicated(config: DataConfig, work: Layout, stop_before: str = "") -> list[PipelineStep]:
@@ -337,30 +332,21 @@ def check_options(options: JobOptions) -> None:
 
 
 def check_sources(config: DataConfig) -> None:
-    """Before any stage starts: each local source has a reader, and its first record the recipe's field
-    (a task would otherwise read a missing field as an empty document and drop it)."""
+    """Before any stage starts: each local source has a reader, every line of its files reads (UTF-8, JSON
+    objects whose field is text or a conversation: datatrove's reader would skip a bad line with a warning,
+    or the rest of a file at a byte that is not UTF-8), and its first record has the recipe's field (a task
+    would otherwise read a missing field as an empty document and drop it). Reading every line costs one
+    pass over the local files in this process (docs/data_at_scale.md has the rate); a bad line found by a
+    task instead would surface only in its log, after the stages before it had run."""
     for index, source in enumerate(config.sources + config.eval.sources):
         if source.path:
             reader(source, index)
+            for path in matching_files(source.path):
+                if path.endswith(".json") and not is_json_lines(path):
+                    raise DataError(f"{path} is one JSON array; the datatrove engine reads .json files as JSON lines "
+                                    f"(one object per line): convert it (jq -c '.[]'), or use the in-process engine")
+                check_lines(path, *source_field(source), loads=orjson.loads)
             next(iter(load_source(source, index, streaming=True)), None)
-
-
-JOB_KEYS = {"fingerprint": "data section, source files or tokenizer", "tasks": "--tasks"}
-
-
-def claim_work_folder(work: Layout, job: dict) -> None:
-    """The job's folder holds the tasks already done. A rerun continues them only for the same data
-    section, tokenizer and task count; anything else would mix two jobs' files."""
-    marker = Path(work.root, "job.json")
-    if marker.exists():
-        started = json.loads(marker.read_text())
-        if started != job:
-            changed = " and ".join(JOB_KEYS[k] for k in job if started.get(k) != job[k])
-            raise DataError(f"{work.root} holds a job started with another {changed}; rerun with the same recipe "
-                            f"and --tasks to finish it, or remove {work.root} to start over")
-        return
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_text(json.dumps(job, indent=2) + "\n")
 
 
 def run_job(config: DataConfig, tokenizer: PreTrainedTokenizerBase, output: Path, options: JobOptions,
@@ -368,8 +354,9 @@ def run_job(config: DataConfig, tokenizer: PreTrainedTokenizerBase, output: Path
     """Run (local) or submit (Slurm, Ray) the job; its working files go to OUTPUT.datatrove next to OUTPUT."""
     check_options(options)
     check_sources(config)
-    work = Layout(output.with_name(f"{output.name}.datatrove"))
+    work = Layout(work_folder(output))
     claim_work_folder(work, {"fingerprint": fingerprint(config, tokenizer), "tasks": options.tasks})
+    reopen_for_rerun(work, output, held_out=bool(config.eval.fraction))
     previous, plan = None, []
     for name, steps, tasks in stages(config, tokenizer, work, output, options.tasks):
         previous = executor(options, name, steps, tasks, work.logs(name), previous, job_name)

@@ -3,13 +3,14 @@
 Every document gets `text` (for chat, the turns' contents joined: what deduplication compares),
 `messages` (chat only, else null) and `source` (its source's index in the recipe).
 """
-import json
 from pathlib import Path
 
 import datasets
+import pyarrow as pa
 
 from data_pipeline import DataError
 from data_pipeline.config import DataSource, matching_files
+from data_pipeline.files import check_lines, emptiness
 
 # How each local suffix maps to a `datasets` builder; a .txt file is one document.
 BUILDERS = {".jsonl": ("json", {}), ".json": ("json", {}), ".parquet": ("parquet", {}), ".csv": ("csv", {}),
@@ -18,16 +19,10 @@ MESSAGES = datasets.List({"role": datasets.Value("string"), "content": datasets.
 FEATURES = datasets.Features({"text": datasets.Value("string"), "messages": MESSAGES, "source": datasets.Value("int32")})
 
 
-def raise_on_bad_json_line(path: str) -> None:
-    """Find the line the JSON reader choked on; only runs after a failed load, so big files pay nothing."""
-    with open(path, encoding="utf-8", errors="replace") as lines:
-        for number, line in enumerate(lines, start=1):
-            if line.strip():
-                try:
-                    json.loads(line.rstrip("\r\n"))
-                except json.JSONDecodeError as error:
-                    raise DataError(f"{path}:{number}: not valid JSON ({error.msg} at column {error.colno}); "
-                                    f"each line of a .jsonl file must be one JSON object") from None
+def check_not_empty(path: str) -> None:
+    if how := emptiness(path):
+        raise DataError(f"{path} is empty ({how}): it holds no documents; remove it from the recipe's data sources "
+                        f"(or from the folder a glob reads) or write documents into it")
 
 
 def read_source(source: DataSource, streaming: bool = False) -> datasets.Dataset | datasets.IterableDataset:
@@ -37,23 +32,58 @@ def read_source(source: DataSource, streaming: bool = False) -> datasets.Dataset
             return datasets.load_dataset(source.hub, source.subset, split=source.split, streaming=streaming)
         except Exception as error:  # network, authentication, unknown name or split
             raise DataError(f"hub data set {source.name}: {error}") from error
+    files = matching_files(source.path)
+    for path in files:
+        check_not_empty(path)
     builder, options = BUILDERS[Path(source.path).suffix]
     try:
         return datasets.load_dataset(builder, data_files=source.path, split="train", streaming=streaming, **options)
     except Exception as error:  # datasets wraps pyarrow's parse errors in several exception types
-        if Path(source.path).suffix == ".jsonl":
-            for path in matching_files(source.path):
-                raise_on_bad_json_line(path)
+        for path in files:
+            check_lines(path, *source_field(source))
         raise DataError(f"{source.path}: could not be read as {builder}: {error}") from error
 
 
+def source_field(source: DataSource) -> tuple[str, bool]:
+    """The field that holds the source's documents, and whether they are conversations."""
+    if source.path and source.path.endswith(".txt"):
+        return "text", False
+    return source.messages_field or source.text_field, source.messages_field is not None
+
+
 def document_field(source: DataSource, columns: list[str]) -> str:
-    field = "text" if source.path and source.path.endswith(".txt") else source.messages_field or source.text_field
+    field, chat = source_field(source)
     if field not in columns:
-        kind = "messages_field" if source.messages_field else "text_field"
+        kind = "messages_field" if chat else "text_field"
         raise DataError(f"{source.name}: no field '{field}' (fields present: {', '.join(columns)}); set {kind} "
                         f"in the recipe's data source to one of them")
     return field
+
+
+def holds_documents(feature, chat: bool) -> bool:
+    """A column of text (null: all empty) or, for chat, of lists of turns."""
+    if chat:
+        return isinstance(feature, (datasets.List, datasets.LargeList)) and isinstance(feature.feature, dict)
+    return isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string", "null")
+
+
+def check_column(table: datasets.Dataset, source: DataSource, field: str) -> None:
+    """The field holds the recipe's kind of documents in valid UTF-8 (pyarrow reads JSON strings without checking it,
+    and `datasets` turns a field of mixed types into JSON text), checked over the column in C++; the file and line at
+    fault are looked for only when the check fails."""
+    chat = source_field(source)[1]
+    fits = holds_documents(table.features[field], chat)
+    try:
+        table.data.column(field).validate(full=True)
+    except pa.ArrowInvalid:
+        fits = False
+    if fits:
+        return
+    for path in matching_files(source.path) if source.path else []:
+        check_lines(path, field, chat)
+    raise DataError(f"{source.name}: field '{field}' holds {table.features[field]} values, not "
+                    f"{'conversations' if chat else 'text'} in UTF-8; fix the data, or set "
+                    f"{'messages' if chat else 'text'}_field to the field that holds the documents")
 
 
 def chat_document(conversation: list | None) -> tuple[list[dict], str]:
@@ -62,8 +92,8 @@ def chat_document(conversation: list | None) -> tuple[list[dict], str]:
     return messages, "\n".join(str(m["content"] or "") for m in messages)
 
 
-def to_documents(batch: dict, field: str, chat: bool, index: int) -> dict:
-    values = batch[field]
+def to_documents(values: list, chat: bool, index: int) -> dict:
+    """One column's values as documents (only that column is decoded: another may hold anything)."""
     if not chat:
         return {"text": values, "messages": [None] * len(values), "source": [index] * len(values)}
     messages, texts = zip(*map(chat_document, values)) if values else ((), ())
@@ -74,8 +104,10 @@ def load_source(source: DataSource, index: int, streaming: bool = False) -> data
     table = read_source(source, streaming)
     columns = list(table.column_names or table.features or [])
     field = document_field(source, columns)
-    return table.map(to_documents, batched=True, remove_columns=columns, features=FEATURES,
-                     fn_kwargs={"field": field, "chat": source.messages_field is not None, "index": index},
+    if not streaming:
+        check_column(table, source, field)
+    return table.map(to_documents, batched=True, input_columns=[field], remove_columns=columns, features=FEATURES,
+                     fn_kwargs={"chat": source_field(source)[1], "index": index},
                      **({} if streaming else {"desc": f"reading {Path(source.name).name}"}))
 
 

@@ -137,7 +137,7 @@ def test_dedup_names_the_bad_line(content, message, tmp_path):
     (["{tmp}/in.jsonl", "{tmp}/out.jsonl", "--num-proc", "0"], "argument --num-proc: must be a whole number above 0"),
     (["{tmp}/in.jsonl", "{tmp}/out.jsonl", "--threshold", "1.5"], "argument --threshold: must be a similarity above 0"),
     (["{tmp}/in.jsonl", "{tmp}/in.jsonl"], "is the input file; write the result to another file"),
-    (["{tmp}/in.jsonl", "{tmp}/kept.jsonl"], "kept.jsonl already exists; name another output file or pass --overwrite"),
+    (["{tmp}/in.jsonl", "{tmp}/kept.jsonl"], "kept.jsonl already exists; choose another OUT, or pass --overwrite"),
     (["{tmp}/in.jsonl", "{tmp}/out.jsonl", "--num-perm", "100000"], "--num-perm 100000: Input should be less than or equal to 4096"),
 ], ids=["folder as input", "num-proc 0", "threshold above 1", "output over input", "existing output", "num-perm huge"])
 def test_dedup_refuses_bad_arguments(args, message, tmp_path):

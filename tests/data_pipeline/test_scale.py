@@ -2,6 +2,7 @@
 the in-process path on the same corpus (2 files, so 2 tasks each read one), with the local executor."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -338,3 +339,119 @@ def test_slurm_stages_are_chained_jobs_with_the_options(corpus, tmp_path):
     assert [s[0] for s in stages(config, tokenizer, Layout(tmp_path), tmp_path, 64)] == [
         "exact_signatures", "exact_duplicates", "minhash_signatures", "minhash_buckets", "minhash_clusters", "rows",
         "assemble"]
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("a.jsonl", b'{"text": "fine"}\n{"text": 5}\n', "a.jsonl:2: field 'text' is a JSON int (5), not a string"),
+    ("a.jsonl", b'{"text": "fine"}\n{"text": ["a"]}\n',
+     "a.jsonl:2: field 'text' is a JSON list ([\"a\"]), not a string"),
+    ("a.jsonl", b'{"text": "fine"}\n{"text": \n', "a.jsonl:2: not valid JSON (Expecting value at column 10)"),
+    ("a.jsonl", b'{"text": "fine"}\n{"text": "caf\xe9"}\n{"text": "lost"}\n', "a.jsonl:2: not UTF-8"),
+    ("a.csv", b'text\nfine\ncaf\xe9\n', "a.csv:3: not UTF-8"),
+    ("a.jsonl", b"", "a.jsonl is empty (0 bytes): it holds no documents"),
+    ("a.jsonl", b"\n \n", "a.jsonl is empty (only whitespace)"),
+    ("a.json", b'[{"text": "fine"},\n {"text": "also fine"}]\n',
+     "a.json is one JSON array; the datatrove engine reads"),
+], ids=["int text", "list text", "bad JSON", "latin-1 jsonl", "latin-1 csv", "empty", "whitespace", "JSON array"])
+def test_bad_source_lines_are_named_before_the_job_starts(name, content, message, tmp_path, tree_guard, capsys):
+    """datatrove's reader would skip the line (or the rest of the file) with a warning, or a task would fail with
+    a traceback in its log: check_sources reads every line first."""
+    (tmp_path / name).write_bytes(content)
+    args = ["prepare", "--recipe", "tiny_llama", "--output", str(tmp_path / "prepared"), "--engine", "datatrove",
+            f"data.sources=[{{path: {tmp_path / name}}}]"]
+    with tree_guard():
+        assert main(args) == 2
+    error = " ".join(capsys.readouterr().err.split())
+    assert f"error: {tmp_path}/{message}" in error and "Traceback" not in error, error
+    assert not (tmp_path / "prepared.datatrove").exists()
+
+
+def test_a_parquet_column_of_numbers_and_a_chat_field_of_text_are_named(tmp_path, tree_guard, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "part-0.parquet")
+    (tmp_path / "chat.jsonl").write_text('{"messages": "hello"}\n')
+    base = ["prepare", "--recipe", "tiny_llama", "--output", str(tmp_path / "prepared"), "--engine", "datatrove"]
+    with tree_guard():
+        assert main([*base, f"data.sources=[{{path: '{tmp_path}/part-*.parquet'}}]"]) == 2
+        error = capsys.readouterr().err
+        assert f"{tmp_path / 'part-0.parquet'}: column 'text' holds int64 values, not strings" in error
+        assert main([*base, f"data.sources=[{{path: {tmp_path / 'chat.jsonl'}, messages_field: messages}}]"]) == 2
+        assert f"{tmp_path / 'chat.jsonl'}:1: field 'messages' is a JSON str" in capsys.readouterr().err
+
+
+def test_a_bad_line_is_refused_from_the_command_line_without_a_traceback(tmp_path, tree_guard):
+    (tmp_path / "a.jsonl").write_text('{"text": "fine"}\n{"text": 5}\n')
+    command = prepare_command(tmp_path / "prepared", f"data.sources=[{{path: {tmp_path / 'a.jsonl'}}}]")
+    with tree_guard():
+        done = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stdout + done.stderr, done.stderr[-3000:]
+    assert f"{tmp_path / 'a.jsonl'}:2: field 'text' is a JSON int (5), not a string" in done.stderr
+
+
+def test_a_hub_record_of_the_wrong_kind_is_a_data_error():
+    from data_pipeline import DataError
+    from data_pipeline.config import DataSource
+    from data_pipeline.scale import reader
+    hub = reader(DataSource(hub="HuggingFaceFW/fineweb-edu"), 0)
+    with pytest.raises(DataError, match=r"hub, record 3: field 'text' is a JSON int \(5\), not a string"):
+        hub.adapter({"text": 5}, "hub", 3)
+
+
+def test_the_work_folder_follows_the_output_rules(tmp_path, tree_guard, capsys):
+    """A folder no job started is not taken over; an input inside the job's folder is refused, as for the output."""
+    base = ["prepare", "--recipe", "tiny_llama", "--engine", "datatrove"]
+    users = tmp_path / "prepared.datatrove"
+    users.mkdir()
+    (users / "notes.txt").write_text("a user's notes\n")
+    jobs = tmp_path / "other.datatrove"
+    jobs.mkdir()
+    (jobs / "job.json").write_text('{"fingerprint": "0", "tasks": 2}\n')
+    corpus = small_corpus(jobs)
+    with tree_guard():
+        assert main([*base, "--output", str(tmp_path / "prepared"), f"data.sources=[{{path: {corpus}}}]"]) == 2
+        assert f"{users} exists and holds no job.json, so no prepare job started it" in capsys.readouterr().err
+        assert main([*base, "--output", str(tmp_path / "other"), f"data.sources=[{{path: {corpus}}}]"]) == 2
+        assert f"the job's work folder {jobs} contains {corpus}, which the recipe reads" in capsys.readouterr().err
+    assert not (tmp_path / "prepared").exists() and not (tmp_path / "other").exists()
+
+
+def test_a_local_job_that_ends_without_stats_is_a_failure(corpus, tmp_path, monkeypatch, capsys):
+    import data_pipeline.scale
+    output = tmp_path / "prepared"
+    monkeypatch.setattr(data_pipeline.scale, "run_job", lambda *args: output.with_name("prepared.datatrove"))
+    assert main(["prepare", "--recipe", "tiny_llama", "--output", str(output), "--engine", "datatrove",
+                 corpus["sources"]]) == 1
+    error = capsys.readouterr().err
+    assert f"error: the datatrove job ended without writing {output}/stats.json" in error and "submitted" not in error
+
+
+def small_corpus(folder: Path) -> Path:
+    path = folder / "corpus.jsonl"
+    path.write_text("".join((REPO / "recipes/tiny_llama/corpus.jsonl").read_text().splitlines(keepends=True)[:200]))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kept", ["rows", "eval_documents"])
+def test_a_rerun_after_the_output_was_deleted_writes_it_again(kept, tmp_path, tree_guard, capsys):
+    """datatrove's completion markers say every task is done: the rerun clears assemble's marker (the job wrote it)
+    and assembles the rows and evaluation documents the job kept again; with those gone too, it says what to
+    delete."""
+    output, work = tmp_path / "prepared", tmp_path / "prepared.datatrove"
+    overrides = (f"data.sources=[{{path: {small_corpus(tmp_path)}}}]", "data.seq_len=64", "data.eval.fraction=0.1")
+    run_job(output, *overrides, tasks=1, workers=1)
+    first = {p.relative_to(output): p.read_bytes() for p in output.rglob("*") if p.is_file()}
+    shutil.rmtree(output)
+    with tree_guard(work / "logs" / "assemble"):
+        run_job(output, *overrides, tasks=1, workers=1)
+    assert {p.relative_to(output): p.read_bytes() for p in output.rglob("*") if p.is_file()} == first
+    shutil.rmtree(output)
+    shutil.rmtree(work / kept)
+    args = ["prepare", "--recipe", "tiny_llama", "--output", str(output), "--engine", "datatrove", "--tasks", "1",
+            *overrides]
+    with tree_guard():
+        assert main(args) == 2
+    error = " ".join(capsys.readouterr().err.split())
+    assert f"{output} is not there and the job's files of finished tasks are gone too ({work}/{kept}" in error
+    assert f"remove {work} to run the job again from the start" in error and not output.exists()
