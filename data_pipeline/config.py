@@ -17,9 +17,9 @@ PREPARE_AGAIN = ("prepare it again (`python -m data_pipeline prepare --recipe R 
 
 
 class StrictModel(BaseModel):
-    """A schema section in which a misspelt key is an error, not a silently ignored default."""
+    """A schema section in which a misspelt key is an error, not a silently ignored default, and a number is finite."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # .inf or .nan for a number is a mistake too
 
 
 def resolve_path(value: str, info: ValidationInfo) -> str:
