@@ -12,6 +12,7 @@ Tolerance: 1e-5 relative (measured: about 1e-7; without the document mask under 
 attention moves the losses of tiny_llama's packed rows by 5e-5 and a sharp model's per-token losses by 4e-2).
 """
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from data_pipeline.loader import EvalBatches
 from data_pipeline.prepare import prepare_dataset
 from tests.conftest import REPO, SMALL_MODEL, TRAIN_ENV, run_train
 from tests.data_pipeline.test_packed_attention import assert_documents_kept_apart, losses_alone, packed_row, sharp_model
+from training.__main__ import main as training_cli
 from training.launch import launcher_command
 from training.model import load_tokenizer
 from training.recipe import load_recipe
@@ -142,3 +144,39 @@ def test_a_packed_row_keeps_its_documents_apart(model_type, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     _, documents = packed_row()
     assert_documents_kept_apart(torch.load(out)[:-1], losses_alone(sharp_model(model_type), documents))
+
+
+EXPORTED = ["llama sp2 zero1", "llama sp2 zero3", "llama sp2 x dp2 zero1", "qwen2 sp2 zero3", "llama tp2 zero1",
+            "llama tp2 zero3", "llama tp2 x dp2 zero1"]
+
+
+@pytest.mark.parametrize("name", EXPORTED)
+def test_the_export_command_gives_the_engines_weights(runs, name, tmp_path):
+    """`python -m training export` of the last checkpoint (tensor-parallel ranks' slices joined from their fp32
+    master weights; sequence-parallel ranks' whole weights) gives what the run's engine gathered into hf/, and the
+    same logits in plain transformers."""
+    out = tmp_path / "export"
+    assert training_cli(["export", str(runs[name] / "checkpoints"), str(out)]) == 0
+    exported, trained = (AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+                         for path in (out, runs[name] / "hf"))
+    assert exported.state_dict().keys() == trained.state_dict().keys()
+    for key, tensor in trained.state_dict().items():
+        torch.testing.assert_close(exported.state_dict()[key], tensor, rtol=0, atol=1e-6, msg=key)
+    tokens = torch.arange(64).reshape(2, 32) % trained.config.vocab_size
+    with torch.no_grad():
+        torch.testing.assert_close(exported(tokens).logits, trained(tokens).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("zero_pp_rank_0_mp_rank_01_optim_states.pt", "has no optim states of mp_rank_01"),
+    ("mp_rank_01_model_states.pt", "has no model states of mp_rank_01"),
+])
+def test_a_tensor_parallel_checkpoint_missing_a_rank_is_named(runs, damage, message, tmp_path, capsys):
+    checkpoints = tmp_path / "checkpoints"
+    shutil.copytree(runs["llama tp2 zero1"] / "checkpoints", checkpoints)
+    tag = checkpoints / (checkpoints / "latest").read_text()
+    (tag / damage).unlink()
+    assert training_cli(["export", str(checkpoints), str(tmp_path / "out")]) == 2
+    error = " ".join(capsys.readouterr().err.split())
+    assert f"{tag} {message}" in error and "the checkpoint is damaged or partial" in error
+    assert not (tmp_path / "out").exists()

@@ -2,18 +2,23 @@
 folder.
 
 ZeRO checkpoints (stages 1-3, each rank's partition in its own file) go through DeepSpeed's
-`zero_to_fp32`, which joins the fp32 master weights. Checkpoints without ZeRO partitions hold the
+`zero_to_fp32` steps, which join the fp32 master weights. Checkpoints without ZeRO partitions hold the
 module's weights whole in `mp_rank_00_model_states.pt`: ZeRO-0, and bf16 at ZeRO-0/1, whose
 BF16_Optimizer files `zero_to_fp32` refuses ("not a zero checkpoint"); there the module's bf16 weights
 are exactly what was trained (the optimizer copies its fp32 master into them after every step).
-Pipeline checkpoints hold each layer's module weights in a file of its own.
+Tensor-parallel checkpoints hold each model-parallel rank's slices in files of their own (mp_rank_NN): each
+rank is read the same way, and the slices are joined along the dimension AutoTP split. Sequence-parallel ranks
+hold whole weights (DeepSpeed 0.19.8 saves them as data-parallel ranks of mp_rank_00). Pipeline checkpoints hold
+each layer's module weights in a file of its own. A missing or unreadable file is named, as a damaged checkpoint.
 """
 import json
 import pickle
+import re
+from functools import partial
 from pathlib import Path
 
 import torch
-from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+from deepspeed.utils import zero_to_fp32
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 from training.checkpoint import RUN_STATE, latest_tag, save_hf
@@ -37,27 +42,110 @@ def find_tag(path: Path) -> tuple[Path, str]:
                       f"with {RUN_STATE} (e.g. outputs/<run>/checkpoints or outputs/<run>/checkpoints/global_step100)")
 
 
-def has_zero_partitions(tag_dir: Path) -> bool:
-    return any(not p.name.startswith("bf16_") for p in tag_dir.glob("*zero_pp_rank_*_optim_states.pt"))
+READ_ERRORS = (RuntimeError, ValueError, EOFError, OSError, KeyError, pickle.UnpicklingError)
+
+
+def read_file(path: Path) -> dict:
+    """One of the checkpoint's files, loaded; a missing or unreadable one is named."""
+    if not path.is_file():
+        raise ConfigError(f"{path} is missing: the checkpoint {path.parent} is damaged or partial; export another "
+                          f"checkpoint")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except READ_ERRORS as error:
+        raise ConfigError(f"{path} cannot be read ({error}): the checkpoint {path.parent} is damaged or partial; "
+                          f"export another checkpoint") from None
+
+
+def unreadable_file(tag_dir: Path) -> str | None:
+    """The first of the checkpoint's files that cannot be loaded, as the error that read_file gives, or None: where
+    DeepSpeed's reader fails without naming the file."""
+    for path in sorted(tag_dir.glob("*.pt")):
+        try:
+            read_file(path)
+        except ConfigError as error:
+            return str(error)
+    return None
 
 
 def pipeline_weights(tag_dir: Path, config: PretrainedConfig) -> dict[str, torch.Tensor]:
-    """A pipeline checkpoint keeps each layer's module weights in `layer_NN-model_states.pt`."""
+    """A pipeline checkpoint keeps each layer's module weights in `layer_NN-model_states.pt`: the embedding, the
+    decoder layers, the final norm and, without tied embeddings, the LM head (a tied one is the embedding's)."""
+    layers = config.num_hidden_layers + (2 if config.tie_word_embeddings else 3)
     weights = {}
-    for path in sorted(tag_dir.glob("layer_*-model_states.pt")):
-        layer = int(path.name.removeprefix("layer_").split("-")[0])
-        for name, tensor in torch.load(path, map_location="cpu", weights_only=False).items():
+    for layer in range(layers):
+        for name, tensor in read_file(tag_dir / f"layer_{layer:02d}-model_states.pt").items():
             weights[hf_name(layer, name, config)] = tensor
     return weights
 
 
-def checkpoint_weights(checkpoint_dir: Path, tag: str, config: PretrainedConfig) -> dict[str, torch.Tensor]:
+def model_parallel_weights(tag_dir: Path, tensor_parallel: int) -> list[dict[str, torch.Tensor]]:
+    """Each model-parallel rank's weights (a one-rank list for a checkpoint without model parallelism), in fp32
+    where the checkpoint has ZeRO's fp32 master weights.
+
+    An upstream workaround, written for DeepSpeed 0.19.8's file names and formats: its zero_to_fp32 reads model-
+    parallel rank 00 only (and takes the other ranks' files for missing data-parallel ones), so its steps run here
+    on one rank's files at a time, mp_rank_NN in their names. The ranks are the run state's tensor_parallel, or
+    more where DeepSpeed named other ranks so. A bf16 run's optimizer files are named bf16_zero_pp_rank_*: ZeRO
+    partitions at ZeRO-2/3, and at ZeRO-0/1 BF16_Optimizer's, which hold no ZeRO stage and which zero_to_fp32
+    refuses; there, as at ZeRO-0, the module's weights are what was trained."""
+    found = {int(match.group(1)) for path in tag_dir.iterdir()
+             if (match := re.search(r"mp_rank_(\d+)_(?:model|optim)_states\.pt$", path.name))}
+    ranks = [f"mp_rank_{rank:02d}" for rank in range(max([tensor_parallel, *(rank + 1 for rank in found)]))]
+    in_order = partial(sorted, key=lambda path: zero_to_fp32.natural_keys(path.name))
+    optimizer_files = in_order(tag_dir.glob("*zero_pp_rank_*_optim_states.pt"))
+    zero_partitions = bool(optimizer_files) and zero_to_fp32.ZERO_STAGE in torch.load(
+        optimizer_files[0], map_location="cpu", mmap=True, weights_only=False)[zero_to_fp32.OPTIMIZER_STATE_DICT]
+    weights = []
+    for rank in ranks:
+        if not zero_partitions:
+            weights.append(read_file(tag_dir / f"{rank}_model_states.pt")["module"])
+            continue
+        # ZeRO-1/2: mp_rank_NN_model_states.pt; ZeRO-3: zero_pp_rank_M_mp_rank_NN_model_states.pt, one per ZeRO rank
+        files = {kind: in_order(tag_dir.glob(f"{prefix}{rank}_{kind}_states.pt"))
+                 for kind, prefix in (("model", "*"), ("optim", "*zero_pp_rank_*_"))}
+        for kind in (kind for kind, paths in files.items() if not paths):
+            raise ConfigError(f"{tag_dir} has no {kind} states of {rank} (*{rank}_{kind}_states.pt, of "
+                              f"{len(ranks)} model-parallel ranks): the checkpoint is damaged or partial; export "
+                              f"another checkpoint")
+        model_states = zero_to_fp32.parse_model_states([str(path) for path in files["model"]])
+        stage, size, groups, paddings = zero_to_fp32.parse_optim_states([str(p) for p in files["optim"]], tag_dir)
+        state_dict = (zero_to_fp32._get_fp32_state_dict_from_zero2_checkpoint(size, groups, model_states, False,
+                                                                              paddings) if stage <= 2 else
+                      zero_to_fp32._get_fp32_state_dict_from_zero3_checkpoint(size, groups, model_states, False))
+        weights.append(zero_to_fp32.to_torch_tensor(state_dict))
+    return weights
+
+
+def join_tensor_parallel(slices: list[dict[str, torch.Tensor]], config: PretrainedConfig,
+                         tag_dir: Path) -> dict[str, torch.Tensor]:
+    """The whole weights from each model-parallel rank's. AutoTP splits a weight along one dimension (the output
+    rows of q/k/v, gate/up and the LM head, the input columns of o and down) and keeps the rest whole on every
+    rank: the split dimension is the one where a rank's slice is smaller than the model's weight (built from the
+    config), and a weight of the model's shape is a replicated one, taken once (sequence-parallel ranks, which
+    DeepSpeed may name as model-parallel ones, hold only such)."""
+    with torch.device("meta"):
+        shapes = {name: tensor.shape for name, tensor in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    weights = {}
+    for name, first in slices[0].items():
+        parts = [rank[name] for rank in slices]
+        full = shapes.get(name, first.shape)
+        split = [dim for dim in range(first.dim()) if first.shape[dim] != full[dim]]
+        weights[name] = torch.cat(parts, dim=split[0]) if len(split) == 1 else first
+        if weights[name].shape != full:
+            raise ConfigError(f"{tag_dir}: the {len(parts)} model-parallel slices of {name}, of shapes "
+                              f"{', '.join(str(tuple(part.shape)) for part in parts)}, do not join into the model's "
+                              f"{tuple(full)}: export with the model config the run trained (its hf/config.json)")
+    return weights
+
+
+def checkpoint_weights(checkpoint_dir: Path, tag: str, config: PretrainedConfig,
+                       run_state: dict) -> dict[str, torch.Tensor]:
     tag_dir = checkpoint_dir / tag
-    if (tag_dir / "layer_00-model_states.pt").is_file():
+    if run_state.get("pipeline_stages", 1) > 1 or any(tag_dir.glob("layer_*-model_states.pt")):
         return pipeline_weights(tag_dir, config)
-    if has_zero_partitions(tag_dir):
-        return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag)
-    return torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+    slices = model_parallel_weights(tag_dir, run_state.get("tensor_parallel", 1))
+    return slices[0] if len(slices) == 1 else join_tensor_parallel(slices, config, tag_dir)
 
 
 def written_by_train_py(tag_dir: Path) -> dict:
@@ -104,10 +192,12 @@ def export_tag(checkpoint_dir: Path, tag: str, out_dir: Path, dtype: str | None 
     dtype = DTYPES[dtype or run_state["precision"]]
     config = AutoConfig.from_pretrained(tag_dir / "hf")
     try:
-        weights = checkpoint_weights(checkpoint_dir, tag, config)
-    except (RuntimeError, ValueError, EOFError, OSError, KeyError, pickle.UnpicklingError) as error:
-        raise ConfigError(f"{tag_dir} cannot be read ({error}): a damaged or partial checkpoint; export another "
-                          f"one") from None
+        weights = checkpoint_weights(checkpoint_dir, tag, config, run_state)
+    except ConfigError:  # ours, which names the file already
+        raise
+    except READ_ERRORS as error:  # from DeepSpeed's reader, which names no file, or a file it finds missing
+        raise ConfigError(unreadable_file(tag_dir) or f"{tag_dir} cannot be read ({error}): a damaged or partial "
+                          f"checkpoint; export another one") from None
     if is_lora_checkpoint(tag_dir):
         export_adapters(tag_dir, weights, AutoTokenizer.from_pretrained(tag_dir / "hf"), out_dir, dtype)
     else:
