@@ -13,8 +13,13 @@ the real `deepspeed` launcher and train.py, for --steps steps, logging every ste
                                   largest loss difference from the first cell that ran
   comparison.png                  loss curves, throughput and memory bars
   <cell>/, <cell>.log             each run's own output folder and console log
-A cell that cannot run (refused by train.py's checks, all of them made before the first launch, or failing,
-e.g. out of memory) is a row with its error. tools/compare_zero.py is the short form for ZeRO stages.
+The default --output-dir is outputs/compare-<recipe>, or outputs/compare-<recipe>-2, -3, ... when earlier
+comparisons are there; an existing --output-dir is replaced only with --overwrite, and only when an earlier
+comparison wrote it. Each cell runs what its label says: a key given twice (in two --vary, or in a --vary and
+as a fixed override), a value given twice, or a key that compare.py sets itself (training.max_steps from
+--steps, training.epochs unset, logging.every_steps=1) is refused. A cell that cannot run (refused by train.py's checks, or failing,
+e.g. out of memory) is a row with its error. Every check is made before anything is written or launched.
+tools/compare_zero.py is the short form for ZeRO stages.
 """
 import argparse
 import csv
@@ -22,42 +27,53 @@ import itertools
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from training.errors import ConfigError, exit_code, positive_int  # noqa: E402
 from training.launch import failure_reason, launcher_command  # noqa: E402
+from training.output_guard import check_output, mark  # noqa: E402
 from training.plan import planned_model_states  # noqa: E402
-from training.recipe import load_recipe  # noqa: E402
+from training.recipe import load_recipe, parse_override, recipe_inputs  # noqa: E402
 
 import train  # noqa: E402
 
+COMMAND = "tools/compare.py"
+OUTPUT_ROOT = REPO / "outputs"
 COLUMNS = ("cell", "status", "tokens_per_s", "tflops", "mfu", "peak_mem_bytes", "peak_mem_reserved_bytes",
            "model_states_bytes", "model_states_host_bytes", "estimated_model_states_bytes", "estimate_source",
            "final_loss", "max_loss_diff", "error")
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None, labels: dict[str, str] | None = None) -> argparse.Namespace:
+    """`labels`: how a wrapper's user wrote a --vary (compare_zero.py's --stages), for the messages."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", required=True)
     parser.add_argument("--vary", action="append", required=True, metavar="KEY=V1,V2,...",
                         help="a recipe key and the values to compare; repeat for a grid")
     parser.add_argument("--num-gpus", type=positive_int, default=1, help="ranks on this machine (GPUs, or CPU processes)")
     parser.add_argument("--steps", type=positive_int, default=30, help="training steps per cell (default 30)")
-    parser.add_argument("--output-dir", type=Path, help="default: outputs/compare-<recipe>")
+    parser.add_argument("--output-dir", type=Path, help="default: outputs/compare-<recipe>, or outputs/compare-<recipe>-N "
+                        "when earlier comparisons are there")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier comparison in --output-dir")
     parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="applied to every cell")
     args = parser.parse_intermixed_args(argv)
-    varied = []
+    args.varied = []
     for vary in args.vary:
         key, _, values = vary.partition("=")
         if not key or not values:
             parser.error(f"--vary {vary}: write KEY=V1,V2,... (e.g. optimizer.name=adamw,lion)")
-        varied.append([f"{key}={value}" for value in re.split(r",(?![^\[{]*[\]}])", values)])
-    args.cells = [list(cell) for cell in itertools.product(*varied)]
+        args.varied.append([f"{key}={value}" for value in re.split(r",(?![^\[{]*[\]}])", values)])
+    args.labels = [(labels or {}).get(vary, f"--vary {vary}") for vary in args.vary]
+    args.cells = [list(cell) for cell in itertools.product(*args.varied)]
+    args.folders = dict(zip(map(tuple, args.cells), cell_folders(args.cells)))
     return args
 
 
@@ -66,36 +82,199 @@ def cell_name(cell: list[str]) -> str:
 
 
 def cell_folder(cell: list[str]) -> str:
-    return re.sub(r"[^A-Za-z0-9._=-]+", "_", "__".join(cell))
+    """The cell's settings as a folder name: characters other than letters, digits and ._=- become _, and a long
+    name is cut (a file name holds 255 bytes, and the console log adds .log)."""
+    return re.sub(r"[^A-Za-z0-9._=-]+", "_", "__".join(cell))[:200]
+
+
+def cell_folders(cells: list[list[str]]) -> list[str]:
+    """Each cell's folder under the output folder, its console log beside it as <folder>.log. Two cells whose
+    cell_folder is the same (their settings differ only in replaced characters, in case, which macOS and Windows
+    ignore, or past the cut), or whose folder is another's log, would write into one place: a name already taken
+    gets -2, -3, ..."""
+    taken, folders = set(), []
+    for cell in cells:
+        base = name = cell_folder(cell)
+        number = 1
+        while {name.casefold(), f"{name}.log".casefold()} & taken:
+            number += 1
+            name = f"{base}-{number}"
+        taken |= {name.casefold(), f"{name}.log".casefold()}
+        folders.append(name)
+    return folders
 
 
 def cell_overrides(args: argparse.Namespace, cell: list[str]) -> list[str]:
-    return [*args.overrides, *cell, f"training.max_steps={args.steps}", "logging.every_steps=1"]
+    return [*args.overrides, *cell, *tool_settings(args)]
 
 
-def check_cell(args: argparse.Namespace, cell: list[str]) -> tuple[dict | None, str | None]:
-    """train.py's own checks for this cell on --num-gpus ranks, before anything runs: (the estimate, None) or
-    (None, the error)."""
+def tool_settings(args: argparse.Namespace) -> list[str]:
+    """What compare.py sets in every cell, after the user's overrides: the same steps everywhere (--steps, also for
+    a recipe that counts epochs), and every step logged (the loss curves and their differences need each step)."""
+    return [f"training.max_steps={args.steps}", "training.epochs=null", "logging.every_steps=1"]
+
+
+@dataclass
+class Setting:
+    """One key.path=value that a cell gets, and where the user gave it (for the messages)."""
+    path: list[str]
+    value: Any
+    text: str
+    source: str
+
+    @property
+    def key(self) -> str:
+        return ".".join(self.path)
+
+
+def setting(text: str, source: str) -> Setting:
+    path, value = parse_override(text)
+    return Setting(path, value, text, source)
+
+
+def replaces(earlier: Setting, later: Setting) -> bool:
+    """Whether applying `later` after `earlier` loses (part of) what `earlier` set: the same key or a parent of it,
+    or a key inside a mapping that `earlier` gave whole."""
+    if earlier.path[:len(later.path)] == later.path:
+        return True
+    if later.path[:len(earlier.path)] != earlier.path:
+        return False
+    node = earlier.value
+    for part in later.path[len(earlier.path):]:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return False
+    return True
+
+
+def check_settings(args: argparse.Namespace) -> None:
+    """Every cell runs what its label says. Overrides apply in order (fixed ones, each --vary, then compare.py's
+    own) and the last wins, so a key given twice would run one value under several labels: refused, as is a value
+    given twice in one --vary and a key that compare.py sets itself."""
+    fixed = [setting(text, f"the override {text}") for text in args.overrides]
+    varied = [[setting(text, label) for text in values] for values, label in zip(args.varied, args.labels)]
+    for values in varied:
+        check_distinct_values(values)
+    tool = [setting(text, "compare.py") for text in tool_settings(args)]
+    for given in [*fixed, *(value for values in varied for value in values)]:
+        for own in tool:
+            if replaces(given, own):
+                raise ConfigError(tool_key_message(given, own.key, args.steps))
+    earlier = list(fixed)
+    for values in varied:
+        for value in values:
+            clash = next((other for other in earlier if replaces(other, value)), None)
+            if clash:
+                raise ConfigError(clash_message(clash, value))
+        earlier += values
+
+
+def check_distinct_values(values: list[Setting]) -> None:
+    seen = {}
+    for value in values:
+        same = seen.setdefault(json.dumps(value.value, sort_keys=True, default=str), value)
+        if same is not value:
+            raise ConfigError(f"{value.source}: {same.text} and {value.text} are the same value, which would run the "
+                              f"same cell twice; give each value once")
+
+
+def tool_key_message(given: Setting, key: str, steps: int) -> str:
+    inside = "" if given.key == key else f" ({key} inside {given.key})"
+    if key.startswith("training."):
+        return (f"{given.source} sets {key}{inside}, which compare.py sets itself: every cell trains --steps ({steps}) "
+                f"steps, training.max_steps={steps} with training.epochs unset; pass --steps N instead")
+    return (f"{given.source} sets {key}{inside}, which compare.py sets itself: it logs every step, which the loss "
+            f"curves and their differences need; leave {key} out")
+
+
+def clash_message(earlier: Setting, later: Setting) -> str:
+    what = (f"{later.key} is given in both {earlier.source} and {later.source}" if earlier.key == later.key else
+            f"{later.source} sets {later.key}, which overlaps {earlier.key} from {earlier.source}")
+    return (f"{what}: overrides apply in order (the fixed ones, then each --vary) and the last wins, so cells would "
+            f"run other values than their labels say; give each key in one place only (one --vary with all its "
+            f"values, or one fixed override for a key not varied)")
+
+
+@dataclass
+class CellCheck:
+    """train.py's checks of one cell: its memory estimate, the files it reads and its recipe, or the error that
+    refuses it."""
+    estimate: dict | None = None
+    error: str | None = None
+    inputs: list[Path] = field(default_factory=list)
+    recipe: str | None = None  # the validated recipe as JSON
+
+
+def check_cell(args: argparse.Namespace, cell: list[str]) -> CellCheck:
+    """train.py's own checks for this cell on --num-gpus ranks, before anything runs."""
     train_args = train.parse_args(["--recipe", args.recipe, "--dry-run", *cell_overrides(args, cell)])
     try:
         plan = train.make_plan(train_args, world_size=args.num_gpus)
     except ConfigError as error:
-        return None, str(error)
+        return CellCheck(error=str(error))
+    check = CellCheck(inputs=[*recipe_inputs(plan.recipe), plan.ds_config_path],
+                      recipe=json.dumps(plan.recipe.model_dump(mode="json"), sort_keys=True))
     try:
         states = planned_model_states(plan)
-        return {"estimated_model_states_bytes": states.device_bytes, "estimate_source": states.source}, None
+        check.estimate = {"estimated_model_states_bytes": states.device_bytes, "estimate_source": states.source}
     except ValueError:
-        return {"estimate_source": f"none for {plan.precision}"}, None
+        check.estimate = {"estimate_source": f"none for {plan.precision}"}
+    return check
+
+
+def check_cells(args: argparse.Namespace) -> list[CellCheck]:
+    """Every cell's checks, all before the first run. Two cells that run the same recipe (a value written two ways,
+    e.g. 0.001 and 1.0e-3) are refused."""
+    checked = [check_cell(args, cell) for cell in args.cells]
+    if all(check.error for check in checked):
+        raise ConfigError("every cell is refused by train.py's checks:\n" + "\n".join(
+            f"  {cell_name(cell)}: {check.error}" for cell, check in zip(args.cells, checked)))
+    recipes = {}
+    for cell, check in zip(args.cells, checked):
+        same = check.recipe and recipes.setdefault(check.recipe, cell)
+        if same and same is not cell:
+            raise ConfigError(f"the cells {cell_name(same)} and {cell_name(cell)} run the same recipe (one value "
+                              f"written two ways): give each value once")
+    return checked
+
+
+def prepare_output(args: argparse.Namespace, recipe_name: str, inputs: list[Path]) -> bool:
+    """The output folder's checks (training/output_guard.py): the default one is outputs/compare-<recipe>, or the
+    next free -2, -3, ...; returns whether --overwrite replaces an earlier comparison there."""
+    if args.output_dir is None:
+        args.output_dir = next_free(OUTPUT_ROOT / f"compare-{recipe_name}")
+    return check_output(args.output_dir, COMMAND, inputs, args.overwrite, option="--output-dir")
+
+
+def next_free(path: Path) -> Path:
+    number, free = 1, path
+    while free.exists() or free.is_symlink():
+        number += 1
+        free = path.with_name(f"{path.name}-{number}")
+    return free
+
+
+def start_output(output_dir: Path, replace: bool) -> None:
+    """Every check has passed: only now is an earlier comparison removed; the folder is marked as a comparison's
+    before the first cell runs, so that even an interrupted one can be replaced with --overwrite."""
+    if replace:
+        shutil.rmtree(output_dir)
+    output_dir.mkdir(parents=True)
+    mark(output_dir, COMMAND)
 
 
 def run_cell(args: argparse.Namespace, cell: list[str], output_dir: Path) -> str | None:
-    """Train the cell through the deepspeed launcher, the console going to <cell>.log; the error or None."""
+    """Train the cell through the deepspeed launcher, the console going to <cell>.log; the error or None. The cell's
+    folder is new (the comparison's folder is), so train.py runs without --overwrite: it can replace nothing."""
+    folder = args.folders[tuple(cell)]
     command = launcher_command(args.num_gpus, str(REPO / "train.py"), [
-        "--recipe", args.recipe, "--output-dir", str(output_dir / cell_folder(cell)), "--overwrite",
-        *cell_overrides(args, cell)])
+        "--recipe", args.recipe, "--output-dir", str(output_dir / folder), *cell_overrides(args, cell)])
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.num_gpus)))
-    log_path = output_dir / f"{cell_folder(cell)}.log"
+    log_path = output_dir / f"{folder}.log"
     print(f"{cell_name(cell)}: {' '.join(command)}", flush=True)
     with log_path.open("w") as log:
         returncode = subprocess.run(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
@@ -119,20 +298,18 @@ def read_run(run_dir: Path) -> tuple[dict, dict[int, float]]:
     return row, losses
 
 
-def compare(args: argparse.Namespace) -> tuple[list[dict], dict[str, dict[int, float]]]:
+def compare(args: argparse.Namespace, recipe_name: str) -> tuple[list[dict], dict[str, dict[int, float]]]:
+    checked = check_cells(args)
+    replace = prepare_output(args, recipe_name, [path for check in checked for path in check.inputs])
+    start_output(args.output_dir, replace)
     output_dir = args.output_dir
-    checked = [check_cell(args, cell) for cell in args.cells]  # all refusals before the first run
-    if all(error for _, error in checked):
-        raise ConfigError("every cell is refused by train.py's checks:\n" + "\n".join(
-            f"  {cell_name(cell)}: {error}" for cell, (_, error) in zip(args.cells, checked)))
-    output_dir.mkdir(parents=True, exist_ok=True)
     rows, curves = [], {}
-    for cell, (estimate, error) in zip(args.cells, checked):
+    for cell, check in zip(args.cells, checked):
         name = cell_name(cell)
-        row = {"cell": name, **(estimate or {})}
-        error = error or run_cell(args, cell, output_dir)
+        row = {"cell": name, **(check.estimate or {})}
+        error = check.error or run_cell(args, cell, output_dir)
         if error is None:
-            measured, curves[name] = read_run(output_dir / cell_folder(cell))
+            measured, curves[name] = read_run(output_dir / args.folders[tuple(cell)])
             row.update(measured)
         else:
             row.update(status="failed", error=error)
@@ -219,15 +396,16 @@ def plot(rows: list[dict], curves: dict[str, dict[int, float]], reference: str |
     plt.close(figure)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, labels: dict[str, str] | None = None) -> int:
+    """`labels`: how a wrapper's user wrote a --vary, for the messages (parse_args)."""
+    args = parse_args(argv, labels)
     return exit_code(lambda: compare_and_report(args))
 
 
 def compare_and_report(args: argparse.Namespace) -> int:
-    load_recipe(args.recipe, args.overrides)  # what every cell shares is checked once, before anything runs
-    args.output_dir = args.output_dir or REPO / "outputs" / f"compare-{Path(args.recipe).name}"
-    rows, curves = compare(args)
+    check_settings(args)
+    recipe = load_recipe(args.recipe, [*args.overrides, *tool_settings(args)])  # what every cell shares, checked once
+    rows, curves = compare(args, recipe.name)
     reference = reference_cell(curves)
     with (args.output_dir / "comparison.csv").open("w", newline="") as file:
         writer = csv.DictWriter(file, fieldnames=COLUMNS, extrasaction="ignore")

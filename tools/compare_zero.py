@@ -3,7 +3,8 @@
     python tools/compare_zero.py --recipe tiny_llama --stages 0,1,2,3 --num-gpus 2
     python tools/compare_zero.py --recipe llama2_7b --stages 1,2,3,3_offload --num-gpus 8 --steps 30
 
-Everything else (--num-gpus, --steps, --output-dir, key.path=value overrides, the outputs) is compare.py's.
+Everything else (--num-gpus, --steps, --output-dir, --overwrite, key.path=value overrides, the outputs, and the
+checks made before anything runs) is compare.py's.
 """
 import argparse
 import sys
@@ -25,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [stage for stage in stages if stage not in ZERO_SETTINGS]
     if unknown:
         parser.error(f"--stages: unknown {', '.join(unknown)}; choose from {', '.join(ZERO_SETTINGS)}")
-    return compare.main(["--vary", "deepspeed.config=" + ",".join(f"zero{stage}" for stage in stages), *rest])
+    vary = "deepspeed.config=" + ",".join(f"zero{stage}" for stage in stages)
+    return compare.main(["--vary", vary, *rest], labels={vary: f"--stages {args.stages}"})
 
 
 if __name__ == "__main__":

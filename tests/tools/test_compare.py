@@ -1,0 +1,174 @@
+"""tools/compare.py's checks, all made before anything is written or launched: each cell runs what its label says
+(no key given twice, no value twice, no key that compare.py sets itself), each cell has a folder of its own, and the
+output folder follows training/output_guard.py (the default takes the next free name; an existing one is replaced
+only with --overwrite, and only when an earlier comparison wrote it). The fast tests stop where the first cell would
+be launched; the slow one runs a real comparison twice."""
+import csv
+import shutil
+import sys
+
+import pytest
+
+from tests.conftest import REPO, SMALL_MODEL
+from training.output_guard import written_by
+
+sys.path.insert(0, str(REPO / "tools"))
+import compare  # noqa: E402
+import compare_zero  # noqa: E402
+
+LR = "--vary", "training.lr=0.001,0.002"
+
+
+class Launched(Exception):
+    """Raised where the first cell would be launched: every check before it passed."""
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    def launched(args, cell, output_dir):
+        raise Launched(output_dir)
+
+    monkeypatch.setattr(compare, "run_cell", launched)
+
+
+def refused(capsys, argv: list[str], message: str, main=compare.main) -> None:
+    assert main(["--recipe", "tiny_llama", *argv]) == 2
+    error = " ".join(capsys.readouterr().err.split())
+    assert error.startswith("error: ") and message in error, error
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--vary", "training.lr=0.001,0.002", "--vary", "training.lr=0.003"],
+     "training.lr is given in both --vary training.lr=0.001,0.002 and --vary training.lr=0.003: overrides apply in "
+     "order (the fixed ones, then each --vary) and the last wins"),
+    ([*LR, "training.lr=0.1"], "training.lr is given in both the override training.lr=0.1 and --vary training.lr="),
+    (["--vary", "deepspeed.overrides={a: 1},{a: 2}", "deepspeed.overrides.b=1"],
+     "--vary deepspeed.overrides={a: 1},{a: 2} sets deepspeed.overrides, which overlaps deepspeed.overrides.b from "
+     "the override deepspeed.overrides.b=1"),
+    (["--vary", "training.lr=0.001,0.001"], "--vary training.lr=0.001,0.001: training.lr=0.001 and training.lr=0.001 "
+                                            "are the same value, which would run the same cell twice; give each value once"),
+    (["--vary", "training.lr=0.001,0.0010"], "training.lr=0.001 and training.lr=0.0010 are the same value"),
+    (["--vary", "training.lr=0.001,1e-3"], "the cells training.lr=0.001 and training.lr=1e-3 run the same recipe"),
+    (["--vary", "training.max_steps=5,10"], "--vary training.max_steps=5,10 sets training.max_steps, which "
+                                            "compare.py sets itself: every cell trains --steps (30) steps, "
+                                            "training.max_steps=30 with training.epochs unset; pass --steps N instead"),
+    ([*LR, "training.max_steps=5"], "the override training.max_steps=5 sets training.max_steps, which compare.py "
+                                    "sets itself: every cell trains --steps (30) steps"),
+    ([*LR, "training.epochs=2"], "the override training.epochs=2 sets training.epochs, which compare.py sets itself"),
+    ([*LR, "logging.every_steps=5"], "the override logging.every_steps=5 sets logging.every_steps, which compare.py "
+                                     "sets itself: it logs every step"),
+    ([*LR, "logging={every_steps: 5}"], "sets logging.every_steps (logging.every_steps inside logging), which"),
+], ids=["key in two --vary", "key varied and fixed", "parent replaces a child", "value twice", "value twice, "
+        "written two ways", "one recipe twice", "max_steps varied", "max_steps fixed", "epochs fixed", "every_steps fixed",
+        "every_steps inside a mapping"])
+def test_a_cell_that_would_not_run_its_label_is_refused(argv, message, capsys, tmp_path, tree_guard, no_launch):
+    with tree_guard():
+        refused(capsys, [*argv, "--output-dir", str(tmp_path / "out")], message)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--stages", "1,1"], "--stages 1,1: deepspeed.config=zero1 and deepspeed.config=zero1 are the same value"),
+    (["deepspeed.config=zero2"], "deepspeed.config is given in both the override deepspeed.config=zero2 and "
+                                 "--stages 0,1,2,3"),
+])
+def test_compare_zero_names_its_stages(argv, message, capsys, tmp_path, tree_guard, no_launch):
+    with tree_guard():
+        refused(capsys, [*argv, "--output-dir", str(tmp_path / "out")], message, main=compare_zero.main)
+
+
+def test_a_recipe_that_counts_epochs_runs_steps(tmp_path, no_launch):
+    """qwen2_5_1_5b trains training.epochs=1: each cell trains --steps steps instead (no key set twice)."""
+    with pytest.raises(Launched):
+        compare.main(["--recipe", "qwen2_5_1_5b", "--vary", "training.lr=0.001,0.002", "--steps", "3", "--output-dir",
+                      str(tmp_path / "out")])
+
+
+def test_a_varied_key_may_go_inside_a_fixed_mapping(tmp_path, no_launch):
+    """A fixed mapping with a --vary of another key inside it loses nothing: both apply."""
+    with pytest.raises(Launched):
+        compare.main(["--recipe", "tiny_llama", "--vary", "logging.tensorboard=false,true", "logging={peak_tflops: 1}",
+                      "--output-dir", str(tmp_path / "out")])
+
+
+def test_cells_get_folders_of_their_own():
+    """Values that differ only in characters a folder name replaces, or in case (macOS and Windows ignore it), or
+    a folder that would be another cell's log: each cell still writes into a place of its own."""
+    cells = [["model.name_or_path=a/b"], ["model.name_or_path=a b"], ["model.name_or_path=A b"],
+             ["x=1.log"], ["x=1"], [f"x={'y' * 300}1"], [f"x={'y' * 300}2"]]
+    folders = compare.cell_folders(cells)
+    assert folders[:3] == ["model.name_or_path=a_b", "model.name_or_path=a_b-2", "model.name_or_path=A_b-3"]
+    assert folders[3:5] == ["x=1.log", "x=1-2"]
+    places = [name.casefold() for folder in folders for name in (folder, f"{folder}.log")]
+    assert len(set(places)) == len(places) and max(map(len, places)) < 255
+
+
+@pytest.mark.filterwarnings("ignore:No artists with labels")  # the plot of a comparison where no cell ran
+def test_each_cell_runs_into_its_folder(tmp_path, monkeypatch):
+    """Two values that one folder name would hold run into two folders."""
+    launched = []
+
+    def run_cell(args, cell, output_dir):
+        launched.append(output_dir / args.folders[tuple(cell)])
+        return "exit 1: (made to fail by the test)"
+
+    monkeypatch.setattr(compare, "run_cell", run_cell)
+    assert compare.main(["--recipe", "tiny_llama", "--vary", f"data.cache_dir={tmp_path}/a b,{tmp_path}/a_b",
+                         "--output-dir", str(tmp_path / "out")]) == 1  # every cell failed
+    assert len(set(launched)) == 2 and {path.parent for path in launched} == {tmp_path / "out"}
+
+
+def test_the_default_folder_takes_the_next_free_name(tmp_path, monkeypatch, tree_guard, no_launch):
+    monkeypatch.setattr(compare, "OUTPUT_ROOT", tmp_path / "outputs")
+    earlier = tmp_path / "outputs" / "compare-tiny_llama"
+    earlier.mkdir(parents=True)
+    (earlier / "comparison.md").write_text("an earlier comparison")
+    (earlier / ".written-by.json").write_text('{"command": "tools/compare.py"}\n')
+    (tmp_path / "outputs" / "compare-tiny_llama-2").write_text("a file of the user's")
+    with tree_guard(), pytest.raises(Launched) as launched:
+        compare.main(["--recipe", "tiny_llama", *LR, "--overwrite"])
+    assert launched.value.args[0] == tmp_path / "outputs" / "compare-tiny_llama-3"
+    assert written_by(launched.value.args[0]) == "tools/compare.py"
+
+
+def test_an_existing_output_dir_is_replaced_only_with_overwrite_and_only_a_comparison(tmp_path, capsys, tree_guard,
+                                                                                     no_launch):
+    earlier, mine = tmp_path / "earlier", tmp_path / "mine"
+    for folder in (earlier, mine):
+        folder.mkdir()
+        (folder / "comparison.md").write_text("kept")
+    (earlier / ".written-by.json").write_text('{"command": "tools/compare.py"}\n')
+    with tree_guard():
+        refused(capsys, [*LR, "--output-dir", str(earlier)], f"--output-dir {earlier} already exists; choose another "
+                "--output-dir, or pass --overwrite to replace an earlier output of tools/compare.py")
+        refused(capsys, [*LR, "--output-dir", str(mine), "--overwrite"], "--overwrite replaces only an earlier output "
+                "of tools/compare.py")
+        for name in ("a", "b"):
+            shutil.copytree(REPO / "recipes/tiny_llama/tokenizer", tmp_path / name)
+        refused(capsys, [*LR, f"tokenizer.name_or_path={tmp_path / 'a'}", "--output-dir", str(tmp_path)],
+                f"--output-dir {tmp_path} contains {tmp_path / 'a'}, which this command reads")
+        refused(capsys, ["--vary", f"tokenizer.name_or_path={tmp_path / 'a'},{tmp_path / 'b'}", "--output-dir",
+                         str(tmp_path / "b" / "out")],  # the second cell's input: every cell's inputs count
+                f"--output-dir {tmp_path / 'b' / 'out'} lies inside {tmp_path / 'b'}, which this command reads")
+    with tree_guard(earlier), pytest.raises(Launched):
+        compare.main(["--recipe", "tiny_llama", *LR, "--output-dir", str(earlier), "--overwrite"])
+    assert not (earlier / "comparison.md").exists() and written_by(earlier) == "tools/compare.py"
+
+
+@pytest.mark.slow
+def test_a_second_comparison_keeps_the_first(tmp_path, monkeypatch, data_cache, capsys, tree_guard):
+    """Run twice with the default folder: the second goes to compare-tiny_llama-2 and the first is untouched; into
+    the first's folder by name it is refused."""
+    monkeypatch.setattr(compare, "OUTPUT_ROOT", tmp_path / "outputs")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    argv = ["--recipe", "tiny_llama", "--vary", "training.lr=0.003", "--steps", "2", SMALL_MODEL, data_cache]
+    first = tmp_path / "outputs" / "compare-tiny_llama"
+    assert compare.main(argv) == 0
+    with tree_guard():
+        assert compare.main(argv) == 0
+        refused(capsys, [*argv[2:], "--output-dir", str(first)], "already exists; choose another --output-dir, or "
+                "pass --overwrite")
+    for folder in (first, first.with_name("compare-tiny_llama-2")):
+        with (folder / "comparison.csv").open() as file:
+            assert [row["status"] for row in csv.DictReader(file)] == ["ok"]
+        assert (folder / "training.lr=0.003" / "summary.json").is_file()
