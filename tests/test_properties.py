@@ -187,7 +187,7 @@ def test_compare(workplace, monkeypatch, capsys, overrides, varied, output, flag
     state, untouched = workplace
     before = state()
     monkeypatch.setattr(compare, "run_cell", stop_here)
-    monkeypatch.setattr(compare, "REPO", Path.cwd())  # the default output folder goes into the test's folder
+    monkeypatch.setattr(compare, "OUTPUT_ROOT", Path.cwd() / "outputs")  # the default output folder: in the test's folder
     argv = ["--recipe", "tiny_llama", *[x for v in varied for x in ("--vary", v)], *flags,
             *(["--output-dir", output] if output else []), *[x for pair in numbers for x in pair], *overrides]
     check(exit_status(compare.main, argv), capsys)
