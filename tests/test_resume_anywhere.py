@@ -5,7 +5,8 @@ Every interrupted run checkpoints every 3 steps and is SIGKILLed in the middle o
 stays at step 6; it resumes in another layout and trains to step 12. The reference is one uninterrupted run
 (2 ranks, ZeRO-2, fp32): the global batch is the same for any number of ranks, and the ZeRO stages do the
 same arithmetic. Tolerances (fp32):
-- losses: 1e-5 relative (measured: 6e-8 for ZeRO-2 -> ZeRO-3 and ZeRO-1 -> ZeRO-3, 1.2e-7 for ZeRO-3 -> ZeRO-1);
+- losses: 1e-5 relative (measured: 6e-8 for ZeRO-2 -> ZeRO-3 and ZeRO-1 -> ZeRO-3, 1.2e-7 for ZeRO-3 -> ZeRO-1 and
+  for sequence parallelism 2 -> none and none -> 2);
 - the final fp32 weights and AdamW moments, both converted to universal files and compared tensor by tensor:
   the largest difference within 1e-4 of the tensor's largest value (measured: weights 1.3e-5, moments 2e-7;
   Adam divides by the square root of the second moment, which magnifies summation-order differences
@@ -27,8 +28,11 @@ pytestmark = pytest.mark.slow
 
 PROBES = "tests/helpers/train_with_probes.py"
 STEPS, KILLED_AT, RESUMED_FROM = 12, 9, 6
-CASES = {  # name: (ranks, ds_config, precision) that wrote the checkpoint, then those that resume it
+CASES = {  # name: (ranks, ds_config [and sequence parallelism], precision) that wrote the checkpoint, then those that
+    # resume it
     "2 ranks ZeRO-2 -> 1 rank ZeRO-3": ((2, "zero2", "fp32"), (1, "zero3", "fp32")),
+    "2 ranks SP=2 ZeRO-2 -> 1 rank ZeRO-3": ((2, "zero2 sp2", "fp32"), (1, "zero3", "fp32")),
+    "2 ranks ZeRO-2 -> 2 ranks SP=2 ZeRO-3": ((2, "zero2", "fp32"), (2, "zero3 sp2", "fp32")),
     "1 rank ZeRO-1 -> 2 ranks ZeRO-3": ((1, "zero1", "fp32"), (2, "zero3", "fp32")),
     "2 ranks ZeRO-3 -> 1 rank ZeRO-1": ((2, "zero3", "fp32"), (1, "zero1", "fp32")),
     "2 ranks bf16 ZeRO-1 -> 1 rank fp32 ZeRO-2": ((2, "zero1", "bf16"), (1, "zero2", "fp32")),
@@ -41,7 +45,10 @@ def metrics(out: Path) -> list[dict]:
 
 
 def layout_args(ds_config: str, precision: str) -> list[str]:
-    return [f"deepspeed.config={ds_config}", f"precision={precision}"]
+    """`zero3 sp2`: ZeRO-3 with sequence parallelism 2."""
+    name, *sequence = ds_config.split()
+    return [f"deepspeed.config={name}", f"precision={precision}",
+            *(f"parallelism.sequence_parallel={size.removeprefix('sp')}" for size in sequence)]
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +115,7 @@ def test_resumed_run_continues_the_uninterrupted_curve(runs, case):
     assert losses == pytest.approx(reference, rel=1e-5)
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["world_size"], f"zero{summary['zero_stage']}", summary["start_step"]) == \
-        (new_ranks, new_ds_config, RESUMED_FROM)
+        (new_ranks, new_ds_config.split()[0], RESUMED_FROM)
     assert json.loads((out / "ds_config.json").read_text())["checkpoint"] == {"load_universal": True}
     universal = out / "checkpoints" / "universal" / f"global_step{RESUMED_FROM}"
     assert f"into a universal checkpoint, {universal} (" in runs[case]["console"]

@@ -169,17 +169,7 @@ def read_run_state(checkpoint_dir: Path, tag: str | None = None) -> RunState:
         raise ConfigError(f"--resume: {path} is damaged (not JSON); {way_back(checkpoint_dir, tag)}") from None
     except ValidationError as error:
         raise ConfigError(f"--resume: {path} is damaged ({faults(error)}); {way_back(checkpoint_dir, tag)}") from None
-    if "sequence_parallel" not in found:  # written before it was recorded: DeepSpeed names a sequence group's ranks
-        run_state.sequence_parallel = model_parallel_files(checkpoint_dir / tag, run_state)  # as model-parallel ones
     return run_state
-
-
-def model_parallel_files(tag_dir: Path, run_state: RunState) -> int:
-    """How many model-parallel ranks wrote files in the checkpoint (mp_rank_NN) beyond its tensor parallelism: the
-    sequence-parallel size of a checkpoint whose run state does not record it."""
-    ranks = {match.group(1) for path in tag_dir.glob("*mp_rank_*_model_states.pt")
-             if (match := re.search(r"mp_rank_(\d+)", path.name))}
-    return max(1, len(ranks) // run_state.tensor_parallel)
 
 
 def check_resume(checkpoint_dir: Path, layout: dict, recipe: Recipe, base_digest: str | None) -> bool:

@@ -2,9 +2,9 @@
 position) and what wrote it: the layout its states belong to and, for a fine-tune, the base model. One schema for
 writing and reading, so that a damaged or hand-edited file is named with its fault instead of failing later.
 
-Keys added after the first checkpoints were written default to the value those checkpoints were written with;
-`sequence_parallel`, recorded later still, is read from the checkpoint's file names where it is missing
-(training/checkpoint.py).
+Keys added after the first checkpoints were written default to the value those checkpoints were written with
+(`sequence_parallel`, recorded last, to 1: a sequence-parallel checkpoint read so resumes through a universal
+checkpoint, which loads into any layout of its run).
 """
 from typing import Literal
 

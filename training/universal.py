@@ -75,12 +75,6 @@ def needs_universal(run_state: dict, layout: dict, streaming: bool, export_hint:
         raise ConfigError(f"--resume ({change}): a tensor-parallel checkpoint holds each rank's slices of the "
                           f"matrices, which the universal conversion does not reassemble here; resume in the layout "
                           f"that wrote it, or start a new run from its weights: {export_hint}")
-    if wrote["sequence_parallel"] > 1 or layout["sequence_parallel"] > 1:
-        raise ConfigError(f"--resume ({change}): DeepSpeed names the ranks of a sequence-parallel group as model-parallel "
-                          f"ranks (mp_rank_NN files), and its universal converter and loader take them for tensor-"
-                          f"parallel slices of the weights; resume in the layout that wrote it ({wrote['world_size']} "
-                          f"rank(s), sequence_parallel={wrote['sequence_parallel']}, ZeRO-{wrote['zero_stage']}, "
-                          f"{wrote['precision']}), or start a new run from its weights: {export_hint}")
     if wrote["zero_stage"] == 0 and layout["zero_stage"] == 0:
         return False  # nothing is partitioned: DeepSpeed loads the whole weights and optimizer state on any ranks
     if layout["optimizer"] != "adamw":
@@ -120,8 +114,8 @@ def convert(checkpoint_dir: Path, tag: str) -> Path:
     staging = checkpoint_dir / UNIVERSAL / f".{tag}.partial"
     shutil.rmtree(staging, ignore_errors=True)  # left by a conversion of this tag that was killed
     workers = str(min(4, os.cpu_count() or 1))
-    command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(source),
-               "--output_folder", str(staging / tag), "--inject_missing_state",
+    command = [sys.executable, "-m", "training.universal", str(tensor_parallel_of(source)), "--input_folder",
+               str(source), "--output_folder", str(staging / tag), "--inject_missing_state",
                "--num_extract_workers", workers, "--num_merge_workers", workers]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # the converter works on the CPU; it needs no GPU of this rank
     result = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -239,3 +233,36 @@ def loading_universal(engine: DeepSpeedEngine, universal: bool) -> Iterator[None
 def with_universal_load(ds_config: dict) -> dict:
     """The DeepSpeed config of a run resumed from a universal checkpoint, as ds_config.json records it."""
     return {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
+
+
+def tensor_parallel_of(tag_dir: Path) -> int:
+    """The tensor-parallel degree of the run that wrote the checkpoint (its run state; 1 for a checkpoint without)."""
+    try:
+        return int(json.loads((tag_dir / "run_state.json").read_text()).get("tensor_parallel", 1))
+    except (OSError, ValueError, TypeError):
+        return 1
+
+
+def run_converter(tensor_parallel: int, arguments: list[str]) -> None:
+    """DeepSpeed's converter (ds_to_universal.main) on a checkpoint whose model-state files record the right tensor-
+    parallel degree. DeepSpeed 0.19.8 records `parallel_dims.tp_degree` as the `mpu`'s model-parallel size, and for
+    sequence parallelism the mpu is Ulysses', whose model-parallel size is the sequence-parallel size: the converter
+    then looks for that many tensor-parallel slices of weights that sequence parallelism never splits (its files are
+    plain data-parallel ZeRO partitions). The degree the converter reads is set to the run's own tensor parallelism."""
+    from deepspeed.checkpoint import ds_to_universal
+    from deepspeed.checkpoint.constants import CHECKPOINT_TP_DEGREE
+    from deepspeed.checkpoint.deepspeed_checkpoint import DeepSpeedCheckpoint
+    recorded = DeepSpeedCheckpoint._lightweight_parallel_dimensions
+
+    def run_dimensions(model_state: dict):
+        dimensions = recorded(model_state)
+        return {**dimensions, CHECKPOINT_TP_DEGREE: tensor_parallel} if isinstance(dimensions, dict) else dimensions
+
+    DeepSpeedCheckpoint._lightweight_parallel_dimensions = staticmethod(run_dimensions)
+    sys.argv = ["ds_to_universal", *arguments]
+    ds_to_universal.main(ds_to_universal.parse_arguments())
+
+
+if __name__ == "__main__":  # the conversion's child process (convert)
+    run_converter(int(sys.argv[1]), sys.argv[2:])
+

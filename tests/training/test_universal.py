@@ -16,6 +16,7 @@ def layout(**changes) -> dict:
 
 @pytest.mark.parametrize("changes, universal", [
     ({}, False),
+    ({"sequence_parallel": 2}, True),
     ({"world_size": 1}, True),
     ({"zero_stage": 3}, True),
     ({"zero_stage": 1, "world_size": 4}, True),
@@ -45,9 +46,7 @@ def test_run_states_older_than_a_key_count_as_its_default(key):
     ({}, {"pipeline_stages": 2}, "pipeline_stages 1 -> 2.*Megatron's layer layout"),
     ({}, {"optimizer": "lion"}, "optimizer adamw -> lion.*holds adamw's optimizer states; resume with optimizer.name=adamw"),
     ({"optimizer": "muon"}, {"optimizer": "muon", "world_size": 1}, "proven here with AdamW's moments, not muon's"),
-    ({"sequence_parallel": 2}, {"zero_stage": 3}, "sequence_parallel=2, ZeRO-2, fp32\\), or start a new run"),
-    ({"sequence_parallel": 2}, {"sequence_parallel": 2, "world_size": 4}, "mp_rank_NN files"),
-    ({}, {"sequence_parallel": 2}, "sequence_parallel 1 -> 2.*resume in the layout that wrote it"),
+    ({"sequence_parallel": 2}, {"tensor_parallel": 2}, "sequence_parallel 2 -> 1.*a tensor-parallel checkpoint"),
 ])
 def test_what_cannot_be_converted_is_refused_with_the_way_out(wrote, changes, message):
     with pytest.raises(ConfigError, match=message) as error:
