@@ -94,3 +94,10 @@ def test_the_converter_reads_the_tensor_parallel_degree_where_run_converter_sets
     assert DeepSpeedCheckpoint._lightweight_parallel_dimensions(dimensions)[CHECKPOINT_TP_DEGREE] == 2
     assert "_lightweight_parallel_dimensions(model_state)" in \
         __import__("inspect").getsource(DeepSpeedCheckpoint._discover_model_state_metadata)
+
+
+def test_deepspeed_reads_load_universal_where_loading_universal_sets_it():
+    """loading_universal sets the engine config's flag for each load; DeepSpeed 0.19.8 reads it there, at each load."""
+    import inspect
+    from deepspeed import DeepSpeedEngine
+    assert "self._config.load_universal_checkpoint" in inspect.getsource(DeepSpeedEngine.load_universal_checkpoint)
