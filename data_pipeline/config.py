@@ -10,6 +10,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, NonNegativeI
                       ValidationInfo, model_validator)
 
 from data_pipeline import DataError
+from data_pipeline.files import emptiness
 
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt")
 PREPARE_AGAIN = ("prepare it again (`python -m data_pipeline prepare --recipe R --output NEW_DIR`) and set "
@@ -46,6 +47,8 @@ def existing_data_file(value: str) -> str:
             raise ValueError(f"file not found: {file}")
         if Path(file).suffix not in SUPPORTED_SUFFIXES:
             raise ValueError(f"{file}: unsupported file type; use one of {', '.join(SUPPORTED_SUFFIXES)}")
+        if how := emptiness(file):
+            raise ValueError(f"{file} is empty ({how}): it holds no documents; fill it, or remove the source")
     return value
 
 

@@ -19,6 +19,9 @@ from training.recipe import ModelSection, Recipe
 def load_model_config(section: ModelSection) -> PretrainedConfig:
     """The architecture alone (no weights): cheap enough to check a recipe against before any run."""
     source = section.config or section.name_or_path
+    if section.config and not Path(section.config).exists():
+        raise ConfigError(f"model.config: no file {section.config}; point it at a model's config.json (or its "
+                          f"folder)")
     try:
         config = AutoConfig.from_pretrained(source, trust_remote_code=section.trust_remote_code)
     except (OSError, ValueError) as error:

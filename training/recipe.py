@@ -297,6 +297,9 @@ def recipe_file(name_or_path: str) -> Path:
         return path
     if (RECIPES_DIR / name_or_path / "recipe.yaml").is_file():
         return RECIPES_DIR / name_or_path / "recipe.yaml"
+    if path.is_dir():
+        raise ConfigError(f"--recipe {name_or_path}: a folder without recipe.yaml; name a recipe folder or a recipe "
+                          f"YAML file. Available recipes: {', '.join(available_recipes())}")
     raise ConfigError(f"unknown recipe '{name_or_path}': not a folder under {RECIPES_DIR} nor a recipe file. "
                       f"Available recipes: {', '.join(available_recipes())}")
 
