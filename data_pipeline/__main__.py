@@ -161,6 +161,11 @@ def dedup(args: argparse.Namespace) -> int:
     return 0
 
 
+def workers(text: str) -> int:
+    """An argparse type: -1 (every task at once) or a whole number above 0."""
+    return -1 if text.strip() == "-1" else positive_int(text)
+
+
 def threshold(text: str) -> float:
     """An argparse type: a Jaccard similarity in (0, 1]."""
     try:
@@ -185,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                                 help="datatrove: where the tasks run")
     prepare_parser.add_argument("--tasks", type=positive_int, default=2,
                                 help="datatrove: tasks per stage that splits its input (files are split among them)")
-    prepare_parser.add_argument("--workers", type=int, default=-1, help="datatrove: tasks at once (-1: all)")
+    prepare_parser.add_argument("--workers", type=workers, default=-1, help="datatrove: tasks at once (-1: all)")
     prepare_parser.add_argument("--slurm-partition")
     prepare_parser.add_argument("--slurm-time", default="24:00:00", help="each Slurm job's time limit")
     prepare_parser.add_argument("--cpus-per-task", type=positive_int, default=1, help="Slurm and Ray")
