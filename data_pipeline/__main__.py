@@ -163,7 +163,13 @@ def dedup(args: argparse.Namespace) -> int:
 
 def workers(text: str) -> int:
     """An argparse type: -1 (every task at once) or a whole number above 0."""
-    return -1 if text.strip() == "-1" else positive_int(text)
+    if text.strip() == "-1":
+        return -1
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be -1 (every task at once) or a whole number above 0, got {text!r}") \
+            from None
 
 
 def threshold(text: str) -> float:
