@@ -99,6 +99,7 @@ def earlier_run(tmp_path) -> Path:
         (tag / "run_state.json").write_text(json.dumps({"step": step, "tokens_seen": 100 * step, "world_size": 1,
                                                         "zero_stage": 1, "precision": "fp32"}))
         (tag / "mp_rank_00_model_states.pt").write_bytes(b"weights")
+        (tag / "rank_state0.pt").write_bytes(b"data position and RNG")
     (run / "checkpoints" / "latest").write_text("global_step4")
     (run / "metrics.jsonl").write_text('{"step": 4, "loss": 5.0}\n')
     (run / "resolved_recipe.yaml").write_text("model: {}\n")

@@ -275,8 +275,7 @@ def test_resume_into_a_layout_no_conversion_reaches_is_refused(no_model_building
     a `latest` that names an unfinished save is refused before anything is built."""
     checkpoints = tmp_path / "checkpoints"
     (checkpoints / "global_step4").mkdir(parents=True)
-    (checkpoints / "global_step4" / "run_state.json").write_text(json.dumps(
-        {"step": 4, "tokens_seen": 100, "world_size": 2, "zero_stage": 2, "precision": "fp32"}))
+    run_state_of(checkpoints / "global_step4", world_size=2, zero_stage=2)
     (checkpoints / "latest").write_text("global_step4")
     monkeypatch.setenv("WORLD_SIZE", "1")
     args = ["--recipe", "tiny_llama", "--output-dir", str(tmp_path), "--resume", "precision=fp32"]
@@ -330,6 +329,8 @@ def test_another_tokenizer_is_a_mismatch_too(earlier_run, no_model_building, cap
 def run_state_of(tag, **values) -> None:
     state = {"step": 4, "tokens_seen": 100, "world_size": 1, "zero_stage": 1, "precision": "fp32", **values}
     (tag / "run_state.json").write_text(json.dumps(state))
+    for rank in range(state["world_size"]):
+        (tag / f"rank_state{rank}.pt").write_bytes(b"data position and RNG")
 
 
 def test_lora_adapters_resume_only_on_the_base_they_were_trained_on(earlier_run, no_model_building, capsys, tmp_path,

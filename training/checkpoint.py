@@ -183,6 +183,7 @@ def check_resume(checkpoint_dir: Path, layout: dict, recipe: Recipe, base_digest
                           f"{', '.join(later)}. A resume from {tag} would save over them, and they are never deleted: "
                           f"resume from the newest (echo {later[-1]} > {checkpoint_dir / 'latest'}), or move them out "
                           f"of {checkpoint_dir} first")
+    check_files(checkpoint_dir, tag, [f"rank_state{rank}.pt" for rank in range(run_state.world_size)])
     max_steps = recipe.training.max_steps
     if max_steps is not None and run_state.step >= max_steps:
         raise ConfigError(f"--resume: {checkpoint_dir}/{tag} is at step {run_state.step} and training.max_steps is "
@@ -269,7 +270,21 @@ def load_failure(checkpoint_dir: Path, tag: str, universal: bool, error: BaseExc
         return (f"--resume: the universal conversion {universal_folder(checkpoint_dir, tag)} of {tag} cannot be loaded "
                 f"({reason}); the checkpoint itself is not blamed: remove that folder (train.py made it) and resume "
                 f"again to convert anew, or resume in the layout that wrote {tag}")
-    return f"--resume: {checkpoint_dir / tag} is damaged ({reason}); {way_back(checkpoint_dir, tag)}"
+    unreadable = unreadable_files(checkpoint_dir / tag)
+    named = f"; {', '.join(unreadable)} cannot be read" if unreadable else ""
+    return f"--resume: {checkpoint_dir / tag} is damaged ({reason}{named}); {way_back(checkpoint_dir, tag)}"
+
+
+def unreadable_files(tag_dir: Path) -> list[str]:
+    """The checkpoint's files that torch cannot open: where DeepSpeed's reader fails without naming the file. Memory-
+    mapped, so only each file's index is read, however large the checkpoint."""
+    unreadable = []
+    for path in sorted(tag_dir.glob("*.pt")):
+        try:
+            torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        except (RuntimeError, EOFError, pickle.UnpicklingError, OSError, ValueError):
+            unreadable.append(path.name)
+    return unreadable
 
 
 def export_hf(engine: DeepSpeedEngine, tokenizer: PreTrainedTokenizerBase, out_dir: Path, dtype: torch.dtype) -> None:

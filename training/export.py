@@ -25,7 +25,7 @@ from training.checkpoint import RUN_STATE, latest_tag, save_hf
 from training.errors import ConfigError
 from training.lora import export_adapters, is_lora_checkpoint
 from training.output_guard import check_output, staged_folder
-from training.pipeline import hf_name
+from training.pipeline import hf_name, layer_files
 from training.precision import DTYPES
 
 
@@ -71,10 +71,9 @@ def unreadable_file(tag_dir: Path) -> str | None:
 def pipeline_weights(tag_dir: Path, config: PretrainedConfig) -> dict[str, torch.Tensor]:
     """A pipeline checkpoint keeps each layer's module weights in `layer_NN-model_states.pt`: the embedding, the
     decoder layers, the final norm and, without tied embeddings, the LM head (a tied one is the embedding's)."""
-    layers = config.num_hidden_layers + (2 if config.tie_word_embeddings else 3)
     weights = {}
-    for layer in range(layers):
-        for name, tensor in read_file(tag_dir / f"layer_{layer:02d}-model_states.pt").items():
+    for layer, file in enumerate(layer_files(config)):
+        for name, tensor in read_file(tag_dir / file).items():
             weights[hf_name(layer, name, config)] = tensor
     return weights
 

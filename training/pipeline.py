@@ -144,9 +144,11 @@ def layer_specs(config: PretrainedConfig) -> list[LayerSpec]:
 
 
 def layer_files(config: PretrainedConfig) -> list[str]:
-    """The files DeepSpeed's PipelineModule writes into a checkpoint, one per layer of layer_specs (each has weights;
-    a tied head's are its embedding's again), as DeepSpeed 0.19.8 names them."""
-    return [f"layer_{index:02d}-model_states.pt" for index in range(len(layer_specs(config)))]
+    """The files DeepSpeed's PipelineModule writes into a checkpoint, as DeepSpeed 0.19.8 names them: one per layer of
+    layer_specs, in order (the embedding, the decoder layers, the final norm, the LM head), but none for a head tied
+    to the embedding (its weight is the embedding's file)."""
+    layers = len(layer_specs(config)) - (1 if config.tie_word_embeddings else 0)
+    return [f"layer_{index:02d}-model_states.pt" for index in range(layers)]
 
 
 def hf_name(layer: int, name: str, config: PretrainedConfig) -> str:
