@@ -2,6 +2,7 @@
 import os
 import socket
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -18,6 +19,9 @@ from training.errors import ConfigError, failure, report
 from training.failure import FailureWatch
 
 
+started_by_srun = threading.Event()  # set once adopt_srun_environment has taken the ranks from SLURM
+
+
 def adopt_srun_environment() -> None:
     """Ranks started by `srun` (one task per GPU, so that SLURM's signals reach each rank directly, with no
     launcher between them to cut the grace period short) learn their place from SLURM_PROCID, SLURM_LOCALID
@@ -32,6 +36,7 @@ def adopt_srun_environment() -> None:
                           f"MASTER_PORT=29500")
     os.environ.update(RANK=os.environ["SLURM_PROCID"], LOCAL_RANK=os.environ["SLURM_LOCALID"],
                       WORLD_SIZE=os.environ["SLURM_STEP_NUM_TASKS"])
+    started_by_srun.set()
 
 
 def rank() -> int:
@@ -81,13 +86,14 @@ REPORT_WAIT_S = 60.0  # how long a rank that does not print a user error waits f
 
 def report_once(error: BaseException) -> int:
     """Exit code 2 for a user error found before the process group exists, its message printed exactly once per node
-    (every rank checks the same inputs): by local rank 0. The node's other ranks print nothing and wait: the launcher
-    ends them once local rank 0 has printed and exited, whereas a rank that left first could get local rank 0 killed
-    before it prints. A rank still alive after REPORT_WAIT_S, whose local rank 0 found nothing wrong (inputs that
-    differ between ranks), prints its own message. A bug is raised again."""
+    (every rank checks the same inputs): by local rank 0. Under a launcher (deepspeed's, torchrun) the node's other
+    ranks print nothing and wait: the launcher ends them once local rank 0 has printed and exited, whereas a rank that
+    left first would get local rank 0 killed before it printed. A rank still alive after REPORT_WAIT_S, whose local
+    rank 0 found nothing wrong (inputs that differ between ranks), prints its own message. Ranks that srun started
+    leave at once: srun ends no task for another's exit (unless told to, --kill-on-bad-exit). A bug is raised again."""
     printing = local_rank() == 0
     code = report(error, printing)
-    if not printing:
+    if not printing and not started_by_srun.is_set():
         time.sleep(REPORT_WAIT_S)
         report(error)
     return code
