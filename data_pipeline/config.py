@@ -47,8 +47,13 @@ def existing_data_file(value: str) -> str:
             raise ValueError(f"file not found: {file}")
         if Path(file).suffix not in SUPPORTED_SUFFIXES:
             raise ValueError(f"{file}: unsupported file type; use one of {', '.join(SUPPORTED_SUFFIXES)}")
-        if how := emptiness(file):
-            raise ValueError(f"{file} is empty ({how}): it holds no documents; fill it, or remove the source")
+    empty = [(file, how) for file in files if (how := emptiness(file))]
+    if len(empty) == len(files):  # an empty shard among others is fine: the source still holds documents
+        if len(files) == 1:
+            raise ValueError(f"{files[0]} is empty ({empty[0][1]}): it holds no documents; fill it, or remove the "
+                             f"source")
+        raise ValueError(f"every file {value} matches is empty: the source holds no documents; fill them, or "
+                         f"remove the source")
     return value
 
 

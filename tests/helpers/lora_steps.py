@@ -26,6 +26,7 @@ from training.lora import export_lora, lora_config, with_lora  # noqa: E402
 from training.model import build_model, load_model_config  # noqa: E402
 from training.optimizer import lr_schedule, weight_decay_groups  # noqa: E402
 from training.recipe import load_recipe  # noqa: E402
+from tests.helpers import end_process  # noqa: E402
 
 STEPS, ROWS, SEQ_LEN, VOCAB = 3, 2, 32, 256
 
@@ -95,3 +96,4 @@ def main(base: str, out: str, ds_config_name: str) -> None:
 
 if __name__ == "__main__":
     main(*[arg for arg in sys.argv[1:] if not arg.startswith("--local_rank")])
+    end_process()

@@ -25,6 +25,7 @@ from training.ds_config import load_ds_config, resolve_ds_config  # noqa: E402
 from training.optimizer import client_optimizer, lr_schedule, weight_decay_groups  # noqa: E402
 from training.recipe import load_recipe  # noqa: E402
 from training.shape import decoder_layers  # noqa: E402
+from tests.helpers import end_process  # noqa: E402
 
 STEPS, ROWS, SEQ_LEN, VOCAB = 3, 2, 32, 256
 LR = {"adamw": 1e-3, "lion": 3e-4, "muon": 1e-3}
@@ -124,3 +125,4 @@ def main(name: str, ds_config_name: str) -> None:
 
 if __name__ == "__main__":
     main(*[arg for arg in sys.argv[1:] if not arg.startswith("--local_rank")])
+    end_process()

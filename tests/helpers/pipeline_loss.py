@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from training import distributed  # noqa: E402
 from training.pipeline import TokenMeanLoss, build_pipeline  # noqa: E402
+from tests.helpers import end_process  # noqa: E402
 
 SEED, VOCAB = 1234, 512
 
@@ -54,3 +55,4 @@ def main(model_type: str, tied: bool) -> None:
 if __name__ == "__main__":
     arguments = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
     main(arguments[0], "tied" in arguments)
+    end_process()

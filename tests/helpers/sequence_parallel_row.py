@@ -17,6 +17,7 @@ from data_pipeline.loader import model_inputs  # noqa: E402
 from tests.data_pipeline.test_packed_attention import packed_row, sharp_model  # noqa: E402
 from training import distributed  # noqa: E402
 from training.sequence_parallel import enable_sequence_parallel  # noqa: E402
+from tests.helpers import end_process  # noqa: E402
 
 
 def main(model_type: str, out: Path) -> None:
@@ -39,3 +40,4 @@ def main(model_type: str, out: Path) -> None:
 if __name__ == "__main__":
     model_type, out = [arg for arg in sys.argv[1:] if not arg.startswith("--local_rank")]  # the launcher adds it
     main(model_type, Path(out))
+    end_process()

@@ -11,10 +11,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import training.precision  # noqa: E402
+from tests.helpers import end_process  # noqa: E402
 
 training.precision.check_fp8_hardware = lambda: None  # as on an H100
 
 import train  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(train.main())
+    end_process(train.main())
