@@ -32,7 +32,8 @@ from transformers import PreTrainedTokenizerBase
 from training.errors import ConfigError
 from training.recipe import Recipe
 from training.run_state import RunState, faults
-from training.universal import UNIVERSAL, loading_universal, needs_universal, universal_folder, universal_load_repaired
+from training.universal import (UNIVERSAL, loading_universal, needs_universal, through_universal, universal_folder,
+                                universal_load_repaired)
 
 TAG = re.compile(r"global_step(\d+)")
 RUN_STATE = "run_state.json"
@@ -237,7 +238,7 @@ def load_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, layout: dict)
     the states of rank r mod the ranks that wrote them. A failure says whether the checkpoint is damaged (a file
     missing or unreadable), does not fit this run, or its universal conversion cannot be read."""
     tag, run_state = latest_tag(checkpoint_dir), read_run_state(checkpoint_dir)
-    universal = run_state.layout() != layout
+    universal = through_universal(run_state.layout(), layout)
     rank_state_file = checkpoint_dir / tag / f"rank_state{dist.get_rank() % run_state.world_size}.pt"
     load_dir = checkpoint_dir / UNIVERSAL if universal else checkpoint_dir
     try:

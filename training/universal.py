@@ -30,10 +30,11 @@ import torch.distributed as dist
 from deepspeed import DeepSpeedEngine
 from deepspeed.checkpoint.constants import (PARAM, UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
                                             UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+from pydantic import ValidationError
 
 from training.distributed import host_group
 from training.errors import ConfigError
-from training.run_state import LAYOUT_KEYS, older_default
+from training.run_state import LAYOUT_KEYS, RunState, older_default
 
 UNIVERSAL = "universal"  # the folder under checkpoints/ that holds converted checkpoints, one per tag
 MANIFEST = ".manifest.json"  # in each converted folder: its files and sizes, written last
@@ -42,6 +43,13 @@ MANIFEST = ".manifest.json"  # in each converted folder: its files and sizes, wr
 def provide_universal_info(model: torch.nn.Module) -> None:
     """DeepSpeed writes this attribute of the model into every checkpoint; the converter requires it."""
     setattr(model, UNIVERSAL_CHECKPOINT_INFO, {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE})
+
+
+def through_universal(wrote: dict, layout: dict) -> bool:
+    """Whether a checkpoint of the layout `wrote` loads into `layout` through its universal conversion (where
+    needs_universal allows the change at all): any change but one between ZeRO-0 layouts, where nothing is
+    partitioned and DeepSpeed loads the whole weights and optimizer state on any ranks and in any precision."""
+    return wrote != layout and not (wrote["zero_stage"] == 0 and layout["zero_stage"] == 0)
 
 
 def needs_universal(run_state: dict, layout: dict, streaming: bool, export_hint: str) -> bool:
@@ -75,8 +83,8 @@ def needs_universal(run_state: dict, layout: dict, streaming: bool, export_hint:
         raise ConfigError(f"--resume ({change}): a tensor-parallel checkpoint holds each rank's slices of the "
                           f"matrices, which the universal conversion does not reassemble here; resume in the layout "
                           f"that wrote it, or start a new run from its weights: {export_hint}")
-    if wrote["zero_stage"] == 0 and layout["zero_stage"] == 0:
-        return False  # nothing is partitioned: DeepSpeed loads the whole weights and optimizer state on any ranks
+    if not through_universal(wrote, layout):
+        return False
     if layout["optimizer"] != "adamw":
         raise ConfigError(f"--resume ({change}): the universal conversion is proven here with AdamW's moments, not "
                           f"{layout['optimizer']}'s states; resume in the layout that wrote the checkpoint, or start a "
@@ -238,8 +246,8 @@ def with_universal_load(ds_config: dict) -> dict:
 def tensor_parallel_of(tag_dir: Path) -> int:
     """The tensor-parallel degree of the run that wrote the checkpoint (its run state; 1 for a checkpoint without)."""
     try:
-        return int(json.loads((tag_dir / "run_state.json").read_text()).get("tensor_parallel", 1))
-    except (OSError, ValueError, TypeError):
+        return RunState.model_validate_json((tag_dir / "run_state.json").read_bytes()).tensor_parallel
+    except (OSError, ValidationError):
         return 1
 
 

@@ -41,3 +41,16 @@ def test_the_zero0_fp16_loss_scale_survives_save_and_resume(one_rank, tmp_path):
         "pipeline_stages": 1, "tensor_parallel": 1, "sequence_parallel": 1, "optimizer": "adamw", "lora": False})
     assert run_state.items() >= RUN_STATE.items() and data_state == {"position": 3}
     assert resumed.torch_autocast_z0_gradscaler.state_dict() == saved
+
+
+def test_a_zero0_checkpoint_loads_as_it_is_in_another_zero0_layout(one_rank, tmp_path):
+    """ZeRO-0 holds the whole weights and optimizer state: another world size or precision at ZeRO-0 loads them as
+    they are (needs_universal), never through a universal conversion, which ZeRO-0 checkpoints do not have."""
+    engine = engine_with_fp16_block_scaler()
+    wrote = {**RUN_STATE, "world_size": 2}
+    save_checkpoint(engine, tmp_path, wrote, {"position": 3}, hf_files=(), keep_last=None)
+    (tmp_path / "global_step4" / "rank_state1.pt").write_bytes((tmp_path / "global_step4" / "rank_state0.pt").read_bytes())
+    run_state, data_state = load_checkpoint(engine_with_fp16_block_scaler(), tmp_path, layout={
+        "world_size": 1, "zero_stage": 0, "precision": "bf16", "pipeline_stages": 1, "tensor_parallel": 1,
+        "sequence_parallel": 1, "optimizer": "adamw", "lora": False})
+    assert run_state["world_size"] == 2 and data_state == {"position": 3}
