@@ -121,7 +121,8 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> RunPla
         check_resumed_model(checkpoints / latest_tag(checkpoints), model_config, tokenizer)
         if parallelism.pipeline_stages > 1:
             check_files(checkpoints, latest_tag(checkpoints), layer_files(model_config))
-        plan.ds_config = with_universal_load(ds_config) if plan.resume_universal else ds_config
+        if plan.resume_universal:
+            plan.ds_config = with_universal_load(ds_config)
     return plan
 
 

@@ -37,6 +37,8 @@ from training.universal import (UNIVERSAL, loading_universal, needs_universal, t
 
 TAG = re.compile(r"global_step(\d+)")
 RUN_STATE = "run_state.json"
+READ_ERRORS = (RuntimeError, ValueError, EOFError, OSError, KeyError, pickle.UnpicklingError)  # torch.load's, of a
+# file cut short, damaged or missing
 
 
 def checkpoint_tags(checkpoint_dir: Path) -> list[str]:
@@ -246,7 +248,7 @@ def load_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, layout: dict)
                 else nullcontext():
             path, _ = engine.load_checkpoint(str(load_dir), tag=tag, load_module_strict=not has_frozen_parameters(engine))
         rank_state = torch.load(rank_state_file, weights_only=False)
-    except (RuntimeError, EOFError, pickle.UnpicklingError, OSError, KeyError, ValueError, AssertionError) as error:
+    except (*READ_ERRORS, AssertionError) as error:  # DeepSpeed asserts on some missing files
         raise ConfigError(load_failure(checkpoint_dir, tag, universal, error)) from None
     if path is None:
         raise ConfigError(f"--resume: DeepSpeed found no checkpoint files in {load_dir / tag}: it is damaged; "
@@ -276,15 +278,15 @@ def load_failure(checkpoint_dir: Path, tag: str, universal: bool, error: BaseExc
     return f"--resume: {checkpoint_dir / tag} is damaged ({reason}{named}); {way_back(checkpoint_dir, tag)}"
 
 
-def unreadable_files(tag_dir: Path) -> list[str]:
-    """The checkpoint's files that torch cannot open: where DeepSpeed's reader fails without naming the file. Memory-
-    mapped, so only each file's index is read, however large the checkpoint."""
-    unreadable = []
+def unreadable_files(tag_dir: Path) -> dict[str, str]:
+    """The checkpoint's files that torch cannot open, with why: where DeepSpeed's reader fails without naming the
+    file. Memory-mapped, so only each file's index is read, however large the checkpoint."""
+    unreadable = {}
     for path in sorted(tag_dir.glob("*.pt")):
         try:
             torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-        except (RuntimeError, EOFError, pickle.UnpicklingError, OSError, ValueError):
-            unreadable.append(path.name)
+        except READ_ERRORS as error:
+            unreadable[path.name] = str(error)
     return unreadable
 
 

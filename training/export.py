@@ -12,7 +12,6 @@ hold whole weights (DeepSpeed 0.19.8 saves them as data-parallel ranks of mp_ran
 each layer's module weights in a file of its own. A missing or unreadable file is named, as a damaged checkpoint.
 """
 import json
-import pickle
 import re
 from functools import partial
 from pathlib import Path
@@ -21,7 +20,7 @@ import torch
 from deepspeed.utils import zero_to_fp32
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
-from training.checkpoint import RUN_STATE, latest_tag, save_hf
+from training.checkpoint import READ_ERRORS, RUN_STATE, latest_tag, save_hf, unreadable_files
 from training.errors import ConfigError
 from training.lora import export_adapters, is_lora_checkpoint
 from training.output_guard import check_output, staged_folder
@@ -42,7 +41,9 @@ def find_tag(path: Path) -> tuple[Path, str]:
                       f"with {RUN_STATE} (e.g. outputs/<run>/checkpoints or outputs/<run>/checkpoints/global_step100)")
 
 
-READ_ERRORS = (RuntimeError, ValueError, EOFError, OSError, KeyError, pickle.UnpicklingError)
+def cannot_read(path: Path, reason: object) -> ConfigError:
+    return ConfigError(f"{path} cannot be read ({reason}): the checkpoint {path.parent} is damaged or partial; export "
+                       f"another checkpoint")
 
 
 def read_file(path: Path) -> dict:
@@ -53,19 +54,7 @@ def read_file(path: Path) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=False)
     except READ_ERRORS as error:
-        raise ConfigError(f"{path} cannot be read ({error}): the checkpoint {path.parent} is damaged or partial; "
-                          f"export another checkpoint") from None
-
-
-def unreadable_file(tag_dir: Path) -> str | None:
-    """The first of the checkpoint's files that cannot be loaded, as the error that read_file gives, or None: where
-    DeepSpeed's reader fails without naming the file."""
-    for path in sorted(tag_dir.glob("*.pt")):
-        try:
-            read_file(path)
-        except ConfigError as error:
-            return str(error)
-    return None
+        raise cannot_read(path, error) from None
 
 
 def pipeline_weights(tag_dir: Path, config: PretrainedConfig) -> dict[str, torch.Tensor]:
@@ -195,8 +184,11 @@ def export_tag(checkpoint_dir: Path, tag: str, out_dir: Path, dtype: str | None 
     except ConfigError:  # ours, which names the file already
         raise
     except READ_ERRORS as error:  # from DeepSpeed's reader, which names no file, or a file it finds missing
-        raise ConfigError(unreadable_file(tag_dir) or f"{tag_dir} cannot be read ({error}): a damaged or partial "
-                          f"checkpoint; export another one") from None
+        unreadable = unreadable_files(tag_dir)
+        name = next(iter(unreadable), None)
+        raise (cannot_read(tag_dir / name, unreadable[name]) if name else
+               ConfigError(f"{tag_dir} cannot be read ({error}): a damaged or partial checkpoint; export another "
+                           f"one")) from None
     if is_lora_checkpoint(tag_dir):
         export_adapters(tag_dir, weights, AutoTokenizer.from_pretrained(tag_dir / "hf"), out_dir, dtype)
     else:
