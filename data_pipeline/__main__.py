@@ -16,8 +16,6 @@ existing OUT only with --overwrite, and only when an earlier dedup wrote it.
 import argparse
 import json
 import math
-import os
-import secrets
 import sys
 from pathlib import Path
 
@@ -34,7 +32,7 @@ from data_pipeline.files import emptiness, json_lines, record_problem
 from data_pipeline.prepare import PREPARE_COMMAND, build_dataset, minhash_signatures, save_prepared
 from data_pipeline.work_folder import check_work_folder, work_folder
 from training.errors import exit_code, positive_int
-from training.output_guard import check_output, mark, overlap
+from training.output_guard import check_output, mark, overlap, write_atomically
 
 
 def print_counts(title: str, counts: dict) -> None:
@@ -114,19 +112,6 @@ def read_jsonl(path: Path, text_field: str) -> tuple[list[bytes], list[str]]:
     return lines, texts
 
 
-def write_atomically(path: Path, content: bytes) -> None:
-    """Write into a new file beside `path`, then rename it over `path`: an interrupted run leaves no half-written
-    output, and an earlier one stays whole until the new one is complete."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
-    try:
-        with partial.open("xb") as file:  # "x": this process creates it
-            file.write(content)
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)  # gone already once renamed
-
-
 def dedup_config(args: argparse.Namespace) -> DedupConfig:
     try:  # the recipe's limits apply to the options too
         return DedupConfig(near=not args.no_near, threshold=args.threshold, num_perm=args.num_perm,
@@ -153,6 +138,7 @@ def dedup(args: argparse.Namespace) -> int:
         signatures = minhash_signatures(documents, config, args.num_proc)
         near[unique[NearDuplicates(config.threshold, config.num_perm).duplicate_mask(signatures)]] = True
     kept = ~(exact | near)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(args.output, b"".join(line for line, keep in zip(lines, kept) if keep))
     mark(args.output, DEDUP_COMMAND, folder=False)
     print_counts(f"{args.input} -> {args.output}", {

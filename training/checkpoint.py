@@ -30,6 +30,7 @@ from pydantic import ValidationError
 from transformers import PreTrainedTokenizerBase
 
 from training.errors import ConfigError
+from training.output_guard import write_atomically
 from training.recipe import Recipe
 from training.run_state import RunState, faults
 from training.universal import (UNIVERSAL, loading_universal, needs_universal, through_universal, universal_folder,
@@ -50,21 +51,6 @@ def checkpoint_tags(checkpoint_dir: Path) -> list[str]:
 def latest_tag(checkpoint_dir: Path) -> str | None:
     latest = checkpoint_dir / "latest"
     return latest.read_bytes().decode("utf-8", errors="replace").strip() if latest.is_file() else None
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Readers see the old file or the new one, never a partial one: write aside, sync, rename."""
-    temporary = path.with_name(f".{path.name}.tmp")
-    with open(temporary, "w") as file:
-        file.write(text)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, path)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
 
 
 def rng_states() -> dict:

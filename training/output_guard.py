@@ -10,6 +10,7 @@ compare), checked before any work starts:
 """
 import json
 import os
+import secrets
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -91,6 +92,26 @@ def check_output(output: Path, command: str, inputs: Iterable[Path | str | None]
                           f"{marker_path(output, folder).name} naming it): nothing was deleted; choose another {option}, "
                           f"or remove it yourself if it is yours to remove")
     return True
+
+
+def write_atomically(path: Path, content: str | bytes) -> None:
+    """Readers see the old file or the new one, never a partial one: a new file beside it (created by this process:
+    an earlier leftover is never overwritten), synced, then renamed over it, and the folder synced."""
+    data = content.encode() if isinstance(content, str) else content
+    temporary = path.with_name(f".{path.name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        with temporary.open("xb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)  # gone already once renamed
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 @contextmanager

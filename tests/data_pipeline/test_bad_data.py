@@ -291,7 +291,7 @@ def test_dedup_refuses_an_output_in_a_folder_it_cannot_write(tmp_path, tree_guar
 def test_dedup_leaves_an_earlier_output_whole_when_it_fails(tmp_path, tree_guard, capsys, monkeypatch):
     """The new output is written beside the old one and renamed over it: a failure before the rename leaves the
     earlier output as it was, and no partial file."""
-    import data_pipeline.__main__ as cli
+    from training import output_guard
     source, output = dedup_input(tmp_path), tmp_path / "out.jsonl"
     assert main(["dedup", str(source), str(output), "--no-near"]) == 0
     before = output.read_bytes()
@@ -299,7 +299,7 @@ def test_dedup_leaves_an_earlier_output_whole_when_it_fails(tmp_path, tree_guard
     def fail(*args):
         raise OSError(28, "No space left on device", str(args[0]))
 
-    monkeypatch.setattr(cli.os, "replace", fail)
+    monkeypatch.setattr(output_guard.os, "replace", fail)  # output_guard.write_atomically's rename
     with tree_guard():
         refused(capsys, ["dedup", str(source), str(output), "--no-near", "--overwrite"], "No space left on device")
     assert output.read_bytes() == before
