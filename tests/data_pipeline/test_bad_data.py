@@ -324,3 +324,15 @@ def test_dedup_refuses_an_unmarked_output_from_the_command_line(tmp_path, tree_g
     with tree_guard():
         result = run_command("dedup", str(source), str(tmp_path / "mine.jsonl"), "--overwrite")
     assert_refused(result, f"{tmp_path / 'mine.jsonl'} is not one (no .mine.jsonl.written-by.json naming it)")
+
+
+def test_an_empty_shard_among_others_is_read_and_an_all_empty_glob_refused(tmp_path):
+    from pydantic import ValidationError
+    from data_pipeline.config import DataSource
+    from data_pipeline.sources import load_documents
+    (tmp_path / "part-0.jsonl").write_text("")
+    (tmp_path / "part-1.jsonl").write_text('{"text": "a document"}\n')
+    assert load_documents([DataSource(path=str(tmp_path / "part-*.jsonl"))])["text"] == ["a document"]
+    (tmp_path / "part-1.jsonl").write_text(" \n")
+    with pytest.raises(ValidationError, match="every file .*part-\\*.jsonl matches is empty: the source holds no"):
+        DataSource(path=str(tmp_path / "part-*.jsonl"))
