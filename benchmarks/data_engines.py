@@ -16,6 +16,12 @@ stage's task-seconds, summed over its tasks, per GB of input), from which the 1 
 
 instead runs the datatrove job as one task over one shard of the corpus, under `/usr/bin/time -v`, and
 prints the text's size and the peak resident memory (the memory one task needs for that much text).
+
+    python benchmarks/data_engines.py --check-sources --copies 100
+
+instead times the datatrove engine's read of every source line before its job starts (scale.check_sources, in
+one process), on the corpus written once and read once before timing (page cache warm): the median of 3 reads,
+as MB/s and minutes per TB.
 """
 import argparse
 import json
@@ -28,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # the repository's data_pipeline package, not benchmarks/data_pipeline.py beside this
 
 
 def write_corpus(folder: Path, copies: int, shards: int) -> tuple[int, int]:
@@ -79,6 +86,22 @@ def task_memory(scratch: Path, copies: int) -> None:
           f"{peak_kb / 1e6:.2f} GB")
 
 
+def check_sources_rate(scratch: Path, copies: int, shards: int) -> None:
+    from data_pipeline.scale import check_sources
+    from training.recipe import load_recipe
+    _, size = write_corpus(scratch, copies, shards)
+    config = load_recipe("tiny_llama", [f"data.sources=[{{path: '{scratch}/part-*.jsonl'}}]"]).data
+    check_sources(config)  # the page cache warm, as for the timed reads
+    seconds = []
+    for _ in range(3):
+        start = time.perf_counter()
+        check_sources(config)
+        seconds.append(time.perf_counter() - start)
+    median = sorted(seconds)[1]
+    print(f"check_sources, {size / 1e6:.1f} MB of JSON lines in {shards} files, one process: {median:.2f} s (median of "
+          f"3), {size / 1e6 / median:,.0f} MB/s, {1e12 / (size / median) / 60:,.0f} minutes per TB")
+
+
 def stage_seconds(work: Path) -> dict[str, tuple[float, int]]:
     """Each stage's task-seconds (every step's time, summed over the stage's tasks) and its task count."""
     stages = {}
@@ -94,11 +117,14 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=8)
     parser.add_argument("--cores", type=int, default=2)
     parser.add_argument("--task-memory", action="store_true", help="one task's peak memory instead (see above)")
+    parser.add_argument("--check-sources", action="store_true", help="the read of every line before the job (above)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         if args.task_memory:
             return task_memory(scratch, args.copies)
+        if args.check_sources:
+            return check_sources_rate(scratch, args.copies, args.shards)
         documents, size = write_corpus(scratch, args.copies, args.shards)
         overrides = [f"data.sources=[{{path: '{scratch}/part-*.jsonl'}}]", "data.dedup.near=true",
                      f"data.cache_dir={scratch / 'cache'}"]
