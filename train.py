@@ -29,8 +29,8 @@ from data_pipeline.loader import EvalBatches, StepBatches, model_inputs, target_
 from data_pipeline.prepare import prepare_dataset
 from data_pipeline.stream import StreamingBatches
 from training import distributed
-from training.checkpoint import (check_files, check_resume, export_hf, latest_tag, load_checkpoint, record_position,
-                                 remove_unfinished_tags, save_checkpoint)
+from training.checkpoint import (export_hf, latest_tag, load_checkpoint, record_position, remove_unfinished_tags,
+                                 save_checkpoint)
 from training.auto_config import choose_ds_config
 from training.ds_config import accumulation_steps, load_ds_config, resolve_ds_config
 from training.errors import ConfigError, positive_float, positive_int
@@ -44,17 +44,18 @@ from training.fp8 import convert_linears_to_fp8
 from training.metrics import (FlopsMeter, MetricsLogger, Stopwatch, device_name, flops_meter, gpu_metrics,
                               measured_model_states, peak_memory_bytes, print_summary, record_model_states, run_totals)
 from training.model import (build_model, check_checkpoint_folder, check_checkpoint_matches, check_recipe_against_model,
-                            check_resumed_model, load_model_config, load_tokenizer, weights_digest)
+                            load_model_config, load_tokenizer, weights_digest)
 from training.optimizer import client_optimizer, lr_schedule, weight_decay_groups
-from training.pipeline import TokenMeanLoss, build_pipeline, layer_files, pipeline_batches, report_grad_norm
+from training.pipeline import TokenMeanLoss, build_pipeline, pipeline_batches, report_grad_norm
 from training.output_dir import check_output_dir, default_output_dir, start_output_dir
 from training.plan import RunPlan, planned_machine, print_plan
 from training.precision import DTYPES, loss_scale, resolve_precision, use_fp16_block_loss_scaling
 from training.recipe import load_recipe, recipe_inputs
+from training.resume import plan_resume
 from training.sequence_parallel import enable_sequence_parallel
 from training.tensor_parallel import loss_copies, with_tensor_parallel
 from training.stability import StabilityGuard, WeightWatch, finite, rewind, withheld_step
-from training.universal import convert_on_rank_0, provide_universal_info, with_universal_load
+from training.universal import convert_on_rank_0, provide_universal_info
 
 stop_requested = threading.Event()  # set by SIGTERM: the run saves a checkpoint at the end of the step and exits
 
@@ -115,14 +116,8 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> RunPla
     plan = RunPlan(recipe, model_config, tokenizer, precision, ds_config, ds_config_path, world_size,
                    accumulation_steps(recipe.training, dp_size), output_dir, chosen_for=machine,
                    base_digest=weights_digest(recipe.model.name_or_path) if recipe.model.name_or_path else None)
-    if args.resume:  # from a checkpoint of another layout through its universal conversion
-        checkpoints = output_dir / "checkpoints"
-        plan.resume_universal = check_resume(checkpoints, plan.layout(), recipe, plan.base_digest)
-        check_resumed_model(checkpoints / latest_tag(checkpoints), model_config, tokenizer)
-        if parallelism.pipeline_stages > 1:
-            check_files(checkpoints, latest_tag(checkpoints), layer_files(model_config))
-        if plan.resume_universal:
-            plan.ds_config = with_universal_load(ds_config)
+    if args.resume:
+        plan_resume(plan)
     return plan
 
 
