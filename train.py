@@ -28,34 +28,34 @@ from data_pipeline import DataError
 from data_pipeline.loader import EvalBatches, StepBatches, model_inputs, target_count
 from data_pipeline.prepare import prepare_dataset
 from data_pipeline.stream import StreamingBatches
-from training import distributed
-from training.checkpoint import (export_hf, latest_tag, load_checkpoint, record_position, remove_unfinished_tags,
+from training.parallel import distributed
+from training.state.checkpoint import (export_hf, latest_tag, load_checkpoint, record_position, remove_unfinished_tags,
                                  save_checkpoint)
-from training.auto_config import choose_ds_config
-from training.ds_config import accumulation_steps, load_ds_config, resolve_ds_config
-from training.errors import ConfigError, positive_float, positive_int
-from training.evaluation import evaluate
-from training.layout import check_layout, refusal
-from training.long_context import apply_long_context
-from training.lora import export_lora, lora_files, with_lora
-from training.moe import RouterLoss, mark_sparse_blocks, router_loss, with_router_loss
-from training.export import export_tag
-from training.fp8 import convert_linears_to_fp8
-from training.metrics import (FlopsMeter, MetricsLogger, Stopwatch, device_name, flops_meter, gpu_metrics,
+from training.config.auto_config import choose_ds_config
+from training.config.ds_config import accumulation_steps, load_ds_config, resolve_ds_config
+from training.config.errors import ConfigError, positive_float, positive_int
+from training.loop.evaluation import evaluate
+from training.parallel.layout import check_layout, refusal
+from training.models.long_context import apply_long_context
+from training.models.lora import export_lora, lora_files, with_lora
+from training.models.moe import RouterLoss, mark_sparse_blocks, router_loss, with_router_loss
+from training.state.export import export_tag
+from training.models.fp8 import convert_linears_to_fp8
+from training.loop.metrics import (FlopsMeter, MetricsLogger, Stopwatch, device_name, flops_meter, gpu_metrics,
                               measured_model_states, peak_memory_bytes, print_summary, record_model_states, run_totals)
-from training.model import (build_model, check_checkpoint_folder, check_checkpoint_matches, check_recipe_against_model,
+from training.models.model import (build_model, check_checkpoint_folder, check_checkpoint_matches, check_recipe_against_model,
                             load_model_config, load_tokenizer, weights_digest)
-from training.optimizer import client_optimizer, lr_schedule, weight_decay_groups
-from training.pipeline import TokenMeanLoss, build_pipeline, pipeline_batches, report_grad_norm
-from training.output_dir import check_output_dir, default_output_dir, start_output_dir
-from training.plan import RunPlan, planned_machine, print_plan
-from training.precision import DTYPES, loss_scale, resolve_precision, use_fp16_block_loss_scaling
-from training.recipe import load_recipe, recipe_inputs
-from training.resume import plan_resume
-from training.sequence_parallel import enable_sequence_parallel
-from training.tensor_parallel import loss_copies, with_tensor_parallel
-from training.stability import StabilityGuard, WeightWatch, finite, rewind, withheld_step
-from training.universal import convert_on_rank_0, provide_universal_info
+from training.loop.optimizer import client_optimizer, lr_schedule, weight_decay_groups
+from training.parallel.pipeline import TokenMeanLoss, build_pipeline, pipeline_batches, report_grad_norm
+from training.state.output_dir import check_output_dir, default_output_dir, start_output_dir
+from training.planning.plan import RunPlan, planned_machine, print_plan
+from training.planning.precision import DTYPES, loss_scale, resolve_precision, use_fp16_block_loss_scaling
+from training.config.recipe import load_recipe, recipe_inputs
+from training.state.resume import plan_resume
+from training.parallel.sequence_parallel import enable_sequence_parallel
+from training.parallel.tensor_parallel import loss_copies, with_tensor_parallel
+from training.loop.stability import StabilityGuard, WeightWatch, finite, rewind, withheld_step
+from training.state.universal import convert_on_rank_0, provide_universal_info
 
 stop_requested = threading.Event()  # set by SIGTERM: the run saves a checkpoint at the end of the step and exits
 
@@ -163,7 +163,7 @@ def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict], dp_
     x ranks)): DeepSpeed's averaging over accumulation steps and ranks then yields exactly the global
     token mean, not a mean of micro-batch means. The counts are reduced on the host, in the same
     collective as the stop flag. The stability guard, when on, reads the step's loss before the last
-    backward pass and may drop the step (training/stability.py): one wait for the device per step."""
+    backward pass and may drop the step (training/loop/stability.py): one wait for the device per step."""
     targets, tokens, stops = distributed.all_reduce_on_host([
         sum(map(target_count, micro_batches)), sum(int(batch["length"].sum()) for batch in micro_batches),
         float(stop_requested.is_set())])
@@ -199,7 +199,7 @@ def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: E
           start: dict, total_steps: int, flops: FlopsMeter | None, router: RouterLoss | None = None) -> dict:
     """The loop: batch, forward/backward/step, log every N steps, evaluate every E, checkpoint every M, and
     on SIGTERM checkpoint and stop. A step the stability guard drops is tried again on the next batch; a
-    rewind goes back to the last checkpoint (training/stability.py). Returns run totals. Only training is
+    rewind goes back to the last checkpoint (training/loop/stability.py). Returns run totals. Only training is
     timed: the clock stops, once the accelerator has finished its queued work, for logging, evaluation,
     checkpoint saves and rewinds."""
     recipe, start_step, checkpoints = plan.recipe, start["step"], plan.output_dir / "checkpoints"
@@ -302,7 +302,7 @@ def step_record(engine: deepspeed.DeepSpeedEngine, step: int, lr: float, loss_sh
 
 
 def run_state(plan: RunPlan, step: int, tokens_seen: int, data_position: int) -> dict:
-    """What a checkpoint records besides DeepSpeed's states (training/run_state.py): where the run is (the data
+    """What a checkpoint records besides DeepSpeed's states (training/state/run_state.py): where the run is (the data
     position runs ahead of the step by the batches passed over), and what wrote it."""
     base = plan.recipe.model.name_or_path
     return {"step": step, "tokens_seen": tokens_seen, "data_position": data_position, "recipe": plan.recipe.name,
@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(plan: RunPlan, args: argparse.Namespace) -> int:
     """Everything after the checks, inside the process group: data, model, engine, training, export. An error
-    here on any rank ends every rank (training/failure.py)."""
+    here on any rank ends every rank (training/parallel/failure.py)."""
     recipe, training = plan.recipe, plan.recipe.training
     distributed.check_shared_folder(plan.output_dir)
     batches, evaluation, data_stats = make_batches(plan)

@@ -17,7 +17,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from training.metrics import Stopwatch  # noqa: E402  (train.py's clock: synchronized at both ends)
+from training.loop.metrics import Stopwatch  # noqa: E402  (train.py's clock: synchronized at both ends)
 
 
 def main() -> None:

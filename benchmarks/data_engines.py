@@ -88,7 +88,7 @@ def task_memory(scratch: Path, copies: int) -> None:
 
 def check_sources_rate(scratch: Path, copies: int, shards: int) -> None:
     from data_pipeline.scale import check_sources
-    from training.recipe import load_recipe
+    from training.config.recipe import load_recipe
     _, size = write_corpus(scratch, copies, shards)
     config = load_recipe("tiny_llama", [f"data.sources=[{{path: '{scratch}/part-*.jsonl'}}]"]).data
     check_sources(config)  # the page cache warm, as for the timed reads

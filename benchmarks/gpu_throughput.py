@@ -12,7 +12,7 @@ Each run is train.py through the real `deepspeed` launcher (1 GPU or --num-gpus,
 on recipe tiny_llama with the model swapped for benchmarks/llama_1b/config.json (Llama-3.2-1B's
 architecture; tiny_llama's 4,096-token tokenizer and its ~300k-token corpus, repeated; fine for
 throughput). The numbers are train.py's own summary.json: real tokens/s and TFLOP/s per GPU (mean after
-step 1), MFU against the GPU's dense bf16 peak (training/flops.py has the FLOPs formula and the peak
+step 1), MFU against the GPU's dense bf16 peak (training/planning/flops.py has the FLOPs formula and the peak
 table), peak memory allocated and reserved. A run that fails (out of memory, fp8 refused on a GPU without
 FP8) becomes a row with its error; the others go on. The table goes to stdout and, as results.md and
 results.csv, to the output folder; each run's launcher output to <output>/<run>.log.
@@ -38,7 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from training.launch import failure_reason, launcher_command  # noqa: E402
+from training.parallel.launch import failure_reason, launcher_command  # noqa: E402
 
 MODEL_CONFIG = "benchmarks/llama_1b/config.json"
 PRECISIONS, CHECKPOINTING, ZERO = ("bf16", "fp8"), (False, True), (1, 3)
@@ -238,8 +238,8 @@ def shown(path: str) -> str:
 def header(args: argparse.Namespace, gpu: dict | None, runs: list[Run]) -> str:
     from transformers import AutoConfig
 
-    from training.flops import flops_per_token, peak_tflops
-    from training.shape import model_shape
+    from training.planning.flops import flops_per_token, peak_tflops
+    from training.planning.shape import model_shape
 
     config = AutoConfig.from_pretrained(args.model_config)
     shape = model_shape(config)
@@ -252,7 +252,7 @@ def header(args: argparse.Namespace, gpu: dict | None, runs: list[Run]) -> str:
         f"steps x {args.micro_batch_size} rows x {args.seq_len} tokens, {args.num_gpus} GPU(s), sequence parallelism "
         f"{args.sequence_parallel}, accumulation 1",
         f"device: {device}; {versions()}; {datetime.date.today().isoformat()}",
-        f"model FLOPs per token (training/flops.py, 6N + 12 x layers x q_dim x seq_len): {model_flops / 1e9:.2f} GFLOP"
+        f"model FLOPs per token (training/planning/flops.py, 6N + 12 x layers x q_dim x seq_len): {model_flops / 1e9:.2f} GFLOP"
         + (f"; dense bf16 peak {peak:,.0f} TFLOP/s, so MFU {TARGET_MFU:.0%} = "
            f"{TARGET_MFU * peak * 1e12 / model_flops:,.0f} tokens/s" if peak else ""),
         f"targets: bf16 MFU >= {TARGET_MFU:.0%}; fp8 tokens/s >= {TARGET_FP8_SPEEDUP}x the bf16 run with the same "
@@ -281,7 +281,7 @@ def main() -> int:
                         "(Ulysses, docs/parallelism.md); with --num-gpus")
     parser.add_argument("--model-config", default=MODEL_CONFIG, help=f"a config.json (default {MODEL_CONFIG})")
     parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak, for a GPU not in "
-                        "training/flops.py's table")
+                        "training/planning/flops.py's table")
     parser.add_argument("--output", type=Path, default=REPO / "outputs" / "gpu_throughput",
                         help="runs, logs, results.md and results.csv go here")
     parser.add_argument("--data-cache", help="data.cache_dir for the runs (default: the recipe's)")

@@ -9,7 +9,7 @@ point a recipe at it with `data.prepared=DIR` (what multi-node runs should do). 
 runs the same steps as a datatrove job (data_pipeline/scale.py, docs/data_at_scale.md). `dedup` keeps the first
 of each group of exact or near duplicates of a JSONL file, in input order, lines copied unchanged.
 
-Both follow training/output_guard.py: an output never holds or goes inside an input, its folder is checked
+Both follow training/state/output_guard.py: an output never holds or goes inside an input, its folder is checked
 before any work, and it is marked as the command's. prepare refuses an existing --output; dedup replaces an
 existing OUT only with --overwrite, and only when an earlier dedup wrote it.
 """
@@ -31,8 +31,8 @@ from data_pipeline.dedup import NearDuplicates, repeated_mask, text_hashes
 from data_pipeline.files import emptiness, json_lines, record_problem
 from data_pipeline.prepare import PREPARE_COMMAND, build_dataset, minhash_signatures, save_prepared
 from data_pipeline.work_folder import check_work_folder, work_folder
-from training.errors import exit_code, positive_int
-from training.output_guard import check_output, mark, overlap, write_atomically
+from training.config.errors import exit_code, positive_int
+from training.state.output_guard import check_output, mark, overlap, write_atomically
 
 
 def print_counts(title: str, counts: dict) -> None:
@@ -58,8 +58,8 @@ def check_prepare_output(output: Path, inputs: list[Path], engine: str) -> None:
 
 
 def prepare(args: argparse.Namespace) -> int:
-    from training.model import load_tokenizer
-    from training.recipe import load_recipe, recipe_inputs
+    from training.models.model import load_tokenizer
+    from training.config.recipe import load_recipe, recipe_inputs
     recipe = load_recipe(args.recipe, args.overrides)
     if recipe.data.prepared or recipe.data.streaming:
         raise DataError("the recipe's data is already prepared (data.prepared) or streamed (data.streaming); to "

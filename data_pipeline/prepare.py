@@ -22,7 +22,7 @@ from data_pipeline.dedup import MinHasher, NearDuplicates, repeated_mask, text_h
 from data_pipeline.pack import fit_to_length, pack_bfd, pack_concat, pack_padded
 from data_pipeline.sources import load_documents
 from data_pipeline.tokenize import token_stream, tokenize_documents
-from training.output_guard import mark
+from training.state.output_guard import mark
 
 PREPARE_COMMAND = "python -m data_pipeline prepare"
 
@@ -190,7 +190,7 @@ def build_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tup
 def save_prepared(prepared: datasets.DatasetDict, stats: dict, path: Path) -> None:
     """Write to a temporary folder and rename it into place, so that an interrupted or concurrent
     preparation never leaves a half-written folder that a later run would trust. The folder is marked as
-    prepare's output (training/output_guard.py), the training cache's entries too."""
+    prepare's output (training/state/output_guard.py), the training cache's entries too."""
     partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
     path.parent.mkdir(parents=True, exist_ok=True)
     prepared.save_to_disk(str(partial))

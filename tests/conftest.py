@@ -9,7 +9,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from training.launch import launcher_command  # noqa: E402
+from training.parallel.launch import launcher_command  # noqa: E402
 
 # A 2-layer, 64-wide shrink of tiny_llama: the same code path in seconds.
 SMALL_MODEL = ("model.config_overrides={num_hidden_layers: 2, hidden_size: 64, intermediate_size: 128, "
@@ -112,7 +112,7 @@ def one_rank(monkeypatch):
     """A process group of this process alone (gloo on CPU), for code that needs one in-process; torn down
     through deepspeed.comm, so that DeepSpeed forgets the groups it cached for the next test's engine."""
     import deepspeed.comm
-    from training import distributed
+    from training.parallel import distributed
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
     distributed.init_distributed()

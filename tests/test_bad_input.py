@@ -107,14 +107,14 @@ def test_prepare_refuses_bad_input(args, message, tmp_path):
 def test_prepare_loads_the_tokenizer_as_train_py_does(monkeypatch, tmp_path):
     """With the recipe's trust_remote_code, and through the same function (so the same pad token)."""
     import data_pipeline.__main__ as cli
-    import training.model
+    import training.models.model
     seen = []
 
     def load_tokenizer(name_or_path, trust_remote_code, cached_only=False):
         seen.append(trust_remote_code)
-        raise training.model.ConfigError("stop here")
+        raise training.models.model.ConfigError("stop here")
 
-    monkeypatch.setattr(training.model, "load_tokenizer", load_tokenizer)
+    monkeypatch.setattr(training.models.model, "load_tokenizer", load_tokenizer)
     assert cli.main(["prepare", "--recipe", "tiny_llama", "--output", str(tmp_path / "out"),
                      "model.trust_remote_code=true"]) == 2
     assert seen == [True]

@@ -2,7 +2,7 @@
 code and its message printed once; nothing of an earlier run is deleted; ranks started by `srun` (no launcher
 between SLURM and them) get SIGTERM directly, save and resume. 2 CPU ranks, SMALL_MODEL, a few steps.
 
-Without the failure watch (training/failure.py), the ranks that did not fail wait in their next collective
+Without the failure watch (training/parallel/failure.py), the ranks that did not fail wait in their next collective
 until gloo's 30-minute timeout: the time limits here (60 s after start-up) would catch that.
 """
 import json

@@ -1,4 +1,4 @@
-"""LoRA (training/lora.py) through the launcher on 2 CPU ranks, fp32, on a saved tiny Llama checkpoint.
+"""LoRA (training/models/lora.py) through the launcher on 2 CPU ranks, fp32, on a saved tiny Llama checkpoint.
 
 - Under ZeRO-3 (the checkpoint loaded inside zero.Init), the engine's first 3 steps give the losses of plain
   transformers + peft + torch AdamW on the same batches (measured: equal to 2e-6), its trained adapters equal
@@ -18,7 +18,7 @@ import torch
 
 from tests.conftest import REPO, TRAIN_ENV, run_train, save_small_checkpoint
 from tests.test_parallelism import losses
-from training.launch import launcher_command
+from training.parallel.launch import launcher_command
 
 pytestmark = pytest.mark.slow
 STEPS, KILLED_AT = 6, 4

@@ -1,4 +1,4 @@
-"""Mixture of experts (training/moe.py) through the launcher on 2 CPU ranks, fp32: a shrunk Mixtral checkpoint
+"""Mixture of experts (training/models/moe.py) through the launcher on 2 CPU ranks, fp32: a shrunk Mixtral checkpoint
 (2 layers, 4 experts, top-2) fine-tuned under ZeRO-1 and ZeRO-3.
 
 - Under ZeRO-3, with the ranks routing their tokens to disjoint experts (a probe sends rank r's tokens to experts

@@ -19,9 +19,9 @@ from transformers import AutoConfig
 
 from tests.conftest import REPO, SMALL_MODEL, TRAIN_ENV, run_train
 from tests.test_parallelism import losses
-from training.launch import launcher_command
-from training.optimizer import optimizer_state_bytes
-from training.shape import model_shape
+from training.parallel.launch import launcher_command
+from training.loop.optimizer import optimizer_state_bytes
+from training.planning.shape import model_shape
 
 pytestmark = pytest.mark.slow
 

@@ -25,9 +25,9 @@ from data_pipeline.prepare import prepare_dataset
 from tests.conftest import REPO, SMALL_MODEL, TRAIN_ENV, run_train
 from tests.data_pipeline.test_packed_attention import assert_documents_kept_apart, losses_alone, packed_row, sharp_model
 from training.__main__ import main as training_cli
-from training.launch import launcher_command
-from training.model import load_tokenizer
-from training.recipe import load_recipe
+from training.parallel.launch import launcher_command
+from training.models.model import load_tokenizer
+from training.config.recipe import load_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -89,7 +89,7 @@ def test_model_parallel_runs_give_the_data_parallel_losses(runs, name):
     assert len(curve) == STEPS
     assert curve == pytest.approx(reference, rel=1e-5)
     # AdamW hardly notices gradients off by a constant factor; their norm does (ZeRO-3's reduce-scatter path
-    # without training/sequence_parallel.py's correction: half of it; AutoTP's shards: part of it)
+    # without training/parallel/sequence_parallel.py's correction: half of it; AutoTP's shards: part of it)
     assert losses(runs[name], "grad_norm") == pytest.approx(losses(runs[name.split()[0]], "grad_norm"), rel=1e-4)
     assert final_eval_loss(runs[name]) == pytest.approx(final_eval_loss(runs[name.split()[0]]), rel=1e-5)
 

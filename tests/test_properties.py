@@ -21,7 +21,7 @@ import train
 from tests.conftest import REPO, assert_only_created, tree_state
 from tools import compare, compare_zero
 from training import __main__ as training_cli
-from training.recipe import Recipe
+from training.config.recipe import Recipe
 import data_pipeline.__main__ as data_cli
 
 EXAMPLES = int(os.environ.get("HYPOTHESIS_EXAMPLES", "60"))

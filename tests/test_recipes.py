@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM
 import train
 from data_pipeline.pack import pack_concat
 from tests.conftest import REPO, run_train
-from training.model import load_model_config
-from training.recipe import available_recipes, load_recipe
+from training.models.model import load_model_config
+from training.config.recipe import available_recipes, load_recipe
 
 RECIPES = [name for name in available_recipes() if name not in ("tiny_llama", "tiny_llama_sft")]
 
@@ -86,7 +86,7 @@ def test_packed_documents_do_not_attend_to_each_other(name):
     """The recipe's model family (Llama, Mistral, Qwen2, GPT-2) on a packed row: every document gets the
     per-token loss it has alone, because the position ids restart at each document."""
     config = model_config(name)
-    config.update(small_sizes(config) | {"use_cache": False})  # as training builds it (training/model.py)
+    config.update(small_sizes(config) | {"use_cache": False})  # as training builds it (training/models/model.py)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,  # not the config's torch_dtype
                                              attn_implementation=cpu_attention(name)).eval()

@@ -151,7 +151,7 @@ def test_an_fp32_run_resumes_in_bf16_through_the_bf16_optimizers_own_loader(runs
 
 
 def test_a_conversion_is_made_once_and_one_a_kill_interrupted_is_made_again(runs):
-    from training.universal import convert
+    from training.state.universal import convert
     checkpoints, tag = runs["whole"] / "checkpoints", f"global_step{KILLED_AT}"
     leftover = checkpoints / "universal" / f".{tag}.partial" / tag
     leftover.mkdir(parents=True)

@@ -85,7 +85,7 @@ def test_an_earlier_run_is_not_overwritten_silently(no_model_building, capsys, t
 
 
 def test_default_output_dirs_never_replace_an_earlier_run(monkeypatch, tmp_path):
-    from training import output_dir
+    from training.state import output_dir
     monkeypatch.setattr(output_dir, "OUTPUT_ROOT", tmp_path)
     assert output_dir.default_output_dir("tiny_llama", resume=False) == tmp_path / "tiny_llama"
     (tmp_path / "tiny_llama" / "checkpoints").mkdir(parents=True)
@@ -335,7 +335,7 @@ def run_state_of(tag, **values) -> None:
 
 def test_lora_adapters_resume_only_on_the_base_they_were_trained_on(earlier_run, no_model_building, capsys, tmp_path,
                                                                     tree_guard):
-    from training.model import weights_digest
+    from training.models.model import weights_digest
     base = tmp_path / "base"
     save_small_checkpoint(base)
     tag = earlier_run / "checkpoints" / "global_step4"

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from data_pipeline.loader import EvalBatches, StepBatches
 from data_pipeline.prepare import prepare_dataset
 from tests.conftest import REPO, TRAIN_ENV, run_train, save_small_checkpoint, train_command
-from training.recipe import load_recipe
+from training.config.recipe import load_recipe
 
 pytestmark = pytest.mark.slow
 

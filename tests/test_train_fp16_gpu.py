@@ -1,7 +1,7 @@
 """precision: fp16 on an NVIDIA GPU, where a resumed run must continue with the loss scale it saved.
 
 Skipped, with the reason, without CUDA (CPU machines: DeepSpeed refuses fp16 there; the scaler's state round
-trip is unit-tested in tests/training/test_precision.py). Marked slow (three runs of a few steps).
+trip is unit-tested in tests/training/planning/test_precision.py). Marked slow (three runs of a few steps).
 
 The fp16 block starts the scale at 2^24 with hysteresis 2 and a window of 2 steps, so that the first steps
 overflow and the scale moves before and after the resume; at ZeRO-0 (torch autocast) and ZeRO-1 (DeepSpeed's

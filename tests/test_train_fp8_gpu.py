@@ -46,9 +46,9 @@ STEPS, LAST_LOGGED, MEAN_ABS_DIFF, FINAL_REL_DIFF = 300, 50, 0.05, 0.02
 
 
 def peak_overrides() -> list[str]:
-    """MFU needs the GPU's bf16 peak: training/flops.py's table knows H100/H200/L4/L40S/B200; another FP8 GPU
+    """MFU needs the GPU's bf16 peak: training/planning/flops.py's table knows H100/H200/L4/L40S/B200; another FP8 GPU
     gets a stated one, so that the mfu key is checked everywhere."""
-    from training.flops import peak_tflops
+    from training.planning.flops import peak_tflops
     return [] if peak_tflops(torch.cuda.get_device_name()) else ["logging.peak_tflops=100"]
 
 
@@ -85,7 +85,7 @@ def test_fp8_loss_curve_tracks_bf16(bf16_and_fp8):
 
 
 def test_gpu_summary_reports_tflops_and_mfu(bf16_and_fp8):
-    from training.flops import peak_tflops
+    from training.planning.flops import peak_tflops
     peak = peak_tflops(torch.cuda.get_device_name()) or 100.0
     for precision, (out, _) in bf16_and_fp8.items():
         summary = json.loads((out / "summary.json").read_text())

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from tests.conftest import REPO, SMALL_MODEL, TRAIN_ENV, run_train, save_small_checkpoint
-from training.launch import launcher_command
+from training.parallel.launch import launcher_command
 
 pytestmark = pytest.mark.slow
 

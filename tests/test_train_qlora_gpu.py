@@ -1,7 +1,7 @@
 """lora.quantize: nf4 (QLoRA) on an NVIDIA GPU: the base loads in 4 bits under ZeRO-3 and the adapters train.
 
 Skipped, with the reason, without CUDA or without bitsandbytes (the optional extra: pip install -r
-requirements-qlora.txt); the refusal on machines without CUDA is tested in tests/training/test_lora.py.
+requirements-qlora.txt); the refusal on machines without CUDA is tested in tests/training/models/test_lora.py.
 One rank, ZeRO-3 (the quant-storage path through zero.Init), 6 steps on the shrunk tiny_llama checkpoint:
 the decoder's linear layers are bitsandbytes 4-bit layers, the loss is finite and falls, the adapter exports,
 and its logits over the 4-bit base match the engine's (bf16: 2e-2).
@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.slow,
 def test_qlora_trains_under_zero3_and_exports_the_adapter(tmp_path, data_cache):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-    from training.lora import nf4_quantization
+    from training.models.lora import nf4_quantization
     base, out = tmp_path / "base", tmp_path / "run"
     save_small_checkpoint(base)
     result = run_train(["--recipe", "tiny_llama_sft", "--output-dir", str(out), f"model.name_or_path={base}",

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import train  # noqa: E402
-from training import output_dir  # noqa: E402
+from training.state import output_dir  # noqa: E402
 
 BLOCK = re.compile(r"```\n(\$ python train\.py [^\n]*)\n(.*?)```", re.S)
 

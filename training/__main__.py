@@ -4,10 +4,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from training.errors import exit_code
-from training.export import export_checkpoint, find_tag
-from training.precision import DTYPES
-from training.universal import convert
+from training.config.errors import exit_code
+from training.state.export import export_checkpoint, find_tag
+from training.planning.precision import DTYPES
+from training.state.universal import convert
 
 
 def main(argv: list[str] | None = None) -> int:

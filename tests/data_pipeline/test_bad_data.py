@@ -12,7 +12,7 @@ import pytest
 
 from data_pipeline.__main__ import main
 from tests.conftest import REPO, TRAIN_ENV, run_train
-from training.output_guard import written_by
+from training.state.output_guard import written_by
 
 CORPUS = REPO / "recipes/tiny_llama/corpus.jsonl"
 PREPARE = "python -m data_pipeline prepare"
@@ -52,7 +52,7 @@ def small_corpus(folder: Path, lines: int = 60) -> Path:
     return path
 
 
-# 1. prepare's --output follows training/output_guard.py, checked before any work
+# 1. prepare's --output follows training/state/output_guard.py, checked before any work
 
 @pytest.mark.parametrize("output, message", [
     ("{tmp}/some_file.txt/out", "some_file.txt is a file, not a folder; choose another --output"),
@@ -67,8 +67,8 @@ def small_corpus(folder: Path, lines: int = 60) -> Path:
         "the model config", "inside the recipe file", "an existing folder"])
 def test_prepare_refuses_an_output_that_breaks_the_output_rules(output, message, tmp_path, tree_guard, capsys,
                                                                   monkeypatch):
-    import training.model
-    monkeypatch.setattr(training.model, "load_tokenizer", lambda *args, **kwargs: pytest.fail("work started"))
+    import training.models.model
+    monkeypatch.setattr(training.models.model, "load_tokenizer", lambda *args, **kwargs: pytest.fail("work started"))
     small_corpus(tmp_path / "data")
     (tmp_path / "some_file.txt").write_text("a user's file\n")
     (tmp_path / "mine").mkdir()
@@ -291,7 +291,7 @@ def test_dedup_refuses_an_output_in_a_folder_it_cannot_write(tmp_path, tree_guar
 def test_dedup_leaves_an_earlier_output_whole_when_it_fails(tmp_path, tree_guard, capsys, monkeypatch):
     """The new output is written beside the old one and renamed over it: a failure before the rename leaves the
     earlier output as it was, and no partial file."""
-    from training import output_guard
+    from training.state import output_guard
     source, output = dedup_input(tmp_path), tmp_path / "out.jsonl"
     assert main(["dedup", str(source), str(output), "--no-near"]) == 0
     before = output.read_bytes()

@@ -6,7 +6,7 @@ import pytest
 
 from data_pipeline.dedup import (MinHasher, NearDuplicates, candidate_pairs, exact_duplicate_mask, first_of_group,
                                  lsh_bands, normalize)
-from training.recipe import RECIPES_DIR
+from training.config.recipe import RECIPES_DIR
 
 
 def word_shingles(text: str, n: int = 5) -> set:

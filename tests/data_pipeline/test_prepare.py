@@ -9,7 +9,7 @@ from data_pipeline import DataError
 from data_pipeline.config import DataConfig
 from data_pipeline.pack import IGNORE_INDEX
 from data_pipeline.prepare import mixture_rows, prepare_dataset
-from training.recipe import RECIPES_DIR
+from training.config.recipe import RECIPES_DIR
 
 TOKENIZER = AutoTokenizer.from_pretrained(RECIPES_DIR / "tiny_llama" / "tokenizer")
 EOS = TOKENIZER.eos_token_id

@@ -22,8 +22,8 @@ from data_pipeline.prepare import build_dataset, deduplicate, drop_empty  # noqa
 from data_pipeline.scale import Layout, deduplicated  # noqa: E402
 from data_pipeline.sources import load_documents  # noqa: E402
 from tests.conftest import REPO, SMALL_MODEL, run_train  # noqa: E402
-from training.model import load_tokenizer  # noqa: E402
-from training.recipe import load_recipe  # noqa: E402
+from training.models.model import load_tokenizer  # noqa: E402
+from training.config.recipe import load_recipe  # noqa: E402
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 NEAR = "data.dedup.near=true"

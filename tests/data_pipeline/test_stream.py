@@ -8,8 +8,8 @@ from transformers import AutoTokenizer
 from data_pipeline.config import DataConfig
 from data_pipeline.pack import pack_concat
 from data_pipeline.stream import StreamingBatches, split_lengths
-from training.errors import ConfigError
-from training.recipe import RECIPES_DIR, load_recipe
+from training.config.errors import ConfigError
+from training.config.recipe import RECIPES_DIR, load_recipe
 
 CORPUS = RECIPES_DIR / "tiny_llama" / "corpus.jsonl"
 TOKENIZER = AutoTokenizer.from_pretrained(RECIPES_DIR / "tiny_llama" / "tokenizer")

@@ -1,5 +1,5 @@
 """Run through the deepspeed launcher: LoRA on a saved tiny Llama checkpoint, as train.py builds it (the checkpoint
-loaded by training/model.py, inside zero.Init under ZeRO-3; adapters from training/lora.py), a few AdamW steps
+loaded by training/models/model.py, inside zero.Init under ZeRO-3; adapters from training/models/lora.py), a few AdamW steps
 under the given ZeRO config (fp32, constant learning rate), each rank on its own batch, then the export. Rank 0
 then repeats the steps with plain transformers + peft + torch.optim.AdamW on the mean loss, and loads the export
 with plain peft and transformers. Prints as JSON: both runs' losses, the largest difference of the trained
@@ -20,12 +20,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from training import distributed  # noqa: E402
-from training.ds_config import load_ds_config, resolve_ds_config  # noqa: E402
-from training.lora import export_lora, lora_config, with_lora  # noqa: E402
-from training.model import build_model, load_model_config  # noqa: E402
-from training.optimizer import lr_schedule, weight_decay_groups  # noqa: E402
-from training.recipe import load_recipe  # noqa: E402
+from training.parallel import distributed  # noqa: E402
+from training.config.ds_config import load_ds_config, resolve_ds_config  # noqa: E402
+from training.models.lora import export_lora, lora_config, with_lora  # noqa: E402
+from training.models.model import build_model, load_model_config  # noqa: E402
+from training.loop.optimizer import lr_schedule, weight_decay_groups  # noqa: E402
+from training.config.recipe import load_recipe  # noqa: E402
 from tests.helpers import end_process  # noqa: E402
 
 STEPS, ROWS, SEQ_LEN, VOCAB = 3, 2, 32, 256

@@ -20,11 +20,11 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from training import distributed  # noqa: E402
-from training.ds_config import load_ds_config, resolve_ds_config  # noqa: E402
-from training.optimizer import client_optimizer, lr_schedule, weight_decay_groups  # noqa: E402
-from training.recipe import load_recipe  # noqa: E402
-from training.shape import decoder_layers  # noqa: E402
+from training.parallel import distributed  # noqa: E402
+from training.config.ds_config import load_ds_config, resolve_ds_config  # noqa: E402
+from training.loop.optimizer import client_optimizer, lr_schedule, weight_decay_groups  # noqa: E402
+from training.config.recipe import load_recipe  # noqa: E402
+from training.planning.shape import decoder_layers  # noqa: E402
 from tests.helpers import end_process  # noqa: E402
 
 STEPS, ROWS, SEQ_LEN, VOCAB = 3, 2, 32, 256

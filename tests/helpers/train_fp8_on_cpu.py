@@ -10,10 +10,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import training.precision  # noqa: E402
+import training.planning.precision  # noqa: E402
 from tests.helpers import end_process  # noqa: E402
 
-training.precision.check_fp8_hardware = lambda: None  # as on an H100
+training.planning.precision.check_fp8_hardware = lambda: None  # as on an H100
 
 import train  # noqa: E402
 

@@ -1,0 +1,102 @@
+import pytest
+
+from training.config.errors import ConfigError
+from training.config.recipe import RECIPES_DIR, available_recipes, load_recipe
+
+
+@pytest.mark.parametrize("name", available_recipes())
+def test_every_shipped_recipe_validates(name):
+    recipe = load_recipe(name)
+    assert recipe.name == name
+    assert recipe.path == RECIPES_DIR / name / "recipe.yaml"
+    assert (RECIPES_DIR / name / "README.md").is_file()
+
+
+def test_paths_in_the_file_count_from_the_recipe_folder():
+    recipe = load_recipe("tiny_llama")
+    assert recipe.model.config == str(RECIPES_DIR / "tiny_llama" / "config.json")
+    assert recipe.tokenizer_path == str(RECIPES_DIR / "tiny_llama" / "tokenizer")
+    assert recipe.data.sources[0].path == str(RECIPES_DIR / "tiny_llama" / "corpus.jsonl")
+
+
+def test_overrides_are_yaml_values_and_paths_count_from_the_current_folder(tmp_path, monkeypatch):
+    (tmp_path / "mine.jsonl").write_text('{"text": "hello"}\n')
+    monkeypatch.chdir(tmp_path)
+    recipe = load_recipe("tiny_llama", ["training.max_steps=20", "training.betas=[0.8, 0.9]", "precision=bf16",
+                                        "data.sources.0.path=mine.jsonl", "deepspeed.overrides.zero_optimization.stage=2"])
+    assert recipe.training.max_steps == 20
+    assert recipe.training.betas == (0.8, 0.9)
+    assert recipe.precision == "bf16"
+    assert recipe.data.sources[0].path == str(tmp_path / "mine.jsonl")
+    assert recipe.deepspeed.overrides == {"zero_optimization": {"stage": 2}}
+    # what the file set and no override touched is kept
+    assert recipe.training.lr == 3.0e-3
+    assert recipe.model.config == str(RECIPES_DIR / "tiny_llama" / "config.json")
+
+
+def test_recipe_by_folder_and_by_file(tmp_path):
+    assert load_recipe(str(RECIPES_DIR / "tiny_llama")).name == "tiny_llama"
+    text = (RECIPES_DIR / "tiny_llama" / "recipe.yaml").read_text().replace("config.json", str(RECIPES_DIR / "tiny_llama" / "config.json"))
+    text = text.replace("name_or_path: tokenizer", f"name_or_path: {RECIPES_DIR / 'tiny_llama' / 'tokenizer'}")
+    text = text.replace("path: corpus.jsonl", f"path: {RECIPES_DIR / 'tiny_llama' / 'corpus.jsonl'}")
+    (tmp_path / "my_run.yaml").write_text(text)
+    assert load_recipe(str(tmp_path / "my_run.yaml")).name == "my_run"
+
+
+def test_unknown_recipe_lists_the_valid_ones():
+    with pytest.raises(ConfigError, match=r"unknown recipe 'tiny_lama'.*Available recipes: .*tiny_llama"):
+        load_recipe("tiny_lama")
+
+
+def test_mistyped_key_in_the_file_names_key_file_and_suggestion(tmp_path):
+    text = (RECIPES_DIR / "tiny_llama" / "recipe.yaml").read_text().replace("warmup_steps:", "warmup_step:")
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text.replace("config.json", str(RECIPES_DIR / "tiny_llama" / "config.json")))
+    with pytest.raises(ConfigError) as error:
+        load_recipe(str(path))
+    message = str(error.value)
+    assert str(path) in message
+    assert "training.warmup_step: unknown key; did you mean 'warmup_steps'?" in message
+
+
+def test_mistyped_override_names_the_override_and_suggests():
+    with pytest.raises(ConfigError) as error:
+        load_recipe("tiny_llama", ["trainng.max_steps=3"])
+    assert "trainng.max_steps=3" in str(error.value)
+    assert "trainng: unknown key; did you mean 'training'?" in str(error.value)
+
+
+def test_every_problem_is_reported_at_once():
+    with pytest.raises(ConfigError) as error:
+        load_recipe("tiny_llama", ["training.lr=fast", "data.seq_len=-1", "precision=fp7"])
+    message = str(error.value)
+    assert "has 3 problem(s)" in message
+    assert "training.lr: Input should be a valid number" in message and "'fast'" in message
+    assert "data.seq_len: Input should be greater than 0 (got -1)" in message
+    assert "precision: Input should be 'auto', 'bf16', 'fp16', 'fp32' or 'fp8' (got 'fp7')" in message
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("training.epochs=2", "set exactly one of training.max_steps and training.epochs"),
+    ("data.sources.0.path=missing.jsonl", "data.sources.0.path: file not found"),
+    ("model.config=null", "set model.config .*, model.name_or_path .*, or both"),
+    ("oops", "not of the form key.path=value"),
+    ("training.lr.value=1", "training.lr is a float, not a mapping"),
+    ("long_context.offload_checkpoints=true", "set activation_checkpointing=true"),
+])
+def test_invalid_overrides(override, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_recipe("tiny_llama", [override])
+
+
+def test_unsupported_data_file_type(tmp_path):
+    (tmp_path / "data.xml").write_text("<doc/>")
+    with pytest.raises(ConfigError, match=r"data.xml: unsupported file type; use one of .jsonl"):
+        load_recipe("tiny_llama", [f"data.sources.0.path={tmp_path / 'data.xml'}"])
+
+
+def test_invalid_yaml_names_the_file(tmp_path):
+    path = tmp_path / "recipe.yaml"
+    path.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match=f"{path} is not valid YAML"):
+        load_recipe(str(path))

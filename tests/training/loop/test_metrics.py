@@ -1,0 +1,38 @@
+import gc
+
+import torch
+
+from training.loop.metrics import FlopsMeter, held_tensor_bytes, record_model_states
+
+
+def test_model_states_are_measured_when_the_second_step_starts():
+    gc.collect()
+    before = held_tensor_bytes(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))]))["cpu"]  # other tests' tensors
+    model = torch.nn.Linear(1000, 1000, bias=False)  # 4 MB of fp32 weights
+    optimizer = torch.optim.AdamW(model.parameters())
+    measured, steps_done = {}, [0]
+    record_model_states(optimizer, lambda: steps_done[0], 1, measured)
+    for step in range(3):
+        model(torch.randn(4, 1000)).sum().backward()
+        optimizer.step()
+        steps_done[0] += 1
+        if step == 0:
+            assert not measured  # AdamW makes its states at the first step
+        optimizer.zero_grad()
+    weights = 4_000_000
+    # weights + gradients + two AdamW moments (+ the step counter and the batch)
+    assert 4 * weights <= measured["cpu"] - before < 4 * weights + 100_000
+
+
+def test_held_tensors_count_shared_storage_once():
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))])
+    before = held_tensor_bytes(optimizer)["cpu"]
+    big = torch.zeros(2_000_000)
+    views = [big[:10], big[5:], big.view(1000, 2000)]  # noqa: F841 (held)
+    assert held_tensor_bytes(optimizer)["cpu"] - before == 8_000_000
+
+
+def test_flops_meter():
+    meter = FlopsMeter(model_flops_per_step=3e12, hardware_flops_per_step=4e12, peak_tflops=100.0)
+    assert meter.metrics(steps=10, seconds=2.0) == {"tflops": 15.0, "hardware_tflops": 20.0, "mfu": 0.15}
+    assert "mfu" not in FlopsMeter(3e12, 3e12, None).metrics(1, 1.0)

@@ -1,0 +1,87 @@
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from training.config.errors import ConfigError
+from training.models.model import build_model, check_recipe_against_model, load_model_config
+from training.config.recipe import load_recipe
+
+
+def test_config_overrides_shrink_the_model():
+    recipe = load_recipe("tiny_llama", ["model.config_overrides={num_hidden_layers: 2, hidden_size: 64}"])
+    config = load_model_config(recipe.model)
+    assert (config.num_hidden_layers, config.hidden_size, config.use_cache) == (2, 64, False)
+
+
+def test_config_overrides_rederive_per_layer_values():
+    recipe = load_recipe("qwen2_5_1_5b", ["model.config_overrides={num_hidden_layers: 3}"])
+    config = load_model_config(recipe.model)
+    assert config.num_hidden_layers == 3 and config.layer_types == ["full_attention"] * 3
+
+
+def test_unknown_config_override_is_an_error():
+    recipe = load_recipe("tiny_llama", ["model.config_overrides={num_layers: 2}"])
+    with pytest.raises(ConfigError, match="model.config_overrides: num_layers not in LlamaConfig"):
+        load_model_config(recipe.model)
+
+
+def test_seq_len_longer_than_the_model_positions():
+    recipe = load_recipe("tiny_llama", ["data.seq_len=2048"])
+    with pytest.raises(ConfigError, match="data.seq_len=2048 is longer than the model's max_position_embeddings=1024"):
+        check_recipe_against_model(recipe, load_model_config(recipe.model), vocab_size=4096)
+
+
+def test_tokenizer_larger_than_the_model_vocabulary():
+    recipe = load_recipe("tiny_llama", ["model.config_overrides={vocab_size: 1000}"])
+    with pytest.raises(ConfigError, match="has 4096 tokens but the model's vocab_size is 1000"):
+        check_recipe_against_model(recipe, load_model_config(recipe.model), vocab_size=4096)
+
+
+def test_unreadable_model_config(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    recipe = load_recipe("tiny_llama", [f"model.config={tmp_path / 'config.json'}"])
+    with pytest.raises(ConfigError, match=f"cannot read a model config from {tmp_path / 'config.json'}"):
+        load_model_config(recipe.model)
+
+
+def test_zero3_builds_the_checkpoint_partitioned(tmp_path, one_rank):
+    """Under ZeRO-3 the parameters are partitioned as they are created (zero.Init): the module holds
+    empty tensors, each rank only its shard, and the shards hold the checkpoint's weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    recipe = load_recipe("tiny_llama", ["model.config=null", f"model.name_or_path={tmp_path}"])
+    ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+    model = build_model(recipe, load_model_config(recipe.model), ds_config, "bf16")
+    saved = load_file(tmp_path / "model.safetensors")
+    for name, param in model.named_parameters():
+        assert param.numel() == 0 and param.ds_numel == saved[name].numel() and param.ds_tensor.dtype == torch.bfloat16
+        torch.testing.assert_close(param.ds_tensor.view(saved[name].shape).float(), saved[name].bfloat16().float())
+
+
+@pytest.mark.parametrize("precision, stage, dtype", [("bf16", 2, torch.bfloat16), ("bf16", 0, torch.float32),
+                                                     ("fp32", 3, torch.float32), ("fp16", 1, torch.float16)])
+def test_checkpoints_load_in_the_runs_precision(precision, stage, dtype, one_rank, tmp_path):
+    """An fp32 checkpoint loads as the run keeps its weights: 16-bit under ZeRO (DeepSpeed keeps the fp32 master
+    copy), fp32 at ZeRO-0, where bf16 and fp16 run as autocast over fp32 weights; the values are the
+    checkpoint's, cast. (ZeRO-3 holds each parameter's values in its partition; gathered, they are the whole
+    tensor.)"""
+    import deepspeed
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    recipe = load_recipe("tiny_llama", ["model.config=null", f"model.name_or_path={tmp_path}"])
+    ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}}
+    model = build_model(recipe, load_model_config(recipe.model), ds_config, precision)
+    saved = load_file(tmp_path / "model.safetensors")
+    assert {value.dtype for value in saved.values()} == {torch.float32}
+    parameters = dict(model.named_parameters())
+    assert parameters.keys() == saved.keys()
+    if stage == 3:  # built partitioned (zero.Init): each module holds an empty placeholder until gathered
+        assert all(param.numel() == 0 for param in parameters.values())
+    with deepspeed.zero.GatheredParameters(list(parameters.values()), enabled=stage == 3):
+        for name, param in parameters.items():
+            assert param.dtype == dtype and param.shape == saved[name].shape
+            torch.testing.assert_close(param.detach(), saved[name].to(dtype), rtol=0, atol=0)

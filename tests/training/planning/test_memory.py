@@ -1,0 +1,125 @@
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from training.planning.memory import activation_bytes, layer_bytes_per_token, model_states, zero_arithmetic, zero_setting
+from training.planning.shape import model_shape
+
+# Shapes unlike the ones the rules were read from: GQA, a head_dim that is not hidden/heads, odd widths.
+CONFIGS = {
+    "llama": dict(hidden_size=192, intermediate_size=384, num_attention_heads=6, num_key_value_heads=2,
+                  vocab_size=700),
+    "mistral": dict(hidden_size=128, intermediate_size=320, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=48, vocab_size=500),
+    "qwen3": dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=40, vocab_size=600),
+    "mixtral": dict(hidden_size=128, intermediate_size=200, num_attention_heads=4, num_key_value_heads=2, head_dim=40,
+                    vocab_size=600, num_local_experts=6, num_experts_per_tok=2),
+    "qwen3_moe": dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=96, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=40, vocab_size=600, num_experts=8, num_experts_per_tok=3),
+    "gpt2": dict(n_embd=160, n_head=5, vocab_size=900, n_positions=512, resid_pdrop=0.0, embd_pdrop=0.0,
+                 attn_pdrop=0.0),
+}
+LAYERS, BATCH, SEQ_LEN = 3, 2, 96
+
+
+def saved_activation_bytes(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor) -> int:
+    """Bytes of the tensors autograd saves for the backward pass, each storage once, weights excluded."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(input_ids=input_ids, labels=input_ids, position_ids=position_ids)
+    return sum(storages.values())
+
+
+def measure(model_type: str, dtype: torch.dtype, checkpointing: bool, tiling=None):
+    layers_key = "n_layer" if model_type == "gpt2" else "num_hidden_layers"
+    config = AutoConfig.for_model(model_type, **CONFIGS[model_type], **{layers_key: LAYERS})
+    config.use_cache = False
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype).train()
+    if tiling:
+        from training.models.long_context import apply_long_context
+        apply_long_context(model, tiling)
+    if checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    input_ids = torch.randint(0, config.vocab_size, (BATCH, SEQ_LEN))
+    position_ids = torch.cat([torch.arange(40), torch.arange(SEQ_LEN - 40)]).repeat(BATCH, 1)  # two documents
+    return model_shape(config), saved_activation_bytes(model, input_ids, position_ids)
+
+
+@pytest.mark.parametrize("model_type", list(CONFIGS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_rule_matches_the_saved_tensors(model_type, dtype):
+    shape, measured = measure(model_type, dtype, checkpointing=False)
+    tokens, size = BATCH * SEQ_LEN, dtype.itemsize
+    estimate = activation_bytes(shape, tokens, SEQ_LEN, size, "sdpa").without_checkpointing
+    logits_transient = tokens * (size + 4) * shape.vocab_size  # in the peak, never saved for backward
+    assert estimate - logits_transient == pytest.approx(measured, rel=0.005)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_checkpointing_keeps_only_layer_inputs(model_type):
+    shape, measured = measure(model_type, torch.bfloat16, checkpointing=True)
+    tokens = BATCH * SEQ_LEN
+    estimate = activation_bytes(shape, tokens, SEQ_LEN, 2, "sdpa").with_checkpointing
+    recomputed_layer = tokens * layer_bytes_per_token(shape, SEQ_LEN, 2, "sdpa")  # live during its backward only
+    logits_transient = tokens * 6 * shape.vocab_size
+    assert estimate - recomputed_layer - logits_transient == pytest.approx(measured, rel=0.03)
+    _, without = measure(model_type, torch.bfloat16, checkpointing=False)
+    assert measured < without / 2
+
+
+def test_zero_arithmetic_shards_what_each_stage_shards():
+    params, ranks = 1_000, 4
+    assert zero_arithmetic(params, 0, ranks, "bf16") == 16_000
+    assert zero_arithmetic(params, 1, ranks, "bf16") == 4_000 + 12_000 / 4
+    assert zero_arithmetic(params, 2, ranks, "bf16") == 2_000 + 14_000 / 4
+    assert zero_arithmetic(params, 3, ranks, "bf16") == 16_000 / 4
+    assert zero_arithmetic(params, 0, ranks, "fp32") == 16_000
+    assert zero_arithmetic(params, 3, ranks, "fp32") == 20_000 / 4  # DeepSpeed's ZeRO keeps an fp32 master copy
+
+
+def test_model_states_use_deepspeeds_estimators_for_zero_2_and_3():
+    shape = model_shape(AutoConfig.from_pretrained("recipes/tiny_llama/config.json"))
+    zero2 = model_states("2", shape, 8, 1, "bf16", zero_init=False)
+    assert zero2.source == "DeepSpeed estimator"
+    assert zero2.device_bytes == 2 * shape.parameters + int(18 * shape.parameters / 8)  # its documented formula
+    offloaded = model_states("3_offload", shape, 8, 1, "bf16", zero_init=True)
+    assert offloaded.device_bytes < model_states("3", shape, 8, 1, "bf16", zero_init=True).device_bytes
+    assert offloaded.host_bytes > 0
+    assert model_states("1", shape, 8, 1, "bf16", zero_init=False).source == "ZeRO arithmetic"
+
+
+@pytest.mark.parametrize("name, expected", [("zero1", "1"), ("zero3", "3"), ("zero2_offload", "2_offload"),
+                                            ("zero3_offload", "3_offload")])
+def test_zero_setting_of_the_shipped_configs(name, expected):
+    import json
+    assert zero_setting(json.loads(open(f"ds_configs/{name}.json").read())) == expected
+
+
+@pytest.mark.parametrize("tiled_mlp, logits_tile_tokens", [(True, None), (False, 64), (True, 64)])
+def test_tiling_rules_match_the_saved_tensors(tiled_mlp, logits_tile_tokens):
+    """training/models/long_context.py's tiles: the MLPs' and the head's wide activations are no longer saved; one tile's
+    are live at a time."""
+    from training.config.recipe import LongContextSection
+    section = LongContextSection(tiled_mlp=tiled_mlp, logits_tile_tokens=logits_tile_tokens)
+    shape, measured = measure("llama", torch.bfloat16, checkpointing=False, tiling=section)
+    tokens, a, vocab = BATCH * SEQ_LEN, 2, shape.vocab_size
+    estimate = activation_bytes(shape, tokens, SEQ_LEN, a, "sdpa", tiled_mlp=tiled_mlp,
+                                logits_tile_tokens=logits_tile_tokens).without_checkpointing
+    mlp_tile = min(tokens, BATCH * shape.hidden_size) * 4 * a * shape.intermediate_size if tiled_mlp else 0
+    logits = min(tokens, logits_tile_tokens or tokens) * (a + 4) * vocab
+    transient = max(mlp_tile, logits) if logits_tile_tokens else mlp_tile + logits
+    # sequence_tiled_compute keeps its inputs (the head's input and the labels) on its context object, out of
+    # the saved-tensor hooks' sight: added to the measurement
+    held = tokens * (a * shape.hidden_size + 8) if logits_tile_tokens else 0
+    assert estimate - transient == pytest.approx(measured + held, rel=0.005)
+    assert estimate < activation_bytes(shape, tokens, SEQ_LEN, a, "sdpa").without_checkpointing

@@ -1,0 +1,56 @@
+import deepspeed
+import torch
+
+from training.state.checkpoint import load_checkpoint, save_checkpoint
+from training.planning.precision import FP16BlockGradScaler
+
+RUN_STATE = {"step": 4, "tokens_seen": 64, "world_size": 1, "zero_stage": 0, "precision": "fp16"}
+
+
+def engine_with_fp16_block_scaler() -> deepspeed.DeepSpeedEngine:
+    """A ZeRO-0 engine carrying the fp16 scaler that train.py installs there (CPU computes in fp32, but the
+    scaler's state and its way through the checkpoint are the same)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0},
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.1, "torch_adam": True}},
+              "fp16": {"initial_scale_power": 10, "hysteresis": 1, "loss_scale_window": 100}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine.torch_autocast_z0_gradscaler = FP16BlockGradScaler(config, "cpu")
+    return engine
+
+
+def test_the_zero0_fp16_loss_scale_survives_save_and_resume(one_rank, tmp_path):
+    engine = engine_with_fp16_block_scaler()
+    scaler = engine.torch_autocast_z0_gradscaler
+    for overflow in (True, False, True):  # two overflows: 1024 -> 256, with the policy's counters moved
+        engine.zero_grad()
+        scaler.scale(engine.module(torch.ones(1, 4)).sum()).backward()
+        if overflow:
+            engine.module.weight.grad[0, 0] = float("inf")
+        scaler.step(engine.optimizer)
+        scaler.update()
+    saved = scaler.state_dict()
+    assert saved["scale"] == 256
+    save_checkpoint(engine, tmp_path, RUN_STATE, {"position": 3}, hf_files=(), keep_last=None)
+
+    resumed = engine_with_fp16_block_scaler()
+    assert resumed.torch_autocast_z0_gradscaler.get_scale() == 1024
+    run_state, data_state = load_checkpoint(resumed, tmp_path, layout={
+        **{key: value for key, value in RUN_STATE.items() if key not in ("step", "tokens_seen")},
+        "pipeline_stages": 1, "tensor_parallel": 1, "sequence_parallel": 1, "optimizer": "adamw", "lora": False})
+    assert run_state.items() >= RUN_STATE.items() and data_state == {"position": 3}
+    assert resumed.torch_autocast_z0_gradscaler.state_dict() == saved
+
+
+def test_a_zero0_checkpoint_loads_as_it_is_in_another_zero0_layout(one_rank, tmp_path):
+    """ZeRO-0 holds the whole weights and optimizer state: another world size or precision at ZeRO-0 loads them as
+    they are (needs_universal), never through a universal conversion, which ZeRO-0 checkpoints do not have."""
+    engine = engine_with_fp16_block_scaler()
+    wrote = {**RUN_STATE, "world_size": 2}
+    save_checkpoint(engine, tmp_path, wrote, {"position": 3}, hf_files=(), keep_last=None)
+    (tmp_path / "global_step4" / "rank_state1.pt").write_bytes((tmp_path / "global_step4" / "rank_state0.pt").read_bytes())
+    run_state, data_state = load_checkpoint(engine_with_fp16_block_scaler(), tmp_path, layout={
+        "world_size": 1, "zero_stage": 0, "precision": "bf16", "pipeline_stages": 1, "tensor_parallel": 1,
+        "sequence_parallel": 1, "optimizer": "adamw", "lora": False})
+    assert run_state["world_size"] == 2 and data_state == {"position": 3}

@@ -1,0 +1,103 @@
+"""Which resumes go through a universal checkpoint, and which cannot be made (the conversions themselves run
+in tests/test_resume_anywhere.py)."""
+import pytest
+
+from training.config.errors import ConfigError
+from training.state.universal import needs_universal
+
+WROTE = {"step": 6, "tokens_seen": 100, "world_size": 2, "zero_stage": 2, "precision": "fp32", "pipeline_stages": 1}
+HINT = "python -m training export X DIR"
+
+
+def layout(**changes) -> dict:
+    return {"world_size": 2, "zero_stage": 2, "precision": "fp32", "pipeline_stages": 1, "tensor_parallel": 1,
+            "sequence_parallel": 1, "optimizer": "adamw", "lora": False, **changes}
+
+
+@pytest.mark.parametrize("changes, universal", [
+    ({}, False),
+    ({"sequence_parallel": 2}, True),
+    ({"world_size": 1}, True),
+    ({"zero_stage": 3}, True),
+    ({"zero_stage": 1, "world_size": 4}, True),
+    ({"precision": "bf16"}, True),
+])
+def test_another_layout_resumes_through_a_universal_checkpoint(changes, universal):
+    assert needs_universal(WROTE, layout(**changes), streaming=False, export_hint=HINT) is universal
+
+
+def test_zero_0_resumes_as_it_is_on_any_ranks_and_precision():
+    wrote = {**WROTE, "zero_stage": 0}
+    assert needs_universal(wrote, layout(zero_stage=0, world_size=4, precision="bf16"), False, HINT) is False
+
+
+@pytest.mark.parametrize("key", ["pipeline_stages", "tensor_parallel", "sequence_parallel", "optimizer", "lora"])
+def test_run_states_older_than_a_key_count_as_its_default(key):
+    wrote = {name: value for name, value in WROTE.items() if name != key}
+    assert needs_universal(wrote, layout(), False, HINT) is False
+
+
+@pytest.mark.parametrize("wrote, changes, message", [
+    ({"zero_stage": 0}, {"zero_stage": 3}, "zero_stage 0 -> 3.*universal checkpoints connect ZeRO stages 1, 2 and 3"),
+    ({}, {"zero_stage": 0}, "zero_stage 2 -> 0.*Resume at ZeRO-0 \\(on any number of ranks\\)"),
+    ({"pipeline_stages": 2}, {"world_size": 4, "pipeline_stages": 2}, "a pipeline checkpoint keeps each layer"),
+    ({"tensor_parallel": 2}, {"world_size": 4, "tensor_parallel": 2}, "a tensor-parallel checkpoint holds each rank's"),
+    ({}, {"tensor_parallel": 2}, "tensor_parallel 1 -> 2.*resume in the layout that wrote it"),
+    ({}, {"pipeline_stages": 2}, "pipeline_stages 1 -> 2.*Megatron's layer layout"),
+    ({}, {"optimizer": "lion"}, "optimizer adamw -> lion.*holds adamw's optimizer states; resume with optimizer.name=adamw"),
+    ({"optimizer": "muon"}, {"optimizer": "muon", "world_size": 1}, "proven here with AdamW's moments, not muon's"),
+    ({"sequence_parallel": 2}, {"tensor_parallel": 2}, "sequence_parallel 2 -> 1.*a tensor-parallel checkpoint"),
+])
+def test_what_cannot_be_converted_is_refused_with_the_way_out(wrote, changes, message):
+    with pytest.raises(ConfigError, match=message) as error:
+        needs_universal({**WROTE, **wrote}, layout(**changes), streaming=False, export_hint=HINT)
+    assert HINT in str(error.value)
+
+
+def test_a_stream_cannot_move_to_another_number_of_ranks():
+    with pytest.raises(ConfigError, match="world_size 2 -> 1.*data.streaming.*resume with 2 rank"):
+        needs_universal(WROTE, layout(world_size=1), streaming=True, export_hint=HINT)
+    assert needs_universal(WROTE, layout(zero_stage=3), streaming=True, export_hint=HINT) is True
+
+
+def test_a_checkpoint_the_converter_cannot_read_exits_2_and_leaves_nothing(tmp_path, capsys):
+    from training.__main__ import main
+    tag = tmp_path / "checkpoints" / "global_step4"
+    tag.mkdir(parents=True)
+    (tag / "run_state.json").write_text('{"step": 4}')
+    (tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"truncated by a full disk")
+    assert main(["convert", str(tag)]) == 2
+    error = capsys.readouterr().err
+    assert f"DeepSpeed's universal converter could not convert {tag}" in error
+    assert f"python -m training export {tag} DIR" in error
+    assert not list((tmp_path / "checkpoints").rglob("*partial*"))
+
+
+def test_pipeline_and_zero_0_checkpoints_are_refused_by_name(tmp_path, capsys):
+    from training.__main__ import main
+    for name, problem in (("layer_00-model_states.pt", "is a pipeline checkpoint"),
+                          ("mp_rank_00_model_states.pt", "holds no ZeRO optimizer partitions")):
+        tag = tmp_path / name / "global_step4"
+        tag.mkdir(parents=True)
+        (tag / "run_state.json").write_text('{"step": 4}')
+        (tag / name).write_bytes(b"weights")
+        assert main(["convert", str(tag)]) == 2
+        assert problem in capsys.readouterr().err
+
+
+def test_the_converter_reads_the_tensor_parallel_degree_where_run_converter_sets_it():
+    """run_converter replaces this DeepSpeed 0.19.8 reader of the model-state files' parallel_dims: if DeepSpeed
+    moves it, sequence-parallel checkpoints would convert as tensor-parallel ones again."""
+    from deepspeed.checkpoint.constants import CHECKPOINT_PARALLEL_DIMS, CHECKPOINT_TP_DEGREE
+    from deepspeed.checkpoint.deepspeed_checkpoint import DeepSpeedCheckpoint
+    dimensions = {CHECKPOINT_PARALLEL_DIMS: {"pp_degree": 1, CHECKPOINT_TP_DEGREE: 2}}
+    assert DeepSpeedCheckpoint._lightweight_parallel_dimensions(dimensions)[CHECKPOINT_TP_DEGREE] == 2
+    assert "_lightweight_parallel_dimensions(model_state)" in \
+        __import__("inspect").getsource(DeepSpeedCheckpoint._discover_model_state_metadata)
+
+
+def test_deepspeed_reads_load_universal_where_loading_universal_sets_it():
+    """loading_universal sets the engine config's flag for each load; DeepSpeed 0.19.8 reads it there, at each load."""
+    import inspect
+    from deepspeed import DeepSpeedEngine
+    assert "self._config.load_universal_checkpoint" in inspect.getsource(DeepSpeedEngine.load_universal_checkpoint)

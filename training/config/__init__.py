@@ -1,0 +1,1 @@
+"""The recipe and DeepSpeed config: their schema, validation and the automatic choice."""

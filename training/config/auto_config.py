@@ -1,0 +1,120 @@
+"""`deepspeed.config=auto`: the DeepSpeed config chosen from the memory plan, before anything is built.
+
+The least-sharded setting whose model states plus one micro-batch's activations fit within the plan's
+headroom of a rank's memory (a GPU's, or on a CPU the RAM its ranks share): ZeRO-0, then 1, 2, 3, then 3 with
+offload; without activation checkpointing first, and with it only when nothing fits without (a recipe that
+turns checkpointing on keeps it). Settings that the run's own checks refuse (Muon with offload, tensor
+parallelism at ZeRO-0, ...) are passed over. Offload moves model states to the host, whose memory is not
+checked here (the plan prints what it needs per node). DeepSpeed's autotuner answers the same question by
+running experiments; this needs none.
+"""
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from transformers import PretrainedConfig
+
+from training.config.errors import ConfigError
+from training.planning.memory import HEADROOM
+from training.planning.plan import Machine, activations, format_bytes, states_per_setting
+from training.config.recipe import Recipe
+from training.planning.shape import ModelShape, model_shape
+
+AUTO_ORDER = ("0", "1", "2", "3", "3_offload")  # least sharded first, named as ds_configs/zero*.json
+
+
+@dataclass(frozen=True)
+class Need:
+    setting: str
+    checkpointing: bool
+    states: float  # bytes per rank
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.states + self.activations
+
+
+def choose_ds_config(recipe: Recipe, config: PretrainedConfig, precision: str, machine: Machine,
+                     refusal: Callable[[Recipe], str | None]) -> Recipe:
+    """The recipe with `deepspeed.config` (and `activation_checkpointing`) as chosen; a ConfigError naming
+    the shortfall and what would fit when nothing does. refusal(recipe): why the run's checks refuse it, or None."""
+    if recipe.parallelism.pipeline_stages > 1:
+        raise ConfigError("deepspeed.config=auto plans one model per rank; with pipeline stages choose zero0 or "
+                          "zero1 yourself (--dry-run prints each stage's memory)")
+    tensor = recipe.parallelism.tensor_parallel
+    if tensor > machine.gpus_per_node:
+        raise ConfigError(f"deepspeed.config=auto with parallelism.tensor_parallel={tensor}: the plan is for "
+                          f"{machine.gpus_per_node} GPU(s) per node, and a tensor-parallel group splits each matrix "
+                          f"over the GPUs of one node; choose parallelism.tensor_parallel of at most "
+                          f"{machine.gpus_per_node}, or plan for nodes of {tensor} or more GPUs (--num-gpus {tensor})")
+    budget, shape = HEADROOM * machine.memory_per_rank, model_shape(config, recipe.lora)
+    refused = []
+    for need in memory_needs(recipe, shape, precision, machine):
+        if need.total <= budget:
+            chosen = with_setting(recipe, need)
+            why = refusal(chosen)
+            if why is None:
+                return chosen
+            refused.append(f"  {chosen.deepspeed.config}: " + " ".join(why.split()))
+    if refused:
+        raise ConfigError("deepspeed.config=auto: what fits, the run's checks refuse:\n" + "\n".join(refused))
+    raise ConfigError(shortfall(recipe, shape, precision, machine))
+
+
+def memory_needs(recipe: Recipe, shape: ModelShape, precision: str, machine: Machine) -> list[Need]:
+    """Each candidate's bytes per rank, in the order of preference."""
+    acts = activations(recipe, precision, shape)
+    if acts is None:
+        raise ConfigError(f"deepspeed.config=auto: the plan has no activation rule for model type {shape.model_type}; "
+                          f"choose a config under ds_configs/ yourself")
+    states = states_per_setting(recipe, precision, shape, machine)
+    return [Need(setting, checkpointing, states[setting].device_bytes, acts.peak(checkpointing))
+            for checkpointing in ([True] if recipe.activation_checkpointing else [False, True])
+            for setting in AUTO_ORDER if setting in states]
+
+
+def with_setting(recipe: Recipe, need: Need) -> Recipe:
+    deepspeed = recipe.deepspeed.model_copy(update={"config": f"zero{need.setting}"})
+    return recipe.model_copy(update={"deepspeed": deepspeed, "activation_checkpointing": need.checkpointing})
+
+
+def shortfall(recipe: Recipe, shape: ModelShape, precision: str, machine: Machine) -> str:
+    """Why nothing fits, with the smallest need, and what would fit: more GPUs, a smaller micro-batch, shorter
+    rows (each tried alone, the rest as the recipe says)."""
+    budget = HEADROOM * machine.memory_per_rank
+    smallest = min(memory_needs(recipe, shape, precision, machine), key=lambda need: need.total)
+    lines = [f"deepspeed.config=auto: nothing fits in {format_bytes(budget)} per rank ({HEADROOM:.0%} of "
+             f"{format_bytes(machine.memory_per_rank)}, {machine.memory_source}); the smallest is ZeRO-"
+             f"{smallest.setting.replace('_', ' + ')}{' with activation checkpointing' if smallest.checkpointing else ''}"
+             f": {format_bytes(smallest.total)} ({format_bytes(smallest.states)} model states + "
+             f"{format_bytes(smallest.activations)} activations). What would fit:"]
+    for nodes in (2, 4, 8, 16, 32, 64):
+        more = Machine(machine.gpus_per_node, machine.nodes * nodes, machine.memory_per_rank, machine.memory_source)
+        if fits(recipe, shape, precision, more):
+            lines.append(f"  {more.nodes} node(s) x {more.gpus_per_node} GPU(s) (ZeRO-3 shards the model states "
+                         f"over more ranks)")
+            break
+    training = recipe.training
+    if training.micro_batch_size > 1 and fits(with_training(recipe, micro_batch_size=1), shape, precision, machine):
+        lines.append("  training.micro_batch_size=1 (the global batch stays: more accumulation steps)")
+    seq_len = recipe.data.seq_len // 2
+    while seq_len >= 128 and not fits(with_seq_len(recipe, seq_len), shape, precision, machine):
+        seq_len //= 2
+    if seq_len >= 128:
+        lines.append(f"  data.seq_len={seq_len}")
+    if len(lines) == 1:
+        lines.append("  none of more GPUs (up to 64x), micro-batch 1 or shorter rows alone: a smaller model")
+    return "\n".join(lines)
+
+
+def fits(recipe: Recipe, shape: ModelShape, precision: str, machine: Machine) -> bool:
+    budget = HEADROOM * machine.memory_per_rank
+    return any(need.total <= budget for need in memory_needs(recipe, shape, precision, machine))
+
+
+def with_training(recipe: Recipe, **changes) -> Recipe:
+    return recipe.model_copy(update={"training": recipe.training.model_copy(update=changes)})
+
+
+def with_seq_len(recipe: Recipe, seq_len: int) -> Recipe:
+    return recipe.model_copy(update={"data": recipe.data.model_copy(update={"seq_len": seq_len})})

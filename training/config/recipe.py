@@ -1,0 +1,402 @@
+"""Recipes: a typed schema (pydantic, unknown keys rejected) loaded from YAML plus `key.path=value` overrides.
+
+Every problem is reported at once, naming the file or override, the key and the fix, before
+anything expensive starts.
+"""
+import difflib
+import math
+import re
+import typing
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (AfterValidator, BaseModel, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat,
+                      PositiveInt, PrivateAttr, ValidationError, ValidationInfo, model_validator)
+
+from data_pipeline.config import DataConfig, LocalPath, StrictModel, matching_files
+from training.config.errors import ConfigError, read_text
+
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+
+
+def local_path_or_hub_id(value: str, info: ValidationInfo) -> str:
+    """A folder that exists relative to the recipe (or absolute), or a value written as a path (starting
+    with `.`, `/` or `~`), becomes an absolute path; anything else is kept as written, as a Hugging Face
+    hub id such as `meta-llama/Llama-2-7b-hf`."""
+    base_dir = Path((info.context or {}).get("base_dir", "."))
+    candidate = (base_dir / Path(value).expanduser())
+    written_as_path = value.startswith((".", "/", "~"))  # a missing one is reported by the checks before a run
+    return str(candidate.resolve()) if candidate.exists() or written_as_path else value
+
+
+HubIdOrPath = Annotated[str, AfterValidator(local_path_or_hub_id)]
+
+
+def finite_numbers(tree: Any) -> Any:
+    """A free-form mapping (passed on to transformers or DeepSpeed) holds no .inf or .nan."""
+    values = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, list) else [tree]
+    for value in values:
+        if isinstance(value, (dict, list)):
+            finite_numbers(value)
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{value} is not a finite number")
+    return tree
+
+
+FreeForm = Annotated[dict[str, Any], AfterValidator(finite_numbers)]
+
+
+def regular_expression(value: list[str] | str) -> list[str] | str:
+    """lora.target_modules as a string other than all-linear is a regular expression over the full module names."""
+    if isinstance(value, str) and value != "all-linear":
+        try:
+            re.compile(value)
+        except re.error as error:
+            raise ValueError(f"{value!r} is not a valid regular expression ({error}); write one that matches full "
+                             f"module names (e.g. '.*\\.(q_proj|v_proj)'), or a list of name suffixes") from None
+    return value
+
+
+class ModelSection(StrictModel):
+    """`config` alone trains from scratch; `name_or_path` alone fine-tunes a checkpoint; both: the weights come
+    from `name_or_path` and the shipped `config` (the same architecture) lets --dry-run and the checks run
+    without downloading anything."""
+    config: LocalPath | None = None  # architecture: a config.json or its folder
+    name_or_path: HubIdOrPath | None = None  # checkpoint to start from: hub id or local folder
+    config_overrides: FreeForm = {}  # e.g. {num_hidden_layers: 2} to shrink a model for a smoke test
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    trust_remote_code: bool = False  # run Python code shipped with a hub checkpoint: only for checkpoints you trust
+
+    @model_validator(mode="after")
+    def one_source(self) -> "ModelSection":
+        if self.config is None and self.name_or_path is None:
+            raise ValueError("set model.config (an architecture to train from scratch), model.name_or_path (a "
+                             "checkpoint to start from), or both (the checkpoint's architecture, shipped)")
+        return self
+
+
+class TokenizerSection(StrictModel):
+    name_or_path: HubIdOrPath | None = None  # default: model.name_or_path
+
+
+class TrainingSection(StrictModel):
+    micro_batch_size: PositiveInt  # rows per rank per forward pass
+    global_batch_size: PositiveInt  # rows per optimizer step = micro x accumulation x data-parallel ranks
+    max_steps: PositiveInt | None = None
+    epochs: PositiveInt | None = None
+    lr: PositiveFloat
+    schedule: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
+    warmup_steps: NonNegativeInt = 0
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)  # cosine and wsd end at lr x min_lr_ratio; linear ends at 0
+    decay_ratio: float = Field(0.2, gt=0, le=1)  # wsd: share of the steps spent in the final decay
+    weight_decay: NonNegativeFloat = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: PositiveFloat = 1e-8
+    grad_clip: NonNegativeFloat = 1.0  # 0 turns clipping off
+    seed: int = 1234
+    eval_every_steps: PositiveInt | None = None  # with an eval split (data.eval): also at the end of the run
+    eval_max_rows: PositiveInt | None = None  # None: every evaluation row
+
+    @model_validator(mode="after")
+    def steps_or_epochs(self) -> "TrainingSection":
+        if (self.max_steps is None) == (self.epochs is None):
+            raise ValueError("set exactly one of training.max_steps and training.epochs")
+        return self
+
+
+class OptimizerSection(StrictModel):
+    """Which update rule (training/loop/optimizer.py). The learning rate, betas, eps, weight decay and clipping stay in
+    `training`: AdamW uses them all, Lion all but eps, Muon its own rate and momentum for the decoder layers'
+    matrices and AdamW (training.*) for the rest."""
+    name: Literal["adamw", "lion", "muon"] = "adamw"
+    muon_lr: PositiveFloat = 0.02  # Muon's matrices (the schedule scales it as it scales training.lr)
+    muon_momentum: float = Field(0.95, gt=0, lt=1)  # Muon's momentum (Nesterov)
+
+    @model_validator(mode="after")
+    def muon_settings_only_for_muon(self) -> "OptimizerSection":
+        stray = sorted(self.model_fields_set & {"muon_lr", "muon_momentum"})
+        if stray and self.name != "muon":
+            raise ValueError(f"optimizer.{stray[0]} applies to optimizer.name=muon, not {self.name}")
+        return self
+
+
+class DeepSpeedSection(StrictModel):
+    config: str = "zero1"  # a name under ds_configs/ (zero0..zero3, zero2_offload, ...), a JSON file, or auto
+    # (auto: chosen from the memory plan, training/config/auto_config.py)
+    overrides: FreeForm = {}  # merged into that JSON, e.g. {zero_optimization: {overlap_comm: false}}
+
+
+class ParallelismSection(StrictModel):
+    pipeline_stages: PositiveInt = 1  # > 1: DeepSpeed pipeline parallelism; world size = data-parallel x stages
+    partition_method: Literal["parameters", "uniform"] = "parameters"  # balance stages by parameters or by layers
+    sequence_parallel: PositiveInt = 1  # > 1: Ulysses; each row split over this many ranks (training/parallel/sequence_parallel.py)
+    tensor_parallel: PositiveInt = 1  # > 1: AutoTP; each matrix split over this many ranks (training/parallel/tensor_parallel.py)
+
+
+class LongContextSection(StrictModel):
+    """ALST's memory savers for long rows (training/models/long_context.py); useful with or without sequence parallelism."""
+    tiled_mlp: bool = False  # the MLPs on tiles of hidden_size tokens: their intermediate activations never whole
+    logits_tile_tokens: PositiveInt | None = None  # head and loss on tiles of this many tokens: no whole logits
+    offload_checkpoints: bool = False  # activation checkpointing's saved layer inputs held in host memory
+
+
+class Fp8Section(StrictModel):
+    """precision: fp8 only (training/models/fp8.py)."""
+    recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"  # torchao's scaling recipes
+    lm_head: bool = False  # also the LM head in FP8 (kept in BF16 by default: its logits feed the loss directly)
+    exclude: list[str] = []  # module names (fnmatch patterns) kept in BF16, e.g. ["model.layers.0.*"]
+
+
+class LoraSection(StrictModel):
+    """Low-rank adapters (peft) trained on a frozen base model (training/models/lora.py)."""
+    enabled: bool = False
+    rank: PositiveInt = 16
+    alpha: PositiveFloat = 32  # the adapters' output is scaled by alpha / rank
+    dropout: float = Field(0.0, ge=0, lt=1)  # on the adapters' input
+    # module name suffixes, a regular expression over the full names, or all-linear (every linear layer but the LM
+    # head; MoE experts' fused weights are not linear layers)
+    target_modules: Annotated[list[str] | str, AfterValidator(regular_expression)] = "all-linear"
+    modules_to_save: list[str] = []  # modules trained in full besides the adapters, e.g. [lm_head]
+    quantize: Literal["none", "nf4"] = "none"  # nf4: QLoRA, the frozen base model in 4 bits (bitsandbytes, CUDA)
+
+    @model_validator(mode="after")
+    def settings_only_when_enabled(self) -> "LoraSection":
+        stray = sorted(self.model_fields_set - {"enabled"})
+        if stray and not self.enabled:
+            raise ValueError(f"lora.{stray[0]} is set but lora.enabled is false: set lora.enabled=true to train "
+                             f"adapters, or remove the lora settings")
+        return self
+
+
+class MoeSection(StrictModel):
+    """Mixture-of-experts models (training/models/moe.py)."""
+    aux_loss_coef: NonNegativeFloat | None = None  # the router's load-balancing loss in the training loss, times
+    # this; None: the checkpoint config's router_aux_loss_coef; 0: off
+
+
+class ExportSection(StrictModel):
+    merge: bool = False  # with lora: also write the base weights with the adapters merged into them (hf/)
+
+
+class CheckpointingSection(StrictModel):
+    every_steps: PositiveInt | None = None  # None: only at the end
+    keep_last: PositiveInt | None = None  # None: keep every checkpoint
+
+
+class StabilitySection(StrictModel):
+    """Non-finite and spiking steps (training/loop/stability.py). A step whose loss or gradient is not finite is never
+    applied; a loss spike is not applied either, and with `rewind` the run also goes back to its last checkpoint."""
+    enabled: bool = True
+    policy: Literal["skip", "rewind"] = "skip"  # skip: pass over the batch; rewind: to the last checkpoint, past it
+    window: PositiveInt = 50  # recent applied steps that a spike is measured against
+    min_history: PositiveInt = 20  # applied steps before spikes are looked for (losses fall fast at first)
+    spike_sigma: PositiveFloat = 6.0  # a loss spike: above the window's mean by this many standard deviations
+    spike_grad_factor: PositiveFloat | None = None  # a gradient spike: norm above this x the window's median (off:
+    # tiny_llama's own default run has a norm 19x its median without any loss spike; clipping bounds such a step)
+    max_skips: PositiveInt = 10  # this many skipped batches within skip_window steps: save and stop (exit 3)
+    skip_window: PositiveInt = 100
+    max_rewinds: PositiveInt = 3  # then save and stop (exit 3): the data or the settings need a human
+    rewind_lr_factor: float = Field(1.0, gt=0, le=1)  # after a rewind, the learning rate x this ...
+    rewind_lr_steps: NonNegativeInt = 0  # ... for this many steps
+
+    @model_validator(mode="after")
+    def history_fits_the_window(self) -> "StabilitySection":
+        if self.min_history > self.window:
+            raise ValueError(f"stability.min_history={self.min_history} is more than stability.window={self.window}: "
+                             f"the window would never hold that many steps, and no spike would be looked for")
+        return self
+
+
+class LoggingSection(StrictModel):
+    every_steps: PositiveInt = 10
+    tensorboard: bool = False
+    peak_tflops: PositiveFloat | None = None  # the GPU's dense bf16 peak that MFU divides by; default: training/planning/flops.py
+
+
+class Recipe(StrictModel):
+    model: ModelSection
+    tokenizer: TokenizerSection = TokenizerSection()
+    data: DataConfig
+    training: TrainingSection
+    optimizer: OptimizerSection = OptimizerSection()
+    deepspeed: DeepSpeedSection = DeepSpeedSection()
+    precision: Literal["auto", "bf16", "fp16", "fp32", "fp8"] = "auto"
+    fp8: Fp8Section = Fp8Section()
+    activation_checkpointing: bool = False
+    compile: bool = False  # torch.compile the model through DeepSpeed (engine.compile): fuses FP8's casts, among others
+    parallelism: ParallelismSection = ParallelismSection()
+    lora: LoraSection = LoraSection()
+    moe: MoeSection = MoeSection()
+    export: ExportSection = ExportSection()
+    long_context: LongContextSection = LongContextSection()
+    checkpointing: CheckpointingSection = CheckpointingSection()
+    stability: StabilitySection = StabilitySection()
+    logging: LoggingSection = LoggingSection()
+
+    _name: str = PrivateAttr("")
+    _path: Path = PrivateAttr(Path())
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def path(self) -> Path:
+        """The YAML file the recipe came from."""
+        return self._path
+
+    @model_validator(mode="after")
+    def consistent(self) -> "Recipe":
+        if self.tokenizer.name_or_path is None and self.model.name_or_path is None:
+            raise ValueError("tokenizer.name_or_path is needed when the model is built from model.config")
+        if self.stability.enabled and self.stability.policy == "rewind" and not self.checkpointing.every_steps:
+            raise ValueError("stability.policy=rewind goes back to the last checkpoint: set checkpointing.every_steps")
+        if self.parallelism.pipeline_stages > 1 and (self.long_context.tiled_mlp or self.long_context.logits_tile_tokens):
+            raise ValueError("long_context tiling with parallelism.pipeline_stages > 1: the pipeline builds its own "
+                             "stages from the model's layers and does not tile them; use one or the other")
+        if self.long_context.offload_checkpoints and (not self.activation_checkpointing
+                                                      or self.parallelism.pipeline_stages > 1):
+            raise ValueError("long_context.offload_checkpoints moves activation checkpointing's saved layer inputs "
+                             "to host memory: set activation_checkpointing=true (without pipeline stages, whose "
+                             "checkpointing DeepSpeed's pipeline engine does)")
+        if self.export.merge and not self.lora.enabled:
+            raise ValueError("export.merge merges LoRA adapters into the base weights: it needs lora.enabled=true "
+                             "(a full fine-tune's hf/ holds its weights already)")
+        if self.lora.enabled and not self.model.name_or_path:
+            raise ValueError("lora.enabled trains adapters on a frozen base model: set model.name_or_path to the "
+                             "checkpoint to adapt (from model.config alone the frozen weights would be random)")
+        if self.data.streaming and self.training.max_steps is None:
+            raise ValueError("data.streaming needs training.max_steps: the length of a stream is not known ahead")
+        return self
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer.name_or_path or self.model.name_or_path
+
+
+def recipe_inputs(recipe: Recipe) -> list[Path]:
+    """The local files and folders a run of the recipe reads (hub ids left out): what no output may hold or go inside."""
+    data = recipe.data
+    paths = [recipe.path, recipe.model.config, recipe.model.name_or_path, recipe.tokenizer.name_or_path, data.prepared]
+    for source in data.sources + data.eval.sources:
+        paths += matching_files(source.path) if source.path else []
+    return [Path(path) for path in paths if path and Path(path).exists()]
+
+
+def available_recipes() -> list[str]:
+    return sorted(p.parent.name for p in RECIPES_DIR.glob("*/recipe.yaml"))
+
+
+def recipe_file(name_or_path: str) -> Path:
+    """A name under recipes/, a recipe folder, or a YAML file."""
+    path = Path(name_or_path)
+    if path.is_dir() and (path / "recipe.yaml").is_file():
+        return path / "recipe.yaml"
+    if path.is_file():
+        return path
+    if (RECIPES_DIR / name_or_path / "recipe.yaml").is_file():
+        return RECIPES_DIR / name_or_path / "recipe.yaml"
+    if path.is_dir():
+        raise ConfigError(f"--recipe {name_or_path}: a folder without recipe.yaml; name a recipe folder or a recipe "
+                          f"YAML file. Available recipes: {', '.join(available_recipes())}")
+    raise ConfigError(f"unknown recipe '{name_or_path}': not a folder under {RECIPES_DIR} nor a recipe file. "
+                      f"Available recipes: {', '.join(available_recipes())}")
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key or "" in key.split("."):
+        raise ConfigError(f"override '{text}' is not of the form key.path=value (e.g. training.max_steps=20)")
+    try:
+        return key.split("."), yaml.safe_load(value)
+    except yaml.YAMLError as error:
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ConfigError(f"override '{text}': the value is not valid YAML ({problem}); write it as YAML, e.g. "
+                          f"training.betas=[0.9,0.95], and quote the whole override in the shell") from None
+
+
+def apply_override(tree: dict, path: list[str], value: Any, text: str) -> None:
+    """Set `value` at `path`, creating missing mappings; list items are addressed by their index."""
+    node = tree
+    for depth, part in enumerate(path[:-1]):
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, dict):
+            node = node.setdefault(part, {})
+        else:
+            raise ConfigError(f"override '{text}': {'.'.join(path[:depth + 1])} is a {type(node).__name__}, "
+                              f"not a mapping")
+    last = path[-1]
+    if isinstance(node, list) and last.isdigit() and int(last) < len(node):
+        node[int(last)] = value
+    elif isinstance(node, dict):
+        node[last] = value
+    else:
+        raise ConfigError(f"override '{text}': {'.'.join(path[:-1])} is a {type(node).__name__}, not a mapping")
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    """The schema section that the (parent) location of a pydantic error points into."""
+    model = Recipe
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part)
+        model = _first_model(field.annotation) if field else None
+        if model is None:
+            return None
+    return model
+
+
+def _first_model(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next(filter(None, (_first_model(arg) for arg in typing.get_args(annotation))), None)
+
+
+def describe_error(error: dict) -> str:
+    loc = tuple(part for part in error["loc"] if not isinstance(part, str) or not part.startswith("function-"))
+    where = ".".join(str(part) for part in loc) or "(top level)"
+    if error["type"] == "extra_forbidden":
+        section = _model_at(loc[:-1])
+        known = list(section.model_fields) if section else []
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        return f"{where}: unknown key; {hint}valid keys here: {', '.join(known)}"
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] not in ("missing", "value_error"):
+        message += f" (got {error['input']!r})"
+    return f"{where}: {message}"
+
+
+def validate(tree: dict, base_dir: Path, source: str) -> Recipe:
+    try:
+        return Recipe.model_validate(tree, context={"base_dir": base_dir})
+    except ValidationError as error:
+        problems = "\n".join(f"  {describe_error(e)}" for e in error.errors())
+        raise ConfigError(f"{source} has {error.error_count()} problem(s):\n{problems}") from None
+
+
+def load_recipe(name_or_path: str, overrides: list[str] = ()) -> Recipe:
+    """Validate the recipe file, then the file with the command-line overrides applied.
+
+    Paths written in the file count from the file's folder; paths given as overrides from the
+    current folder."""
+    path = recipe_file(name_or_path).resolve()
+    try:
+        tree = yaml.safe_load(read_text(path)) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path} is not valid YAML: {error}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: a recipe is a mapping of sections (model, data, training, ...)")
+    recipe = validate(tree, path.parent, str(path))
+    if overrides:
+        tree = recipe.model_dump(exclude_unset=True)
+        for text in overrides:
+            keys, value = parse_override(text)
+            apply_override(tree, keys, value, text)
+        recipe = validate(tree, Path.cwd(), f"{path} with the overrides {' '.join(overrides)}")
+    recipe._name = path.parent.name if path.name == "recipe.yaml" else path.stem
+    recipe._path = path
+    return recipe

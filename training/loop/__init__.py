@@ -1,0 +1,1 @@
+"""The training loop's parts: optimizer and schedule, metrics, evaluation, stability."""

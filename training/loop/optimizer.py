@@ -1,0 +1,137 @@
+"""The optimizer: AdamW, Lion or Muon as DeepSpeed builds them from its config's optimizer section, the
+weight-decay groups, the checks before a run, the optimizer-state bytes the plan counts, and the learning-rate
+schedule (transformers' own schedules).
+
+Lion is lion-pytorch's, handed to DeepSpeed as the client optimizer (built from the config's section): DeepSpeed
+0.19.8's own Lion kernels take sign(0) as +1 (CPU) or -1 (CUDA), so a weight whose update direction is exactly
+zero, such as the embedding row of a token the batches never hold, still moves by the learning rate every step.
+
+Muon orthogonalizes the update of the decoder layers' matrices (Newton-Schulz on the Nesterov momentum); the
+embeddings, the LM head, norms and biases get AdamW, the standard split. DeepSpeed 0.19.8 draws that line by
+parameter name (2-D and not named embed or lm_head, `deepspeed.set_optimizer_flags`); `check_optimizer` refuses a
+model where the name rule would put anything else on Muon (GPT-2's `wte`, for one). Its ZeRO 1-3 path writes
+the orthogonalized update where the gradient was before the norm is taken, so there the logged grad_norm is the
+updates' norm and clipping is refused.
+"""
+from collections.abc import Callable
+from functools import partial
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from deepspeed import set_optimizer_flags
+from lion_pytorch import Lion
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR
+from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers.optimization import (get_constant_schedule_with_warmup, get_cosine_with_min_lr_schedule_with_warmup,
+                                       get_linear_schedule_with_warmup, get_wsd_schedule)
+
+from training.config.errors import ConfigError
+from training.planning.memory import zero_setting
+from training.config.recipe import Recipe, TrainingSection
+from training.planning.shape import ModelShape, decoder_layers
+
+DEEPSPEED_TYPES = {"adamw": "AdamW", "lion": "Lion", "muon": "Muon"}  # the ds_config's optimizer.type
+ADAMW_ONLY_KEYS = ("eps", "torch_adam")  # in the shipped configs; Lion takes neither
+
+
+def deepspeed_optimizer_keys(recipe: Recipe, ds_config: dict) -> dict[str, tuple[str, Any]]:
+    """The ds_config keys the recipe's optimizer decides, each with the recipe key it comes from."""
+    setting = zero_setting(ds_config)
+    training, section = recipe.training, recipe.optimizer
+    keys = {"optimizer.type": ("optimizer.name", DEEPSPEED_TYPES[section.name]),
+            "optimizer.params.lr": ("training.lr", training.lr),
+            "optimizer.params.betas": ("training.betas", list(training.betas)),
+            "optimizer.params.weight_decay": ("training.weight_decay", training.weight_decay)}
+    if section.name != "lion":
+        keys["optimizer.params.eps"] = ("training.eps", training.eps)
+    if section.name == "muon":
+        keys["optimizer.params.muon_lr"] = ("optimizer.muon_lr", section.muon_lr)
+        keys["optimizer.params.momentum"] = ("optimizer.muon_momentum", section.muon_momentum)
+        if setting.startswith("3"):  # DeepSpeed's ZeRO-3 Muon refuses its reduce-scatter gradient path
+            keys["zero_optimization.reduce_scatter"] = ("optimizer.name=muon at ZeRO-3", False)
+    if section.name == "lion":  # a client optimizer, which ZeRO wraps as it wraps any torch optimizer
+        keys["zero_allow_untested_optimizer"] = ("optimizer.name=lion", True)
+        if setting.endswith("_offload"):  # stepped on the CPU, in place of DeepSpeed's CPU optimizers
+            keys["zero_force_ds_cpu_optimizer"] = ("optimizer.name=lion with ZeRO-Offload", False)
+    return keys
+
+
+def check_optimizer(recipe: Recipe, config: PretrainedConfig, ds_config: dict) -> None:
+    """What the recipe's optimizer cannot run with, before anything is built."""
+    if recipe.optimizer.name != "muon":
+        return
+    problems, setting = [], zero_setting(ds_config)
+    if setting != "0" and recipe.training.grad_clip:
+        problems.append(f"training.grad_clip={recipe.training.grad_clip} at ZeRO-{setting[0]}: DeepSpeed's ZeRO Muon "
+                        f"measures the norm after orthogonalizing (the updates' norm, about 60 times the gradients' "
+                        f"on tiny_llama) and would clip the updates by it; set training.grad_clip=0, or use "
+                        f"deepspeed.config=zero0, where train.py clips the gradients")
+    if setting.endswith("_offload"):
+        problems.append("ZeRO-Offload: DeepSpeed's CPU optimizers are Adam, Adagrad and Lion; use "
+                        "deepspeed.config=zero1, zero2 or zero3")
+    parallelism = recipe.parallelism
+    if max(parallelism.pipeline_stages, parallelism.sequence_parallel, parallelism.tensor_parallel) > 1:
+        problems.append("pipeline stages, sequence or tensor parallelism: not built with Muon (tensor parallelism "
+                        "would split the matrices it orthogonalizes); use data parallelism and ZeRO")
+    stray = muon_name_rule_mismatch(config)
+    if stray:
+        problems.append(f"DeepSpeed picks Muon's parameters by name, which for this model ({config.model_type}) "
+                        f"also takes {', '.join(stray[:3])}: not a decoder layer's matrix; use adamw or lion")
+    if problems:
+        raise ConfigError("optimizer.name=muon:\n" + "\n".join(f"  {p}" for p in problems))
+
+
+def muon_name_rule_mismatch(config: PretrainedConfig) -> list[str]:
+    """The parameters DeepSpeed's name rule puts on Muon that are not a decoder layer's matrix, or the reverse."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    set_optimizer_flags(SimpleNamespace(optimizer_name="muon", optimizer_params={}), model)
+    matrices = {id(p) for p in decoder_layers(model).parameters() if p.ndim >= 2}
+    return [name for name, p in model.named_parameters() if p.use_muon != (id(p) in matrices)]
+
+
+def client_optimizer(ds_config: dict) -> Callable[[list], Optimizer] | None:
+    """None: DeepSpeed builds the optimizer its config names; for Lion, lion-pytorch's with the config's settings
+    (module docstring)."""
+    optimizer = ds_config["optimizer"]
+    if optimizer["type"] != "Lion":
+        return None
+    params = optimizer["params"]
+    return partial(Lion, lr=params["lr"], betas=tuple(params["betas"]), weight_decay=params["weight_decay"])
+
+
+def optimizer_state_bytes(name: str, shape: ModelShape) -> float:
+    """fp32 optimizer-state bytes per parameter, over the whole model: AdamW's two moments (8), Lion's one
+    momentum (4), Muon's momentum on the decoder layers' matrices (4) and AdamW's moments on the rest (8)."""
+    if name == "muon":
+        return (4 * shape.layer_matrix_parameters + 8 * (shape.parameters - shape.layer_matrix_parameters)) / \
+            shape.parameters
+    return 4.0 if name == "lion" else 8.0
+
+
+def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay on matrices; none on biases, norm weights (1-D) and embeddings (tied ones included)."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (no_decay if param.ndim < 2 or id(param) in embeddings else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def lr_schedule(training: TrainingSection, total_steps: int) -> Callable[[Optimizer], LambdaLR]:
+    """A factory that deepspeed.initialize calls with the optimizer it builds from the ds_config."""
+    warmup = training.warmup_steps
+    if training.schedule == "cosine":
+        return partial(get_cosine_with_min_lr_schedule_with_warmup, num_warmup_steps=warmup,
+                       num_training_steps=total_steps, min_lr_rate=training.min_lr_ratio)
+    if training.schedule == "linear":
+        return partial(get_linear_schedule_with_warmup, num_warmup_steps=warmup, num_training_steps=total_steps)
+    if training.schedule == "wsd":
+        return partial(get_wsd_schedule, num_warmup_steps=warmup, num_training_steps=total_steps,
+                       num_decay_steps=max(1, round(training.decay_ratio * total_steps)),
+                       min_lr_ratio=training.min_lr_ratio)
+    return partial(get_constant_schedule_with_warmup, num_warmup_steps=warmup)

@@ -1,0 +1,1 @@
+"""Building the model: Hugging Face loading, LoRA, MoE, FP8 and long-context changes."""

@@ -1,0 +1,54 @@
+"""precision: fp8: the linear layers' matmuls in FP8 (torchao's float8 training), everything else in BF16.
+
+torchao rather than Transformer Engine: it swaps the Hugging Face model's own nn.Linear modules for
+Float8Linear (same parameters, same state-dict names, so ZeRO partitioning, checkpoints and the hf/ export
+are unchanged), needs no CUDA build, and installs as a small wheel. Weights, master weights and optimizer
+states stay as in bf16 training (DeepSpeed's bf16 path); only the matmuls' inputs are cast to FP8 with
+dynamic scales, per tensor (`tensorwise`, fastest) or per row (`rowwise`, closer to bf16).
+"""
+from fnmatch import fnmatch
+
+import torch
+from deepspeed.accelerator import get_accelerator
+
+from training.config.errors import ConfigError
+from training.config.recipe import Fp8Section
+
+FP8_CAPABILITY = (8, 9)
+FP8_GPUS = "H100, H200, L4, L40S, B200"
+
+
+def check_fp8_hardware() -> None:
+    """FP8 matmuls need compute capability 8.9+ (Ada, Hopper, Blackwell): refuse elsewhere, before anything is built."""
+    needed = f"precision=fp8 needs an NVIDIA GPU of compute capability 8.9 or newer ({FP8_GPUS})"
+    if get_accelerator().device_name() != "cuda":
+        raise ConfigError(f"{needed}; found no GPU (DeepSpeed's {get_accelerator().device_name()} accelerator). "
+                          f"Use precision=bf16 or fp32 here.")
+    capability = torch.cuda.get_device_capability()
+    if capability < FP8_CAPABILITY:
+        raise ConfigError(f"{needed}; found {torch.cuda.get_device_name()} (compute capability "
+                          f"{capability[0]}.{capability[1]}). Use precision=bf16 on this GPU.")
+
+
+def convert_linears_to_fp8(model: torch.nn.Module, section: Fp8Section, vocab_size: int) -> list[str]:
+    """Swap the model's linear layers for torchao's Float8Linear, in place, and return their names.
+
+    Kept in BF16: the LM head (the layer with vocab_size outputs) unless fp8.lm_head, modules matching
+    fp8.exclude, and layers whose sizes are not multiples of 16 (FP8 matmuls need them)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    converted = []
+
+    def fp8_eligible(module: torch.nn.Module, name: str) -> bool:
+        if not isinstance(module, torch.nn.Linear):
+            return True  # torchao asks for every module; containers are walked into
+        keep = ((module.out_features == vocab_size and not section.lm_head)
+                or any(fnmatch(name, pattern) for pattern in section.exclude)
+                or module.in_features % 16 or module.out_features % 16)
+        if not keep:
+            converted.append(name)
+        return not keep
+
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(section.recipe),
+                               module_filter_fn=fp8_eligible)
+    return converted

@@ -1,0 +1,189 @@
+"""LoRA: low-rank adapters (peft) trained on a frozen base model, under ZeRO 0-3.
+
+The adapters are added after the base model is built (under ZeRO-3 a checkpoint loads inside zero.Init,
+already partitioned) and before deepspeed.initialize, which converts the new adapter parameters to ZeRO-3
+parameters itself. Only the adapters (and lora.modules_to_save) require gradients, so only they get gradient
+buffers and optimizer states. Checkpoints leave the frozen base weights out (they come again from
+model.name_or_path on resume). The export writes peft's adapter folder, and with export.merge the base
+weights with the adapters merged into them.
+"""
+import importlib.util
+import shutil
+import warnings
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import (AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig, PretrainedConfig, PreTrainedModel,
+                          PreTrainedTokenizerBase)
+
+from training.state.checkpoint import save_hf
+from training.config.errors import ConfigError
+from training.config.recipe import LoraSection, Recipe
+
+ADAPTER_DIR = "adapter"  # beside hf/ in the output folder
+ADAPTER_CONFIG = "adapter_config.json"  # in a LoRA checkpoint's hf/ folder, beside the model config
+QLORA_REQUIREMENTS = "requirements-qlora.txt"
+# peft asks the model with a name transformers 5 has deprecated: a FutureWarning on every rank, for nothing
+warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+
+
+def lora_config(section: LoraSection) -> LoraConfig:
+    return LoraConfig(r=section.rank, lora_alpha=section.alpha, lora_dropout=section.dropout,
+                      target_modules=section.target_modules, modules_to_save=section.modules_to_save or None,
+                      task_type="CAUSAL_LM")
+
+
+def with_lora(model: PreTrainedModel, section: LoraSection, seed: int) -> torch.nn.Module:
+    """The model with adapters when lora.enabled (else as it is). The adapters' random initialization is seeded
+    here, so that every rank and every ZeRO stage starts from the same adapters (loading a checkpoint inside
+    zero.Init draws other random numbers than loading it whole)."""
+    if not section.enabled:
+        return model
+    torch.manual_seed(seed)
+    return get_peft_model(model, lora_config(section))
+
+
+def trainable_parameters(section: LoraSection, model_config: PretrainedConfig) -> int:
+    """The parameters a LoRA run trains (adapters and modules_to_save), counted on the meta device; a ConfigError
+    naming the setting when peft cannot place the adapters on this model."""
+    with torch.device("meta"):
+        return adapted_parameters(AutoModelForCausalLM.from_config(model_config), section)
+
+
+def adapted_parameters(model: torch.nn.Module, section: LoraSection) -> int:
+    """The same for a model already built on the meta device, which peft changes in place."""
+    full_names = [name for name, _ in model.named_modules()]
+    unmatched = [entry for entry in section.modules_to_save if not any(name.endswith(entry) for name in full_names)]
+    if unmatched:  # peft would train nothing in full for them, silently
+        raise ConfigError(f"lora.modules_to_save={section.modules_to_save}: no module of this model is named "
+                          f"{', '.join(map(repr, unmatched))}. {module_names(full_names)}")
+    with torch.device("meta"):
+        try:
+            model = get_peft_model(model, lora_config(section))
+        except (ValueError, TypeError) as error:
+            raise ConfigError(f"lora.target_modules={section.target_modules!r} / lora.modules_to_save="
+                              f"{section.modules_to_save}: {str(error).rstrip('.')}. {module_names(full_names)}") from None
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def module_names(full_names: list[str]) -> str:
+    """The model's module names without layer indices, for a message."""
+    names = sorted({name.rsplit(".", 1)[-1] for name in full_names} - {""})
+    return f"Module names of this model: {', '.join(name for name in names if not name.isdigit())}"
+
+
+def check_nf4(precision: str, for_gpus: bool) -> None:
+    if precision != "bf16":
+        raise ConfigError(f"lora.quantize=nf4 (QLoRA) computes in bf16 over the 4-bit weights: set precision=bf16 "
+                          f"(not {precision})")
+    if for_gpus:
+        return  # a plan for GPUs elsewhere
+    if not torch.cuda.is_available():
+        raise ConfigError("lora.quantize=nf4 (QLoRA) loads the base model in 4 bits through bitsandbytes, whose "
+                          "4-bit layers need a CUDA GPU, and this machine has none: run it on an NVIDIA GPU (plan it "
+                          "here with --dry-run --num-gpus N), or set lora.quantize=none")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError(f"lora.quantize=nf4 (QLoRA) needs bitsandbytes, an optional extra: pip install -r "
+                          f"{QLORA_REQUIREMENTS}")
+
+
+def check_lora(recipe: Recipe, model_config: PretrainedConfig, precision: str, for_gpus: bool) -> None:
+    """What LoRA runs with: ZeRO 0-3 and data parallelism, AdamW or Lion; the layouts below are refused."""
+    lora, parallelism = recipe.lora, recipe.parallelism
+    refused = [
+        (parallelism.pipeline_stages > 1, "parallelism.pipeline_stages > 1 (the pipeline rebuilds the model's layers "
+                                          "without the adapters)"),
+        (parallelism.tensor_parallel > 1, "parallelism.tensor_parallel > 1 (AutoTP splits nn.Linear layers, not "
+                                          "peft's adapter layers)"),
+        (parallelism.sequence_parallel > 1, "parallelism.sequence_parallel > 1 (not tested with adapters)"),
+        (precision == "fp8", "precision=fp8 (the FP8 conversion would replace the adapted linear layers)"),
+        (recipe.optimizer.name == "muon", "optimizer.name=muon (its rule orthogonalizes the decoder layers' "
+                                          "matrices, which for LoRA are the low-rank adapters)"),
+    ]
+    problems = [reason for condition, reason in refused if condition]
+    if problems:
+        raise ConfigError(f"lora.enabled with {'; '.join(problems)}: use LoRA with data parallelism and ZeRO 0-3")
+    if lora.quantize == "nf4":
+        check_nf4(precision, for_gpus)
+    trainable_parameters(lora, model_config)
+
+
+def nf4_quantization(dtype: torch.dtype) -> BitsAndBytesConfig:
+    """QLoRA's 4-bit NormalFloat base weights (with double quantization), computing in `dtype`. The 4-bit weights
+    are stored in `dtype`-sized elements, so that ZeRO-3 can partition and gather them like any other weight."""
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype)
+
+
+def adapter_state_dict(engine: deepspeed.DeepSpeedEngine) -> dict[str, torch.Tensor]:
+    """The trainable weights, whole on rank 0 (gathered from the ranks under ZeRO-3)."""
+    if engine.zero_optimization_partition_weights():
+        return engine._consolidated_16bit_state_dict(exclude_frozen_parameters=True)
+    return {name: p for name, p in engine.module.named_parameters() if p.requires_grad}
+
+
+def export_lora(engine: deepspeed.DeepSpeedEngine, tokenizer: PreTrainedTokenizerBase, out_dir: Path,
+                dtype: torch.dtype, merge: bool) -> None:
+    """Every rank calls it. Writes out_dir/adapter (peft's adapter_model.safetensors and adapter_config.json, for
+    PeftModel.from_pretrained over the base model) and, with `merge`, out_dir/hf: the base weights with the
+    adapters merged (peft's merge_and_unload on a copy built on rank 0's CPU from the gathered weights)."""
+    model: PeftModel = engine.module
+    adapters = adapter_state_dict(engine)
+    if merge:
+        full = engine._consolidated_16bit_state_dict() if engine.zero_optimization_partition_weights() \
+            else model.state_dict()
+    if dist.get_rank() == 0:
+        adapters = {name: tensor.detach().to("cpu", dtype) for name, tensor in adapters.items()}
+        folder = out_dir / ADAPTER_DIR
+        shutil.rmtree(folder, ignore_errors=True)
+        model.save_pretrained(folder, state_dict=adapters)
+        tokenizer.save_pretrained(folder)
+        if merge:
+            save_merged(model, {name: t.detach().to("cpu", torch.float32) for name, t in full.items()}, tokenizer,
+                        out_dir / "hf", dtype)
+    dist.barrier()
+
+
+def save_merged(model: PeftModel, state_dict: dict[str, torch.Tensor], tokenizer: PreTrainedTokenizerBase,
+                out_dir: Path, dtype: torch.dtype) -> None:
+    """The adapters merged into the base weights in fp32 (peft's merge_and_unload, on a copy of the model built on the
+    meta device and given the gathered weights), saved in `dtype`."""
+    with torch.device("meta"):
+        copy = get_peft_model(AutoModelForCausalLM.from_config(model.get_base_model().config),
+                              model.peft_config["default"])
+    missing = copy.load_state_dict(state_dict, strict=False, assign=True).missing_keys
+    merged = copy.merge_and_unload()
+    merged.tie_weights()
+    still_meta = [name for name, p in merged.named_parameters() if p.is_meta]
+    if still_meta:
+        raise RuntimeError(f"merging the adapters: no gathered weights for {still_meta[:3]} (missing {missing[:3]})")
+    save_hf(merged, tokenizer, out_dir, {name: t.to(dtype) for name, t in merged.state_dict().items()}, dtype)
+
+
+def lora_files(model: torch.nn.Module) -> tuple:
+    """What a LoRA run's checkpoints keep in hf/ besides the model config and tokenizer: the adapters' config, so
+    that the checkpoint exports on its own (export_adapters)."""
+    return (model.peft_config["default"],) if isinstance(model, PeftModel) else ()
+
+
+def is_lora_checkpoint(tag_dir: Path) -> bool:
+    return (tag_dir / "hf" / ADAPTER_CONFIG).is_file()
+
+
+def export_adapters(tag_dir: Path, weights: dict[str, torch.Tensor], tokenizer: PreTrainedTokenizerBase,
+                    out_dir: Path, dtype: torch.dtype) -> None:
+    """A LoRA checkpoint's trained weights as peft's adapter folder (its names and format, through a copy of the
+    model built on the meta device)."""
+    with torch.device("meta"):
+        model = get_peft_model(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tag_dir / "hf")),
+                               LoraConfig.from_pretrained(tag_dir / "hf"))
+    trained = [name for name, p in model.named_parameters() if p.requires_grad]
+    missing = [name for name in trained if name not in weights]
+    if missing:
+        raise ConfigError(f"{tag_dir} lacks the adapter weights {', '.join(missing[:3])}: a damaged checkpoint, or "
+                          f"one of other adapters than {tag_dir / 'hf' / ADAPTER_CONFIG}; export another one")
+    model.save_pretrained(out_dir, state_dict={name: weights[name].to(dtype) for name in trained})
+    tokenizer.save_pretrained(out_dir)

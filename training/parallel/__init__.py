@@ -1,0 +1,1 @@
+"""Ranks and layouts: the process group, failures, pipeline, sequence and tensor parallelism."""

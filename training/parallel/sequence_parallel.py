@@ -1,0 +1,102 @@
+"""Ulysses sequence parallelism for Hugging Face models (DeepSpeed's ALST, `parallelism.sequence_parallel: N`).
+
+Each group of N consecutive ranks trains on the same rows, every rank on its 1/N slice of the sequence. In each
+attention layer DeepSpeed's `UlyssesSPAttentionHF` trades the slices for heads with one all-to-all (each rank
+then holds the whole sequence for heads/N), runs the model's own attention, and trades back. Everything else in
+the model works on the slice. DeepSpeed reduces the gradients over all ranks and divides by the data-parallel
+ranks only, so the group's slices add up to the row's gradient, as one rank would compute it.
+
+Packed rows: DeepSpeed's wrapper gathers the full `position_ids` and drops the attention mask, which transformers
+built for the slice. flash_attention_2 finds the documents from those position_ids by itself; sdpa would attend
+across them (plain causal), so under sdpa the attention here builds the document mask from the gathered
+position_ids with transformers' own `find_packed_sequence_indices`: the same mask as without sequence
+parallelism, a [seq, seq] mask per row when the row holds more than one document.
+
+ZeRO-3 (DeepSpeed 0.19.8): its all-reduce path divides the summed gradients by the data-parallel ranks, but its
+reduce-scatter path (the default, `reduce_scatter: true`) by all ranks, so under sequence parallelism the
+gradients come out N times too small. AdamW's update barely notices a constant factor, so the losses agree,
+but the gradient norm, clipping, and any scale-sensitive optimizer do not: `sum_sequence_slices` puts the
+factor back.
+"""
+import torch
+from deepspeed.runtime.comm.coalesced_collectives import reduce_scatter_coalesced
+from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+from deepspeed.runtime.zero import stage3
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import find_packed_sequence_indices
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from training.config.errors import ConfigError
+from training.config.recipe import Recipe
+from training.planning.shape import head_counts, rank_groups_problem
+
+SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2")
+
+
+def check_sequence_parallel(recipe: Recipe, config: PretrainedConfig, world_size: int, zero_stage: int,
+                            precision: str) -> None:
+    """Whether the model, the rows and the ranks split N ways, in a layout DeepSpeed runs: before anything is
+    built."""
+    size, seq_len, problems = recipe.parallelism.sequence_parallel, recipe.data.seq_len, []
+    pipeline_stages, attn_implementation = recipe.parallelism.pipeline_stages, recipe.model.attn_implementation
+    heads, kv_heads = head_counts(config)
+    if heads % size:
+        problems.append(f"the model's {heads} attention heads do not divide into {size} groups: choose a "
+                        f"parallelism.sequence_parallel that divides {heads}")
+    if kv_heads % size and size % kv_heads:
+        problems.append(f"the model's {kv_heads} key/value heads neither divide into {size} groups nor into "
+                        f"{size} copies: choose a parallelism.sequence_parallel that divides {kv_heads} or is a "
+                        f"multiple of it")
+    if seq_len % size:
+        problems.append(f"data.seq_len={seq_len} does not split into {size} equal slices: choose a data.seq_len "
+                        f"divisible by {size}")
+    problems += rank_groups_problem(world_size, size, "sequence")
+    if pipeline_stages > 1:
+        problems.append(f"parallelism.pipeline_stages={pipeline_stages} with sequence parallelism: DeepSpeed's "
+                        f"pipeline engine cannot run Ulysses attention; use one of them (ZeRO-3 with sequence "
+                        f"parallelism holds large models too)")
+    if attn_implementation not in SUPPORTED_ATTENTION:
+        problems.append(f"model.attn_implementation={attn_implementation}: Ulysses runs {' or '.join(SUPPORTED_ATTENTION)} "
+                        f"(eager builds a [seq, seq] mask per head); set model.attn_implementation=sdpa")
+    if precision in ("bf16", "fp8") and zero_stage == 1:
+        problems.append(f"precision={precision} with ZeRO-1: DeepSpeed's BF16_Optimizer takes the sequence-parallel "
+                        f"group for a tensor-parallel one and fails computing the gradient norm; use "
+                        f"deepspeed.config=zero2 (ZeRO-1's memory and more) or zero3")
+    if problems:
+        raise ConfigError(f"parallelism.sequence_parallel={size}:\n" + "\n".join(f"  {p}" for p in problems))
+
+
+def document_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' sdpa attention on the whole sequence, each document of a packed row attending only to its
+    own earlier tokens (the mask from the full position_ids); plain causal when every row is one document."""
+    documents = find_packed_sequence_indices(kwargs["position_ids"])
+    if documents is not None:
+        causal = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).tril()
+        attention_mask = (documents[:, :, None] == documents[:, None, :]) & causal
+        attention_mask = attention_mask[:, None]  # [batch, 1, seq, seq]: every head the same
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def sum_sequence_slices(size: int) -> None:
+    """ZeRO-3's reduce-scatter averages over every rank; a sequence group's gradients are to be summed."""
+    def reduce_scatter_summing_groups(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
+        return [partition.mul_(size) for partition in reduce_scatter_coalesced(tensors, group)]
+
+    stage3.reduce_scatter_coalesced = reduce_scatter_summing_groups
+
+
+def enable_sequence_parallel(model: PreTrainedModel, size: int, micro_batch_size: int, seq_len: int):
+    """Route the model's attention through DeepSpeed's Ulysses wrapper and return the `mpu` (DeepSpeed's
+    sequence-parallel groups) for deepspeed.initialize (None for size 1: no groups, attention as it is). Under
+    sdpa the wrapped attention is `document_sdpa`."""
+    if size == 1:
+        return None
+    sum_sequence_slices(size)
+    implementation = model.config._attn_implementation
+    if implementation == "sdpa":
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = document_sdpa  # the wrapper takes the function registered here
+    return UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=model, core_attn_implementation=implementation, sequence_parallel_size=size,
+        micro_batch_size=micro_batch_size, seq_length=seq_len, seq_length_is_variable=False)

@@ -1,0 +1,1 @@
+"""What a run will cost before it starts: shapes, memory, FLOPs, precision, the run plan."""

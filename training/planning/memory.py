@@ -1,0 +1,213 @@
+"""Memory per rank, estimated before a run: model states under each ZeRO setting, activations with and without
+checkpointing, and whether they fit.
+
+Model states use DeepSpeed's own estimators for ZeRO-2 and ZeRO-3 (with and without CPU offload) in mixed
+precision; ZeRO-0/1, and fp32 runs (the estimators assume 16-bit weights), use the ZeRO paper's arithmetic.
+
+Activations are the bytes autograd saves for the backward pass, per token, as transformers' Llama-family and
+GPT-2 modules save them with PyTorch's scaled-dot-product attention. The rules below were read off those
+modules and are checked against a measurement of the saved tensors (tests/training/planning/test_memory.py):
+  Llama, Mistral, Qwen2 (per decoder layer): a*(4h + 4q + 4i + s) + 8h + 4*heads + 8
+     Qwen3 adds its q/k norms:               (a + 4)*(q + kv) + 4*(heads + kv_heads)
+     Mixtral, Qwen3-MoE: the MLP's 4*a*i becomes k*a*(2h + 4i_e) + 4E + 28k + 4 (top-k of E experts of width i_e)
+  GPT-2 (per layer, no dropout):             28*a*h + a*s + 4*heads + 4*a
+  outside the layers: Llama family (2a + 4)*h + 2*a*head_dim + 4*V + 20, GPT-2 2*a*h + 4*V + 24 + 2a
+with a the activation dtype's bytes, h the hidden size, q/kv the query/key widths, i the MLP width, s the
+row length (the per-layer copy of the packed-document mask; flash_attention_2 has none) and V the vocabulary
+(the fp32 log-softmax of the loss). With checkpointing each layer keeps only its input (a*h) and one layer's
+activations are rebuilt at a time in the backward pass. The loss briefly holds the logits and their fp32
+copy too, (a + 4)*V per token, which is added to the peak. Gradient buffers of the activations, the CUDA
+context and allocator fragmentation are not: `fits` leaves 10% of the memory for them.
+"""
+from dataclasses import dataclass
+
+from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+from training.planning.shape import ModelShape
+
+ZERO_SETTINGS = ("0", "1", "2", "3", "2_offload", "3_offload")  # named as the ds_configs/zero*.json files
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")  # the MoE ones with their own MLP term
+HEADROOM = 0.9  # share of a GPU's memory the estimate may fill
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    device_bytes: float  # per rank (GPU)
+    host_bytes: float  # per node (CPU memory with offload; DeepSpeed also counts its loading buffers)
+    source: str  # which estimator
+
+
+def zero_setting(ds_config: dict) -> str:
+    """A DeepSpeed config's setting in ZERO_SETTINGS' terms."""
+    zero = ds_config.get("zero_optimization", {})
+    offloaded = zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)
+    return f"{zero.get('stage', 0)}{'_offload' if offloaded else ''}"
+
+
+def zero_arithmetic(params: float, stage: int, ranks: int, precision: str, state_bytes: float = 8.0) -> float:
+    """Per-rank bytes of weights + gradients + optimizer states (the ZeRO paper's arithmetic).
+
+    Mixed precision keeps 16-bit weights and gradients (2 + 2 bytes) and fp32 master weights (4) and optimizer
+    states (`state_bytes`: AdamW's momentum and variance, 8); fp32 keeps 4 + 4 and, under ZeRO, its own fp32
+    master copy too (4; measured), at ZeRO-0 only the optimizer states. ZeRO-1 shards the optimizer states
+    over the ranks, ZeRO-2 the gradients too, ZeRO-3 the weights too. (ZeRO-0 bf16 runs as torch autocast
+    over fp32 weights: 16 bytes with AdamW.)"""
+    mixed = precision in ("bf16", "fp16", "fp8")
+    weights, grads = (2, 2) if mixed else (4, 4)
+    optimizer = state_bytes + (4 if mixed or stage else 0)
+    shard = [(1, 1, 1), (1, 1, ranks), (1, ranks, ranks), (ranks, ranks, ranks)][stage]
+    return params * (weights / shard[0] + grads / shard[1] + optimizer / shard[2])
+
+
+def model_states(setting: str, shape: ModelShape, gpus_per_node: int, nodes: int, precision: str,
+                 zero_init: bool, state_bytes: float = 8.0) -> ModelStates:
+    """Model-state memory for one ZeRO setting over gpus_per_node x nodes data-parallel ranks, with
+    `state_bytes` of optimizer states per parameter (DeepSpeed's estimators assume AdamW's 8: the difference
+    is taken from the sharded states, on the GPUs or, offloaded, in the nodes' memory)."""
+    stage, offload = int(setting[0]), setting.endswith("_offload")
+    ranks = gpus_per_node * nodes
+    if stage < 2 or precision == "fp32":
+        if offload:
+            raise ValueError(f"no estimate for ZeRO-{setting} in {precision}")
+        return ModelStates(zero_arithmetic(shape.parameters, stage, ranks, precision, state_bytes), 0.0,
+                           "ZeRO arithmetic")
+    if stage == 2:
+        host, device = estimate_zero2_model_states_mem_needs(shape.parameters, gpus_per_node, nodes, offload)
+    else:
+        largest_layer = max(shape.layer_parameters + (shape.embedding_parameters, shape.head_parameters))
+        host, device, _ = estimate_zero3_model_states_mem_needs(shape.parameters, largest_layer, gpus_per_node,
+                                                                nodes, offload, offload, zero_init)
+    fewer = (8.0 - state_bytes) * shape.parameters
+    if offload:
+        host -= fewer / nodes
+    else:
+        device -= fewer / ranks
+    return ModelStates(float(device), float(host), "DeepSpeed estimator")
+
+
+NF4_BYTES = 4.127 / 8  # QLoRA's 4-bit NormalFloat with double-quantized block constants (Dettmers et al. 2023)
+
+
+def lora_model_states(setting: str, shape: ModelShape, trainable: int, gpus_per_node: int, nodes: int,
+                      precision: str, state_bytes: float = 8.0, nf4: bool = False) -> ModelStates:
+    """Model states of a LoRA run (training/models/lora.py): the frozen base weights in the run's dtype, with no gradients,
+    master copy or optimizer states (ZeRO-3 shards them; ZeRO-0 keeps fp32 weights, also under autocast), plus the
+    `trainable` parameters' by the ZeRO arithmetic; offload moves those parameters' fp32 master weights and
+    optimizer states to the nodes' memory. With nf4 (QLoRA) the decoder layers' matrices take NF4_BYTES each (the
+    embedding, head and norms stay 16-bit)."""
+    stage, offload = int(setting[0]), setting.endswith("_offload")
+    ranks = gpus_per_node * nodes
+    weight_bytes = 2 if stage and precision in ("bf16", "fp16", "fp8") else 4
+    frozen = shape.parameters * weight_bytes
+    if nf4:
+        frozen -= shape.layer_matrix_parameters * (weight_bytes - NF4_BYTES)
+    frozen /= ranks if stage == 3 else 1
+    trained = zero_arithmetic(trainable, stage, ranks, precision, state_bytes)
+    host = trainable * (4 + state_bytes) / ranks if offload else 0.0
+    return ModelStates(frozen + trained - host, host * gpus_per_node, "ZeRO arithmetic (LoRA)")
+
+
+LAUNCHER_GRACE_S = 30  # DeepSpeed's launcher, on SIGTERM: passes it to the ranks, SIGKILLs them 30 s later
+
+
+@dataclass(frozen=True)
+class CheckpointSize:
+    total: float  # bytes of one save, all ranks
+    largest_rank: float  # bytes the busiest rank writes (rank 0, where it writes the weights)
+
+
+def checkpoint_bytes(params: float, stage: int, ranks: int, precision: str, state_bytes: float = 8.0) -> CheckpointSize:
+    """DeepSpeed's files for one save, as measured on its checkpoints with AdamW (tests/test_train_distributed.py;
+    `state_bytes` of optimizer states per parameter, AdamW's 8). ZeRO-0: rank 0 writes the fp32 weights
+    (train.py's ZeRO-0 keeps fp32 weights, also under autocast) and the states, 12 bytes per parameter with
+    AdamW. ZeRO-1/2: rank 0 writes the weights in the run's dtype, and every rank its 1/N of the fp32 master
+    weights and states (12/N). ZeRO-3: only those shards (the master copy is the weights). The model config and
+    tokenizer, and each rank's data and RNG state, add a few MB."""
+    shards = (4 + state_bytes) * params
+    if stage == 0:
+        return CheckpointSize(shards, shards)
+    weights = 0 if stage == 3 else params * (2 if precision in ("bf16", "fp16", "fp8") else 4)
+    return CheckpointSize(weights + shards, weights + shards / ranks)
+
+
+def layer_bytes_per_token(shape: ModelShape, seq_len: int, dtype_bytes: int, attn_implementation: str,
+                          sequence_parallel: int = 1) -> float | None:
+    """Bytes one decoder layer saves for the backward pass per token on a rank (rules in the module docstring).
+    Under sequence parallelism a rank holds seq_len / N tokens of each row; attention then sees the whole row
+    for heads / N (the same bytes), but sdpa's [seq, seq] mask is whole on every rank: N x as much per token."""
+    a, h, s = dtype_bytes, shape.hidden_size, seq_len
+    mask = 0 if attn_implementation == "flash_attention_2" else a * s * sequence_parallel
+    attention_softmax = 4 * shape.num_heads + mask  # sdpa keeps a log-sum-exp per head
+    if attn_implementation == "eager":  # the probabilities (fp32, and their cast to a) instead
+        attention_softmax = shape.num_heads * s * (4 + (a if a != 4 else 0))
+    if shape.model_type in LLAMA_FAMILY:
+        per_layer = a * (4 * h + 4 * shape.q_dim) + 8 * h + 8 + attention_softmax + mlp_bytes_per_token(shape, a)
+        if shape.model_type in ("qwen3", "qwen3_moe"):
+            per_layer += (a + 4) * (shape.q_dim + shape.kv_dim) + 4 * (shape.num_heads + shape.num_kv_heads)
+        return per_layer
+    if shape.model_type == "gpt2" and shape.intermediate_size == 4 * h and attn_implementation != "eager":
+        return 28 * a * h + 4 * a + attention_softmax
+    return None
+
+
+def mlp_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> float:
+    """What a Llama-family MLP saves per token: 4 intermediate-wide tensors; in a mixture of experts (Mixtral,
+    Qwen3-MoE), for each of the token's top-k experts its gathered input, the down projection's output and the 4
+    intermediate-wide tensors, plus the router's fp32 probabilities (4 per expert) and its top-k indices and
+    weights (28 bytes per pick, measured; Qwen3-MoE's are 12 to 18 bytes fewer per token)."""
+    a = dtype_bytes
+    if not shape.num_experts:
+        return 4 * a * shape.intermediate_size
+    k = shape.experts_per_token
+    return k * a * (2 * shape.hidden_size + 4 * shape.expert_intermediate_size) + 4 * shape.num_experts + 28 * k + 4
+
+
+def outside_layers_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> float:
+    """Embedding, final norm, LM head and loss: what they save per token, plus the loss's logits transient."""
+    a, h, vocab = dtype_bytes, shape.hidden_size, shape.vocab_size
+    saved = (2 * a * h + 24 + 2 * a if shape.model_type == "gpt2"
+             else (2 * a + 4) * h + 2 * a * shape.head_dim + 20) + 4 * vocab
+    return saved + (a + 4) * vocab
+
+
+@dataclass(frozen=True)
+class Activations:
+    without_checkpointing: float
+    with_checkpointing: float
+    host: float = 0.0  # with checkpointing, the saved layer inputs offloaded to host memory
+
+    def peak(self, checkpointing: bool) -> float:
+        return self.with_checkpointing if checkpointing else self.without_checkpointing
+
+
+def activation_bytes(shape: ModelShape, tokens: int, seq_len: int, dtype_bytes: int, attn_implementation: str,
+                     layers: int | None = None, with_head: bool = True, sequence_parallel: int = 1,
+                     tiled_mlp: bool = False, logits_tile_tokens: int | None = None,
+                     offload_checkpoints: bool = False) -> Activations | None:
+    """Peak activation memory of one micro-batch of `tokens` tokens (on this rank: a 1/N slice of each row under
+    sequence parallelism) through `layers` decoder layers (default: all) and, with_head, the embedding, head and
+    loss; None for a model type without a rule.
+
+    Tiling (training/models/long_context.py): a tiled MLP saves only its input, which the layer's norm output already
+    counts, and one tile of hidden_size tokens per row is live at a time; tiled logits save nothing of the
+    vocabulary's width, and one tile's logits and their fp32 copy are live at a time. Offloaded checkpoints keep
+    the layers' saved inputs in host memory, all but the one brought back for the layer being recomputed."""
+    a, h, vocab = dtype_bytes, shape.hidden_size, shape.vocab_size
+    per_layer = layer_bytes_per_token(shape, seq_len, a, attn_implementation, sequence_parallel)
+    if per_layer is None:
+        return None
+    layers = shape.num_layers if layers is None else layers
+    transient = 0.0
+    if tiled_mlp and shape.model_type in LLAMA_FAMILY and not shape.num_experts:
+        per_layer -= 4 * a * shape.intermediate_size
+        rows = max(1, tokens * sequence_parallel // seq_len)
+        transient = min(tokens, rows * h) * 4 * a * shape.intermediate_size
+    outside = outside_layers_bytes_per_token(shape, a) if with_head else 0.0
+    if with_head and logits_tile_tokens:
+        outside -= (a + 8) * vocab
+        transient = max(transient, min(tokens, logits_tile_tokens) * (a + 4) * vocab)
+    on_device = 1 if offload_checkpoints and layers else layers
+    checkpointed = on_device * a * h + (per_layer if layers else 0.0)
+    return Activations(tokens * (layers * per_layer + outside) + transient,
+                       tokens * (checkpointed + outside) + transient, tokens * (layers - on_device) * a * h)

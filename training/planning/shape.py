@@ -1,0 +1,122 @@
+"""The numbers of a model's architecture that FLOPs and memory estimates need, read from a model built on the
+meta device (no memory, no weights), so a 7B recipe is measured exactly on a laptop."""
+from dataclasses import dataclass, replace
+
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from training.models.lora import adapted_parameters
+from training.config.recipe import LoraSection
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    model_type: str
+    parameters: int  # every parameter once (a tied head is the embedding)
+    embedding_parameters: int
+    lookup_parameters: int  # every embedding table (token, and position where the model learns one)
+    head_parameters: int  # the LM head's own weights: 0 when tied to the embedding
+    layer_parameters: tuple[int, ...]  # per decoder layer
+    layer_matrix_parameters: int  # the decoder layers' 2-D weights (what Muon updates)
+    final_norm_parameters: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    lora_parameters: int | None = None  # a LoRA run's trained parameters (adapters, modules_to_save); None: all train
+    num_experts: int = 0  # mixture of experts: experts per MoE layer (0: a dense model)
+    experts_per_token: int = 0  # the router's top-k
+    expert_intermediate_size: int = 0
+    expert_parameters: int = 0  # every expert's weights, all layers
+
+    @property
+    def inactive_expert_parameters(self) -> int:
+        """The experts' weights that one token does not multiply with: all but its top-k of each layer."""
+        return self.expert_parameters * (self.num_experts - self.experts_per_token) // self.num_experts \
+            if self.num_experts else 0
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the attention's queries (and, for these estimates, of its output)."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def matmul_parameters(self) -> int:
+        """Parameters a token multiplies with: all but the embedding tables (lookups) and, in a mixture of experts,
+        the experts the router does not pick for it (the active parameters); a head tied to the token embedding
+        multiplies with it."""
+        return (self.parameters - self.lookup_parameters + (0 if self.head_parameters else self.embedding_parameters)
+                - self.inactive_expert_parameters)
+
+    @property
+    def pipeline_layer_parameters(self) -> list[int]:
+        """Parameters of each pipeline layer (training/parallel/pipeline.py): embedding, decoder layers, final norm and
+        LM head (a tied head holds the embedding again, on the last stage)."""
+        return [self.embedding_parameters, *self.layer_parameters, self.final_norm_parameters,
+                self.head_parameters or self.embedding_parameters]
+
+
+def count(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    return model.base_model.layers if hasattr(model.base_model, "layers") else model.base_model.h  # GPT-2: h
+
+
+def model_shape(config: PretrainedConfig, lora: LoraSection | None = None) -> ModelShape:
+    """The shape of the model `config` builds; with lora (enabled), also the parameters its adapters train."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head.weight is embedding.weight
+    layers = decoder_layers(model)
+    final_norm = getattr(model.base_model, "norm", None) or getattr(model.base_model, "ln_f")
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    shape = ModelShape(
+        model_type=config.model_type, parameters=count(model), embedding_parameters=count(embedding),
+        lookup_parameters=sum(count(m) for m in model.modules() if isinstance(m, torch.nn.Embedding)),
+        head_parameters=0 if tied else count(head), layer_parameters=tuple(count(layer) for layer in layers),
+        layer_matrix_parameters=sum(p.numel() for p in layers.parameters() if p.ndim >= 2),
+        final_norm_parameters=count(final_norm), hidden_size=config.hidden_size,
+        intermediate_size=getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+        or 4 * config.hidden_size,
+        num_layers=len(layers), num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim, vocab_size=config.vocab_size, **expert_shape(model, config))
+    if lora and lora.enabled:  # last: peft adds the adapters to this very model
+        shape = replace(shape, lora_parameters=adapted_parameters(model, lora))
+    return shape
+
+
+def expert_shape(model: torch.nn.Module, config: PretrainedConfig) -> dict:
+    """A mixture of experts' numbers (transformers 5 keeps each layer's experts as 3-D weights of one `...Experts`
+    module, e.g. MixtralExperts, Qwen3MoeExperts); nothing for a dense model."""
+    experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
+    if not experts:
+        return {}
+    return {"num_experts": getattr(config, "num_local_experts", None) or config.num_experts,
+            "experts_per_token": config.num_experts_per_tok,
+            "expert_intermediate_size": getattr(config, "moe_intermediate_size", None) or config.intermediate_size,
+            "expert_parameters": sum(count(m) for m in experts)}
+
+
+def head_counts(config: PretrainedConfig) -> tuple[int, int]:
+    """Query heads and key/value heads (as many as the queries' without grouped-query attention)."""
+    text = config.get_text_config()
+    return text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+
+
+def rank_groups_problem(world_size: int, size: int, kind: str) -> list[str]:
+    """Why `world_size` ranks cannot form groups of `size` for `kind` parallelism, if they cannot."""
+    if world_size % size == 0:
+        return []
+    return [f"{world_size} rank(s) do not form groups of {size}: launch a multiple of {size} ranks (world size = "
+            f"data-parallel x {kind}-parallel)"]

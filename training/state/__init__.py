@@ -1,0 +1,1 @@
+"""What a run leaves behind: checkpoints, universal conversion, export, the output folder's rules."""

@@ -1,0 +1,207 @@
+"""A saved checkpoint to a Hugging Face folder, with DeepSpeed's own readers; a LoRA checkpoint to peft's adapter
+folder.
+
+ZeRO checkpoints (stages 1-3, each rank's partition in its own file) go through DeepSpeed's
+`zero_to_fp32` steps, which join the fp32 master weights. Checkpoints without ZeRO partitions hold the
+module's weights whole in `mp_rank_00_model_states.pt`: ZeRO-0, and bf16 at ZeRO-0/1, whose
+BF16_Optimizer files `zero_to_fp32` refuses ("not a zero checkpoint"); there the module's bf16 weights
+are exactly what was trained (the optimizer copies its fp32 master into them after every step).
+Tensor-parallel checkpoints hold each model-parallel rank's slices in files of their own (mp_rank_NN): each
+rank is read the same way, and the slices are joined along the dimension AutoTP split. Sequence-parallel ranks
+hold whole weights (DeepSpeed 0.19.8 saves them as data-parallel ranks of mp_rank_00). Pipeline checkpoints hold
+each layer's module weights in a file of its own. A missing or unreadable file is named, as a damaged checkpoint.
+"""
+import json
+import re
+from functools import partial
+from pathlib import Path
+
+import torch
+from deepspeed.utils import zero_to_fp32
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+
+from training.state.checkpoint import READ_ERRORS, RUN_STATE, latest_tag, save_hf, unreadable_files
+from training.config.errors import ConfigError
+from training.models.lora import export_adapters, is_lora_checkpoint
+from training.state.output_guard import check_output, staged_folder
+from training.parallel.pipeline import hf_name, layer_files
+from training.planning.precision import DTYPES
+
+
+def find_tag(path: Path) -> tuple[Path, str]:
+    """(checkpoints folder, tag) for a `checkpoints/` folder (its `latest`) or one `global_stepN/` folder."""
+    if tag := latest_tag(path):
+        if not (path / tag).is_dir():
+            raise ConfigError(f"{path / 'latest'} names {tag!r}, which is no checkpoint folder in {path}; export "
+                              f"one checkpoint folder instead: python -m training export {path}/global_stepN OUT_DIR")
+        return path, tag
+    if (path / RUN_STATE).is_file():
+        return path.parent, path.name
+    raise ConfigError(f"{path} is neither a checkpoints folder with a `latest` file nor a checkpoint folder "
+                      f"with {RUN_STATE} (e.g. outputs/<run>/checkpoints or outputs/<run>/checkpoints/global_step100)")
+
+
+def cannot_read(path: Path, reason: object) -> ConfigError:
+    return ConfigError(f"{path} cannot be read ({reason}): the checkpoint {path.parent} is damaged or partial; export "
+                       f"another checkpoint")
+
+
+def read_file(path: Path) -> dict:
+    """One of the checkpoint's files, loaded; a missing or unreadable one is named."""
+    if not path.is_file():
+        raise ConfigError(f"{path} is missing: the checkpoint {path.parent} is damaged or partial; export another "
+                          f"checkpoint")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except READ_ERRORS as error:
+        raise cannot_read(path, error) from None
+
+
+def pipeline_weights(tag_dir: Path, config: PretrainedConfig) -> dict[str, torch.Tensor]:
+    """A pipeline checkpoint keeps each layer's module weights in `layer_NN-model_states.pt`: the embedding, the
+    decoder layers, the final norm and, without tied embeddings, the LM head (a tied one is the embedding's)."""
+    weights = {}
+    for layer, file in enumerate(layer_files(config)):
+        for name, tensor in read_file(tag_dir / file).items():
+            weights[hf_name(layer, name, config)] = tensor
+    return weights
+
+
+def model_parallel_weights(tag_dir: Path, tensor_parallel: int) -> list[dict[str, torch.Tensor]]:
+    """Each model-parallel rank's weights (a one-rank list for a checkpoint without model parallelism), in fp32
+    where the checkpoint has ZeRO's fp32 master weights.
+
+    An upstream workaround, written for DeepSpeed 0.19.8's file names and formats: its zero_to_fp32 reads model-
+    parallel rank 00 only (and takes the other ranks' files for missing data-parallel ones), so its steps run here
+    on one rank's files at a time, mp_rank_NN in their names. The ranks are the run state's tensor_parallel, or
+    more where DeepSpeed named other ranks so. A bf16 run's optimizer files are named bf16_zero_pp_rank_*: ZeRO
+    partitions at ZeRO-2/3, and at ZeRO-0/1 BF16_Optimizer's, which hold no ZeRO stage and which zero_to_fp32
+    refuses; there, as at ZeRO-0, the module's weights are what was trained."""
+    found = {int(match.group(1)) for path in tag_dir.iterdir()
+             if (match := re.search(r"mp_rank_(\d+)_(?:model|optim)_states\.pt$", path.name))}
+    ranks = [f"mp_rank_{rank:02d}" for rank in range(max([tensor_parallel, *(rank + 1 for rank in found)]))]
+    in_order = partial(sorted, key=lambda path: zero_to_fp32.natural_keys(path.name))
+    optimizer_files = in_order(tag_dir.glob("*zero_pp_rank_*_optim_states.pt"))
+    zero_partitions = bool(optimizer_files) and zero_to_fp32.ZERO_STAGE in torch.load(
+        optimizer_files[0], map_location="cpu", mmap=True, weights_only=False)[zero_to_fp32.OPTIMIZER_STATE_DICT]
+    weights = []
+    for rank in ranks:
+        if not zero_partitions:
+            weights.append(read_file(tag_dir / f"{rank}_model_states.pt")["module"])
+            continue
+        # ZeRO-1/2: mp_rank_NN_model_states.pt; ZeRO-3: zero_pp_rank_M_mp_rank_NN_model_states.pt, one per ZeRO rank
+        files = {kind: in_order(tag_dir.glob(f"{prefix}{rank}_{kind}_states.pt"))
+                 for kind, prefix in (("model", "*"), ("optim", "*zero_pp_rank_*_"))}
+        for kind in (kind for kind, paths in files.items() if not paths):
+            raise ConfigError(f"{tag_dir} has no {kind} states of {rank} (*{rank}_{kind}_states.pt, of "
+                              f"{len(ranks)} model-parallel ranks): the checkpoint is damaged or partial; export "
+                              f"another checkpoint")
+        model_states = zero_to_fp32.parse_model_states([str(path) for path in files["model"]])
+        stage, size, groups, paddings = zero_to_fp32.parse_optim_states([str(p) for p in files["optim"]], tag_dir)
+        state_dict = (zero_to_fp32._get_fp32_state_dict_from_zero2_checkpoint(size, groups, model_states, False,
+                                                                              paddings) if stage <= 2 else
+                      zero_to_fp32._get_fp32_state_dict_from_zero3_checkpoint(size, groups, model_states, False))
+        weights.append(zero_to_fp32.to_torch_tensor(state_dict))
+    return weights
+
+
+def join_tensor_parallel(slices: list[dict[str, torch.Tensor]], config: PretrainedConfig,
+                         tag_dir: Path) -> dict[str, torch.Tensor]:
+    """The whole weights from each model-parallel rank's. AutoTP splits a weight along one dimension (the output
+    rows of q/k/v, gate/up and the LM head, the input columns of o and down) and keeps the rest whole on every
+    rank: the split dimension is the one where a rank's slice is smaller than the model's weight (built from the
+    config), and a weight of the model's shape is a replicated one, taken once (sequence-parallel ranks, which
+    DeepSpeed may name as model-parallel ones, hold only such)."""
+    with torch.device("meta"):
+        shapes = {name: tensor.shape for name, tensor in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    weights = {}
+    for name, first in slices[0].items():
+        parts = [rank[name] for rank in slices]
+        full = shapes.get(name, first.shape)
+        split = [dim for dim in range(first.dim()) if first.shape[dim] != full[dim]]
+        weights[name] = torch.cat(parts, dim=split[0]) if len(split) == 1 else first
+        if weights[name].shape != full:
+            raise ConfigError(f"{tag_dir}: the {len(parts)} model-parallel slices of {name}, of shapes "
+                              f"{', '.join(str(tuple(part.shape)) for part in parts)}, do not join into the model's "
+                              f"{tuple(full)}: export with the model config the run trained (its hf/config.json)")
+    return weights
+
+
+def checkpoint_weights(checkpoint_dir: Path, tag: str, config: PretrainedConfig,
+                       run_state: dict) -> dict[str, torch.Tensor]:
+    tag_dir = checkpoint_dir / tag
+    if run_state.get("pipeline_stages", 1) > 1 or any(tag_dir.glob("layer_*-model_states.pt")):
+        return pipeline_weights(tag_dir, config)
+    slices = model_parallel_weights(tag_dir, run_state.get("tensor_parallel", 1))
+    return slices[0] if len(slices) == 1 else join_tensor_parallel(slices, config, tag_dir)
+
+
+def written_by_train_py(tag_dir: Path) -> dict:
+    """The checkpoint's run state, once it is clear that train.py wrote the checkpoint: its run state names the
+    precision, and its hf/ holds the model config and tokenizer that the export needs."""
+    if not (tag_dir / RUN_STATE).is_file():
+        raise ConfigError(f"{tag_dir} has no {RUN_STATE}: it was not written by train.py. For a DeepSpeed ZeRO "
+                          f"checkpoint use DeepSpeed's converter, python {tag_dir.parent / 'zero_to_fp32.py'} "
+                          f"{tag_dir.parent} OUT_DIR --safe_serialization, then copy the model's config.json and "
+                          f"tokenizer files into OUT_DIR")
+    try:
+        run_state = json.loads((tag_dir / RUN_STATE).read_bytes())
+        precision = run_state["precision"]
+    except (ValueError, TypeError, KeyError):
+        raise ConfigError(f"{tag_dir / RUN_STATE} is damaged (not JSON with a precision); export another "
+                          f"checkpoint, or pass --dtype and repair the file") from None
+    if not (tag_dir / "hf" / "config.json").is_file():
+        raise ConfigError(f"{tag_dir / 'hf'} has no config.json: the export needs the model config and tokenizer "
+                          f"that train.py saves there; copy the model's config.json and tokenizer files into it")
+    return {**run_state, "precision": precision}
+
+
+COMMAND = "python -m training export"
+
+
+def export_checkpoint(path: Path, out_dir: Path, dtype: str | None = None, overwrite: bool = False) -> Path:
+    """The export command: `out_dir` (config, safetensors, tokenizer) from a checkpoint; `dtype` defaults to the
+    run's precision. `out_dir` may not hold the checkpoints or lie inside them; an existing one is replaced only with
+    `overwrite`, only if an earlier export wrote it, and only once the new export is complete."""
+    checkpoint_dir, tag = find_tag(path)
+    check_output(out_dir, COMMAND, [checkpoint_dir], overwrite, option="OUT_DIR")
+    written_by_train_py(checkpoint_dir / tag)
+    with staged_folder(out_dir, COMMAND) as staging:
+        export_tag(checkpoint_dir, tag, staging, dtype)
+    return checkpoint_dir / tag
+
+
+def export_tag(checkpoint_dir: Path, tag: str, out_dir: Path, dtype: str | None = None) -> None:
+    """Write the checkpoint `tag`'s model (a LoRA checkpoint's adapters) into the folder `out_dir`."""
+    tag_dir = checkpoint_dir / tag
+    run_state = written_by_train_py(tag_dir)
+    if dtype is None and run_state["precision"] not in DTYPES:
+        raise ConfigError(f"{tag_dir / RUN_STATE} names precision {run_state['precision']!r}; pass --dtype")
+    dtype = DTYPES[dtype or run_state["precision"]]
+    config = AutoConfig.from_pretrained(tag_dir / "hf")
+    try:
+        weights = checkpoint_weights(checkpoint_dir, tag, config, run_state)
+    except ConfigError:  # ours, which names the file already
+        raise
+    except READ_ERRORS as error:  # from DeepSpeed's reader, which names no file, or a file it finds missing
+        unreadable = unreadable_files(tag_dir)
+        name = next(iter(unreadable), None)
+        raise (cannot_read(tag_dir / name, unreadable[name]) if name else
+               ConfigError(f"{tag_dir} cannot be read ({error}): a damaged or partial checkpoint; export another "
+                           f"one")) from None
+    if is_lora_checkpoint(tag_dir):
+        export_adapters(tag_dir, weights, AutoTokenizer.from_pretrained(tag_dir / "hf"), out_dir, dtype)
+    else:
+        save_full_model(tag_dir, config, weights, out_dir, dtype)
+
+
+def save_full_model(tag_dir: Path, config: PretrainedConfig, weights: dict[str, torch.Tensor], out_dir: Path,
+                    dtype: torch.dtype) -> None:
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    expected = model.state_dict().keys()
+    missing = [name for name in expected if name not in weights and name not in model.all_tied_weights_keys]
+    if missing:
+        raise ConfigError(f"{tag_dir} lacks weights for {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    state_dict = {name: weights[name].to(dtype) for name in expected if name in weights}
+    save_hf(model, AutoTokenizer.from_pretrained(tag_dir / "hf"), out_dir, state_dict, dtype)

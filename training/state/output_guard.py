@@ -1,0 +1,134 @@
+"""The rules every command that writes a file or folder follows (train.py, export, convert, prepare, dedup,
+compare), checked before any work starts:
+
+- the output never contains, and never lies inside, an input the command reads (on resolved paths, so a symlink
+  or `..` does not slip past);
+- the output's nearest existing folder is a folder this user can write to;
+- an existing output is replaced only with --overwrite, and only when an earlier run of the same command wrote
+  it. Every output carries a marker naming the command that wrote it: a folder `.written-by.json` inside it, a
+  file `.NAME.written-by.json` beside it. An unmarked folder or file is never replaced, whatever it holds.
+"""
+import json
+import os
+import secrets
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from training.config.errors import ConfigError
+
+MARKER = ".written-by.json"
+
+
+def marker_path(output: Path, folder: bool) -> Path:
+    return output / MARKER if folder else output.with_name(f".{output.name}{MARKER}")
+
+
+def written_by(output: Path, folder: bool = True) -> str | None:
+    """The command named in the output's marker, or None (no marker, or one that cannot be read)."""
+    try:
+        return json.loads(marker_path(output, folder).read_text(encoding="utf-8")).get("command")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def mark(output: Path, command: str, folder: bool = True) -> None:
+    """Record that `command` wrote `output` (a folder, or a file: the marker goes beside it)."""
+    marker_path(output, folder).write_text(json.dumps({"command": command}) + "\n", encoding="utf-8")
+
+
+def overlap(output: Path, inputs: Iterable[Path | str | None]) -> tuple[str, Path] | None:
+    """("contains" or "lies inside", the input) for the first input the output overlaps, or None. Inputs that do not
+    exist (a hub id, say) are passed over."""
+    out = output.expanduser().resolve()
+    for given in inputs:
+        if given is None or not Path(given).expanduser().exists():
+            continue
+        source = Path(given).expanduser().resolve()
+        if source == out or out in source.parents:
+            return "contains", Path(given)
+        if source in out.parents:
+            return "lies inside", Path(given)
+    return None
+
+
+def check_writable_place(output: Path, option: str, folder: bool = True) -> None:
+    """The output's nearest existing folder is a folder this user can write to (not a file, not read-only), and an
+    existing output is of the kind the command writes."""
+    output = output.expanduser().absolute()
+    if output.exists() and output.is_dir() != folder:
+        raise ConfigError(f"{option} {output} is a {'file' if folder else 'folder'}; the command writes a "
+                          f"{'folder' if folder else 'file'} there: choose another {option}")
+    existing = output if output.exists() and folder else next(path for path in output.parents if path.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"{option} {output}: {existing} is a file, not a folder; choose another {option}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{option} {output}: {existing} is not writable by this user; choose another {option}")
+
+
+def check_output(output: Path, command: str, inputs: Iterable[Path | str | None], overwrite: bool = False,
+                 folder: bool = True, option: str = "the output") -> bool:
+    """Every rule above for `output` of `command`, before any work; returns whether an earlier output of the same
+    command is there (to be replaced, with `overwrite`)."""
+    found = overlap(output, inputs)
+    if found:
+        how, source = found
+        raise ConfigError(f"{option} {output} {how} {source}, which this command reads: an output never "
+                          f"{'holds' if how == 'contains' else 'goes inside'} an input; choose {option} elsewhere "
+                          f"(nothing was written)")
+    check_writable_place(output, option, folder)
+    if not (output.exists() or output.is_symlink()):
+        return False
+    if output.is_symlink():
+        raise ConfigError(f"{option} {output} is a symbolic link; name the real {'folder' if folder else 'file'}, or "
+                          f"choose another {option}")
+    if not overwrite:
+        raise ConfigError(f"{option} {output} already exists; choose another {option}, or pass --overwrite to replace "
+                          f"an earlier output of {command}")
+    if written_by(output, folder) != command:
+        raise ConfigError(f"--overwrite replaces only an earlier output of {command}, and {output} is not one (no "
+                          f"{marker_path(output, folder).name} naming it): nothing was deleted; choose another {option}, "
+                          f"or remove it yourself if it is yours to remove")
+    return True
+
+
+def write_atomically(path: Path, content: str | bytes) -> None:
+    """Readers see the old file or the new one, never a partial one: a new file beside it (created by this process:
+    an earlier leftover is never overwritten), synced, then renamed over it, and the folder synced."""
+    data = content.encode() if isinstance(content, str) else content
+    temporary = path.with_name(f".{path.name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        with temporary.open("xb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)  # gone already once renamed
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+@contextmanager
+def staged_folder(output: Path, command: str) -> Iterator[Path]:
+    """A fresh folder beside `output`, created by this process, to write the output into: renamed into place (replacing
+    an earlier output of `command`, checked by check_output) only when the block finishes, removed if it fails."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
+    try:
+        yield staging
+        mark(staging, command)
+        if output.exists():
+            earlier = staging.with_name(f"{staging.name}-earlier")
+            output.rename(earlier)
+            staging.rename(output)
+            shutil.rmtree(earlier)
+        else:
+            staging.rename(output)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone already when renamed
