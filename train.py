@@ -35,7 +35,7 @@ from training.config.auto_config import choose_ds_config
 from training.config.ds_config import accumulation_steps, load_ds_config, resolve_ds_config
 from training.config.errors import ConfigError, positive_float, positive_int
 from training.loop.evaluation import evaluate
-from training.parallel.layout import check_layout, refusal
+from training.planning.checks import check_layout, refusal
 from training.models.long_context import apply_long_context
 from training.models.lora import export_lora, lora_files, with_lora
 from training.models.moe import RouterLoss, mark_sparse_blocks, router_loss, with_router_loss
@@ -48,7 +48,8 @@ from training.models.model import (build_model, check_checkpoint_folder, check_c
 from training.loop.optimizer import client_optimizer, lr_schedule, weight_decay_groups
 from training.parallel.pipeline import TokenMeanLoss, build_pipeline, pipeline_batches, report_grad_norm
 from training.state.output_dir import check_output_dir, default_output_dir, start_output_dir
-from training.planning.plan import RunPlan, planned_machine, print_plan
+from training.planning.plan import RunPlan, planned_machine
+from training.planning.report import print_plan
 from training.planning.precision import DTYPES, loss_scale, resolve_precision, use_fp16_block_loss_scaling
 from training.config.recipe import load_recipe, recipe_inputs
 from training.state.resume import plan_resume
@@ -306,7 +307,7 @@ def run_state(plan: RunPlan, step: int, tokens_seen: int, data_position: int) ->
     position runs ahead of the step by the batches passed over), and what wrote it."""
     base = plan.recipe.model.name_or_path
     return {"step": step, "tokens_seen": tokens_seen, "data_position": data_position, "recipe": plan.recipe.name,
-            **plan.layout(), **({"base_model": {"name_or_path": base, "digest": plan.base_digest}} if base else {})}
+            **plan.layout().model_dump(), **({"base_model": {"name_or_path": base, "digest": plan.base_digest}} if base else {})}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -397,7 +398,7 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
         export_hf(engine, plan.tokenizer, plan.output_dir / "hf", DTYPES[plan.precision])
     if dist.get_rank() == 0:
         summary = {"recipe": recipe.name, "device": device_name(), **({"peak_tflops": flops.peak_tflops} if flops else {}),
-                   **plan.layout(), "activation_checkpointing": recipe.activation_checkpointing,
+                   **plan.layout().model_dump(), "activation_checkpointing": recipe.activation_checkpointing,
                    "steps": total_steps, "start_step": start["step"], **totals,
                    "wall_time_s": time.perf_counter() - run_start, "output_dir": str(plan.output_dir),
                    "data": data_stats, "ds_config": plan.ds_config}

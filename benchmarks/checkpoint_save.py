@@ -24,8 +24,7 @@ sys.path.insert(0, str(REPO))
 import train  # noqa: E402
 from training.parallel.launch import launcher_command  # noqa: E402
 from training.planning.memory import LAUNCHER_GRACE_S, checkpoint_bytes  # noqa: E402
-from training.planning.plan import format_bytes  # noqa: E402
-from training.planning.shape import model_shape  # noqa: E402
+from training.planning.report import format_bytes  # noqa: E402
 
 RECIPE_GPUS = {"llama2_7b": 8, "llama2_7b_sft": 8, "llama3_8b": 8, "mistral_7b": 8, "qwen2_5_1_5b": 1, "gpt2": 1}
 SAVE_LINE = re.compile(r"checkpoint global_step(\d+): ([\d,.]+) MiB in ([\d.]+) s")
@@ -45,7 +44,7 @@ def measure(recipe: str, num_gpus: int, steps: int) -> tuple[float, float, float
     if len(saves) < 2:
         sys.exit(f"found {len(saves)} checkpoint lines in train.py's console; raise --steps")
     mib, seconds = saves[-1][0], statistics.median(s for _, s in saves[1:])
-    size = checkpoint_bytes(model_shape(plan.model_config).parameters, plan.zero_stage, plan.dp_size, plan.precision)
+    size = checkpoint_bytes(plan.shape.parameters, plan.zero_stage, plan.dp_size, plan.precision)
     busiest_share = size.largest_rank / size.total
     return mib, seconds, mib * busiest_share / seconds
 
@@ -55,7 +54,7 @@ def recipe_rows(rate_mib_s: float) -> list[list[str]]:
     for recipe, gpus in RECIPE_GPUS.items():
         plan = train.make_plan(train.parse_args(["--recipe", recipe, "--dry-run", "--num-gpus", str(gpus),
                                                  "--gpu-mem", "80"]))
-        size = checkpoint_bytes(model_shape(plan.model_config).parameters, plan.zero_stage, plan.dp_size,
+        size = checkpoint_bytes(plan.shape.parameters, plan.zero_stage, plan.dp_size,
                                 plan.precision)
         seconds = size.largest_rank / 2**20 / rate_mib_s
         rows.append([recipe, f"{gpus} x ZeRO-{plan.zero_stage} {plan.precision}", format_bytes(size.total),

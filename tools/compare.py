@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO))
 from training.config.errors import ConfigError, exit_code, positive_int  # noqa: E402
 from training.parallel.launch import failure_reason, launcher_command  # noqa: E402
 from training.state.output_guard import check_output, mark  # noqa: E402
-from training.planning.plan import planned_model_states  # noqa: E402
+from training.planning.memory import planned_model_states  # noqa: E402
 from training.config.recipe import load_recipe, parse_override, recipe_inputs  # noqa: E402
 
 import train  # noqa: E402

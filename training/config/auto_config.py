@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from transformers import PretrainedConfig
 
 from training.config.errors import ConfigError
-from training.planning.memory import HEADROOM
-from training.planning.plan import Machine, activations, format_bytes, states_per_setting
+from training.planning.memory import HEADROOM, activations, fits, states_per_setting
+from training.planning.plan import Machine
+from training.planning.report import format_bytes
 from training.config.recipe import Recipe
 from training.planning.shape import ModelShape, model_shape
 
@@ -47,10 +48,10 @@ def choose_ds_config(recipe: Recipe, config: PretrainedConfig, precision: str, m
                           f"{machine.gpus_per_node} GPU(s) per node, and a tensor-parallel group splits each matrix "
                           f"over the GPUs of one node; choose parallelism.tensor_parallel of at most "
                           f"{machine.gpus_per_node}, or plan for nodes of {tensor} or more GPUs (--num-gpus {tensor})")
-    budget, shape = HEADROOM * machine.memory_per_rank, model_shape(config, recipe.lora)
+    shape = model_shape(config, recipe.lora)
     refused = []
     for need in memory_needs(recipe, shape, precision, machine):
-        if need.total <= budget:
+        if fits(need.total, machine.memory_per_rank):
             chosen = with_setting(recipe, need)
             why = refusal(chosen)
             if why is None:
@@ -90,15 +91,15 @@ def shortfall(recipe: Recipe, shape: ModelShape, precision: str, machine: Machin
              f"{format_bytes(smallest.activations)} activations). What would fit:"]
     for nodes in (2, 4, 8, 16, 32, 64):
         more = Machine(machine.gpus_per_node, machine.nodes * nodes, machine.memory_per_rank, machine.memory_source)
-        if fits(recipe, shape, precision, more):
+        if anything_fits(recipe, shape, precision, more):
             lines.append(f"  {more.nodes} node(s) x {more.gpus_per_node} GPU(s) (ZeRO-3 shards the model states "
                          f"over more ranks)")
             break
     training = recipe.training
-    if training.micro_batch_size > 1 and fits(with_training(recipe, micro_batch_size=1), shape, precision, machine):
+    if training.micro_batch_size > 1 and anything_fits(with_training(recipe, micro_batch_size=1), shape, precision, machine):
         lines.append("  training.micro_batch_size=1 (the global batch stays: more accumulation steps)")
     seq_len = recipe.data.seq_len // 2
-    while seq_len >= 128 and not fits(with_seq_len(recipe, seq_len), shape, precision, machine):
+    while seq_len >= 128 and not anything_fits(with_seq_len(recipe, seq_len), shape, precision, machine):
         seq_len //= 2
     if seq_len >= 128:
         lines.append(f"  data.seq_len={seq_len}")
@@ -107,9 +108,8 @@ def shortfall(recipe: Recipe, shape: ModelShape, precision: str, machine: Machin
     return "\n".join(lines)
 
 
-def fits(recipe: Recipe, shape: ModelShape, precision: str, machine: Machine) -> bool:
-    budget = HEADROOM * machine.memory_per_rank
-    return any(need.total <= budget for need in memory_needs(recipe, shape, precision, machine))
+def anything_fits(recipe: Recipe, shape: ModelShape, precision: str, machine: Machine) -> bool:
+    return any(fits(need.total, machine.memory_per_rank) for need in memory_needs(recipe, shape, precision, machine))
 
 
 def with_training(recipe: Recipe, **changes) -> Recipe:

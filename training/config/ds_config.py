@@ -129,6 +129,13 @@ def zero_stage(ds_config: dict) -> int:
     return int(ds_config.get("zero_optimization", {}).get("stage", 0))
 
 
+def zero_setting(ds_config: dict) -> str:
+    """The ZeRO stage and whether the optimizer is offloaded, in training/planning/memory.py's ZERO_SETTINGS' terms:
+    '2', '3_offload'."""
+    offload = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+    return f"{zero_stage(ds_config)}{'_offload' if offload not in ('none', None) else ''}"
+
+
 def accumulation_steps(training: TrainingSection, dp_size: int) -> int:
     """global = micro x accumulation x data-parallel ranks, with accumulation a whole number."""
     per_pass = training.micro_batch_size * dp_size
@@ -211,7 +218,7 @@ def resolve_ds_config(raw: dict, source: Path, recipe: Recipe, hidden_size: int,
                                         accumulation_steps(training, dp_size)),
         "train_batch_size": ("training.global_batch_size", training.global_batch_size),
         "gradient_clipping": ("training.grad_clip", training.grad_clip),
-        **deepspeed_optimizer_keys(recipe, config),
+        **deepspeed_optimizer_keys(recipe, zero_setting(config)),
     }
     grad_accum_dtype = get_key(config, "data_types.grad_accum_dtype")
     if grad_accum_dtype is MISSING:

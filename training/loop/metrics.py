@@ -18,7 +18,6 @@ from tqdm import tqdm
 from training.parallel import distributed
 from training.planning.flops import flops_per_token, peak_tflops
 from training.planning.plan import RunPlan
-from training.planning.shape import model_shape
 
 
 def peak_memory_bytes() -> int:
@@ -133,8 +132,7 @@ def flops_meter(plan: RunPlan) -> FlopsMeter | None:
     if get_accelerator().device_name() != "cuda":
         return None
     recipe = plan.recipe
-    model, hardware = flops_per_token(model_shape(plan.model_config, recipe.lora), recipe.data.seq_len,
-                                      recipe.activation_checkpointing)
+    model, hardware = flops_per_token(plan.shape, recipe.data.seq_len, recipe.activation_checkpointing)
     tokens_per_gpu = recipe.training.global_batch_size * recipe.data.seq_len / plan.world_size
     name = torch.cuda.get_device_name()
     peak = recipe.logging.peak_tflops or peak_tflops(name)

@@ -29,7 +29,6 @@ from transformers.optimization import (get_constant_schedule_with_warmup, get_co
                                        get_linear_schedule_with_warmup, get_wsd_schedule)
 
 from training.config.errors import ConfigError
-from training.planning.memory import zero_setting
 from training.config.recipe import Recipe, TrainingSection
 from training.planning.shape import ModelShape, decoder_layers
 
@@ -37,9 +36,9 @@ DEEPSPEED_TYPES = {"adamw": "AdamW", "lion": "Lion", "muon": "Muon"}  # the ds_c
 ADAMW_ONLY_KEYS = ("eps", "torch_adam")  # in the shipped configs; Lion takes neither
 
 
-def deepspeed_optimizer_keys(recipe: Recipe, ds_config: dict) -> dict[str, tuple[str, Any]]:
-    """The ds_config keys the recipe's optimizer decides, each with the recipe key it comes from."""
-    setting = zero_setting(ds_config)
+def deepspeed_optimizer_keys(recipe: Recipe, setting: str) -> dict[str, tuple[str, Any]]:
+    """The ds_config keys the recipe's optimizer decides at the ZeRO `setting` ('2', '3_offload'), each with the
+    recipe key it comes from."""
     training, section = recipe.training, recipe.optimizer
     keys = {"optimizer.type": ("optimizer.name", DEEPSPEED_TYPES[section.name]),
             "optimizer.params.lr": ("training.lr", training.lr),
@@ -59,11 +58,12 @@ def deepspeed_optimizer_keys(recipe: Recipe, ds_config: dict) -> dict[str, tuple
     return keys
 
 
-def check_optimizer(recipe: Recipe, config: PretrainedConfig, ds_config: dict) -> None:
-    """What the recipe's optimizer cannot run with, before anything is built."""
+def check_optimizer(recipe: Recipe, config: PretrainedConfig, setting: str) -> None:
+    """What the recipe's optimizer cannot run with at the ZeRO `setting` ('2', '3_offload'), before anything is
+    built."""
     if recipe.optimizer.name != "muon":
         return
-    problems, setting = [], zero_setting(ds_config)
+    problems = []
     if setting != "0" and recipe.training.grad_clip:
         problems.append(f"training.grad_clip={recipe.training.grad_clip} at ZeRO-{setting[0]}: DeepSpeed's ZeRO Muon "
                         f"measures the norm after orthogonalizing (the updates' norm, about 60 times the gradients' "

@@ -39,6 +39,7 @@ from data_pipeline.stream import StreamingBatches
 from training.parallel import distributed
 from training.state.checkpoint import latest_tag, load_checkpoint
 from training.config.recipe import StabilitySection
+from training.parallel.layout import Layout
 
 SAMPLE = 4096  # weights per parameter tensor (and rank) that the update-to-weight ratio is measured on
 
@@ -65,7 +66,7 @@ def as_json(value: float) -> float | str:
 
 
 def rewind(engine: DeepSpeedEngine, batches: StepBatches | StreamingBatches, checkpoint_dir: Path, position: int,
-           layout: dict) -> dict:
+           layout: Layout) -> dict:
     """Back to the latest checkpoint, every rank: weights, optimizer, schedule and RNG as they were there, and the
     data at `position`, past the batches since the checkpoint (the spike's included). The checkpoint may be the one
     this run resumed from in another `layout`: it loads through its universal conversion then. Returns the

@@ -19,11 +19,16 @@ activations are rebuilt at a time in the backward pass. The loss briefly holds t
 copy too, (a + 4)*V per token, which is added to the peak. Gradient buffers of the activations, the CUDA
 context and allocator fragmentation are not: `fits` leaves 10% of the memory for them.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from deepspeed.runtime.utils import partition_balanced, partition_uniform
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
+from training.config.recipe import Recipe
+from training.loop.optimizer import optimizer_state_bytes
+from training.planning.plan import Machine, RunPlan
+from training.planning.precision import DTYPES
 from training.planning.shape import ModelShape
 
 ZERO_SETTINGS = ("0", "1", "2", "3", "2_offload", "3_offload")  # named as the ds_configs/zero*.json files
@@ -36,13 +41,6 @@ class ModelStates:
     device_bytes: float  # per rank (GPU)
     host_bytes: float  # per node (CPU memory with offload; DeepSpeed also counts its loading buffers)
     source: str  # which estimator
-
-
-def zero_setting(ds_config: dict) -> str:
-    """A DeepSpeed config's setting in ZERO_SETTINGS' terms."""
-    zero = ds_config.get("zero_optimization", {})
-    offloaded = zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)
-    return f"{zero.get('stage', 0)}{'_offload' if offloaded else ''}"
 
 
 def zero_arithmetic(params: float, stage: int, ranks: int, precision: str, state_bytes: float = 8.0) -> float:
@@ -211,3 +209,78 @@ def activation_bytes(shape: ModelShape, tokens: int, seq_len: int, dtype_bytes: 
     checkpointed = on_device * a * h + (per_layer if layers else 0.0)
     return Activations(tokens * (layers * per_layer + outside) + transient,
                        tokens * (checkpointed + outside) + transient, tokens * (layers - on_device) * a * h)
+
+
+def fits(total: float, memory: float) -> bool:
+    """Whether `total` bytes fit in a rank's `memory`, leaving HEADROOM's share for what the estimate leaves out."""
+    return total <= HEADROOM * memory
+
+
+def stage_bounds(layer_parameters: list[int], stages: int, method: str) -> list[int]:
+    """Where each stage starts, as DeepSpeed's PipelineModule partitions the layers."""
+    if method == "uniform":
+        return partition_uniform(len(layer_parameters), stages)
+    return partition_balanced(layer_parameters, stages)
+
+
+def activations(recipe: Recipe, precision: str, shape: ModelShape, **stage) -> Activations | None:
+    """One micro-batch's activations on a rank: its slice of the rows under sequence parallelism, its share of
+    the heads and the MLP width under tensor parallelism."""
+    seq_len, long_context, parallelism = recipe.data.seq_len, recipe.long_context, recipe.parallelism
+    shape = tensor_parallel_shard(shape, parallelism.tensor_parallel)
+    return activation_bytes(shape, recipe.training.micro_batch_size * seq_len // parallelism.sequence_parallel, seq_len,
+                            DTYPES[precision].itemsize, recipe.model.attn_implementation,
+                            sequence_parallel=parallelism.sequence_parallel, tiled_mlp=long_context.tiled_mlp,
+                            logits_tile_tokens=long_context.logits_tile_tokens,
+                            offload_checkpoints=long_context.offload_checkpoints, **stage)
+
+
+def tensor_parallel_shard(shape: ModelShape, size: int) -> ModelShape:
+    """What one rank of a tensor-parallel group holds and computes: AutoTP splits the decoder layers' matrices
+    (their norms, a small part, are counted split too) and so their heads and MLP width; the embedding, the
+    head and the hidden-wide activations stay whole."""
+    if size == 1:
+        return shape
+    layers = tuple(count // size for count in shape.layer_parameters)
+    return replace(shape, parameters=shape.parameters - sum(shape.layer_parameters) + sum(layers),
+                   layer_parameters=layers, num_heads=shape.num_heads // size,
+                   num_kv_heads=shape.num_kv_heads // size, intermediate_size=shape.intermediate_size // size)
+
+
+def states_per_setting(recipe: Recipe, precision: str, shape: ModelShape, machine: Machine) -> dict[str, ModelStates]:
+    """Each ZeRO setting's model states per rank on `machine` (a rank's slice under tensor parallelism, ZeRO over
+    the data-parallel ranks; with LoRA, the shape's lora_parameters on frozen weights); offload only in mixed precision
+    (DeepSpeed's offload keeps 16-bit weights on the GPU)."""
+    tp, state_bytes = recipe.parallelism.tensor_parallel, optimizer_state_bytes(recipe.optimizer.name, shape)
+    settings = [setting for setting in ZERO_SETTINGS if not (precision == "fp32" and setting.endswith("_offload"))]
+    if shape.lora_parameters is not None:
+        return {setting: lora_model_states(setting, shape, shape.lora_parameters, machine.gpus_per_node, machine.nodes,
+                                           precision, state_bytes, recipe.lora.quantize == "nf4")
+                for setting in settings}
+    return {setting: model_states(setting, tensor_parallel_shard(shape, tp), machine.gpus_per_node // tp,
+                                  machine.nodes, precision, zero_init=recipe.model.name_or_path is not None,
+                                  state_bytes=state_bytes) for setting in settings}
+
+
+def planned_model_states(plan: RunPlan) -> ModelStates:
+    """The run's model-state estimate per rank: its ZeRO setting over its data-parallel ranks (one node), or
+    with pipeline stages the largest stage's share. ValueError where there is no estimate (offload in fp32)."""
+    shape = plan.shape
+    if shape.lora_parameters is not None:
+        return lora_model_states(plan.zero_setting, shape, shape.lora_parameters, plan.world_size, 1,
+                                 plan.precision, state_bytes(plan), plan.recipe.lora.quantize == "nf4")
+    if plan.pipeline_stages == 1:
+        return model_states(plan.zero_setting, tensor_parallel_shard(shape, plan.tensor_parallel),
+                            plan.world_size // plan.tensor_parallel, 1, plan.precision,
+                            zero_init=plan.recipe.model.name_or_path is not None, state_bytes=state_bytes(plan))
+    layers = shape.pipeline_layer_parameters
+    bounds = stage_bounds(layers, plan.pipeline_stages, plan.recipe.parallelism.partition_method)
+    largest = max(sum(layers[start:end]) for start, end in zip(bounds, bounds[1:]))
+    return ModelStates(zero_arithmetic(largest, plan.zero_stage, plan.dp_size, plan.precision, state_bytes(plan)),
+                       0.0, "ZeRO arithmetic")
+
+
+def state_bytes(plan: RunPlan) -> float:
+    """The run's optimizer-state bytes per parameter."""
+    return optimizer_state_bytes(plan.recipe.optimizer.name, plan.shape)
+

@@ -32,6 +32,7 @@ from transformers import PreTrainedTokenizerBase
 from training.config.errors import ConfigError
 from training.state.output_guard import write_atomically
 from training.config.recipe import Recipe
+from training.parallel.layout import Layout
 from training.state.run_state import RunState, faults
 from training.state.universal import (UNIVERSAL, loading_universal, needs_universal, through_universal, universal_folder,
                                 universal_load_repaired)
@@ -161,8 +162,8 @@ def read_run_state(checkpoint_dir: Path, tag: str | None = None) -> RunState:
     return run_state
 
 
-def check_resume(checkpoint_dir: Path, layout: dict, recipe: Recipe, base_digest: str | None) -> bool:
-    """Whether the latest checkpoint can continue in this run's `layout` (LAYOUT_KEYS): True when it loads through a
+def check_resume(checkpoint_dir: Path, layout: Layout, recipe: Recipe, base_digest: str | None) -> bool:
+    """Whether the latest checkpoint can continue in this run's `layout`: True when it loads through a
     universal checkpoint (another layout), False when DeepSpeed loads it as it is; a ConfigError, before anything is
     built, that says whether the checkpoint is damaged or does not fit this run, and the way out."""
     run_state, tag = read_run_state(checkpoint_dir), latest_tag(checkpoint_dir)
@@ -181,7 +182,7 @@ def check_resume(checkpoint_dir: Path, layout: dict, recipe: Recipe, base_digest
                    f"state starts afresh)")
     if run_state.lora:
         check_same_base(checkpoint_dir / tag, run_state, recipe, base_digest)
-    return needs_universal(run_state.model_dump(), layout, recipe.data.streaming, export_hint)
+    return needs_universal(run_state.layout(), layout, recipe.data.streaming, export_hint)
 
 
 def check_files(checkpoint_dir: Path, tag: str, names: list[str]) -> None:
@@ -219,7 +220,7 @@ def remove_unfinished_tags(checkpoint_dir: Path) -> None:
 MISMATCH = re.compile(r"size mismatch|Missing key|Unexpected key|Error\(s\) in loading state_dict|shape")
 
 
-def load_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, layout: dict) -> tuple[dict, dict]:
+def load_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, layout: Layout) -> tuple[dict, dict]:
     """Restore weights, optimizer, scheduler and RNG states (and fp16's loss scale at ZeRO-0) from the tag named in
     `latest`: as it is when this run's `layout` wrote it, else from its universal conversion (converted already:
     convert_on_rank_0). Returns the run state and this rank's data position. On another number of ranks, rank r takes

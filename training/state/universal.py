@@ -34,7 +34,8 @@ from pydantic import ValidationError
 
 from training.parallel.distributed import host_group
 from training.config.errors import ConfigError
-from training.state.run_state import LAYOUT_KEYS, RunState, older_default
+from training.parallel.layout import Layout
+from training.state.run_state import RunState
 
 UNIVERSAL = "universal"  # the folder under checkpoints/ that holds converted checkpoints, one per tag
 MANIFEST = ".manifest.json"  # in each converted folder: its files and sizes, written last
@@ -45,51 +46,50 @@ def provide_universal_info(model: torch.nn.Module) -> None:
     setattr(model, UNIVERSAL_CHECKPOINT_INFO, {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE})
 
 
-def through_universal(wrote: dict, layout: dict) -> bool:
+def through_universal(wrote: Layout, layout: Layout) -> bool:
     """Whether a checkpoint of the layout `wrote` loads into `layout` through its universal conversion (where
     needs_universal allows the change at all): any change but one between ZeRO-0 layouts, where nothing is
     partitioned and DeepSpeed loads the whole weights and optimizer state on any ranks and in any precision."""
-    return wrote != layout and not (wrote["zero_stage"] == 0 and layout["zero_stage"] == 0)
+    return wrote != layout and not (wrote.zero_stage == 0 and layout.zero_stage == 0)
 
 
-def needs_universal(run_state: dict, layout: dict, streaming: bool, export_hint: str) -> bool:
-    """Whether resuming `run_state`'s checkpoint in `layout` (the LAYOUT_KEYS of this run) goes through a
-    universal checkpoint; a ConfigError where neither way can load it."""
-    wrote = {key: run_state.get(key, older_default(key)) for key in LAYOUT_KEYS}
+def needs_universal(wrote: Layout, layout: Layout, streaming: bool, export_hint: str) -> bool:
+    """Whether resuming a checkpoint that the layout `wrote` saved in this run's `layout` goes through a universal
+    checkpoint; a ConfigError where neither way can load it."""
     if wrote == layout:
         return False
-    change = ", ".join(f"{key} {wrote[key]} -> {layout[key]}" for key in LAYOUT_KEYS if wrote[key] != layout[key])
-    if wrote["optimizer"] != layout["optimizer"]:
-        raise ConfigError(f"--resume ({change}): the checkpoint holds {wrote['optimizer']}'s optimizer states; resume "
-                          f"with optimizer.name={wrote['optimizer']}, or start a new run from its weights: {export_hint}")
-    if wrote["lora"] != layout["lora"]:
+    change = wrote.changes_to(layout)
+    if wrote.optimizer != layout.optimizer:
+        raise ConfigError(f"--resume ({change}): the checkpoint holds {wrote.optimizer}'s optimizer states; resume "
+                          f"with optimizer.name={wrote.optimizer}, or start a new run from its weights: {export_hint}")
+    if wrote.lora != layout.lora:
         raise ConfigError(f"--resume ({change}): a LoRA checkpoint holds the adapters and their optimizer states, a full "
-                          f"fine-tune's the whole model's; resume with lora.enabled={str(wrote['lora']).lower()}, or "
+                          f"fine-tune's the whole model's; resume with lora.enabled={str(wrote.lora).lower()}, or "
                           f"start a new run from its exported weights")
-    if layout["lora"]:
+    if layout.lora:
         raise ConfigError(f"--resume ({change}): a LoRA checkpoint resumes in the layout that wrote it (DeepSpeed's "
                           f"universal conversion is not proven here without the frozen base weights); resume with "
-                          f"{wrote['world_size']} rank(s) at ZeRO-{wrote['zero_stage']} in {wrote['precision']}")
-    if streaming and wrote["world_size"] != layout["world_size"]:
+                          f"{wrote.world_size} rank(s) at ZeRO-{wrote.zero_stage} in {wrote.precision}")
+    if streaming and wrote.world_size != layout.world_size:
         raise ConfigError(f"--resume ({change}): with data.streaming each rank reads its own share of the stream and "
                           f"the checkpoint holds each rank's position in it, so another number of ranks cannot "
-                          f"continue it; resume with {wrote['world_size']} rank(s), or prepare the data "
+                          f"continue it; resume with {wrote.world_size} rank(s), or prepare the data "
                           f"(data.streaming=false), whose position is the step for any number of ranks")
-    if wrote["pipeline_stages"] > 1 or layout["pipeline_stages"] > 1:
+    if wrote.pipeline_stages > 1 or layout.pipeline_stages > 1:
         raise ConfigError(f"--resume ({change}): a pipeline checkpoint keeps each layer's weights in a file of its own "
                           f"and DeepSpeed's universal converter reads only Megatron's layer layout; resume in the "
                           f"layout that wrote it, or start a new run from its weights: {export_hint}")
-    if wrote["tensor_parallel"] > 1 or layout["tensor_parallel"] > 1:
+    if wrote.tensor_parallel > 1 or layout.tensor_parallel > 1:
         raise ConfigError(f"--resume ({change}): a tensor-parallel checkpoint holds each rank's slices of the "
                           f"matrices, which the universal conversion does not reassemble here; resume in the layout "
                           f"that wrote it, or start a new run from its weights: {export_hint}")
     if not through_universal(wrote, layout):
         return False
-    if layout["optimizer"] != "adamw":
+    if layout.optimizer != "adamw":
         raise ConfigError(f"--resume ({change}): the universal conversion is proven here with AdamW's moments, not "
-                          f"{layout['optimizer']}'s states; resume in the layout that wrote the checkpoint, or start a "
+                          f"{layout.optimizer}'s states; resume in the layout that wrote the checkpoint, or start a "
                           f"new run from its weights: {export_hint}")
-    if 0 in (wrote["zero_stage"], layout["zero_stage"]):
+    if 0 in (wrote.zero_stage, layout.zero_stage):
         raise ConfigError(f"--resume ({change}): DeepSpeed's universal checkpoints connect ZeRO stages 1, 2 and 3; a "
                           f"ZeRO-0 optimizer state is neither written nor read by them. Resume at ZeRO-0 (on any number "
                           f"of ranks) or, to move to ZeRO, start a new run from its weights: {export_hint}")

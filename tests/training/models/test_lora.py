@@ -11,6 +11,7 @@ from training.models.lora import lora_config
 from training.planning.memory import lora_model_states
 from training.config.recipe import load_recipe
 from training.planning.shape import model_shape
+from training.parallel.layout import Layout
 from training.state.universal import needs_universal
 
 
@@ -93,10 +94,9 @@ def test_qlora_is_refused_without_a_cuda_gpu_and_planned_for_one(base):
 
 
 def test_a_lora_checkpoint_resumes_only_as_lora_in_its_own_layout():
-    wrote = {"world_size": 2, "zero_stage": 3, "precision": "fp32", "lora": True}
-    layout = {**wrote, "pipeline_stages": 1, "tensor_parallel": 1, "sequence_parallel": 1, "optimizer": "adamw"}
-    assert needs_universal(wrote, layout, False, "export") is False
+    wrote = Layout(world_size=2, zero_stage=3, precision="fp32", lora=True)
+    assert needs_universal(wrote, wrote, False, "export") is False
     with pytest.raises(ConfigError, match="resume with lora.enabled=true"):
-        needs_universal(wrote, {**layout, "lora": False}, False, "export")
+        needs_universal(wrote, wrote.model_copy(update={"lora": False}), False, "export")
     with pytest.raises(ConfigError, match="resumes in the layout that wrote it"):
-        needs_universal(wrote, {**layout, "world_size": 4}, False, "export")
+        needs_universal(wrote, wrote.model_copy(update={"world_size": 4}), False, "export")

@@ -2,7 +2,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from training.planning.memory import activation_bytes, layer_bytes_per_token, model_states, zero_arithmetic, zero_setting
+from training.config.ds_config import zero_setting
+from training.planning.memory import activation_bytes, layer_bytes_per_token, model_states, zero_arithmetic
 from training.planning.shape import model_shape
 
 # Shapes unlike the ones the rules were read from: GQA, a head_dim that is not hidden/heads, odd widths.

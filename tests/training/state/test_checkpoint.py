@@ -1,6 +1,7 @@
 import deepspeed
 import torch
 
+from training.parallel.layout import Layout
 from training.state.checkpoint import load_checkpoint, save_checkpoint
 from training.planning.precision import FP16BlockGradScaler
 
@@ -36,9 +37,8 @@ def test_the_zero0_fp16_loss_scale_survives_save_and_resume(one_rank, tmp_path):
 
     resumed = engine_with_fp16_block_scaler()
     assert resumed.torch_autocast_z0_gradscaler.get_scale() == 1024
-    run_state, data_state = load_checkpoint(resumed, tmp_path, layout={
-        **{key: value for key, value in RUN_STATE.items() if key not in ("step", "tokens_seen")},
-        "pipeline_stages": 1, "tensor_parallel": 1, "sequence_parallel": 1, "optimizer": "adamw", "lora": False})
+    run_state, data_state = load_checkpoint(resumed, tmp_path, layout=Layout(
+        **{key: value for key, value in RUN_STATE.items() if key not in ("step", "tokens_seen")}))
     assert run_state.items() >= RUN_STATE.items() and data_state == {"position": 3}
     assert resumed.torch_autocast_z0_gradscaler.state_dict() == saved
 
@@ -50,7 +50,6 @@ def test_a_zero0_checkpoint_loads_as_it_is_in_another_zero0_layout(one_rank, tmp
     wrote = {**RUN_STATE, "world_size": 2}
     save_checkpoint(engine, tmp_path, wrote, {"position": 3}, hf_files=(), keep_last=None)
     (tmp_path / "global_step4" / "rank_state1.pt").write_bytes((tmp_path / "global_step4" / "rank_state0.pt").read_bytes())
-    run_state, data_state = load_checkpoint(engine_with_fp16_block_scaler(), tmp_path, layout={
-        "world_size": 1, "zero_stage": 0, "precision": "bf16", "pipeline_stages": 1, "tensor_parallel": 1,
-        "sequence_parallel": 1, "optimizer": "adamw", "lora": False})
+    run_state, data_state = load_checkpoint(engine_with_fp16_block_scaler(), tmp_path, layout=Layout(
+        world_size=1, zero_stage=0, precision="bf16"))
     assert run_state["world_size"] == 2 and data_state == {"position": 3}

@@ -3,15 +3,22 @@ in tests/test_resume_anywhere.py)."""
 import pytest
 
 from training.config.errors import ConfigError
+from training.parallel.layout import Layout
+from training.state.run_state import RunState
 from training.state.universal import needs_universal
 
 WROTE = {"step": 6, "tokens_seen": 100, "world_size": 2, "zero_stage": 2, "precision": "fp32", "pipeline_stages": 1}
 HINT = "python -m training export X DIR"
 
 
-def layout(**changes) -> dict:
-    return {"world_size": 2, "zero_stage": 2, "precision": "fp32", "pipeline_stages": 1, "tensor_parallel": 1,
-            "sequence_parallel": 1, "optimizer": "adamw", "lora": False, **changes}
+def layout(**changes) -> Layout:
+    return Layout(**{"world_size": 2, "zero_stage": 2, "precision": "fp32", "pipeline_stages": 1, "tensor_parallel": 1,
+                     "sequence_parallel": 1, "optimizer": "adamw", "lora": False, **changes})
+
+
+def written(run_state: dict) -> Layout:
+    """The layout a checkpoint's run_state.json records, as a resume reads it."""
+    return RunState.model_validate(run_state).layout()
 
 
 @pytest.mark.parametrize("changes, universal", [
@@ -23,18 +30,18 @@ def layout(**changes) -> dict:
     ({"precision": "bf16"}, True),
 ])
 def test_another_layout_resumes_through_a_universal_checkpoint(changes, universal):
-    assert needs_universal(WROTE, layout(**changes), streaming=False, export_hint=HINT) is universal
+    assert needs_universal(written(WROTE), layout(**changes), streaming=False, export_hint=HINT) is universal
 
 
 def test_zero_0_resumes_as_it_is_on_any_ranks_and_precision():
     wrote = {**WROTE, "zero_stage": 0}
-    assert needs_universal(wrote, layout(zero_stage=0, world_size=4, precision="bf16"), False, HINT) is False
+    assert needs_universal(written(wrote), layout(zero_stage=0, world_size=4, precision="bf16"), False, HINT) is False
 
 
 @pytest.mark.parametrize("key", ["pipeline_stages", "tensor_parallel", "sequence_parallel", "optimizer", "lora"])
 def test_run_states_older_than_a_key_count_as_its_default(key):
     wrote = {name: value for name, value in WROTE.items() if name != key}
-    assert needs_universal(wrote, layout(), False, HINT) is False
+    assert needs_universal(written(wrote), layout(), False, HINT) is False
 
 
 @pytest.mark.parametrize("wrote, changes, message", [
@@ -50,14 +57,14 @@ def test_run_states_older_than_a_key_count_as_its_default(key):
 ])
 def test_what_cannot_be_converted_is_refused_with_the_way_out(wrote, changes, message):
     with pytest.raises(ConfigError, match=message) as error:
-        needs_universal({**WROTE, **wrote}, layout(**changes), streaming=False, export_hint=HINT)
+        needs_universal(written({**WROTE, **wrote}), layout(**changes), streaming=False, export_hint=HINT)
     assert HINT in str(error.value)
 
 
 def test_a_stream_cannot_move_to_another_number_of_ranks():
     with pytest.raises(ConfigError, match="world_size 2 -> 1.*data.streaming.*resume with 2 rank"):
-        needs_universal(WROTE, layout(world_size=1), streaming=True, export_hint=HINT)
-    assert needs_universal(WROTE, layout(zero_stage=3), streaming=True, export_hint=HINT) is True
+        needs_universal(written(WROTE), layout(world_size=1), streaming=True, export_hint=HINT)
+    assert needs_universal(written(WROTE), layout(zero_stage=3), streaming=True, export_hint=HINT) is True
 
 
 def test_a_checkpoint_the_converter_cannot_read_exits_2_and_leaves_nothing(tmp_path, capsys):

@@ -1,0 +1,47 @@
+"""The checks that take the run's layout (ranks, pipeline stages, sequence and tensor parallelism), its ZeRO
+stage, precision and optimizer together, before anything is built."""
+from transformers import PretrainedConfig
+
+from training.config.ds_config import check_nvme_offload, config_source, ds_config_file, load_ds_config, zero_setting, zero_stage
+from training.config.errors import ConfigError
+from training.models.lora import check_lora
+from training.models.moe import check_moe
+from training.loop.optimizer import check_optimizer
+from training.parallel.pipeline import check_pipeline
+from training.planning.precision import resolve_precision
+from training.config.recipe import Recipe
+from training.parallel.sequence_parallel import check_sequence_parallel
+from training.parallel.tensor_parallel import check_tensor_parallel
+
+
+def check_layout(recipe: Recipe, model_config: PretrainedConfig, raw_ds_config: dict, precision: str,
+                 world_size: int, for_gpus: bool = False) -> None:
+    """The checks of the ranks' layout, the ZeRO stage, the precision and the optimizer together."""
+    stage, parallelism = zero_stage(raw_ds_config), recipe.parallelism
+    if precision == "fp8" and stage == 0:
+        raise ConfigError(f"precision=fp8 with ZeRO-0 ({ds_config_file(recipe.deepspeed.config).name}): ZeRO-0 runs "
+                          f"mixed precision as torch autocast over fp32 weights, which this FP8 path does not "
+                          f"support; use deepspeed.config=zero1, zero2 or zero3")
+    if parallelism.sequence_parallel > 1:
+        check_sequence_parallel(recipe, model_config, world_size, stage, precision)
+    if parallelism.tensor_parallel > 1:
+        check_tensor_parallel(recipe, model_config, world_size, stage)
+    if parallelism.pipeline_stages > 1:
+        check_pipeline(model_config, parallelism.pipeline_stages, stage, world_size)
+    check_optimizer(recipe, model_config, zero_setting(raw_ds_config))
+    check_moe(recipe, model_config)
+    if recipe.lora.enabled:
+        check_lora(recipe, model_config, precision, for_gpus)
+    if not for_gpus:  # a plan for GPUs elsewhere cannot look at their drives
+        check_nvme_offload(raw_ds_config, config_source(recipe))
+
+
+def refusal(recipe: Recipe, model_config: PretrainedConfig, world_size: int, for_gpus: bool) -> str | None:
+    """Why check_layout refuses the recipe (with its DeepSpeed config), or None."""
+    try:
+        raw_ds_config, _ = load_ds_config(recipe)
+        check_layout(recipe, model_config, raw_ds_config, resolve_precision(recipe.precision, raw_ds_config, for_gpus),
+                     world_size, for_gpus)
+    except ConfigError as error:
+        return str(error)
+    return None

@@ -1,0 +1,132 @@
+"""What `--dry-run` prints (and a run chosen by `deepspeed.config=auto`): the plan's model, layout, batch, FLOPs, memory
+per rank under each ZeRO setting (per pipeline stage too) and checkpoint size."""
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from training.planning.flops import flops_per_token
+from training.planning.memory import (HEADROOM, LAUNCHER_GRACE_S, Activations, activations, checkpoint_bytes, fits,
+                                      stage_bounds, state_bytes, states_per_setting, zero_arithmetic)
+from training.planning.plan import Machine, RunPlan
+from training.planning.shape import ModelShape
+
+
+def format_bytes(count: float) -> str:
+    return f"{count / 2**30:,.2f} GiB" if count >= 2**30 else f"{count / 2**20:,.1f} MiB"
+
+
+def memory_cells(states: float, acts: Activations | None, memory: float, in_flight: int = 1) -> list[str]:
+    """The '+ activations', '+ act. (ckpt)' and 'fits' cells: model states plus the activations of the
+    micro-batches in flight, without and with checkpointing ('?' for a model type without a rule)."""
+    if acts is None:
+        return ["?", "?", "?"]
+    without, with_checkpointing = (states + in_flight * acts.peak(checkpointing) for checkpointing in (False, True))
+    verdict = "yes" if fits(without, memory) else "with checkpointing" if fits(with_checkpointing, memory) else "no"
+    return [format_bytes(without), format_bytes(with_checkpointing), verdict]
+
+
+def shown(path: str | Path) -> str:
+    """A local path as the user would type it here: relative to the current folder when it is under it."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def print_plan(plan: RunPlan, machine: Machine) -> None:
+    recipe, training = plan.recipe, plan.recipe.training
+    shape = plan.shape
+    print(f"{recipe.name} ({shown(recipe.path)})")
+    print(f"model: {shown(recipe.model.config or recipe.model.name_or_path)} ({type(plan.model_config).__name__}), "
+          f"{shape.parameters:,} parameters ({shape.matmul_parameters:,} in matrix multiplies"
+          + (f" per token: {shape.experts_per_token} of {shape.num_experts} experts" if shape.num_experts else "") + ")")
+    if plan.tokenizer is None:
+        print(f"tokenizer: {recipe.tokenizer_path} is not in the local Hugging Face cache; not checked here "
+              f"(the run downloads it)")
+    print(f"layout: {plan.world_size} rank(s) = {plan.dp_size} data-parallel x {plan.tensor_parallel} "
+          f"tensor-parallel x {plan.sequence_parallel} sequence-parallel x {plan.pipeline_stages} pipeline stage(s)")
+    print(f"batch: {training.micro_batch_size} rows/rank x {plan.accumulation_steps} accumulation x {plan.dp_size} "
+          f"data-parallel ranks = {training.global_batch_size} rows x {recipe.data.seq_len} tokens = "
+          f"{training.global_batch_size * recipe.data.seq_len:,} tokens per step"
+          + (f"; each row split over {plan.sequence_parallel} ranks, {recipe.data.seq_len // plan.sequence_parallel:,} "
+             f"tokens each" if plan.sequence_parallel > 1 else ""))
+    chosen = " chosen by deepspeed.config=auto: the least-sharded that fits" if plan.chosen_for else ""
+    print(f"DeepSpeed: {plan.ds_config_path.name} (ZeRO-{plan.zero_stage}{chosen}), optimizer {recipe.optimizer.name}, "
+          f"precision {plan.precision}, "
+          f"activation checkpointing {'on' if recipe.activation_checkpointing else 'off'}")
+    trainable = shape.lora_parameters
+    if trainable is not None:
+        print(f"LoRA: rank {recipe.lora.rank}, alpha {recipe.lora.alpha:g}, on {recipe.lora.target_modules}"
+              f"{', base model in nf4 (QLoRA)' if recipe.lora.quantize == 'nf4' else ''}: "
+              f"{trainable:,} trainable parameters ({trainable / shape.parameters:.2%} of the model's), the rest frozen")
+    model_flops, hardware_flops = flops_per_token(shape, recipe.data.seq_len, recipe.activation_checkpointing)
+    print(f"training FLOPs per token: {model_flops:.3e} ({'4N + 6N_LoRA' if trainable else '6N'} + attention), "
+          f"{hardware_flops:.3e} with recomputation")
+    if plan.pipeline_stages > 1:
+        print_pipeline_plan(plan, shape, machine)
+    else:
+        print_memory_plan(plan, shape, machine)
+        print_checkpoint_size(plan, shape)
+    print(f"output: {plan.output_dir}")
+
+
+def print_checkpoint_size(plan: RunPlan, shape: ModelShape) -> None:
+    """What a save writes, against the time a preempted run has to write it (docs/checkpoints.md#preemption)."""
+    size = checkpoint_bytes(shape.lora_parameters or shape.parameters, plan.zero_stage, plan.world_size // plan.pipeline_stages, plan.precision,
+                            state_bytes(plan))
+    print(f"checkpoint: {format_bytes(size.total)} per save, {format_bytes(size.largest_rank)} from the busiest rank; "
+          f"under the deepspeed launcher a SIGTERM save must finish within its {LAUNCHER_GRACE_S} s "
+          f"({format_bytes(size.largest_rank / LAUNCHER_GRACE_S)}/s per rank), under srun within SLURM's grace")
+
+
+def print_memory_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> None:
+    """Model states per ZeRO setting over the data-parallel ranks, plus one micro-batch's activations."""
+    acts = activations(plan.recipe, plan.precision, shape)
+    current = plan.zero_setting
+    print(f"memory per rank, {machine.gpus_per_node} GPU(s) x {machine.nodes} node(s), micro-batch "
+          f"{plan.recipe.training.micro_batch_size} x {plan.recipe.data.seq_len // plan.sequence_parallel} tokens "
+          f"on each rank; fits = within "
+          f"{HEADROOM:.0%} of {format_bytes(machine.memory_per_rank)} ({machine.memory_source}):")
+    if acts:
+        print(f"activations: {format_bytes(acts.without_checkpointing)} without checkpointing, "
+              f"{format_bytes(acts.with_checkpointing)} with"
+              + (f" (and {format_bytes(acts.host)} of saved layer inputs in host memory per rank, "
+                 f"{format_bytes(acts.host * machine.gpus_per_node)} per node)" if acts.host else ""))
+    else:
+        print(f"activations: no estimate for model type {shape.model_type}")
+    table = Table()
+    for column in ("ZeRO", "model states", "CPU per node", "estimated by", "+ activations", "+ act. (ckpt)", "fits"):
+        table.add_column(column, justify="left" if column in ("ZeRO", "estimated by", "fits") else "right")
+    for setting, states in states_per_setting(plan.recipe, plan.precision, shape, machine).items():
+        marker = " (this run)" if setting == current else ""
+        table.add_row(setting.replace("_", " + ") + marker, format_bytes(states.device_bytes),
+                      format_bytes(states.host_bytes) if states.host_bytes else "-", states.source,
+                      *memory_cells(states.device_bytes, acts, machine.memory_per_rank))
+    Console(width=140).print(table)
+
+
+def print_pipeline_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> None:
+    """Per stage: its layers, parameters, model states (ZeRO-0/1 over the data-parallel ranks; the pipeline
+    engine supports no more) and activations of the micro-batches in flight: with DeepSpeed's 1F1B schedule
+    stage k holds up to (stages - k) of them."""
+    layers = shape.pipeline_layer_parameters
+    stages, method = plan.pipeline_stages, plan.recipe.parallelism.partition_method
+    bounds = stage_bounds(layers, stages, method)
+    print(f"pipeline: {stages} stages x {plan.dp_size} data-parallel rank(s), partitioned by {method}; per rank "
+          f"of each stage, ZeRO-{plan.zero_stage} over the data-parallel ranks; fits = within {HEADROOM:.0%} of "
+          f"{format_bytes(machine.memory_per_rank)} ({machine.memory_source}):")
+    table = Table()
+    for column in ("stage", "layers", "parameters", "model states", "+ activations", "+ act. (ckpt)", "fits"):
+        table.add_column(column, justify="left" if column in ("stage", "fits") else "right")
+    for stage in range(stages):
+        start, end = bounds[stage], bounds[stage + 1]
+        params = sum(layers[start:end])
+        states = zero_arithmetic(params, plan.zero_stage, plan.dp_size, plan.precision, state_bytes(plan))
+        decoder_layers = sum(1 <= index <= shape.num_layers for index in range(start, end))
+        acts = activations(plan.recipe, plan.precision, shape, layers=decoder_layers, with_head=stage == stages - 1)
+        in_flight = min(stages - stage, plan.accumulation_steps)
+        table.add_row(str(stage), f"{start}-{end - 1}", f"{params:,}", format_bytes(states),
+                      *memory_cells(states, acts, machine.memory_per_rank, in_flight))
+    Console(width=140).print(table)
+
