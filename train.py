@@ -8,7 +8,6 @@ The story: validate the recipe and DeepSpeed config (exit 2 on bad input) -> pre
 (cached) -> build the model -> deepspeed.initialize -> train -> checkpoint and export to hf/.
 """
 import argparse
-import json
 import logging
 import os
 import signal
@@ -28,35 +27,32 @@ from data_pipeline import DataError
 from data_pipeline.loader import EvalBatches, StepBatches, model_inputs, target_count
 from data_pipeline.prepare import prepare_dataset
 from data_pipeline.stream import StreamingBatches
-from training.parallel import distributed
-from training.state.checkpoint import (export_hf, latest_tag, load_checkpoint, record_position, remove_unfinished_tags,
-                                 save_checkpoint)
 from training.config.auto_config import choose_ds_config
 from training.config.ds_config import accumulation_steps, load_ds_config, resolve_ds_config
 from training.config.errors import ConfigError, positive_float, positive_int
-from training.loop.evaluation import evaluate
-from training.planning.checks import check_layout, refusal
-from training.models.long_context import apply_long_context
-from training.models.lora import export_lora, lora_files, with_lora
-from training.models.moe import RouterLoss, mark_sparse_blocks, router_loss, with_router_loss
-from training.state.export import export_tag
-from training.models.fp8 import convert_linears_to_fp8
-from training.loop.metrics import (FlopsMeter, MetricsLogger, Stopwatch, device_name, flops_meter, gpu_metrics,
-                              measured_model_states, peak_memory_bytes, print_summary, record_model_states, run_totals)
-from training.models.model import (build_model, check_checkpoint_folder, check_checkpoint_matches, check_recipe_against_model,
-                            load_model_config, load_tokenizer, weights_digest)
-from training.loop.optimizer import client_optimizer, lr_schedule, weight_decay_groups
-from training.parallel.pipeline import TokenMeanLoss, build_pipeline, pipeline_batches, report_grad_norm
-from training.state.output_dir import check_output_dir, default_output_dir, start_output_dir
-from training.planning.plan import RunPlan, planned_machine
-from training.planning.report import print_plan
-from training.planning.precision import DTYPES, loss_scale, resolve_precision, use_fp16_block_loss_scaling
 from training.config.recipe import load_recipe, recipe_inputs
-from training.state.resume import plan_resume
-from training.parallel.sequence_parallel import enable_sequence_parallel
-from training.parallel.tensor_parallel import loss_copies, with_tensor_parallel
+from training.loop.engine import start_engine
+from training.loop.evaluation import evaluate
+from training.loop.metrics import (FlopsMeter, MetricsLogger, Stopwatch, flops_meter, gpu_metrics, measured_model_states,
+                                   peak_memory_bytes, record_model_states, run_totals, write_summary)
 from training.loop.stability import StabilityGuard, WeightWatch, finite, rewind, withheld_step
-from training.state.universal import convert_on_rank_0, provide_universal_info
+from training.models.build import build_run_model
+from training.models.lora import lora_files
+from training.models.model import (check_checkpoint_folder, check_checkpoint_matches, check_recipe_against_model,
+                                   load_model_config, load_tokenizer, weights_digest)
+from training.models.moe import RouterLoss, router_loss, with_router_loss
+from training.parallel import distributed
+from training.parallel.pipeline import pipeline_batches
+from training.parallel.tensor_parallel import loss_copies, with_tensor_parallel
+from training.planning.checks import check_layout, refusal
+from training.planning.plan import RunPlan, planned_machine
+from training.planning.precision import loss_scale, resolve_precision
+from training.planning.report import print_plan
+from training.state.checkpoint import latest_tag, record_position, save_checkpoint
+from training.state.export import export_run
+from training.state.output_dir import check_output_dir, default_output_dir, start_output_dir
+from training.state.resume import plan_resume, resume_engine
+from training.state.universal import convert_on_rank_0
 
 stop_requested = threading.Event()  # set by SIGTERM: the run saves a checkpoint at the end of the step and exits
 
@@ -330,49 +326,18 @@ def main(argv: list[str] | None = None) -> int:
 def run(plan: RunPlan, args: argparse.Namespace) -> int:
     """Everything after the checks, inside the process group: data, model, engine, training, export. An error
     here on any rank ends every rank (training/parallel/failure.py)."""
-    recipe, training = plan.recipe, plan.recipe.training
+    training, checkpoints = plan.recipe.training, plan.output_dir / "checkpoints"
     distributed.check_shared_folder(plan.output_dir)
     batches, evaluation, data_stats = make_batches(plan)
     total_steps = training.max_steps or training.epochs * batches.steps_per_epoch
-
-    checkpoint_dir = plan.output_dir / "checkpoints"
     if plan.resume_universal:
-        convert_on_rank_0(checkpoint_dir, latest_tag(checkpoint_dir))
+        convert_on_rank_0(checkpoints, latest_tag(checkpoints))
 
     run_start = time.perf_counter()
-    if plan.pipeline_stages > 1:
-        model = build_pipeline(plan.model_config, plan.pipeline_stages, recipe.parallelism.partition_method,
-                               recipe.activation_checkpointing, TokenMeanLoss(), recipe.model.name_or_path, training.seed,
-                               recipe.model.attn_implementation)
-    else:
-        model = build_model(recipe, plan.model_config, plan.ds_config, plan.precision)
-        provide_universal_info(model)
-        apply_long_context(model, recipe.long_context)
-        model = with_lora(model, recipe.lora, training.seed)
-        mark_sparse_blocks(model)
-    mpu = enable_sequence_parallel(model, plan.sequence_parallel, training.micro_batch_size, recipe.data.seq_len)
-    if plan.precision == "fp8":
-        converted = convert_linears_to_fp8(model, recipe.fp8, plan.model_config.vocab_size)
-        if dist.get_rank() == 0:
-            print(f"fp8 ({recipe.fp8.recipe} scaling): {len(converted)} linear layers; the rest stays bf16")
-    engine, *_ = deepspeed.initialize(model=model, config=plan.ds_config, optimizer=client_optimizer(plan.ds_config),
-                                      model_parameters=weight_decay_groups(model, training.weight_decay),
-                                      lr_scheduler=lr_schedule(training, total_steps), mpu=mpu)
-    use_fp16_block_loss_scaling(engine)
-    if isinstance(engine, PipelineEngine) and not plan.zero_stage:
-        report_grad_norm(engine, withhold_nonfinite=recipe.stability.enabled)
-    if recipe.compile:
-        engine.compile()  # DeepSpeed's torch.compile integration, with the accelerator's default backend
-    start = {"step": 0, "tokens_seen": 0, "data_position": 0}
-    if args.resume:
-        remove_unfinished_tags(checkpoint_dir)
-        start, data_state = load_checkpoint(engine, checkpoint_dir, plan.layout())
-        if start["data_position"] is None:  # checkpoints written before batches could be passed over
-            start["data_position"] = start["step"]
-        batches.load_state_dict(data_state)
-        if start["step"] >= total_steps:
-            raise ConfigError(f"--resume: the checkpoint is at step {start['step']}; the recipe ends at {total_steps} "
-                              f"steps, so there is nothing left to train")
+    model, mpu = build_run_model(plan)
+    engine = start_engine(plan, model, mpu, total_steps)
+    start = resume_engine(engine, batches, plan, total_steps) if args.resume else \
+        {"step": 0, "tokens_seen": 0, "data_position": 0}
     start_output_dir(plan, args.overwrite)  # every check has passed: only now may --overwrite remove the earlier run
     signal.signal(signal.SIGTERM, lambda signum, frame: stop_requested.set())  # from here a SIGTERM saves, then stops
     held_tensors = {}
@@ -382,29 +347,21 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
                    router_loss(engine.module, plan.accumulation_steps))
     totals["model_state_bytes"] = measured_model_states(held_tensors)
     if totals["last_step"] < total_steps:
-        by = "the stability guard" if "stopped" in totals else "SIGTERM"
-        if dist.get_rank() == 0:
-            print(f"stopped by {by} after step {totals['last_step']} of {total_steps}"
-                  + (f": {totals['stopped']}" if "stopped" in totals else "") +
-                  f"; the checkpoint is saved: continue with --resume --output-dir {plan.output_dir}", file=sys.stderr)
-        return 3 if "stopped" in totals else 0
-    if plan.pipeline_stages > 1:  # the stages' weights are in the final checkpoint's layer files
-        if dist.get_rank() == 0:
-            export_tag(checkpoint_dir, latest_tag(checkpoint_dir), plan.output_dir / "hf")
-        dist.barrier()
-    elif recipe.lora.enabled:
-        export_lora(engine, plan.tokenizer, plan.output_dir, DTYPES[plan.precision], recipe.export.merge)
-    else:
-        export_hf(engine, plan.tokenizer, plan.output_dir / "hf", DTYPES[plan.precision])
-    if dist.get_rank() == 0:
-        summary = {"recipe": recipe.name, "device": device_name(), **({"peak_tflops": flops.peak_tflops} if flops else {}),
-                   **plan.layout().model_dump(), "activation_checkpointing": recipe.activation_checkpointing,
-                   "steps": total_steps, "start_step": start["step"], **totals,
-                   "wall_time_s": time.perf_counter() - run_start, "output_dir": str(plan.output_dir),
-                   "data": data_stats, "ds_config": plan.ds_config}
-        (plan.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        print_summary(summary)
+        return stopped_early(plan, totals, total_steps)
+    export_run(engine, plan)
+    write_summary(plan, totals, start["step"], total_steps, time.perf_counter() - run_start, data_stats, flops)
     return 0
+
+
+def stopped_early(plan: RunPlan, totals: dict, total_steps: int) -> int:
+    """Say why the run stopped before its last step and how to continue it: exit code 3 when the stability guard
+    stopped it (a human should look), 0 after a SIGTERM (a preemption: the checkpoint is saved)."""
+    by = "the stability guard" if "stopped" in totals else "SIGTERM"
+    if dist.get_rank() == 0:
+        print(f"stopped by {by} after step {totals['last_step']} of {total_steps}"
+              + (f": {totals['stopped']}" if "stopped" in totals else "") +
+              f"; the checkpoint is saved: continue with --resume --output-dir {plan.output_dir}", file=sys.stderr)
+    return 3 if "stopped" in totals else 0
 
 
 if __name__ == "__main__":

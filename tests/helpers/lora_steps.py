@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from training.parallel import distributed  # noqa: E402
 from training.config.ds_config import load_ds_config, resolve_ds_config  # noqa: E402
-from training.models.lora import export_lora, lora_config, with_lora  # noqa: E402
+from training.models.lora import lora_config, with_lora  # noqa: E402
+from training.state.export import export_lora  # noqa: E402
 from training.models.model import build_model, load_model_config  # noqa: E402
 from training.loop.optimizer import lr_schedule, weight_decay_groups  # noqa: E402
 from training.config.recipe import load_recipe  # noqa: E402

@@ -244,6 +244,20 @@ class MetricsLogger:
                 self.writer.close()
 
 
+def write_summary(plan: RunPlan, totals: dict, start_step: int, total_steps: int, wall_time_s: float, data: dict,
+                  flops: FlopsMeter | None) -> None:
+    """summary.json (the run's layout, totals, data statistics and DeepSpeed config) and its table; rank 0."""
+    if dist.get_rank() != 0:
+        return
+    summary = {"recipe": plan.recipe.name, "device": device_name(),
+               **({"peak_tflops": flops.peak_tflops} if flops else {}), **plan.layout().model_dump(),
+               "activation_checkpointing": plan.recipe.activation_checkpointing, "steps": total_steps,
+               "start_step": start_step, **totals, "wall_time_s": wall_time_s, "output_dir": str(plan.output_dir),
+               "data": data, "ds_config": plan.ds_config}
+    (plan.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print_summary(summary)
+
+
 def print_summary(summary: dict) -> None:
     table = Table(title=f"{summary['recipe']}: {summary['steps']} steps", show_header=False)
     rows = [

@@ -4,22 +4,16 @@ The adapters are added after the base model is built (under ZeRO-3 a checkpoint 
 already partitioned) and before deepspeed.initialize, which converts the new adapter parameters to ZeRO-3
 parameters itself. Only the adapters (and lora.modules_to_save) require gradients, so only they get gradient
 buffers and optimizer states. Checkpoints leave the frozen base weights out (they come again from
-model.name_or_path on resume). The export writes peft's adapter folder, and with export.merge the base
-weights with the adapters merged into them.
+model.name_or_path on resume). The export (training/state/export.py) writes peft's adapter folder, and with
+export.merge the base weights with the adapters merged into them.
 """
 import importlib.util
-import shutil
 import warnings
-from pathlib import Path
 
-import deepspeed
 import torch
-import torch.distributed as dist
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import (AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig, PretrainedConfig, PreTrainedModel,
-                          PreTrainedTokenizerBase)
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PretrainedConfig, PreTrainedModel
 
-from training.state.checkpoint import save_hf
 from training.config.errors import ConfigError
 from training.config.recipe import LoraSection, Recipe
 
@@ -118,72 +112,7 @@ def nf4_quantization(dtype: torch.dtype) -> BitsAndBytesConfig:
                               bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype)
 
 
-def adapter_state_dict(engine: deepspeed.DeepSpeedEngine) -> dict[str, torch.Tensor]:
-    """The trainable weights, whole on rank 0 (gathered from the ranks under ZeRO-3)."""
-    if engine.zero_optimization_partition_weights():
-        return engine._consolidated_16bit_state_dict(exclude_frozen_parameters=True)
-    return {name: p for name, p in engine.module.named_parameters() if p.requires_grad}
-
-
-def export_lora(engine: deepspeed.DeepSpeedEngine, tokenizer: PreTrainedTokenizerBase, out_dir: Path,
-                dtype: torch.dtype, merge: bool) -> None:
-    """Every rank calls it. Writes out_dir/adapter (peft's adapter_model.safetensors and adapter_config.json, for
-    PeftModel.from_pretrained over the base model) and, with `merge`, out_dir/hf: the base weights with the
-    adapters merged (peft's merge_and_unload on a copy built on rank 0's CPU from the gathered weights)."""
-    model: PeftModel = engine.module
-    adapters = adapter_state_dict(engine)
-    if merge:
-        full = engine._consolidated_16bit_state_dict() if engine.zero_optimization_partition_weights() \
-            else model.state_dict()
-    if dist.get_rank() == 0:
-        adapters = {name: tensor.detach().to("cpu", dtype) for name, tensor in adapters.items()}
-        folder = out_dir / ADAPTER_DIR
-        shutil.rmtree(folder, ignore_errors=True)
-        model.save_pretrained(folder, state_dict=adapters)
-        tokenizer.save_pretrained(folder)
-        if merge:
-            save_merged(model, {name: t.detach().to("cpu", torch.float32) for name, t in full.items()}, tokenizer,
-                        out_dir / "hf", dtype)
-    dist.barrier()
-
-
-def save_merged(model: PeftModel, state_dict: dict[str, torch.Tensor], tokenizer: PreTrainedTokenizerBase,
-                out_dir: Path, dtype: torch.dtype) -> None:
-    """The adapters merged into the base weights in fp32 (peft's merge_and_unload, on a copy of the model built on the
-    meta device and given the gathered weights), saved in `dtype`."""
-    with torch.device("meta"):
-        copy = get_peft_model(AutoModelForCausalLM.from_config(model.get_base_model().config),
-                              model.peft_config["default"])
-    missing = copy.load_state_dict(state_dict, strict=False, assign=True).missing_keys
-    merged = copy.merge_and_unload()
-    merged.tie_weights()
-    still_meta = [name for name, p in merged.named_parameters() if p.is_meta]
-    if still_meta:
-        raise RuntimeError(f"merging the adapters: no gathered weights for {still_meta[:3]} (missing {missing[:3]})")
-    save_hf(merged, tokenizer, out_dir, {name: t.to(dtype) for name, t in merged.state_dict().items()}, dtype)
-
-
 def lora_files(model: torch.nn.Module) -> tuple:
     """What a LoRA run's checkpoints keep in hf/ besides the model config and tokenizer: the adapters' config, so
     that the checkpoint exports on its own (export_adapters)."""
     return (model.peft_config["default"],) if isinstance(model, PeftModel) else ()
-
-
-def is_lora_checkpoint(tag_dir: Path) -> bool:
-    return (tag_dir / "hf" / ADAPTER_CONFIG).is_file()
-
-
-def export_adapters(tag_dir: Path, weights: dict[str, torch.Tensor], tokenizer: PreTrainedTokenizerBase,
-                    out_dir: Path, dtype: torch.dtype) -> None:
-    """A LoRA checkpoint's trained weights as peft's adapter folder (its names and format, through a copy of the
-    model built on the meta device)."""
-    with torch.device("meta"):
-        model = get_peft_model(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tag_dir / "hf")),
-                               LoraConfig.from_pretrained(tag_dir / "hf"))
-    trained = [name for name, p in model.named_parameters() if p.requires_grad]
-    missing = [name for name in trained if name not in weights]
-    if missing:
-        raise ConfigError(f"{tag_dir} lacks the adapter weights {', '.join(missing[:3])}: a damaged checkpoint, or "
-                          f"one of other adapters than {tag_dir / 'hf' / ADAPTER_CONFIG}; export another one")
-    model.save_pretrained(out_dir, state_dict={name: weights[name].to(dtype) for name in trained})
-    tokenizer.save_pretrained(out_dir)

@@ -27,7 +27,6 @@ import torch.distributed as dist
 from deepspeed import DeepSpeedEngine
 from deepspeed.accelerator import get_accelerator
 from pydantic import ValidationError
-from transformers import PreTrainedTokenizerBase
 
 from training.config.errors import ConfigError
 from training.state.output_guard import write_atomically
@@ -275,29 +274,3 @@ def unreadable_files(tag_dir: Path) -> dict[str, str]:
         except READ_ERRORS as error:
             unreadable[path.name] = str(error)
     return unreadable
-
-
-def export_hf(engine: DeepSpeedEngine, tokenizer: PreTrainedTokenizerBase, out_dir: Path, dtype: torch.dtype) -> None:
-    """A folder that `AutoModelForCausalLM.from_pretrained` loads: config, safetensors weights in `dtype`, tokenizer.
-
-    Every rank must call it: under ZeRO-3 and tensor parallelism the weights are gathered onto rank 0."""
-    if engine.zero_optimization_partition_weights() or engine.autotp_size() > 1:
-        state_dict = engine._consolidated_16bit_state_dict()  # ZeRO-3's and AutoTP's gather onto rank 0
-    else:
-        state_dict = engine.module.state_dict()
-    if dist.get_rank() == 0:
-        state_dict = {name: tensor.detach().to("cpu", dtype) for name, tensor in state_dict.items()}
-        save_hf(engine.module, tokenizer, out_dir, state_dict, dtype)
-    dist.barrier()
-
-
-def save_hf(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, out_dir: Path, state_dict: dict,
-            dtype: torch.dtype) -> None:
-    """`save_pretrained` with the given weights; the config names their dtype (not the module's)."""
-    config = model.config
-    use_cache, config.use_cache = config.use_cache, True  # training turns the KV cache off; inference wants it
-    model.save_pretrained(out_dir, state_dict=state_dict)
-    module_dtype, config.dtype = config.dtype, dtype
-    config.save_pretrained(out_dir)
-    config.use_cache, config.dtype = use_cache, module_dtype
-    tokenizer.save_pretrained(out_dir)

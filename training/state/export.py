@@ -1,5 +1,6 @@
-"""A saved checkpoint to a Hugging Face folder, with DeepSpeed's own readers; a LoRA checkpoint to peft's adapter
-folder.
+"""Weights out, as Hugging Face folders: a finished run's engine (export_run: hf/, or a LoRA run's adapter/ and merged
+hf/), and a saved checkpoint (`python -m training export`) read with DeepSpeed's own readers; a LoRA checkpoint to
+peft's adapter folder.
 
 ZeRO checkpoints (stages 1-3, each rank's partition in its own file) go through DeepSpeed's
 `zero_to_fp32` steps, which join the fp32 master weights. Checkpoints without ZeRO partitions hold the
@@ -13,16 +14,21 @@ each layer's module weights in a file of its own. A missing or unreadable file i
 """
 import json
 import re
+import shutil
 from functools import partial
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from deepspeed import DeepSpeedEngine
 from deepspeed.utils import zero_to_fp32
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from training.state.checkpoint import READ_ERRORS, RUN_STATE, latest_tag, save_hf, unreadable_files
+from training.state.checkpoint import READ_ERRORS, RUN_STATE, latest_tag, unreadable_files
 from training.config.errors import ConfigError
-from training.models.lora import export_adapters, is_lora_checkpoint
+from training.models.lora import ADAPTER_CONFIG, ADAPTER_DIR
+from training.planning.plan import RunPlan
 from training.state.output_guard import check_output, staged_folder
 from training.parallel.pipeline import hf_name, layer_files
 from training.planning.precision import DTYPES
@@ -205,3 +211,108 @@ def save_full_model(tag_dir: Path, config: PretrainedConfig, weights: dict[str, 
         raise ConfigError(f"{tag_dir} lacks weights for {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
     state_dict = {name: weights[name].to(dtype) for name in expected if name in weights}
     save_hf(model, AutoTokenizer.from_pretrained(tag_dir / "hf"), out_dir, state_dict, dtype)
+
+
+def export_run(engine: DeepSpeedEngine, plan: RunPlan) -> None:
+    """The finished run's weights, every rank calling: hf/ (from_pretrained loads it), or a LoRA run's adapter/ (and hf/
+    with the adapters merged under export.merge). A pipeline's stages wrote theirs into the final checkpoint."""
+    checkpoints, dtype = plan.output_dir / "checkpoints", DTYPES[plan.precision]
+    if plan.pipeline_stages > 1:
+        if dist.get_rank() == 0:
+            export_tag(checkpoints, latest_tag(checkpoints), plan.output_dir / "hf")
+        dist.barrier()
+    elif plan.recipe.lora.enabled:
+        export_lora(engine, plan.tokenizer, plan.output_dir, dtype, plan.recipe.export.merge)
+    else:
+        export_hf(engine, plan.tokenizer, plan.output_dir / "hf", dtype)
+
+
+def export_hf(engine: DeepSpeedEngine, tokenizer: PreTrainedTokenizerBase, out_dir: Path, dtype: torch.dtype) -> None:
+    """A folder that `AutoModelForCausalLM.from_pretrained` loads: config, safetensors weights in `dtype`, tokenizer.
+
+    Every rank must call it: under ZeRO-3 and tensor parallelism the weights are gathered onto rank 0."""
+    if engine.zero_optimization_partition_weights() or engine.autotp_size() > 1:
+        state_dict = engine._consolidated_16bit_state_dict()  # ZeRO-3's and AutoTP's gather onto rank 0
+    else:
+        state_dict = engine.module.state_dict()
+    if dist.get_rank() == 0:
+        state_dict = {name: tensor.detach().to("cpu", dtype) for name, tensor in state_dict.items()}
+        save_hf(engine.module, tokenizer, out_dir, state_dict, dtype)
+    dist.barrier()
+
+
+def save_hf(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, out_dir: Path, state_dict: dict,
+            dtype: torch.dtype) -> None:
+    """`save_pretrained` with the given weights; the config names their dtype (not the module's)."""
+    config = model.config
+    use_cache, config.use_cache = config.use_cache, True  # training turns the KV cache off; inference wants it
+    model.save_pretrained(out_dir, state_dict=state_dict)
+    module_dtype, config.dtype = config.dtype, dtype
+    config.save_pretrained(out_dir)
+    config.use_cache, config.dtype = use_cache, module_dtype
+    tokenizer.save_pretrained(out_dir)
+
+
+def adapter_state_dict(engine: DeepSpeedEngine) -> dict[str, torch.Tensor]:
+    """The trainable weights, whole on rank 0 (gathered from the ranks under ZeRO-3)."""
+    if engine.zero_optimization_partition_weights():
+        return engine._consolidated_16bit_state_dict(exclude_frozen_parameters=True)
+    return {name: p for name, p in engine.module.named_parameters() if p.requires_grad}
+
+
+def export_lora(engine: DeepSpeedEngine, tokenizer: PreTrainedTokenizerBase, out_dir: Path,
+                dtype: torch.dtype, merge: bool) -> None:
+    """Every rank calls it. Writes out_dir/adapter (peft's adapter_model.safetensors and adapter_config.json, for
+    PeftModel.from_pretrained over the base model) and, with `merge`, out_dir/hf: the base weights with the
+    adapters merged (peft's merge_and_unload on a copy built on rank 0's CPU from the gathered weights)."""
+    model: PeftModel = engine.module
+    adapters = adapter_state_dict(engine)
+    if merge:
+        full = engine._consolidated_16bit_state_dict() if engine.zero_optimization_partition_weights() \
+            else model.state_dict()
+    if dist.get_rank() == 0:
+        adapters = {name: tensor.detach().to("cpu", dtype) for name, tensor in adapters.items()}
+        folder = out_dir / ADAPTER_DIR
+        shutil.rmtree(folder, ignore_errors=True)
+        model.save_pretrained(folder, state_dict=adapters)
+        tokenizer.save_pretrained(folder)
+        if merge:
+            save_merged(model, {name: t.detach().to("cpu", torch.float32) for name, t in full.items()}, tokenizer,
+                        out_dir / "hf", dtype)
+    dist.barrier()
+
+
+def save_merged(model: PeftModel, state_dict: dict[str, torch.Tensor], tokenizer: PreTrainedTokenizerBase,
+                out_dir: Path, dtype: torch.dtype) -> None:
+    """The adapters merged into the base weights in fp32 (peft's merge_and_unload, on a copy of the model built on the
+    meta device and given the gathered weights), saved in `dtype`."""
+    with torch.device("meta"):
+        copy = get_peft_model(AutoModelForCausalLM.from_config(model.get_base_model().config),
+                              model.peft_config["default"])
+    missing = copy.load_state_dict(state_dict, strict=False, assign=True).missing_keys
+    merged = copy.merge_and_unload()
+    merged.tie_weights()
+    still_meta = [name for name, p in merged.named_parameters() if p.is_meta]
+    if still_meta:
+        raise RuntimeError(f"merging the adapters: no gathered weights for {still_meta[:3]} (missing {missing[:3]})")
+    save_hf(merged, tokenizer, out_dir, {name: t.to(dtype) for name, t in merged.state_dict().items()}, dtype)
+
+
+def is_lora_checkpoint(tag_dir: Path) -> bool:
+    return (tag_dir / "hf" / ADAPTER_CONFIG).is_file()
+
+
+def export_adapters(tag_dir: Path, weights: dict[str, torch.Tensor], tokenizer: PreTrainedTokenizerBase,
+                    out_dir: Path, dtype: torch.dtype) -> None:
+    """A LoRA checkpoint's trained weights as peft's adapter folder (its names and format, through a copy of the
+    model built on the meta device)."""
+    with torch.device("meta"):
+        model = get_peft_model(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tag_dir / "hf")),
+                               LoraConfig.from_pretrained(tag_dir / "hf"))
+    trained = [name for name, p in model.named_parameters() if p.requires_grad]
+    missing = [name for name in trained if name not in weights]
+    if missing:
+        raise ConfigError(f"{tag_dir} lacks the adapter weights {', '.join(missing[:3])}: a damaged checkpoint, or "
+                          f"one of other adapters than {tag_dir / 'hf' / ADAPTER_CONFIG}; export another one")
+    model.save_pretrained(out_dir, state_dict={name: weights[name].to(dtype) for name in trained})
+    tokenizer.save_pretrained(out_dir)

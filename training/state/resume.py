@@ -1,7 +1,13 @@
-"""--resume, checked before anything is built: the checkpoint `latest` names against the run about to start. Whether
-it is damaged, does not fit this run (another model, tokenizer or LoRA base), or loads only through a universal
-checkpoint (another layout) is each said here with its way out (training/state/checkpoint.py, training/state/universal.py)."""
-from training.state.checkpoint import check_files, check_resume, latest_tag
+"""--resume: the checkpoint `latest` names, checked against the run about to start before anything is built, then
+loaded. Whether it is damaged, does not fit this run (another model, tokenizer or LoRA base), or loads only through a
+universal checkpoint (another layout) is each said before anything is built, with its way out
+(training/state/checkpoint.py, training/state/universal.py)."""
+from deepspeed import DeepSpeedEngine
+
+from data_pipeline.loader import StepBatches
+from data_pipeline.stream import StreamingBatches
+from training.config.errors import ConfigError
+from training.state.checkpoint import check_files, check_resume, latest_tag, load_checkpoint, remove_unfinished_tags
 from training.models.model import check_resumed_model
 from training.parallel.pipeline import layer_files
 from training.planning.plan import RunPlan
@@ -19,3 +25,19 @@ def plan_resume(plan: RunPlan) -> None:
         check_files(checkpoints, tag, layer_files(plan.model_config))
     if plan.resume_universal:
         plan.ds_config = with_universal_load(plan.ds_config)
+
+
+def resume_engine(engine: DeepSpeedEngine, batches: StepBatches | StreamingBatches, plan: RunPlan,
+                  total_steps: int) -> dict:
+    """Load the latest checkpoint into the engine and the batches, once saves a kill interrupted past it are removed.
+    Returns where the run starts: step, tokens_seen, data_position."""
+    checkpoints = plan.output_dir / "checkpoints"
+    remove_unfinished_tags(checkpoints)
+    start, data_state = load_checkpoint(engine, checkpoints, plan.layout())
+    if start["data_position"] is None:  # checkpoints written before batches could be passed over
+        start["data_position"] = start["step"]
+    batches.load_state_dict(data_state)
+    if start["step"] >= total_steps:
+        raise ConfigError(f"--resume: the checkpoint is at step {start['step']}; the recipe ends at {total_steps} "
+                          f"steps, so there is nothing left to train")
+    return start

@@ -1,0 +1,23 @@
+"""The DeepSpeed engine of a run: deepspeed.initialize with the recipe's optimizer, parameter groups and schedule, then
+what this repository changes in it (training/compat/) and DeepSpeed's torch.compile where the recipe asks."""
+import deepspeed
+import torch
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
+from training.loop.optimizer import client_optimizer, lr_schedule, weight_decay_groups
+from training.parallel.pipeline import report_grad_norm
+from training.planning.plan import RunPlan
+from training.planning.precision import use_fp16_block_loss_scaling
+
+
+def start_engine(plan: RunPlan, model: torch.nn.Module, mpu: object | None, total_steps: int) -> deepspeed.DeepSpeedEngine:
+    training = plan.recipe.training
+    engine, *_ = deepspeed.initialize(model=model, config=plan.ds_config, optimizer=client_optimizer(plan.ds_config),
+                                      model_parameters=weight_decay_groups(model, training.weight_decay),
+                                      lr_scheduler=lr_schedule(training, total_steps), mpu=mpu)
+    use_fp16_block_loss_scaling(engine)
+    if isinstance(engine, PipelineEngine) and not plan.zero_stage:
+        report_grad_norm(engine, withhold_nonfinite=plan.recipe.stability.enabled)
+    if plan.recipe.compile:
+        engine.compile()  # DeepSpeed's torch.compile integration, with the accelerator's default backend
+    return engine
