@@ -35,7 +35,8 @@ from training.loop.engine import start_engine
 from training.loop.evaluation import evaluate
 from training.loop.metrics import (FlopsMeter, MetricsLogger, Stopwatch, flops_meter, gpu_metrics, measured_model_states,
                                    peak_memory_bytes, record_model_states, run_totals, write_summary)
-from training.loop.stability import StabilityGuard, WeightWatch, finite, rewind, withheld_step
+from training.loop.health import WeightWatch
+from training.loop.stability import StabilityGuard, finite, rewind, withheld_step
 from training.models.build import build_run_model
 from training.models.lora import lora_files
 from training.models.model import (check_checkpoint_folder, check_checkpoint_matches, check_recipe_against_model,

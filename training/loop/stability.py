@@ -28,11 +28,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 import torch
-import torch.distributed as dist
 from deepspeed import DeepSpeedEngine
-from deepspeed.utils import safe_get_local_fp32_param
 
 from data_pipeline.loader import StepBatches
 from data_pipeline.stream import StreamingBatches
@@ -41,7 +38,6 @@ from training.state.checkpoint import latest_tag, load_checkpoint
 from training.config.recipe import StabilitySection
 from training.parallel.layout import Layout
 
-SAMPLE = 4096  # weights per parameter tensor (and rank) that the update-to-weight ratio is measured on
 
 
 @contextmanager
@@ -183,51 +179,3 @@ class StabilityGuard:
     def summary(self) -> dict:
         counts = {kind: sum(e["event"] == kind for e in self.events) for kind in ("skip", "spike", "rewind", "stop")}
         return {**counts, "events": self.events}
-
-
-def fp32_shares(engine: DeepSpeedEngine) -> list[tuple[int, int, torch.Tensor]]:
-    """This rank's share of each trained weight, in the fp32 the optimizer updates, as (where the share starts in
-    the flattened weight, the weight's size, the share): ZeRO-3's partitions, ZeRO-1/2's fragments of the fp32
-    master copy (DeepSpeed's own mapping, also under its bf16 optimizer), or whole weights without ZeRO (fp32
-    there: bf16 and fp16 run as autocast)."""
-    parameters = [p for p in engine.module.parameters() if p.requires_grad]
-    if engine.zero_optimization_partition_weights():
-        return [(dist.get_rank(group=p.ds_process_group) * p.ds_tensor.ds_numel, p.ds_numel,
-                 safe_get_local_fp32_param(p)) for p in parameters]
-    if engine.zero_optimization() or engine.bfloat16_enabled():
-        return [(p._hp_mapping.lp_fragment_address.start, p.numel(), p._hp_mapping.get_hp_fragment())
-                for p in parameters if p._hp_mapping is not None]
-    return [(0, p.numel(), p) for p in parameters]
-
-
-class WeightWatch:
-    """The parameter norm and the update-to-weight ratio (|update| / |weights|) at logging steps. The norm is over
-    every weight; the ratio over the first SAMPLE elements of each weight tensor, copied to the host before the
-    step (no second copy of the model; as NumPy arrays, which are not model state and stay out of the measured
-    model-state census): the same elements whatever the ranks and ZeRO stage. Under ZeRO each rank holds a
-    disjoint share and the sums are reduced over the ranks; without ZeRO every rank holds all of it."""
-
-    def __init__(self, engine: DeepSpeedEngine):
-        self.engine, self.before = engine, None
-
-    def sample(self) -> list[np.ndarray]:
-        return [np.array(share.detach().reshape(-1)[:max(0, min(SAMPLE, size) - start)].float().cpu(), copy=True)
-                for start, size, share in fp32_shares(self.engine)]  # a copy: on a CPU .numpy() would share memory
-
-    def remember(self) -> None:
-        self.before = self.sample()
-
-    def measure(self) -> dict:
-        """After the step: `param_norm` and `update_ratio` (the step's update over the sampled weights)."""
-        device = self.engine.device  # the weights may be offloaded to the CPU
-        squares = sum((share.float().square().sum().to(device) for _, _, share in fp32_shares(self.engine)),
-                      torch.zeros((), device=device))
-        after = self.sample()
-        update = sum(float(np.square(a - b, dtype=np.float64).sum()) for a, b in zip(after, self.before))
-        sampled = sum(float(np.square(a, dtype=np.float64).sum()) for a in after)
-        sums = torch.stack([squares.double(), torch.tensor(update, device=device, dtype=torch.float64),
-                            torch.tensor(sampled, device=device, dtype=torch.float64)])
-        if self.engine.zero_optimization():
-            dist.all_reduce(sums)
-        norm, update, sampled = sums.sqrt().tolist()
-        return {"param_norm": norm, "update_ratio": update / sampled if sampled else 0.0}
