@@ -1,5 +1,6 @@
 """The stability guard's decisions, fed losses and gradient norms directly (the runs themselves, with poisoned
 batches on 2 ranks: tests/test_stability.py)."""
+import json
 import math
 
 import pytest
@@ -154,3 +155,39 @@ def test_a_history_longer_than_its_window_is_refused(tmp_path):
         load_recipe("tiny_llama", ["stability.min_history=60"])
     with pytest.raises(ConfigError, match="stability.policy=rewind goes back to the last checkpoint"):
         load_recipe("tiny_llama", ["stability.policy=rewind", "checkpointing.every_steps=null"])
+
+
+def test_the_shipped_settings_let_a_real_training_curve_through(tmp_path):
+    """The false-alarm check: tiny_llama's stability settings judge every step of a real training run (a 2-layer
+    shrink of tiny_llama, the recipe's optimizer settings and schedule, on its bundled corpus, in plain PyTorch) and
+    raise no event; the same guard then flags a loss three times the last one."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from tests.conftest import REPO
+    from training.config.recipe import load_recipe
+    from training.loop.optimizer import lr_schedule
+    recipe = load_recipe("tiny_llama", ["training.max_steps=80"])
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "recipes/tiny_llama/tokenizer")
+    texts = [json.loads(line)["text"] for line in (REPO / "recipes/tiny_llama/corpus.jsonl").read_text().splitlines()]
+    tokens = torch.tensor([t for ids in tokenizer(texts[:200])["input_ids"] for t in [*ids, tokenizer.eos_token_id]])
+    rows = tokens[:len(tokens) // 64 * 64].view(-1, 64)
+    torch.manual_seed(recipe.training.seed)
+    config = AutoConfig.from_pretrained(REPO / "recipes/tiny_llama/config.json", num_hidden_layers=2, hidden_size=64,
+                                        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    model = AutoModelForCausalLM.from_config(config)
+    training = recipe.training
+    optimizer = torch.optim.AdamW(model.parameters(), lr=training.lr, betas=training.betas, eps=training.eps,
+                                  weight_decay=training.weight_decay)
+    schedule = lr_schedule(training, training.max_steps)(optimizer)
+    g = StabilityGuard(recipe.stability, fp16=False, checkpoint_dir=tmp_path)
+    losses = []
+    for step in range(1, training.max_steps + 1):
+        batch = rows[torch.randint(len(rows), (training.micro_batch_size,))]
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), training.grad_clip)
+        optimizer.step(), schedule.step(), optimizer.zero_grad()
+        losses.append(loss.item())
+        assert attempt(g, step, losses[-1], float(grad_norm)) is None, f"a false alarm at step {step}: {g.events}"
+    assert losses[-1] < losses[0] - 1  # a real curve: it learned
+    assert attempt(g, training.max_steps + 1, 3 * losses[-1])["reason"] == "loss_spike"
