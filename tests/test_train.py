@@ -17,7 +17,7 @@ def no_model_building(monkeypatch):
     """Fail the test if train.py gets as far as building a model or a process group."""
     def forbidden(*args, **kwargs):
         raise AssertionError("train.py went past validation")
-    monkeypatch.setattr(train, "build_model", forbidden)
+    monkeypatch.setattr(train, "build_run_model", forbidden)
     monkeypatch.setattr(train.distributed, "init_distributed", forbidden)
 
 

@@ -18,23 +18,24 @@ from tqdm import tqdm
 from training.parallel import distributed
 from training.planning.flops import flops_per_token, peak_tflops
 from training.planning.plan import RunPlan
+from training.planning.precision import device_type
 
 
 def peak_memory_bytes() -> int:
     """Peak GPU memory allocated by this process, or on a CPU-only machine its peak resident set size."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if device_type() == "cuda":
         return torch.cuda.max_memory_allocated()
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def device_name() -> str:
     """What the run ran on: the GPU's name, or 'cpu' (DeepSpeed's CPU accelerator)."""
-    return torch.cuda.get_device_name() if get_accelerator().device_name() == "cuda" else "cpu"
+    return torch.cuda.get_device_name() if device_type() == "cuda" else "cpu"
 
 
 def peak_reserved_bytes() -> int | None:
     """Peak GPU memory the caching allocator reserved (allocated + cached); None without a GPU."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if device_type() == "cuda":
         return torch.cuda.max_memory_reserved()
     return None
 
@@ -129,7 +130,7 @@ def gpu_metrics(flops: FlopsMeter | None, steps: int, seconds: float) -> dict:
 
 def flops_meter(plan: RunPlan) -> FlopsMeter | None:
     """On NVIDIA GPUs, the FLOPs one step costs each GPU and the GPU's peak; on a CPU, None (tokens/s only)."""
-    if get_accelerator().device_name() != "cuda":
+    if device_type() != "cuda":
         return None
     recipe = plan.recipe
     model, hardware = flops_per_token(plan.shape, recipe.data.seq_len, recipe.activation_checkpointing)

@@ -20,6 +20,7 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from training.config.recipe import LongContextSection
+from training.planning.precision import device_type
 
 
 def apply_long_context(model: PreTrainedModel, section: LongContextSection) -> None:
@@ -37,7 +38,7 @@ def offload_checkpoints(model: PreTrainedModel) -> None:
     """Activation checkpointing (already on) saving each layer's input in host memory: copied out in the forward
     pass, back in the backward pass before the layer is recomputed (pinned memory on CUDA). transformers' own
     `offload=True` asks for pinned memory on CPU-only machines too, which PyTorch refuses."""
-    pinned = torch.cuda.is_available()
+    pinned = device_type() == "cuda"
 
     def checkpoint_on_host(function, *args, **kwargs):
         with torch.autograd.graph.save_on_cpu(pin_memory=pinned):

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PretrainedCon
 
 from training.config.errors import ConfigError
 from training.config.recipe import LoraSection, Recipe
+from training.planning.precision import device_type
 
 ADAPTER_DIR = "adapter"  # beside hf/ in the output folder
 ADAPTER_CONFIG = "adapter_config.json"  # in a LoRA checkpoint's hf/ folder, beside the model config
@@ -75,7 +76,7 @@ def check_nf4(precision: str, for_gpus: bool) -> None:
                           f"(not {precision})")
     if for_gpus:
         return  # a plan for GPUs elsewhere
-    if not torch.cuda.is_available():
+    if device_type() != "cuda":
         raise ConfigError("lora.quantize=nf4 (QLoRA) loads the base model in 4 bits through bitsandbytes, whose "
                           "4-bit layers need a CUDA GPU, and this machine has none: run it on an NVIDIA GPU (plan it "
                           "here with --dry-run --num-gpus N), or set lora.quantize=none")

@@ -28,7 +28,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem
 from training.config.recipe import Recipe
 from training.loop.optimizer import optimizer_state_bytes
 from training.planning.plan import Machine, RunPlan
-from training.planning.precision import DTYPES
+from training.planning.precision import DTYPES, is_mixed
 from training.planning.shape import ModelShape
 
 ZERO_SETTINGS = ("0", "1", "2", "3", "2_offload", "3_offload")  # named as the ds_configs/zero*.json files
@@ -51,7 +51,7 @@ def zero_arithmetic(params: float, stage: int, ranks: int, precision: str, state
     master copy too (4; measured), at ZeRO-0 only the optimizer states. ZeRO-1 shards the optimizer states
     over the ranks, ZeRO-2 the gradients too, ZeRO-3 the weights too. (ZeRO-0 bf16 runs as torch autocast
     over fp32 weights: 16 bytes with AdamW.)"""
-    mixed = precision in ("bf16", "fp16", "fp8")
+    mixed = is_mixed(precision)
     weights, grads = (2, 2) if mixed else (4, 4)
     optimizer = state_bytes + (4 if mixed or stage else 0)
     shard = [(1, 1, 1), (1, 1, ranks), (1, ranks, ranks), (ranks, ranks, ranks)][stage]
@@ -96,7 +96,7 @@ def lora_model_states(setting: str, shape: ModelShape, trainable: int, gpus_per_
     embedding, head and norms stay 16-bit)."""
     stage, offload = int(setting[0]), setting.endswith("_offload")
     ranks = gpus_per_node * nodes
-    weight_bytes = 2 if stage and precision in ("bf16", "fp16", "fp8") else 4
+    weight_bytes = 2 if stage and is_mixed(precision) else 4
     frozen = shape.parameters * weight_bytes
     if nf4:
         frozen -= shape.layer_matrix_parameters * (weight_bytes - NF4_BYTES)
@@ -125,7 +125,7 @@ def checkpoint_bytes(params: float, stage: int, ranks: int, precision: str, stat
     shards = (4 + state_bytes) * params
     if stage == 0:
         return CheckpointSize(shards, shards)
-    weights = 0 if stage == 3 else params * (2 if precision in ("bf16", "fp16", "fp8") else 4)
+    weights = 0 if stage == 3 else params * (2 if is_mixed(precision) else 4)
     return CheckpointSize(weights + shards, weights + shards / ranks)
 
 

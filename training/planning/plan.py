@@ -14,6 +14,7 @@ from training.config.ds_config import zero_setting, zero_stage
 from training.config.errors import ConfigError
 from training.config.recipe import Recipe
 from training.parallel.layout import Layout
+from training.planning.precision import device_type
 from training.planning.shape import ModelShape, model_shape
 
 
@@ -97,7 +98,7 @@ def planned_machine(num_gpus: int | None, num_nodes: int, gpu_mem: float | None,
     nodes = num_nodes if num_gpus else world_size // gpus_per_node
     if gpu_mem is not None:
         return Machine(gpus_per_node, nodes, gpu_mem * 2**30, "--gpu-mem")
-    if torch.cuda.is_available():
+    if device_type() == "cuda":
         properties = torch.cuda.get_device_properties(0)
         return Machine(gpus_per_node, nodes, properties.total_memory, properties.name)
     if num_gpus:

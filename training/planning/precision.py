@@ -13,6 +13,11 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
           "fp8": torch.bfloat16}  # fp8: BF16 weights and activations, FP8 matmuls in the linear layers
 
 
+def is_mixed(precision: str) -> bool:
+    """16-bit weights and gradients over an fp32 master copy (under ZeRO; at ZeRO-0, torch autocast over fp32)."""
+    return DTYPES[precision].itemsize == 2
+
+
 def device_type() -> str:
     """DeepSpeed's accelerator: 'cuda' on NVIDIA GPUs, 'cpu' where it falls back to its CPU accelerator."""
     return get_accelerator().device_name()
