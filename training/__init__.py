@@ -1,4 +1,5 @@
-"""Library code behind train.py: recipes, DeepSpeed configs, model building, metrics, checkpoints."""
+"""Library code behind train.py, one folder per concern (README.md, Layout): config, planning, models, parallel,
+state, loop, and compat (every workaround of upstream internals)."""
 import logging
 
 # transformers imports torchao (precision: fp8) when it is installed; torchao then tries its prebuilt kernels for

@@ -1,1 +1,1 @@
-"""The training loop's parts: optimizer and schedule, metrics, evaluation, stability."""
+"""The training loop's parts: the engine, optimizer and schedule, metrics, health signals, evaluation, stability."""

@@ -1,1 +1,2 @@
-"""Ranks and layouts: the process group, failures, pipeline, sequence and tensor parallelism."""
+"""Ranks and layouts: the process group, failures, the launcher, the Layout record, pipeline, sequence and tensor
+parallelism."""

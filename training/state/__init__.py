@@ -1,1 +1,2 @@
-"""What a run leaves behind: checkpoints, universal conversion, export, the output folder's rules."""
+"""What a run leaves behind: checkpoints, the run state, resume, universal conversion, export, the output folder's
+rules."""
