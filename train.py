@@ -27,6 +27,8 @@ from data_pipeline import DataError
 from data_pipeline.loader import EvalBatches, StepBatches, model_inputs, target_count
 from data_pipeline.prepare import prepare_dataset
 from data_pipeline.stream import StreamingBatches
+from training.compat import check_versions
+from training.compat.deepspeed import loss_scale, withheld_step, zero0_grad_norm
 from training.config.auto_config import choose_ds_config
 from training.config.ds_config import accumulation_steps, load_ds_config, resolve_ds_config
 from training.config.errors import ConfigError, positive_float, positive_int
@@ -36,7 +38,7 @@ from training.loop.evaluation import evaluate
 from training.loop.metrics import (FlopsMeter, MetricsLogger, Stopwatch, flops_meter, gpu_metrics, measured_model_states,
                                    peak_memory_bytes, record_model_states, run_totals, write_summary)
 from training.loop.health import WeightWatch
-from training.loop.stability import StabilityGuard, finite, rewind, withheld_step
+from training.loop.stability import StabilityGuard, finite, rewind
 from training.models.build import build_run_model
 from training.models.lora import lora_files
 from training.models.model import (check_checkpoint_folder, check_checkpoint_matches, check_recipe_against_model,
@@ -47,7 +49,7 @@ from training.parallel.pipeline import pipeline_batches
 from training.parallel.tensor_parallel import loss_copies, with_tensor_parallel
 from training.planning.checks import check_layout, refusal
 from training.planning.plan import RunPlan, planned_machine
-from training.planning.precision import loss_scale, resolve_precision
+from training.planning.precision import resolve_precision
 from training.planning.report import print_plan
 from training.state.checkpoint import latest_tag, record_position, save_checkpoint
 from training.state.export import export_run
@@ -144,9 +146,7 @@ def grad_norm_before_step(engine: deepspeed.DeepSpeedEngine) -> torch.Tensor | N
     stage-0 optimizer it is computed here from the (already all-reduced) gradients."""
     if engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled():
         return None
-    norm = torch.nn.utils.get_total_norm([p.grad for p in engine.module.parameters() if p.grad is not None])
-    scaler = engine.torch_autocast_z0_gradscaler
-    return norm / scaler.get_scale() if scaler else norm
+    return zero0_grad_norm(engine)
 
 
 def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict], dp_size: int,
@@ -313,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")  # DeepSpeed's old c10d calls
     try:
         distributed.adopt_srun_environment()
+        check_versions(show=distributed.local_rank() == 0)
         plan = make_plan(args)
         if args.dry_run:
             print_plan(plan, planned_machine(args.num_gpus, args.num_nodes, args.gpu_mem, plan.world_size))

@@ -68,6 +68,8 @@ def prepare(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(recipe.tokenizer_path, recipe.model.trust_remote_code)  # as train.py loads it
     if args.engine == "datatrove":
         from data_pipeline.scale import JobOptions, run_job
+        from training.compat import check_versions
+        check_versions(("datatrove",))
         options = JobOptions(args.executor, args.tasks, args.workers, args.slurm_partition, args.slurm_time,
                              args.cpus_per_task, args.mem_per_cpu_gb)
         work = run_job(recipe.data, tokenizer, args.output, options, recipe.name)

@@ -16,17 +16,15 @@ Where the result can differ from the in-process path (docs/data_at_scale.md has 
 """
 import importlib.util
 import json
-import os
 import sys
 import threading
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import datasets
 import numpy as np
-import psutil
 import xxhash
 from transformers import PreTrainedTokenizerBase
 
@@ -46,7 +44,7 @@ try:
     from datatrove.data import Document
     from datatrove.executor import LocalPipelineExecutor, SlurmPipelineExecutor
     from datatrove.pipeline.base import PipelineStep
-    from datatrove.pipeline.dedup import MinhashDedupCluster, MinhashDedupFilter, MinhashDedupSignature
+    from datatrove.pipeline.dedup import MinhashDedupCluster, MinhashDedupFilter
     from datatrove.pipeline.dedup.exact_dedup import (ExactDedupConfig, ExactDedupFilter, ExactDedupSignature,
                                                       ExactFindDedups)
     from datatrove.pipeline.dedup.minhash import MinhashConfig, MinhashDedupBuckets
@@ -54,7 +52,7 @@ try:
     from datatrove.pipeline.readers import CSVReader, HuggingFaceDatasetReader, JsonlReader, ParquetReader
     from datatrove.pipeline.writers import JsonlWriter
     from datatrove.utils.hashing import HashConfig
-    from datatrove.utils.word_tokenizers import WordTokenizer
+    from training.compat.datatrove import ShinglesMinhashSignature, end_if_a_worker_dies, step_counts
 except ImportError as error:
     raise DataError(f"--engine datatrove needs datatrove ({error}); install it with `{INSTALL}`") from None
 
@@ -108,31 +106,15 @@ def is_held_out(doc: Document, fraction: float, seed: int) -> bool:
     return xxhash.xxh3_64_intdigest(f"{seed}:{normalize(doc.text)}".encode()) < fraction * 2**64
 
 
-class RecipeShingles(WordTokenizer):
-    """Given to datatrove's MinHash step as its word tokenizer so that it does not load spaCy; the
-    step's shingles come from MinHasher (RecipeMinhashSignature), the tokenizer is never called."""
-
-    def word_tokenize(self, text: str) -> list[str]:
-        return normalize(text).split()
-
-    def sent_tokenize(self, text: str) -> list[str]:
-        return [text]
-
-    def span_tokenize(self, text: str) -> list[tuple[int, int]]:
-        return [(0, len(text))]
+def shingle_hashes(hasher: MinHasher, text: str) -> np.ndarray:
+    hashes, _ = hasher.shingle_hashes([text])
+    return hashes.astype(np.uint64).reshape(-1, 1)
 
 
-class RecipeMinhashSignature(MinhashDedupSignature):
-    """datatrove's MinHash signatures over the recipe's shingles (dedup.shingle, dedup.ngram), so that
+def recipe_shingles(config: DataConfig) -> Callable[[str], np.ndarray]:
+    """The shingles of the in-process path (dedup.shingle, dedup.ngram) for datatrove's MinHash signatures, so that
     both engines estimate the same Jaccard similarity."""
-
-    def __init__(self, output_folder: str, config: MinhashConfig, shingle: str):
-        super().__init__(output_folder, config, language=RecipeShingles())
-        self.hasher = MinHasher(1, shingle, config.n_grams)
-
-    def get_shingles(self, text: str) -> np.ndarray:
-        hashes, _ = self.hasher.shingle_hashes([text])
-        return hashes.astype(np.uint64).reshape(-1, 1)
+    return partial(shingle_hashes, MinHasher(1, config.dedup.shingle, config.dedup.ngram))
 
 
 def minhash_config(config: DataConfig) -> MinhashConfig:
@@ -213,19 +195,6 @@ class TokenizeAndPack(PipelineStep):
         return packed, stats
 
 
-def step_counts(logs: str) -> list[dict]:
-    """Each step's counters summed over the stage's tasks (datatrove writes logs/STAGE/stats/RANK.json)."""
-    totals: list[dict] = []
-    for path in sorted(Path(logs, "stats").glob("*.json")):
-        for index, step in enumerate(json.loads(path.read_text())):
-            if index == len(totals):
-                totals.append({})
-            for name, value in step.get("stats", {}).items():
-                count = value["total"] if isinstance(value, dict) else value
-                totals[index][name] = totals[index].get(name, 0) + count
-    return totals
-
-
 def job_stats(config: DataConfig, work: Layout) -> dict:
     """prepare.py's stats.json from the last stage's step counters and each task's counts."""
     counts = step_counts(work.logs("rows"))  # the rows stage starts with deduplicated()'s steps, in order
@@ -292,8 +261,8 @@ def stages(config: DataConfig, tokenizer: PreTrainedTokenizerBase, work: Layout,
                     tasks)]
     if config.dedup.near:
         result += [("minhash_signatures", [*deduplicated(config, work, "near"),
-                                           RecipeMinhashSignature(work("minhash_signatures"), minhash,
-                                                                  config.dedup.shingle)], tasks),
+                                           ShinglesMinhashSignature(work("minhash_signatures"), minhash,
+                                                                    recipe_shingles(config))], tasks),
                    ("minhash_buckets", [MinhashDedupBuckets(work("minhash_signatures"), work("minhash_buckets"),
                                                             config=minhash)], minhash.num_buckets),
                    ("minhash_clusters", [MinhashDedupCluster(work("minhash_buckets"), work("minhash_remove"), minhash)], 1)]
@@ -362,41 +331,7 @@ def run_job(config: DataConfig, tokenizer: PreTrainedTokenizerBase, output: Path
         previous = executor(options, name, steps, tasks, work.logs(name), previous, job_name)
         plan.append((name, tasks))
     if options.executor == "local" and options.workers != 1:
-        threading.Thread(target=end_if_a_worker_dies, args=(work, plan), daemon=True).start()
+        # datatrove's local pool waits forever for the task of a worker that died (training/compat/datatrove.py)
+        threading.Thread(target=end_if_a_worker_dies, args=(work.logs, plan), daemon=True).start()
     previous.run()
     return Path(work.root)
-
-
-def stage_running(work: Layout, plan: list[tuple[str, int]]) -> str | None:
-    """The last stage datatrove has started (it writes executor.json before its tasks start)."""
-    started = [name for name, _ in plan if Path(work.logs(name), "executor.json").exists()]
-    return started[-1] if started else None
-
-
-def stage_finished(work: Layout, plan: list[tuple[str, int]], name: str) -> bool:
-    return len(list(Path(work.logs(name), "completions").glob("*"))) >= dict(plan)[name]
-
-
-def end_if_a_worker_dies(work: Layout, plan: list[tuple[str, int]], grace: float = 3.0) -> None:
-    """datatrove's local executor runs tasks in a process pool that waits forever for the task of a worker
-    that died (the OOM killer's SIGKILL, a crash): the pool replaces the worker, never its task. Runs in a
-    thread: when a process the job started during a stage is gone and that stage is still unfinished
-    `grace` seconds later, end the job, telling the user to run it again (finished tasks are skipped)."""
-    job, stage_of = psutil.Process(), {}
-    while True:
-        alive = {process.pid for process in job.children(recursive=True)}
-        for pid in alive - stage_of.keys():
-            stage_of[pid] = stage_running(work, plan)
-        for pid in stage_of.keys() - alive:
-            stage = stage_of.pop(pid)
-            if stage and not stage_finished(work, plan, stage):
-                time.sleep(grace)
-                if not stage_finished(work, plan, stage):
-                    print(f"error: a worker process of the datatrove job (pid {pid}) died during stage {stage} (killed "
-                          f"by the OOM killer or a signal?), and datatrove's local pool would wait for its task "
-                          f"forever; run the same command again: finished tasks are skipped", file=sys.stderr,
-                          flush=True)
-                    for process in job.children(recursive=True):
-                        process.kill()
-                    os._exit(1)
-        time.sleep(0.2)

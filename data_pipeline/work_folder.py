@@ -58,8 +58,9 @@ def claim_work_folder(work: Layout, job: dict) -> None:
 def missing_files(work: Layout, held_out: bool) -> list[Path]:
     """The files a rerun needs that finished tasks wrote and that are gone: each finished `rows` task's rows, counts
     and step counters, and, once assemble had finished (so there were some), the held-out evaluation documents."""
+    from training.compat.datatrove import completed_tasks  # here: the datasets engine runs without datatrove
     needed = []
-    for rank in sorted(path.name for path in Path(work.logs("rows"), "completions").glob("*")):
+    for rank in completed_tasks(work.logs("rows")):
         counts = Path(work("rows"), f"train-{rank}.json")
         needed += [counts, Path(work.logs("rows"), "stats", f"{rank}.json")]
         if counts.exists() and json.loads(counts.read_text()).get("rows", 0):
@@ -72,7 +73,8 @@ def missing_files(work: Layout, held_out: bool) -> list[Path]:
 
 def assembled(work: Layout) -> Path | None:
     """datatrove's marker of the finished assemble stage, when it is there."""
-    marker = Path(work.logs("assemble"), "completions", "00000")
+    from training.compat.datatrove import completion_marker
+    marker = completion_marker(work.logs("assemble"), 0)
     return marker if marker.exists() else None
 
 

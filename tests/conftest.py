@@ -1,7 +1,11 @@
+import io
 import json
 import os
+import signal
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
@@ -31,6 +35,47 @@ def run_train(args: list[str], ranks: int | None = None, timeout: int = 600,
                           text=True, timeout=timeout)
 
 
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # a process group sets them
+
+
+@contextmanager
+def rank_of_its_own() -> Iterator[None]:
+    """For a process group of this process alone (init_distributed sets the rank variables when they are missing):
+    none may be set before, and none is left after, so that the next test starts from the same environment."""
+    assert not any(key in os.environ for key in RANK_VARIABLES), \
+        f"a test left {[key for key in RANK_VARIABLES if key in os.environ]} set: the next rank would join its group"
+    try:
+        yield
+    finally:
+        for key in RANK_VARIABLES:
+            os.environ.pop(key, None)
+
+
+def main_in_process(main: Callable[[list[str]], int], argv: list[str]) -> subprocess.CompletedProcess:
+    """A command's main(argv) in this process, its exit code and output as the process would leave them (argparse's
+    usage errors exit 2 through SystemExit): the fast tier's way to run a command without a process's imports."""
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exit:
+            code = exit.code if isinstance(exit.code, int) else 1
+    return subprocess.CompletedProcess([main.__module__, *argv], code, out.getvalue(), err.getvalue())
+
+
+def train_in_process(args: list[str]) -> subprocess.CompletedProcess:
+    """train.py's main(args) in this process, on one rank (a gloo group of this process alone, as `python train.py`
+    makes). The SIGTERM handler a run sets is put back, so that pytest still ends on SIGTERM."""
+    import train
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        with rank_of_its_own():
+            return main_in_process(train.main, args)
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+        train.stop_requested.clear()
+
+
 def save_small_checkpoint(path: Path, **save_options) -> None:
     """SMALL_MODEL's architecture with seeded random weights and tiny_llama's tokenizer, saved with
     save_pretrained: the checkpoint a user brings."""
@@ -41,6 +86,80 @@ def save_small_checkpoint(path: Path, **save_options) -> None:
     torch.manual_seed(7)
     AutoModelForCausalLM.from_config(config).save_pretrained(path, **save_options)
     AutoTokenizer.from_pretrained(REPO / "recipes/tiny_llama/tokenizer").save_pretrained(path)
+
+
+def launch_in(command) -> str | None:
+    """What a command line starts that only the slow tier may start: train.py or a script of tests/helpers/ (which
+    wrap train.py or run under the launcher), the deepspeed launcher, or a datatrove job; None for anything else."""
+    words = [command] if isinstance(command, (str, bytes, os.PathLike)) else list(command)
+    words = [str(word) for word in words]
+    if len(words) == 1:  # a shell command line
+        words = words[0].split()
+    names = [Path(word).name for word in words]
+    if "deepspeed" in names or any(word.startswith("deepspeed.launcher") for word in words):
+        return "the deepspeed launcher"
+    if "train.py" in names or any("tests/helpers/" in word for word in words):
+        return "train.py"
+    if "--engine=datatrove" in words or any(pair == ("--engine", "datatrove") for pair in zip(words, words[1:])):
+        return "a datatrove job"
+    return None
+
+
+running: list[pytest.Item] = []  # the test whose setup, call or teardown runs now (fixtures of every scope included)
+refused: list[str] = []  # the unmarked launches of that test
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    running.append(item)
+    refused.clear()
+    try:
+        return (yield)
+    finally:
+        running.pop()
+
+
+def refuse_unmarked_launch(what: str, command) -> None:
+    """Fail the running test if it is not marked slow: it starts `what` (launch_in), itself or through a fixture."""
+    if not running or running[-1].get_closest_marker("slow"):
+        return
+    shown = command if isinstance(command, str) else " ".join(map(str, command))
+    refused.append(f"{running[-1].nodeid} starts {what} ({shown}) but is not marked slow: mark it "
+                   f"@pytest.mark.slow, or test its logic in-process")
+    pytest.fail(refused[-1], pytrace=False)
+
+
+class GuardedPopen(subprocess.Popen):
+    def __init__(self, args, *more, **options):
+        if what := launch_in(args):
+            refuse_unmarked_launch(what, args)
+        super().__init__(args, *more, **options)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The fast tier (-m "not slow") stays fast: a test not marked slow that starts train.py, the deepspeed launcher
+    or a datatrove job (a process, or datatrove's local executor in-process), in its body or in a fixture of any
+    scope, fails, naming itself. Installed for the whole session, so module and session fixtures are watched too."""
+    subprocess.Popen = GuardedPopen
+    try:
+        from datatrove.executor.local import LocalPipelineExecutor
+    except ImportError:
+        return
+    run = LocalPipelineExecutor.run
+
+    def guarded_run(executor: LocalPipelineExecutor):
+        refuse_unmarked_launch("a datatrove job", "LocalPipelineExecutor.run, in-process")
+        return run(executor)
+
+    LocalPipelineExecutor.run = guarded_run
+
+
+@pytest.fixture(autouse=True)
+def only_slow_tests_launch() -> list[str]:
+    """The launches refused to this test; it fails at teardown also when it caught the failure raised at the launch."""
+    yield refused
+    if refused:
+        pytest.fail(refused[0], pytrace=False)
 
 
 @pytest.fixture(scope="session")
@@ -77,7 +196,7 @@ def assert_only_created(before: dict[Path, tuple[int, str]], after: dict[Path, t
 def tree_guard(tmp_path):
     """Call it around a command: `with tree_guard(): ...` fails the test if the command deleted or changed a file under
     the test's folder (tmp_path) or the repository's recipes and ds_configs, apart from `replaceable` places."""
-    from contextlib import contextmanager
+    from contextlib import contextmanager, redirect_stderr, redirect_stdout
 
     @contextmanager
     def guard(*replaceable: Path, folders: tuple[Path, ...] = ()):
@@ -108,13 +227,12 @@ def earlier_run(tmp_path) -> Path:
 
 
 @pytest.fixture
-def one_rank(monkeypatch):
+def one_rank():
     """A process group of this process alone (gloo on CPU), for code that needs one in-process; torn down
     through deepspeed.comm, so that DeepSpeed forgets the groups it cached for the next test's engine."""
     import deepspeed.comm
     from training.parallel import distributed
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
-    distributed.init_distributed()
-    yield
-    deepspeed.comm.destroy_process_group()
+    with rank_of_its_own():
+        distributed.init_distributed()
+        yield
+        deepspeed.comm.destroy_process_group()

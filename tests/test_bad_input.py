@@ -1,6 +1,7 @@
-"""Bad input through the real command lines: exit code 2, a message that names the input and the fix, no
+"""Bad input through the command lines: exit code 2, a message that names the input and the fix, no
 traceback, and nothing deleted. train.py, tools/compare_zero.py, `python -m data_pipeline` and
-`python -m training export`, each as a user types it."""
+`python -m training export`, each through the main(argv) its command line calls (in-process: the checks run
+before anything is launched); test_each_command_line_as_typed starts each one as a user types it."""
 import json
 import subprocess
 import sys
@@ -8,11 +9,25 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, SMALL_MODEL, TRAIN_ENV, run_train, save_small_checkpoint, snapshot
+import data_pipeline.__main__ as data_cli
+import train
+from tests.conftest import REPO, SMALL_MODEL, TRAIN_ENV, main_in_process, run_train, save_small_checkpoint, snapshot
+from tools import compare_zero
+from training import __main__ as training_cli
+
+MAINS = {"train.py": train.main, "tools/compare_zero.py": compare_zero.main, "data_pipeline": data_cli.main,
+         "training": training_cli.main}
+
+
+def start_command(*args: str) -> subprocess.CompletedProcess:
+    """The command as a user types it: a process of its own."""
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=TRAIN_ENV, capture_output=True, text=True, timeout=300)
 
 
 def run_command(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=REPO, env=TRAIN_ENV, capture_output=True, text=True, timeout=300)
+    """The command's main(argv) in this process (`-m package` and script paths as start_command takes them)."""
+    program, argv = (args[1], args[2:]) if args[0] == "-m" else (args[0], args[1:])
+    return main_in_process(MAINS[program], list(argv))
 
 
 def assert_refused(result: subprocess.CompletedProcess, message: str) -> None:
@@ -179,6 +194,18 @@ def test_export_refuses_what_it_cannot_export(kind, message, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("command", [["train.py", "--recipe", "tiny_llama"], ["tools/compare_zero.py", "--recipe",
+                                     "tiny_llama"], ["-m", "data_pipeline", "prepare", "--recipe", "tiny_llama"]])
+def test_each_command_line_as_typed_exits_2_without_a_traceback(command, tmp_path):
+    """The tests above call each command's main(argv); here the command itself runs, so its exit code and message
+    are the process's (dedup's: tests/data_pipeline/test_bad_data.py; export's: the test below)."""
+    result = start_command(*command, "--output-dir" if "prepare" not in command else "--output", str(tmp_path / "out"),
+                           "training.betas=[0.9,")
+    assert_refused(result, "override 'training.betas=[0.9,': the value is not valid YAML")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
 def test_export_overwrite_replaces_only_an_earlier_export(tmp_path, data_cache, tree_guard):
     result = run_train(["--recipe", "tiny_llama", "--output-dir", str(tmp_path / "run"), SMALL_MODEL, data_cache,
                         "training.max_steps=1"])
@@ -187,15 +214,15 @@ def test_export_overwrite_replaces_only_an_earlier_export(tmp_path, data_cache, 
     mine.mkdir()
     (mine / "config.json").write_text("{}")  # a folder the user made, looking like a model
     with tree_guard():
-        assert_refused(run_command("-m", "training", "export", checkpoints, str(mine), "--overwrite"),
+        assert_refused(start_command("-m", "training", "export", checkpoints, str(mine), "--overwrite"),
                        "--overwrite replaces only an earlier output of python -m training export")
         for inside_the_input in (tmp_path / "run", tmp_path / "run" / "checkpoints" / "out"):
-            assert_refused(run_command("-m", "training", "export", checkpoints, str(inside_the_input), "--overwrite"),
+            assert_refused(start_command("-m", "training", "export", checkpoints, str(inside_the_input), "--overwrite"),
                            "which this command reads: an output never")
-    assert run_command("-m", "training", "export", checkpoints, str(out)).returncode == 0
+    assert start_command("-m", "training", "export", checkpoints, str(out)).returncode == 0
     (out / "stale.txt").write_text("from before")
     with tree_guard(out):
-        result = run_command("-m", "training", "export", checkpoints, str(out), "--overwrite")
+        result = start_command("-m", "training", "export", checkpoints, str(out), "--overwrite")
     assert result.returncode == 0, result.stderr[-3000:]
     assert not (out / "stale.txt").exists() and (out / "model.safetensors").is_file()
     assert not list(tmp_path.glob(".export.partial*"))

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import train
-from tests.conftest import REPO, SMALL_MODEL, run_train, save_small_checkpoint
+from tests.conftest import REPO, SMALL_MODEL, run_train, save_small_checkpoint, train_in_process
 
 
 @pytest.fixture
@@ -128,9 +128,9 @@ def test_what_if_options_misused(args, expected, capsys):
 
 def test_single_process_run_writes_the_documented_outputs(tmp_path, data_cache):
     out = tmp_path / "run"
-    result = run_train(["--recipe", "tiny_llama", "--output-dir", str(out), SMALL_MODEL, data_cache,
-                        "training.max_steps=6", "training.warmup_steps=1", "logging.every_steps=2",
-                        "checkpointing.every_steps=2", "checkpointing.keep_last=2"])
+    result = train_in_process(["--recipe", "tiny_llama", "--output-dir", str(out), SMALL_MODEL, data_cache,
+                               "training.max_steps=6", "training.warmup_steps=1", "logging.every_steps=2",
+                               "checkpointing.every_steps=2", "checkpointing.keep_last=2"])
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 4, 6]
@@ -167,6 +167,7 @@ def test_single_process_run_writes_the_documented_outputs(tmp_path, data_cache):
     assert torch.isfinite(model(torch.tensor([[1, 100, 200]])).logits).all()
 
 
+@pytest.mark.slow
 def test_checkpoint_saves_are_left_out_of_the_timed_intervals(tmp_path, data_cache):
     """Every step saves, and every save takes 3 s longer (a probe): the logged throughput must not see it."""
     out = tmp_path / "run"
@@ -199,9 +200,12 @@ def test_resume_continues_the_uninterrupted_loss_curve(tmp_path, data_cache, dat
     common = [SMALL_MODEL, data_cache, "training.schedule=constant", "training.warmup_steps=0", "logging.every_steps=1",
               *data]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
-    assert run_train(["--recipe", "tiny_llama", "--output-dir", str(whole), "training.max_steps=6", *common]).returncode == 0
-    assert run_train(["--recipe", "tiny_llama", "--output-dir", str(parts), "training.max_steps=3", *common]).returncode == 0
-    result = run_train(["--recipe", "tiny_llama", "--output-dir", str(parts), "--resume", "training.max_steps=6", *common])
+    for out, steps in ((whole, 6), (parts, 3)):
+        result = train_in_process(["--recipe", "tiny_llama", "--output-dir", str(out), f"training.max_steps={steps}",
+                                   *common])
+        assert result.returncode == 0, result.stderr[-3000:]
+    result = train_in_process(["--recipe", "tiny_llama", "--output-dir", str(parts), "--resume", "training.max_steps=6",
+                               *common])
     assert result.returncode == 0, result.stderr[-3000:]
     losses = {path: [json.loads(line)["loss"] for line in (path / "metrics.jsonl").read_text().splitlines()]
               for path in (whole, parts)}
@@ -398,6 +402,7 @@ def test_shipped_config_and_local_checkpoint_of_another_shape(tmp_path, capsys):
     assert "set model.config=null" in error
 
 
+@pytest.mark.slow
 def test_compiled_model_trains_the_same_losses(tmp_path, data_cache):
     """compile: true (DeepSpeed's engine.compile, inductor on a CPU) gives the eager run's losses."""
     curves = {}

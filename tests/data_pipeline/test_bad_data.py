@@ -92,6 +92,7 @@ def test_prepare_refuses_an_output_in_a_folder_it_cannot_write(tmp_path, tree_gu
     assert not (locked / "prepared").exists()
 
 
+@pytest.mark.slow
 def test_prepare_refuses_an_output_under_a_file_from_the_command_line(tmp_path, tree_guard):
     (tmp_path / "some_file.txt").write_text("a user's file\n")
     with tree_guard():
@@ -234,6 +235,7 @@ def test_a_parquet_column_of_numbers_is_named(tmp_path, tree_guard, capsys):
                 f"{tmp_path / 'a.parquet'}: column 'text' holds int64 values, not strings")
 
 
+@pytest.mark.slow
 def test_non_string_text_is_refused_from_the_command_line(tmp_path, tree_guard):
     (tmp_path / "a.jsonl").write_text('{"text": "fine"}\n{"text": 5}\n')
     with tree_guard():

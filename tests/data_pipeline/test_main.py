@@ -1,16 +1,17 @@
-"""`python -m data_pipeline prepare` and `dedup` as a user runs them."""
+"""`python -m data_pipeline prepare` and `dedup` with a user's arguments, through the main(argv) that the command line
+calls (tests/test_bad_input.py starts the command itself), and train.py reading what prepare wrote."""
 import json
 import subprocess
-import sys
 
 import datasets
 import pytest
 
-from tests.conftest import REPO, SMALL_MODEL, run_train
+from data_pipeline.__main__ import main
+from tests.conftest import SMALL_MODEL, main_in_process, train_in_process
 
 
 def run_module(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "data_pipeline", *args], cwd=REPO, capture_output=True, text=True)
+    return main_in_process(main, list(args))
 
 
 def test_prepare_writes_the_splits_and_stats_that_train_py_reads(tmp_path):
@@ -30,7 +31,7 @@ def test_prepare_writes_the_splits_and_stats_that_train_py_reads(tmp_path):
     # a second run refuses to overwrite it
     assert run_module("prepare", "--recipe", "tiny_llama", "--output", str(output)).returncode == 2
     # and train.py trains on it
-    run = run_train(["--recipe", "tiny_llama", "--output-dir", str(tmp_path / "run"), SMALL_MODEL, "data.sources=[]",
+    run = train_in_process(["--recipe", "tiny_llama", "--output-dir", str(tmp_path / "run"), SMALL_MODEL, "data.sources=[]",
                      f"data.prepared={output}", "training.max_steps=2"])
     assert run.returncode == 0, run.stderr[-2000:]
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["data"] == stats
@@ -40,7 +41,7 @@ def test_prepared_rows_must_match_seq_len(tmp_path):
     output = tmp_path / "prepared"
     assert run_module("prepare", "--recipe", "tiny_llama", "--output", str(output), "data.seq_len=128",
                       f"data.cache_dir={tmp_path / 'cache'}").returncode == 0
-    run = run_train(["--recipe", "tiny_llama", "--output-dir", str(tmp_path / "run"), "data.sources=[]",
+    run = train_in_process(["--recipe", "tiny_llama", "--output-dir", str(tmp_path / "run"), "data.sources=[]",
                      f"data.prepared={output}"])
     assert run.returncode == 2
     assert "holds rows of 128 tokens, but data.seq_len is 256" in run.stderr

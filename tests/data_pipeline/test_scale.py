@@ -120,6 +120,7 @@ def near_quality(unique: list[str], kept: list[str], near_pairs: list[tuple[str,
     return right / max(1, len(removed)), found / len(near_pairs)
 
 
+@pytest.mark.slow
 def test_exact_dedup_keeps_the_same_documents_as_the_in_process_path(corpus, job):
     config = recipe_data(corpus)  # exact only
     in_process = kept_in_process(config)
@@ -132,6 +133,7 @@ def test_exact_dedup_keeps_the_same_documents_as_the_in_process_path(corpus, job
     assert len(exact_survivors) == len(in_process)  # one of each group, as in-process
 
 
+@pytest.mark.slow
 def test_near_dedup_agrees_with_the_in_process_path_within_lsh_noise(corpus, job):
     config = recipe_data(corpus, NEAR)
     unique = kept_in_process(recipe_data(corpus))
@@ -157,6 +159,7 @@ def assert_same_rows(got: datasets.DatasetDict, expected: datasets.DatasetDict, 
         assert np.array_equal(np.asarray(got[split][column]), np.asarray(expected[split][column])), (split, column)
 
 
+@pytest.mark.slow
 def test_one_task_writes_the_in_process_rows_row_for_row(corpus, tmp_path):
     output = tmp_path / "prepared"
     run_job(output, corpus["sources"], tasks=1, workers=1)
@@ -168,6 +171,7 @@ def test_one_task_writes_the_in_process_rows_row_for_row(corpus, tmp_path):
         assert stats[key] == expected_stats[key], key
 
 
+@pytest.mark.slow
 def test_chat_sources_are_tokenized_with_their_template_and_packed_as_in_process(tmp_path):
     """tiny_llama_sft's conversations (loss on the assistant replies only), bfd packing, one task."""
     chat = ["data.sources=[{path: recipes/tiny_llama_sft/chat.jsonl, messages_field: messages}]",
@@ -182,6 +186,7 @@ def test_chat_sources_are_tokenized_with_their_template_and_packed_as_in_process
     assert stats_of(output)["long_documents_truncated"] == expected_stats["long_documents_truncated"]
 
 
+@pytest.mark.slow
 def test_decontamination_against_eval_sources_removes_what_the_in_process_path_removes(corpus, tmp_path):
     """Each task checks its documents against every evaluation document, so the removals are the
     in-process path's; the evaluation split is packed by the same code, row for row."""
@@ -298,6 +303,7 @@ def test_without_datatrove_the_error_names_the_extra(corpus, tmp_path, monkeypat
     assert "pip install -r requirements-scale.txt" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_rerun_with_other_settings_is_refused(corpus, job, capsys):
     work = job.with_name("prepared.datatrove")
     before = (work / "job.json").read_text()
@@ -383,6 +389,7 @@ def test_a_parquet_column_of_numbers_and_a_chat_field_of_text_are_named(tmp_path
         assert f"{tmp_path / 'chat.jsonl'}:1: field 'messages' is a JSON str" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_bad_line_is_refused_from_the_command_line_without_a_traceback(tmp_path, tree_guard):
     (tmp_path / "a.jsonl").write_text('{"text": "fine"}\n{"text": 5}\n')
     command = prepare_command(tmp_path / "prepared", f"data.sources=[{{path: {tmp_path / 'a.jsonl'}}}]")

@@ -4,10 +4,10 @@ import deepspeed
 import torch
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from training.compat.deepspeed import use_fp16_block_loss_scaling
 from training.loop.optimizer import client_optimizer, lr_schedule, weight_decay_groups
 from training.parallel.pipeline import report_grad_norm
 from training.planning.plan import RunPlan
-from training.planning.precision import use_fp16_block_loss_scaling
 
 
 def start_engine(plan: RunPlan, model: torch.nn.Module, mpu: object | None, total_steps: int) -> deepspeed.DeepSpeedEngine:

@@ -5,7 +5,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from deepspeed import DeepSpeedEngine
-from deepspeed.utils import safe_get_local_fp32_param
+
+from training.compat.deepspeed import local_fp32_shares
 
 SAMPLE = 4096  # weights per parameter tensor (and rank) that the update-to-weight ratio is measured on
 
@@ -15,14 +16,7 @@ def fp32_shares(engine: DeepSpeedEngine) -> list[tuple[int, int, torch.Tensor]]:
     the flattened weight, the weight's size, the share): ZeRO-3's partitions, ZeRO-1/2's fragments of the fp32
     master copy (DeepSpeed's own mapping, also under its bf16 optimizer), or whole weights without ZeRO (fp32
     there: bf16 and fp16 run as autocast)."""
-    parameters = [p for p in engine.module.parameters() if p.requires_grad]
-    if engine.zero_optimization_partition_weights():
-        return [(dist.get_rank(group=p.ds_process_group) * p.ds_tensor.ds_numel, p.ds_numel,
-                 safe_get_local_fp32_param(p)) for p in parameters]
-    if engine.zero_optimization() or engine.bfloat16_enabled():
-        return [(p._hp_mapping.lp_fragment_address.start, p.numel(), p._hp_mapping.get_hp_fragment())
-                for p in parameters if p._hp_mapping is not None]
-    return [(0, p.numel(), p) for p in parameters]
+    return local_fp32_shares(engine, [p for p in engine.module.parameters() if p.requires_grad])
 
 
 class WeightWatch:

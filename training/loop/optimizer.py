@@ -15,11 +15,9 @@ updates' norm and clipping is refused.
 """
 from collections.abc import Callable
 from functools import partial
-from types import SimpleNamespace
 from typing import Any
 
 import torch
-from deepspeed import set_optimizer_flags
 from lion_pytorch import Lion
 from torch import nn
 from torch.optim import Optimizer
@@ -28,6 +26,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.optimization import (get_constant_schedule_with_warmup, get_cosine_with_min_lr_schedule_with_warmup,
                                        get_linear_schedule_with_warmup, get_wsd_schedule)
 
+from training.compat.deepspeed import muon_flags
 from training.config.errors import ConfigError
 from training.config.recipe import Recipe, TrainingSection
 from training.planning.shape import ModelShape, decoder_layers
@@ -88,9 +87,9 @@ def muon_name_rule_mismatch(config: PretrainedConfig) -> list[str]:
     """The parameters DeepSpeed's name rule puts on Muon that are not a decoder layer's matrix, or the reverse."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    set_optimizer_flags(SimpleNamespace(optimizer_name="muon", optimizer_params={}), model)
     matrices = {id(p) for p in decoder_layers(model).parameters() if p.ndim >= 2}
-    return [name for name, p in model.named_parameters() if p.use_muon != (id(p) in matrices)]
+    on_muon = muon_flags(model)
+    return [name for name, p in model.named_parameters() if on_muon[name] != (id(p) in matrices)]
 
 
 def client_optimizer(ds_config: dict) -> Callable[[list], Optimizer] | None:

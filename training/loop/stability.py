@@ -9,7 +9,7 @@ own overflow handling (ZeRO 1-3 and its bf16 and fp16 optimizers) discards the g
 optimizer states and the learning-rate schedule as they were, and counts the step in `engine.skipped_steps`.
 The same handling drops a step whose gradient is not finite under a finite loss. Without ZeRO, DeepSpeed
 steps a plain torch optimizer, which has no such check: there a non-finite gradient norm withholds the
-optimizer's step (`withheld_step`). A pipeline's loss is known only once its schedule has stepped: there
+optimizer's step (`withheld_step`, training/compat/deepspeed.py). A pipeline's loss is known only once its schedule has stepped: there
 non-finite gradients are dropped as above, and a loss spike can only be rewound.
 
 A dropped step passes over its batch: the next batch is tried for the same step, so a run still makes
@@ -24,8 +24,6 @@ the one that spiked, optionally with the learning rate lowered for a while.
 import math
 import statistics
 from collections import deque
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -38,18 +36,6 @@ from training.state.checkpoint import latest_tag, load_checkpoint
 from training.config.recipe import StabilitySection
 from training.parallel.layout import Layout
 
-
-
-@contextmanager
-def withheld_step(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """DeepSpeed's engine leaves the learning-rate schedule alone and counts a skipped step when its optimizer
-    reports `overflow`; a torch optimizer has no such flag and steps on whatever gradients it holds. For one
-    step its `step` does nothing and it reports an overflow; the engine then clears the gradients as usual."""
-    optimizer.step, optimizer.overflow = (lambda *args, **kwargs: None), True
-    try:
-        yield
-    finally:
-        del optimizer.step, optimizer.overflow
 
 
 def finite(value: float | None) -> bool:

@@ -12,7 +12,7 @@ from training.models.moe import mark_sparse_blocks
 from training.parallel.pipeline import TokenMeanLoss, build_pipeline
 from training.parallel.sequence_parallel import enable_sequence_parallel
 from training.planning.plan import RunPlan
-from training.state.universal import provide_universal_info
+from training.compat.deepspeed import provide_universal_info
 
 
 def build_run_model(plan: RunPlan) -> tuple[torch.nn.Module, object | None]:

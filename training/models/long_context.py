@@ -10,7 +10,6 @@ With activation checkpointing the largest activations left are the layers' saved
 `offload_checkpoints` keeps them in host memory until the backward pass recomputes their layer.
 """
 import math
-import types
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +18,8 @@ from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP, sequence_ti
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from training.compat.torch import replace_forward
+from training.compat.transformers import set_checkpointing_function
 from training.config.recipe import LongContextSection
 from training.planning.precision import device_type
 
@@ -44,7 +45,7 @@ def offload_checkpoints(model: PreTrainedModel) -> None:
         with torch.autograd.graph.save_on_cpu(pin_memory=pinned):
             return checkpoint(function, *args, use_reentrant=False, **kwargs)
 
-    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpoint_on_host)
+    set_checkpointing_function(model, checkpoint_on_host)
 
 
 def tile_mlp(mlp: torch.nn.Module, hidden_size: int) -> None:
@@ -57,7 +58,7 @@ def tile_mlp(mlp: torch.nn.Module, hidden_size: int) -> None:
         tiles = max(1, math.ceil(x.shape[-2] / hidden_size))  # the same on every rank: the slices are equal
         return TiledMLP.apply(lambda module, tile: untiled(tile), self, x, tiles, parameters)
 
-    mlp.forward = types.MethodType(forward, mlp)
+    replace_forward(mlp, forward)
 
 
 def tile_logits_and_loss(model: PreTrainedModel, tile_tokens: int) -> None:
@@ -89,4 +90,4 @@ def tile_logits_and_loss(model: PreTrainedModel, tile_tokens: int) -> None:
         targets = num_items_in_batch if num_items_in_batch is not None else (shift_labels != -100).sum()
         return CausalLMOutputWithPast(loss=loss_sum / targets)
 
-    model.forward = types.MethodType(forward, model)
+    replace_forward(model, forward)

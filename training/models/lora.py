@@ -8,12 +8,12 @@ model.name_or_path on resume). The export (training/state/export.py) writes peft
 export.merge the base weights with the adapters merged into them.
 """
 import importlib.util
-import warnings
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PretrainedConfig, PreTrainedModel
 
+from training.compat.peft import quiet_gradient_checkpointing_warning
 from training.config.errors import ConfigError
 from training.config.recipe import LoraSection, Recipe
 from training.planning.precision import device_type
@@ -21,8 +21,7 @@ from training.planning.precision import device_type
 ADAPTER_DIR = "adapter"  # beside hf/ in the output folder
 ADAPTER_CONFIG = "adapter_config.json"  # in a LoRA checkpoint's hf/ folder, beside the model config
 QLORA_REQUIREMENTS = "requirements-qlora.txt"
-# peft asks the model with a name transformers 5 has deprecated: a FutureWarning on every rank, for nothing
-warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+quiet_gradient_checkpointing_warning()
 
 
 def lora_config(section: LoraSection) -> LoraConfig:

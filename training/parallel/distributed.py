@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
+from training.compat.deepspeed import release_shared_memory_buffer
 from training.config.errors import ConfigError, failure, report
 from training.parallel.failure import FailureWatch
 
@@ -67,18 +68,8 @@ def init_distributed() -> None:
     if get_accelerator().device_name() == "cuda":
         torch.cuda.set_device(local_rank())
     else:
-        release_shared_memory_buffer()
-
-
-def release_shared_memory_buffer() -> None:
-    """Work around a leak in DeepSpeed's CPU all-reduce: each rank creates a 66 MB shared-memory file,
-    /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>, and never unlinks it, so every run
-    of N ranks keeps N x 66 MB of RAM until reboot. By the end of init every rank has mapped every
-    rank's buffer; after a barrier each rank unlinks its own name. The memory stays mapped for the
-    run and is freed when its processes exit, however they exit."""
-    dist.barrier()
-    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ['MASTER_ADDR']}_{os.environ['MASTER_PORT']}_{rank()}"
-    Path("/dev/shm", name).unlink(missing_ok=True)
+        dist.barrier()  # by now every rank has mapped every rank's buffer
+        release_shared_memory_buffer(rank())  # DeepSpeed's CPU all-reduce leaks it (training/compat/deepspeed.py)
 
 
 REPORT_WAIT_S = 60.0  # how long a rank that does not print a user error waits for its local rank 0 to end it

@@ -13,12 +13,10 @@ so that it starts from the same weights as the same recipe without pipeline para
 import importlib
 import json
 from collections.abc import Iterator
-from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.engine import PipelineEngine
@@ -29,8 +27,9 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+from training.compat.deepspeed import measure_before_model_step, pipeline_layer_file, zero0_grad_norm
+from training.compat.transformers import attention_implementation, set_attention_implementation
 from training.config.errors import ConfigError
-from training.loop.stability import withheld_step
 
 FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 TIED_KEY = "embeddings"
@@ -144,11 +143,11 @@ def layer_specs(config: PretrainedConfig) -> list[LayerSpec]:
 
 
 def layer_files(config: PretrainedConfig) -> list[str]:
-    """The files DeepSpeed's PipelineModule writes into a checkpoint, as DeepSpeed 0.19.8 names them: one per layer of
+    """The files DeepSpeed's PipelineModule writes into a checkpoint (training/compat/deepspeed.py): one per layer of
     layer_specs, in order (the embedding, the decoder layers, the final norm, the LM head), but none for a head tied
     to the embedding (its weight is the embedding's file)."""
     layers = len(layer_specs(config)) - (1 if config.tie_word_embeddings else 0)
-    return [f"layer_{index:02d}-model_states.pt" for index in range(layers)]
+    return [pipeline_layer_file(index) for index in range(layers)]
 
 
 def hf_name(layer: int, name: str, config: PretrainedConfig) -> str:
@@ -176,7 +175,7 @@ def build_pipeline(config: PretrainedConfig, stages: int, partition_method: str,
                    attn_implementation: str = "sdpa") -> PipelineModule:
     """fp32 layers of this rank's stage, with the checkpoint's weights (or the seeded model's); DeepSpeed
     casts them to bf16/fp16 where the precision asks for it."""
-    config._attn_implementation = attn_implementation  # what from_pretrained would set; the masks depend on it
+    set_attention_implementation(config, attn_implementation)
     module = PipelineModule(layer_specs(config), num_stages=stages, loss_fn=loss, partition_method=partition_method,
                             activation_checkpoint_interval=1 if activation_checkpointing else 0,
                             activation_checkpoint_func=partial(checkpoint, use_reentrant=False),
@@ -191,7 +190,7 @@ def build_pipeline(config: PretrainedConfig, stages: int, partition_method: str,
 def from_config_weights(config: PretrainedConfig, seed: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                            attn_implementation=config._attn_implementation).state_dict()
+                                            attn_implementation=attention_implementation(config)).state_dict()
 
 
 class CheckpointTensors:
@@ -220,18 +219,5 @@ def report_grad_norm(engine: PipelineEngine, withhold_nonfinite: bool) -> None:
     ranks, before any clipping or unscaling, over each stage's own parameters (a tied embedding once), summed
     over the stages of a replica. With `withhold_nonfinite` (the stability guard, training/loop/stability.py), a
     norm that is not finite withholds the step on every rank, as DeepSpeed's ZeRO optimizers do on their own."""
-    take_model_step = engine._take_model_step
-
-    def norm_then_step(lr_kwargs=None):
-        grads = [p.grad for p in engine.module.parameters()
-                 if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)]
-        squares = torch.stack([g.float().square().sum() for g in grads]).sum() if grads else \
-            torch.zeros((), device=engine.device)
-        dist.all_reduce(squares, group=engine.mpu.get_model_parallel_group())
-        scaler = engine.torch_autocast_z0_gradscaler  # fp16 at ZeRO-0: the gradients are still scaled here
-        engine._global_grad_norm = squares.sqrt() / (scaler.get_scale() if scaler else 1.0)
-        nonfinite = withhold_nonfinite and not torch.isfinite(engine._global_grad_norm).item()
-        with withheld_step(engine.optimizer) if nonfinite else nullcontext():
-            take_model_step(lr_kwargs)
-
-    engine._take_model_step = norm_then_step
+    group = engine.mpu.get_model_parallel_group()  # the stages of this replica
+    measure_before_model_step(engine, lambda: zero0_grad_norm(engine, group), withhold_nonfinite)

@@ -19,14 +19,13 @@ but the gradient norm, clipping, and any scale-sensitive optimizer do not: `sum_
 factor back.
 """
 import torch
-from deepspeed.runtime.comm.coalesced_collectives import reduce_scatter_coalesced
 from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
-from deepspeed.runtime.zero import stage3
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import find_packed_sequence_indices
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from training.compat.deepspeed import sum_sequence_slices, use_sdpa_under_ulysses
+from training.compat.transformers import attention_implementation
 from training.config.errors import ConfigError
 from training.config.recipe import Recipe
 from training.planning.shape import head_counts, rank_groups_problem
@@ -79,14 +78,6 @@ def document_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-def sum_sequence_slices(size: int) -> None:
-    """ZeRO-3's reduce-scatter averages over every rank; a sequence group's gradients are to be summed."""
-    def reduce_scatter_summing_groups(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
-        return [partition.mul_(size) for partition in reduce_scatter_coalesced(tensors, group)]
-
-    stage3.reduce_scatter_coalesced = reduce_scatter_summing_groups
-
-
 def enable_sequence_parallel(model: PreTrainedModel, size: int, micro_batch_size: int, seq_len: int):
     """Route the model's attention through DeepSpeed's Ulysses wrapper and return the `mpu` (DeepSpeed's
     sequence-parallel groups) for deepspeed.initialize (None for size 1: no groups, attention as it is). Under
@@ -94,9 +85,9 @@ def enable_sequence_parallel(model: PreTrainedModel, size: int, micro_batch_size
     if size == 1:
         return None
     sum_sequence_slices(size)
-    implementation = model.config._attn_implementation
+    implementation = attention_implementation(model.config)
     if implementation == "sdpa":
-        ALL_ATTENTION_FUNCTIONS["sdpa"] = document_sdpa  # the wrapper takes the function registered here
+        use_sdpa_under_ulysses(document_sdpa)
     return UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=model, core_attn_implementation=implementation, sequence_parallel_size=size,
         micro_batch_size=micro_batch_size, seq_length=seq_len, seq_length_is_variable=False)

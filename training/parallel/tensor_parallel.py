@@ -12,6 +12,7 @@ derives it from the micro-batch and the accumulation steps, which train.py sets.
 from deepspeed import DeepSpeedEngine
 from transformers import PretrainedConfig
 
+from training.compat.deepspeed import without_train_batch_size
 from training.config.errors import ConfigError
 from training.config.recipe import Recipe
 from training.planning.shape import head_counts, rank_groups_problem
@@ -43,8 +44,7 @@ def with_tensor_parallel(ds_config: dict, size: int) -> dict:
     """The resolved DeepSpeed config with AutoTP on (size > 1) and train_batch_size left to DeepSpeed."""
     if size == 1:
         return ds_config
-    config = {key: value for key, value in ds_config.items() if key != "train_batch_size"}
-    return {**config, "tensor_parallel": {"autotp_size": size}}
+    return {**without_train_batch_size(ds_config), "tensor_parallel": {"autotp_size": size}}
 
 
 def loss_copies(engine: DeepSpeedEngine) -> int:

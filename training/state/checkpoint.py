@@ -28,13 +28,13 @@ from deepspeed import DeepSpeedEngine
 from deepspeed.accelerator import get_accelerator
 from pydantic import ValidationError
 
+from training.compat.deepspeed import loading_universal, universal_load_repaired, z0_grad_scaler
 from training.config.errors import ConfigError
 from training.state.output_guard import write_atomically
 from training.config.recipe import Recipe
 from training.parallel.layout import Layout
 from training.state.run_state import RunState, faults
-from training.state.universal import (UNIVERSAL, loading_universal, needs_universal, through_universal, universal_folder,
-                                universal_load_repaired)
+from training.state.universal import UNIVERSAL, needs_universal, through_universal, universal_folder
 
 TAG = re.compile(r"global_step(\d+)")
 RUN_STATE = "run_state.json"
@@ -67,7 +67,7 @@ def restore_rng_states(states: dict) -> None:
 
 def rank_state(engine: DeepSpeedEngine, data_state: dict) -> dict:
     """This rank's states that DeepSpeed's checkpoint leaves out: data position, RNG, fp16's loss scale at ZeRO-0."""
-    scaler = engine.torch_autocast_z0_gradscaler
+    scaler = z0_grad_scaler(engine)
     return {"data": data_state, "rng": rng_states(), **({"grad_scaler": scaler.state_dict()} if scaler else {})}
 
 
@@ -240,7 +240,7 @@ def load_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, layout: Layou
         raise ConfigError(f"--resume: DeepSpeed found no checkpoint files in {load_dir / tag}: it is damaged; "
                           f"{way_back(checkpoint_dir, tag)}")
     restore_rng_states(rank_state["rng"])
-    scaler = engine.torch_autocast_z0_gradscaler
+    scaler = z0_grad_scaler(engine)
     if scaler and "grad_scaler" in rank_state:
         scaler.load_state_dict(rank_state["grad_scaler"])
     return run_state.model_dump(), rank_state["data"]

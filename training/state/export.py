@@ -13,18 +13,17 @@ hold whole weights (DeepSpeed 0.19.8 saves them as data-parallel ranks of mp_ran
 each layer's module weights in a file of its own. A missing or unreadable file is named, as a damaged checkpoint.
 """
 import json
-import re
 import shutil
-from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from deepspeed import DeepSpeedEngine
-from deepspeed.utils import zero_to_fp32
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from training.compat.deepspeed import (gathered_16bit_state_dict, has_zero_partitions, model_parallel_ranks,
+                                       zero_fp32_weights, zero_rank_files)
 from training.state.checkpoint import READ_ERRORS, RUN_STATE, latest_tag, unreadable_files
 from training.config.errors import ConfigError
 from training.models.lora import ADAPTER_CONFIG, ADAPTER_DIR
@@ -77,37 +76,23 @@ def model_parallel_weights(tag_dir: Path, tensor_parallel: int) -> list[dict[str
     """Each model-parallel rank's weights (a one-rank list for a checkpoint without model parallelism), in fp32
     where the checkpoint has ZeRO's fp32 master weights.
 
-    An upstream workaround, written for DeepSpeed 0.19.8's file names and formats: its zero_to_fp32 reads model-
-    parallel rank 00 only (and takes the other ranks' files for missing data-parallel ones), so its steps run here
-    on one rank's files at a time, mp_rank_NN in their names. The ranks are the run state's tensor_parallel, or
+    DeepSpeed's zero_to_fp32 reads model-parallel rank 00 only (and takes the other ranks' files for missing
+    data-parallel ones), so its steps run on one rank's files at a time (training/compat/deepspeed.py). The ranks are the run state's tensor_parallel, or
     more where DeepSpeed named other ranks so. A bf16 run's optimizer files are named bf16_zero_pp_rank_*: ZeRO
     partitions at ZeRO-2/3, and at ZeRO-0/1 BF16_Optimizer's, which hold no ZeRO stage and which zero_to_fp32
     refuses; there, as at ZeRO-0, the module's weights are what was trained."""
-    found = {int(match.group(1)) for path in tag_dir.iterdir()
-             if (match := re.search(r"mp_rank_(\d+)_(?:model|optim)_states\.pt$", path.name))}
-    ranks = [f"mp_rank_{rank:02d}" for rank in range(max([tensor_parallel, *(rank + 1 for rank in found)]))]
-    in_order = partial(sorted, key=lambda path: zero_to_fp32.natural_keys(path.name))
-    optimizer_files = in_order(tag_dir.glob("*zero_pp_rank_*_optim_states.pt"))
-    zero_partitions = bool(optimizer_files) and zero_to_fp32.ZERO_STAGE in torch.load(
-        optimizer_files[0], map_location="cpu", mmap=True, weights_only=False)[zero_to_fp32.OPTIMIZER_STATE_DICT]
+    ranks, zero_partitions = model_parallel_ranks(tag_dir, tensor_parallel), has_zero_partitions(tag_dir)
     weights = []
     for rank in ranks:
         if not zero_partitions:
             weights.append(read_file(tag_dir / f"{rank}_model_states.pt")["module"])
             continue
-        # ZeRO-1/2: mp_rank_NN_model_states.pt; ZeRO-3: zero_pp_rank_M_mp_rank_NN_model_states.pt, one per ZeRO rank
-        files = {kind: in_order(tag_dir.glob(f"{prefix}{rank}_{kind}_states.pt"))
-                 for kind, prefix in (("model", "*"), ("optim", "*zero_pp_rank_*_"))}
+        files = zero_rank_files(tag_dir, rank)
         for kind in (kind for kind, paths in files.items() if not paths):
             raise ConfigError(f"{tag_dir} has no {kind} states of {rank} (*{rank}_{kind}_states.pt, of "
                               f"{len(ranks)} model-parallel ranks): the checkpoint is damaged or partial; export "
                               f"another checkpoint")
-        model_states = zero_to_fp32.parse_model_states([str(path) for path in files["model"]])
-        stage, size, groups, paddings = zero_to_fp32.parse_optim_states([str(p) for p in files["optim"]], tag_dir)
-        state_dict = (zero_to_fp32._get_fp32_state_dict_from_zero2_checkpoint(size, groups, model_states, False,
-                                                                              paddings) if stage <= 2 else
-                      zero_to_fp32._get_fp32_state_dict_from_zero3_checkpoint(size, groups, model_states, False))
-        weights.append(zero_to_fp32.to_torch_tensor(state_dict))
+        weights.append(zero_fp32_weights(tag_dir, files))
     return weights
 
 
@@ -232,7 +217,7 @@ def export_hf(engine: DeepSpeedEngine, tokenizer: PreTrainedTokenizerBase, out_d
 
     Every rank must call it: under ZeRO-3 and tensor parallelism the weights are gathered onto rank 0."""
     if engine.zero_optimization_partition_weights() or engine.autotp_size() > 1:
-        state_dict = engine._consolidated_16bit_state_dict()  # ZeRO-3's and AutoTP's gather onto rank 0
+        state_dict = gathered_16bit_state_dict(engine)  # ZeRO-3's and AutoTP's gather onto rank 0
     else:
         state_dict = engine.module.state_dict()
     if dist.get_rank() == 0:
@@ -256,7 +241,7 @@ def save_hf(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, out_dir:
 def adapter_state_dict(engine: DeepSpeedEngine) -> dict[str, torch.Tensor]:
     """The trainable weights, whole on rank 0 (gathered from the ranks under ZeRO-3)."""
     if engine.zero_optimization_partition_weights():
-        return engine._consolidated_16bit_state_dict(exclude_frozen_parameters=True)
+        return gathered_16bit_state_dict(engine, exclude_frozen_parameters=True)
     return {name: p for name, p in engine.module.named_parameters() if p.requires_grad}
 
 
@@ -268,7 +253,7 @@ def export_lora(engine: DeepSpeedEngine, tokenizer: PreTrainedTokenizerBase, out
     model: PeftModel = engine.module
     adapters = adapter_state_dict(engine)
     if merge:
-        full = engine._consolidated_16bit_state_dict() if engine.zero_optimization_partition_weights() \
+        full = gathered_16bit_state_dict(engine) if engine.zero_optimization_partition_weights() \
             else model.state_dict()
     if dist.get_rank() == 0:
         adapters = {name: tensor.detach().to("cpu", dtype) for name, tensor in adapters.items()}

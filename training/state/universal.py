@@ -7,7 +7,7 @@ and step) into one file per parameter and state, `checkpoints/universal/<tag>/ze
 writes it into a staging folder, lists its files and sizes in a manifest and renames it into place, so a
 conversion a kill interrupts is never mistaken for a finished one; a finished one is reused while its manifest
 holds, and made again when a file has gone missing or changed size since. DeepSpeed loads it with its config's
-`checkpoint.load_universal` on (loading_universal); our run state (step, tokens seen, data position, RNG) is
+`checkpoint.load_universal` on (training/compat/deepspeed.py loading_universal); our run state (step, tokens seen, data position, RNG) is
 read from the original checkpoint folder. The folder checkpoints/universal/ is train.py's own cache.
 
 The converter needs DeepSpeed's UNIVERSAL_CHECKPOINT_INFO entry in the checkpoint, which Megatron-style
@@ -21,17 +21,12 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
-from deepspeed import DeepSpeedEngine
-from deepspeed.checkpoint.constants import (PARAM, UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
-                                            UNIVERSAL_CHECKPOINT_VERSION_VALUE)
 from pydantic import ValidationError
 
+from training.compat.deepspeed import convert_with_tensor_parallel, make_stage_neutral, pipeline_layer_file
 from training.parallel.distributed import host_group
 from training.config.errors import ConfigError
 from training.parallel.layout import Layout
@@ -39,11 +34,6 @@ from training.state.run_state import RunState
 
 UNIVERSAL = "universal"  # the folder under checkpoints/ that holds converted checkpoints, one per tag
 MANIFEST = ".manifest.json"  # in each converted folder: its files and sizes, written last
-
-
-def provide_universal_info(model: torch.nn.Module) -> None:
-    """DeepSpeed writes this attribute of the model into every checkpoint; the converter requires it."""
-    setattr(model, UNIVERSAL_CHECKPOINT_INFO, {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE})
 
 
 def through_universal(wrote: Layout, layout: Layout) -> bool:
@@ -111,7 +101,7 @@ def convert(checkpoint_dir: Path, tag: str) -> Path:
         print(f"the cached universal conversion {target} is not whole ({fault}): converting {source} again",
               flush=True)
     export_hint = f"python -m training export {source} DIR, then model.name_or_path=DIR"
-    if (source / "layer_00-model_states.pt").is_file():
+    if (source / pipeline_layer_file(0)).is_file():
         raise ConfigError(f"{source} is a pipeline checkpoint (a file per layer); DeepSpeed's universal converter reads "
                           f"only Megatron's layer layout. Resume in the layout that wrote it, or start a new run from "
                           f"its weights: {export_hint}")
@@ -133,7 +123,7 @@ def convert(checkpoint_dir: Path, tag: str) -> Path:
         raise ConfigError(f"DeepSpeed's universal converter could not convert {source} (its last lines:\n  "
                           f"{last_lines}\n); resume in the layout that wrote it, or start a new run from its weights: "
                           f"{export_hint}")
-    make_stage_neutral(staging / tag)
+    make_stage_neutral(staging / tag)  # training/compat/deepspeed.py
     files = {str(path.relative_to(staging / tag)): path.stat().st_size for path in (staging / tag).rglob("*")
              if path.is_file()}
     (staging / tag / MANIFEST).write_text(json.dumps(files, indent=1) + "\n")
@@ -158,42 +148,6 @@ def conversion_fault(folder: Path) -> str | None:
     return None
 
 
-def make_stage_neutral(folder: Path) -> None:
-    """DeepSpeed's converter writes the folder's two common files as the ZeRO stage that wrote the checkpoint
-    reads them, and stage 3 reads them otherwise than stages 1 and 2 (and the bf16 optimizer of stage 1):
-    - the engine's state (step counters, learning-rate schedule) is `mp_rank_00_model_states.pt` to stages
-      1/2 and `zero_pp_rank_0_mp_rank_00_model_states.pt` to stage 3: both names are given the one file;
-    - each parameter's states are files of {"param": tensor} in the parameter's shape to stages 1/2, which
-      stage 3 also reads (it writes bare flat tensors): stage 3's are wrapped and shaped;
-    - the optimizer's step is a `step.pt` per parameter to stages 1/2, and a torch optimizer state dict in
-      `zero/optimizer_state.pt` (`optimizer_state_dict`) to stage 3, which stages 1/2 check for DeepSpeed's
-      version and the clipping value: each is added where missing, with the values the folder holds."""
-    engine_states = sorted(folder.glob("*mp_rank_00_model_states.pt"))
-    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
-        if not (folder / name).exists():
-            shutil.copyfile(engine_states[0], folder / name)
-    path = folder / "zero" / "optimizer_state.pt"
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    engine_state = torch.load(engine_states[0], map_location="cpu", weights_only=False)
-    parameters = [item for item in path.parent.iterdir() if item.is_dir()]
-    if "optimizer_state_dict" in state:  # converted from stage 3: flat bare tensors, and the step in the states
-        step = state["optimizer_state_dict"]["state"][0]["step"]
-        shapes = {name: shape for group in engine_state["param_shapes"] for name, shape in group.items()}
-        for parameter in parameters:
-            for file in parameter.glob("*.pt"):
-                tensor = torch.load(file, map_location="cpu", weights_only=False)
-                if torch.is_tensor(tensor):
-                    torch.save({PARAM: tensor.view(shapes[parameter.name])}, file)
-            torch.save(step.clone(), parameter / "step.pt")
-    else:
-        step = torch.load(parameters[0] / "step.pt", map_location="cpu", weights_only=False)
-        state["optimizer_state_dict"] = {"state": {i: {"step": step} for i in range(len(state["param_groups"]))},
-                                         "param_groups": state["param_groups"]}
-    state.setdefault("ds_version", engine_state["ds_version"])
-    state.setdefault("clip_grad", engine_state["ds_config"].get("gradient_clipping", 0.0))
-    torch.save(state, path)
-
-
 def convert_on_rank_0(checkpoint_dir: Path, tag: str) -> None:
     """Every rank calls it: rank 0 converts (once), the others wait for it. The wait is a barrier on the host
     group, which a conversion of a large model's states may keep waiting for minutes."""
@@ -202,40 +156,6 @@ def convert_on_rank_0(checkpoint_dir: Path, tag: str) -> None:
         print(f"--resume in another layout: converting {checkpoint_dir / tag} into a universal checkpoint, "
               f"{convert(checkpoint_dir, tag)} ({time.perf_counter() - started:.1f} s)", flush=True)
     dist.barrier(group=host_group())
-
-
-@contextmanager
-def universal_load_repaired(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """Undo two things DeepSpeed 0.19.8's ZeRO-3 universal loader does to a torch optimizer with several
-    parameter groups (found by comparing resumed runs with uninterrupted ones):
-    - every group gets the first group's settings, so the group without weight decay would decay: each
-      group's own settings, which come from this run's recipe, are put back (the learning rate stays as
-      loaded: it is the schedule's, at the step);
-    - every state gets the same `step` tensor, which AdamW then advances once per group and step, skewing
-      the bias correction: each state gets its own copy."""
-    inner = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed's optimizers wrap a torch one
-    settings = [{key: value for key, value in group.items() if key not in ("params", "lr")}
-                for group in inner.param_groups]
-    yield
-    for group, kept in zip(inner.param_groups, settings):
-        group.update(kept)
-    for state in inner.state.values():
-        if torch.is_tensor(state.get("step")):
-            state["step"] = state["step"].clone()
-
-
-@contextmanager
-def loading_universal(engine: DeepSpeedEngine, universal: bool) -> Iterator[None]:
-    """DeepSpeed 0.19.8 reads `checkpoint.load_universal` from the engine's config object at every load_checkpoint
-    (engine.load_universal_checkpoint()), and only there. It is set for each load: a resume in another layout loads
-    the universal conversion, and a rewind later in that run loads either that conversion again or a checkpoint the
-    run saved since, in its own layout."""
-    config, before = engine._config, engine._config.load_universal_checkpoint
-    config.load_universal_checkpoint = universal
-    try:
-        yield
-    finally:
-        config.load_universal_checkpoint = before
 
 
 def with_universal_load(ds_config: dict) -> dict:
@@ -251,26 +171,6 @@ def tensor_parallel_of(tag_dir: Path) -> int:
         return 1
 
 
-def run_converter(tensor_parallel: int, arguments: list[str]) -> None:
-    """DeepSpeed's converter (ds_to_universal.main) on a checkpoint whose model-state files record the right tensor-
-    parallel degree. DeepSpeed 0.19.8 records `parallel_dims.tp_degree` as the `mpu`'s model-parallel size, and for
-    sequence parallelism the mpu is Ulysses', whose model-parallel size is the sequence-parallel size: the converter
-    then looks for that many tensor-parallel slices of weights that sequence parallelism never splits (its files are
-    plain data-parallel ZeRO partitions). The degree the converter reads is set to the run's own tensor parallelism."""
-    from deepspeed.checkpoint import ds_to_universal
-    from deepspeed.checkpoint.constants import CHECKPOINT_TP_DEGREE
-    from deepspeed.checkpoint.deepspeed_checkpoint import DeepSpeedCheckpoint
-    recorded = DeepSpeedCheckpoint._lightweight_parallel_dimensions
-
-    def run_dimensions(model_state: dict):
-        dimensions = recorded(model_state)
-        return {**dimensions, CHECKPOINT_TP_DEGREE: tensor_parallel} if isinstance(dimensions, dict) else dimensions
-
-    DeepSpeedCheckpoint._lightweight_parallel_dimensions = staticmethod(run_dimensions)
-    sys.argv = ["ds_to_universal", *arguments]
-    ds_to_universal.main(ds_to_universal.parse_arguments())
-
-
 if __name__ == "__main__":  # the conversion's child process (convert)
-    run_converter(int(sys.argv[1]), sys.argv[2:])
+    convert_with_tensor_parallel(int(sys.argv[1]), sys.argv[2:])
 

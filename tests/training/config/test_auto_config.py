@@ -7,7 +7,7 @@ import re
 import yaml
 
 import train
-from tests.conftest import SMALL_MODEL, run_train
+from tests.conftest import SMALL_MODEL, train_in_process
 from tests.test_train import no_model_building  # noqa: F401 (a fixture)
 
 ORDER = ["0", "1", "2", "3", "3 + offload"]
@@ -77,8 +77,8 @@ def test_what_fits_but_is_refused_is_named(no_model_building, capsys):
 def test_on_a_cpu_the_run_writes_the_config_it_chose(tmp_path, data_cache):
     """Against this machine's RAM over its ranks: tiny_llama fits without sharding."""
     out = tmp_path / "run"
-    result = run_train(["--recipe", "tiny_llama", "--output-dir", str(out), SMALL_MODEL, data_cache,
-                        "deepspeed.config=auto", "training.max_steps=2"])
+    result = train_in_process(["--recipe", "tiny_llama", "--output-dir", str(out), SMALL_MODEL, data_cache,
+                               "deepspeed.config=auto", "training.max_steps=2"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "zero0.json (ZeRO-0 chosen by deepspeed.config=auto" in result.stdout
     assert json.loads((out / "ds_config.json").read_text())["zero_optimization"]["stage"] == 0

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from training.config.recipe import StabilitySection
-from training.loop.stability import StabilityGuard, withheld_step
+from training.compat.deepspeed import withheld_step
+from training.loop.stability import StabilityGuard
 
 
 def guard(tmp_path, **settings) -> StabilityGuard:

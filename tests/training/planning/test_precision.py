@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from training.config.errors import ConfigError
-from training.planning.precision import FP16BlockGradScaler, device_type, fp16_block, resolve_precision
+from training.compat.deepspeed import FP16BlockGradScaler
+from training.planning.precision import device_type, fp16_block, resolve_precision
 
 cpu_only = pytest.mark.skipif(device_type() != "cpu", reason="checks DeepSpeed's CPU accelerator")
 

@@ -3,7 +3,7 @@ import torch
 
 from training.parallel.layout import Layout
 from training.state.checkpoint import load_checkpoint, save_checkpoint
-from training.planning.precision import FP16BlockGradScaler
+from training.compat.deepspeed import FP16BlockGradScaler
 
 RUN_STATE = {"step": 4, "tokens_seen": 64, "world_size": 1, "zero_stage": 0, "precision": "fp16"}
 

@@ -1,0 +1,201 @@
+"""Canaries of training/compat/deepspeed.py, and the upstream bugs behind three refusals (docs/compat.md). Each test
+fails when a patched name disappears, when DeepSpeed stops calling it, or when DeepSpeed fixes the behaviour: its
+message then says what can go."""
+import inspect
+import os
+
+import deepspeed
+import pytest
+import torch
+from deepspeed.runtime.pipe.engine import PipelineEngine
+from deepspeed.runtime.zero import stage3
+
+from training.compat.deepspeed import (local_fp32_shares, muon_flags, pipeline_layer_file, withheld_step,
+                                       zero0_grad_norm)
+
+STAGE3 = stage3.DeepSpeedZeroOptimizer_Stage3
+
+
+def source(function) -> str:
+    return inspect.getsource(function)
+
+
+def tiny_engine(zero_stage: int, optimizer: str = "AdamW", **config) -> deepspeed.DeepSpeedEngine:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    params = {"lr": 0.01, **({"torch_adam": True} if optimizer == "AdamW" else {})}
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": zero_stage},
+              "optimizer": {"type": optimizer, "params": params}, **config}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
+def backward(engine: deepspeed.DeepSpeedEngine) -> None:
+    engine.backward(engine(torch.arange(8.0).reshape(1, 8)).square().sum())
+
+
+# --- sequence parallelism ------------------------------------------------------------------------------------------
+
+def test_zero3_reduce_scatter_still_averages_over_every_rank():
+    assert callable(stage3.reduce_scatter_coalesced)
+    module = source(stage3)  # the method is wrapped by instrument_w_nvtx, which keeps no __wrapped__
+    start = module.index("def __avg_scatter_grads(")
+    scatter = module[start:module.index("\n    def ", start + 1)]
+    assert "reduce_scatter_coalesced(" in scatter
+    assert "sequence_parallel_size" in source(STAGE3.allreduce_bucket)  # the all-reduce path divides right
+    assert "sequence_parallel_size" not in scatter, \
+        "ZeRO-3's reduce-scatter now accounts for sequence parallelism: compat sum_sequence_slices can go"
+
+
+def test_ulysses_wraps_the_registered_attention_and_drops_the_mask():
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    register = source(UlyssesSPAttentionHF.register_with_transformers)
+    assert "ALL_ATTENTION_FUNCTIONS[core_attn_implementation]" in register
+    assert "attention_mask = None" in register, \
+        "Ulysses keeps the attention mask now: compat use_sdpa_under_ulysses (document_sdpa) may go"
+
+
+# --- fp16 at ZeRO-0, the gradient norm without ZeRO, a withheld step -----------------------------------------------
+
+def test_zero0_fp16_gets_a_default_grad_scaler():
+    engine_source = source(deepspeed.runtime.engine)
+    assert "self.torch_autocast_z0_gradscaler = torch.amp.GradScaler(device=get_accelerator().device_name())" \
+        in engine_source, "DeepSpeed builds ZeRO-0's fp16 grad scaler otherwise now (from the fp16 block?): check " \
+                          "whether compat use_fp16_block_loss_scaling can go"
+
+
+def test_zero0_reports_no_gradient_norm(one_rank):
+    engine = tiny_engine(0)
+    backward(engine)
+    expected = torch.nn.utils.get_total_norm([p.grad for p in engine.module.parameters()])
+    assert torch.equal(zero0_grad_norm(engine), expected)
+    engine.step()
+    assert engine.get_global_grad_norm() is None, \
+        "DeepSpeed reports ZeRO-0's gradient norm now: compat zero0_grad_norm and the pipeline's patch can go"
+
+
+def test_the_pipeline_steps_through_take_model_step():
+    assert "self._take_model_step(" in source(PipelineEngine._exec_optimizer_step)
+    assert "self._global_grad_norm" in source(deepspeed.DeepSpeedEngine.get_global_grad_norm)
+
+
+def test_an_optimizer_reporting_overflow_skips_the_step(one_rank):
+    engine = tiny_engine(0)
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    backward(engine)
+    with withheld_step(engine.optimizer):
+        engine.step()
+    assert engine.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
+
+
+# --- engine internals ----------------------------------------------------------------------------------------------
+
+def test_zero1_parameters_map_to_their_fp32_fragments(one_rank):
+    engine = tiny_engine(1)
+    parameters = list(engine.module.parameters())
+    shares = local_fp32_shares(engine, parameters)
+    assert [(start, size) for start, size, _ in shares] == [(0, p.numel()) for p in parameters]
+    assert all(torch.equal(share.view(p.shape), p.float()) for (_, _, share), p in zip(shares, parameters))
+
+
+def test_save_16bit_model_still_gathers_through_the_private_method():
+    assert "_consolidated_16bit_state_dict(" in source(deepspeed.DeepSpeedEngine.save_16bit_model)
+    assert "exclude_frozen_parameters" in inspect.signature(
+        deepspeed.DeepSpeedEngine._consolidated_16bit_state_dict).parameters
+
+
+def test_the_cpu_all_reduce_never_unlinks_its_buffer():
+    shm = open(os.path.join(os.path.dirname(deepspeed.__file__), "ops/csrc/cpu/comm/shm.cpp")).read()
+    assert '#define SHM_BUFFER_NAME "deepspeed_allreduce_buffer"' in shm and '"%s_%d_%s_%s"' in shm
+    assert shm.count("shared_close(") == 1, \
+        "DeepSpeed's CPU all-reduce closes its shared memory now: compat release_shared_memory_buffer can go"
+
+
+def test_the_batch_size_is_checked_before_autotp_makes_its_groups():
+    init = source(deepspeed.DeepSpeedEngine.__init__)
+    assert init.index("self._config = ") < init.index("self._configure_tensor_parallel(")
+    assert "train_batch == micro_batch * grad_acc * self.world_size" in \
+        source(deepspeed.runtime.config.DeepSpeedConfig._batch_assertion)
+
+
+def test_muon_is_chosen_by_name_and_marked_on_the_parameter():
+    model = torch.nn.ModuleDict({"embed_tokens": torch.nn.Embedding(4, 2), "proj": torch.nn.Linear(2, 2)})
+    assert muon_flags(model) == {"embed_tokens.weight": False, "proj.weight": True, "proj.bias": False}
+
+
+# --- checkpoint files ----------------------------------------------------------------------------------------------
+
+def test_pipeline_layer_files_are_named_layer_nn_model_states():
+    from types import SimpleNamespace
+
+    from deepspeed.pipe import PipelineModule
+    module = SimpleNamespace(_local_start=3, global_rank=0,
+                             _grid=SimpleNamespace(_topo=SimpleNamespace(get_rank_repr=lambda rank: "")))
+    assert PipelineModule.ckpt_layer_path(module, "", 2) == pipeline_layer_file(5)
+
+
+def test_zero_to_fp32_reads_model_parallel_rank_00_only():
+    from deepspeed.utils import zero_to_fp32
+    for name in ("natural_keys", "parse_model_states", "parse_optim_states", "to_torch_tensor",
+                 "_get_fp32_state_dict_from_zero2_checkpoint", "_get_fp32_state_dict_from_zero3_checkpoint"):
+        assert callable(getattr(zero_to_fp32, name)), name
+    assert "mp_rank_00_model_states.pt" in source(zero_to_fp32.get_model_state_file)
+    assert "mp_rank_0" not in source(zero_to_fp32.get_model_state_files), \
+        "zero_to_fp32 picks its model-parallel rank's files now: check compat zero_rank_files"
+
+
+def test_the_engine_saves_the_models_universal_info():
+    from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+    assert "UNIVERSAL_CHECKPOINT_INFO" in source(deepspeed.DeepSpeedEngine._save_checkpoint)
+    assert UNIVERSAL_CHECKPOINT_INFO == "universal_checkpoint_info"
+
+
+def test_universal_files_are_still_read_per_stage():
+    from deepspeed.checkpoint import ds_to_universal
+    assert "optimizer_state.pt" in source(ds_to_universal)
+    stage3_load = source(STAGE3.load_hp_checkpoint_state_from_checkpoint_dir_stage3)
+    assert '"optimizer_state.pt"' in stage3_load and "[OPTIMIZER_STATE_DICT]['state'][0]['step']" in stage3_load
+
+
+def test_zero3_universal_loader_still_copies_the_first_group():
+    loader = source(STAGE3.load_hp_checkpoint_state_from_checkpoint_dir_stage3)
+    assert '["param_groups"][0]' in loader and "['step'] = state_step" in loader, \
+        "ZeRO-3's universal loader keeps each group's settings now: compat universal_load_repaired can go"
+
+
+def test_deepspeed_reads_load_universal_from_the_engine_config():
+    assert "self._config.load_universal_checkpoint" in source(deepspeed.DeepSpeedEngine.load_universal_checkpoint)
+
+
+def test_the_converter_reads_the_tensor_parallel_degree_where_it_is_replaced():
+    """If DeepSpeed moves this reader, sequence-parallel checkpoints would convert as tensor-parallel ones again."""
+    from deepspeed.checkpoint.constants import CHECKPOINT_PARALLEL_DIMS, CHECKPOINT_TP_DEGREE
+    from deepspeed.checkpoint.deepspeed_checkpoint import DeepSpeedCheckpoint
+    dimensions = {CHECKPOINT_PARALLEL_DIMS: {"pp_degree": 1, CHECKPOINT_TP_DEGREE: 2}}
+    assert DeepSpeedCheckpoint._lightweight_parallel_dimensions(dimensions)[CHECKPOINT_TP_DEGREE] == 2
+    assert "_lightweight_parallel_dimensions(model_state)" in \
+        source(DeepSpeedCheckpoint._discover_model_state_metadata)
+    assert "bwc_tensor_model_parallel_world_size(mpu)" in source(deepspeed.runtime.engine)
+
+
+# --- the upstream bugs behind refusals (training/parallel/tensor_parallel.py, training/loop/optimizer.py): when one of these fails, the refusal can be lifted --------------------------------
+
+def test_autotp_replaces_the_engines_mpu_with_its_own_groups():
+    """Tensor with sequence parallelism: AutoTP sets the engine's mpu to its tensor-parallel groups, dropping the
+    sequence-parallel mpu given to deepspeed.initialize."""
+    assert "self.mpu = groups" in source(deepspeed.DeepSpeedEngine._configure_tensor_parallel_states)
+
+
+def test_zero_muon_reports_the_norm_of_its_updates(one_rank):
+    """Muon with gradient clipping under ZeRO: the norm ZeRO's Muon takes (and would clip by) is its orthogonalized
+    updates', not the gradients'."""
+    engine = tiny_engine(1, optimizer="Muon", gradient_clipping=0.0)
+    copy = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    copy.load_state_dict(engine.module.state_dict())
+    copy(torch.arange(8.0).reshape(1, 8)).square().sum().backward()
+    gradients = torch.nn.utils.get_total_norm([p.grad for p in copy.parameters()])
+    backward(engine)
+    engine.step()
+    assert abs(float(engine.get_global_grad_norm()) / float(gradients) - 1) > 0.5, \
+        "ZeRO's Muon reports the gradients' norm now: the refusal of training.grad_clip with Muon can be lifted"

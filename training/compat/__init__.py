@@ -1,0 +1,69 @@
+"""Every workaround of upstream behaviour, in one guarded place: a module per library (torch.py, deepspeed.py,
+transformers.py, peft.py, datatrove.py). Each module declares its PATCHES: what upstream does, in which version
+the workaround was verified, the upstream issue, and the canary test (tests/training/compat/) that fails when
+the patched name disappears, when upstream stops calling it, or when upstream fixes the behaviour.
+
+check_versions, called once at start-up, warns in one line when an installed library is another version than
+the one its patches were verified for (docs/compat.md: what to do on a pin bump)."""
+import importlib
+import importlib.metadata
+import importlib.util
+import sys
+from dataclasses import dataclass
+
+NO_ISSUE = "no upstream issue found"
+LIBRARIES = ("torch", "deepspeed", "transformers", "peft", "datatrove")  # each a module here, named as on PyPI
+TRAINING = ("torch", "deepspeed", "transformers", "peft")  # train.py's; datatrove's are checked by its data job
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One workaround: `name` is the function here that holds it, `why` what upstream does (in `verified_for`)."""
+    name: str
+    library: str
+    verified_for: str
+    why: str
+    issue: str
+    canary: str  # the test in tests/training/compat/ that fails when the workaround is no longer right
+
+
+def release(version: str) -> str:
+    """The release part of a version: '2.13.0+cpu' -> '2.13.0' (a local build of the same release)."""
+    return version.split("+", 1)[0]
+
+
+def installed_version(library: str) -> str | None:
+    try:
+        return importlib.metadata.version(library)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def patches(library: str) -> tuple[Patch, ...]:
+    """The library's declared patches (importing its module here, which imports the library)."""
+    return importlib.import_module(f"training.compat.{library}").PATCHES
+
+
+def unverified(libraries: tuple[str, ...] = LIBRARIES) -> list[tuple[Patch, str]]:
+    """(patch, installed version) for each patch whose library is installed in another release than the one it
+    was verified for. A library that is not installed (peft, datatrove are optional) has no active patches."""
+    found = []
+    for library in libraries:
+        version = installed_version(library)
+        if version is None or importlib.util.find_spec(library) is None:
+            continue
+        found += [(patch, version) for patch in patches(library) if release(version) != patch.verified_for]
+    return found
+
+
+def check_versions(libraries: tuple[str, ...] = TRAINING, show: bool = True) -> list[tuple[Patch, str]]:
+    """One warning line on stderr naming the patches whose upstream assumptions are unverified for the installed
+    versions; nothing when every version matches. A warning only: the run goes on. `show`: whether this process
+    prints it (local rank 0: each node once, since nodes may differ in what they have installed)."""
+    found = unverified(libraries)
+    if found and show:
+        named = ", ".join(f"{patch.library}.{patch.name} (verified for {patch.verified_for}, installed {version})"
+                          for patch, version in found)
+        print(f"warning: upstream workarounds unverified for the installed versions: {named}; run "
+              f"pytest tests/training/compat and see docs/compat.md", file=sys.stderr, flush=True)
+    return found

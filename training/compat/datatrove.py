@@ -1,0 +1,119 @@
+"""Workarounds of datatrove behaviour (verified for datatrove 0.10.1, requirements-scale.txt): an overridden internal
+method, the layout of its logging folder, and a hang of its local executor."""
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import psutil
+from datatrove.pipeline.dedup import MinhashDedupSignature
+from datatrove.pipeline.dedup.minhash import MinhashConfig
+from datatrove.utils.word_tokenizers import WordTokenizer
+
+from training.compat import NO_ISSUE, Patch
+
+VERIFIED_FOR = "0.10.1"
+CANARIES = "tests/training/compat/test_datatrove.py::"
+PATCHES = (
+    Patch("ShinglesMinhashSignature", "datatrove", VERIFIED_FOR,
+          "MinhashDedupSignature.run hashes what its undocumented get_shingles(text) returns; it is overridden to "
+          "take the recipe's shingles, and a word tokenizer that loads nothing (not spaCy) is passed as language",
+          NO_ISSUE, CANARIES + "test_minhash_signatures_hash_what_get_shingles_returns"),
+    Patch("step_counts", "datatrove", VERIFIED_FOR,
+          "each task's step counters are in logs/STAGE/stats/RANK.json, a list of steps with their `stats`",
+          NO_ISSUE, CANARIES + "test_task_stats_are_saved_where_step_counts_reads_them"),
+    Patch("completed_tasks", "datatrove", VERIFIED_FOR,
+          "a stage writes logs/STAGE/executor.json before its tasks start, and an empty completions/RANK file for "
+          "each task finished (and skips those tasks on a rerun)", NO_ISSUE,
+          CANARIES + "test_stages_mark_their_start_and_each_finished_task"),
+    Patch("end_if_a_worker_dies", "datatrove", VERIFIED_FOR,
+          "LocalPipelineExecutor runs tasks with a process pool's imap_unordered, which replaces a worker that died "
+          "(OOM killer, a crash) and waits forever for its task", NO_ISSUE,
+          CANARIES + "test_the_local_executor_still_waits_on_a_pool"),
+)
+
+
+class NoWordTokenizer(WordTokenizer):
+    """Given as MinhashDedupSignature's language so that it loads no tokenizer; never called (get_shingles is
+    replaced)."""
+
+    def word_tokenize(self, text: str) -> list[str]:
+        return text.split()
+
+    def sent_tokenize(self, text: str) -> list[str]:
+        return [text]
+
+    def span_tokenize(self, text: str) -> list[tuple[int, int]]:
+        return [(0, len(text))]
+
+
+class ShinglesMinhashSignature(MinhashDedupSignature):
+    """datatrove's MinHash signatures over the shingle hashes that `shingles(text)` gives, an array of shape
+    [shingles, 1] (uint64)."""
+
+    def __init__(self, output_folder: str, config: MinhashConfig, shingles: Callable[[str], np.ndarray]):
+        super().__init__(output_folder, config, language=NoWordTokenizer())
+        self.shingles = shingles
+
+    def get_shingles(self, text: str) -> np.ndarray:
+        return self.shingles(text)
+
+
+def step_counts(logs: str) -> list[dict]:
+    """Each step's counters summed over the stage's tasks."""
+    totals: list[dict] = []
+    for path in sorted(Path(logs, "stats").glob("*.json")):
+        for index, step in enumerate(json.loads(path.read_text())):
+            if index == len(totals):
+                totals.append({})
+            for name, value in step.get("stats", {}).items():
+                count = value["total"] if isinstance(value, dict) else value
+                totals[index][name] = totals[index].get(name, 0) + count
+    return totals
+
+
+def stage_started(logs: str) -> bool:
+    return Path(logs, "executor.json").exists()
+
+
+def completion_marker(logs: str, rank: int) -> Path:
+    return Path(logs, "completions", f"{rank:05d}")
+
+
+def completed_tasks(logs: str) -> list[str]:
+    """The finished tasks of a stage, by their zero-padded rank ('00003')."""
+    return sorted(path.name for path in Path(logs, "completions").glob("*"))
+
+
+def end_if_a_worker_dies(logs: Callable[[str], str], plan: list[tuple[str, int]], grace: float = 3.0) -> None:
+    """Runs in a thread of the job's process: when a process the job started during a stage is gone and that stage
+    (`plan`: name and tasks of each stage, `logs(name)` its logging folder) is still unfinished `grace` seconds
+    later, end the job, telling the user to run it again (finished tasks are skipped)."""
+    def running() -> str | None:
+        started = [name for name, _ in plan if stage_started(logs(name))]
+        return started[-1] if started else None
+
+    def finished(name: str) -> bool:
+        return len(completed_tasks(logs(name))) >= dict(plan)[name]
+
+    job, stage_of = psutil.Process(), {}
+    while True:
+        alive = {process.pid for process in job.children(recursive=True)}
+        for pid in alive - stage_of.keys():
+            stage_of[pid] = running()
+        for pid in stage_of.keys() - alive:
+            stage = stage_of.pop(pid)
+            if stage and not finished(stage):
+                time.sleep(grace)
+                if not finished(stage):
+                    print(f"error: a worker process of the datatrove job (pid {pid}) died during stage {stage} (killed "
+                          f"by the OOM killer or a signal?), and datatrove's local pool would wait for its task "
+                          f"forever; run the same command again: finished tasks are skipped", file=sys.stderr,
+                          flush=True)
+                    for process in job.children(recursive=True):
+                        process.kill()
+                    os._exit(1)
+        time.sleep(0.2)

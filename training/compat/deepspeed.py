@@ -1,0 +1,396 @@
+"""Workarounds of DeepSpeed behaviour (verified for deepspeed 0.19.8, requirements.txt): process-wide replacements,
+reads and writes of its private attributes, and its checkpoint files' names and formats. Each is declared in PATCHES
+with the canary test (tests/training/compat/test_deepspeed.py) that fails when it is no longer right."""
+import os
+import re
+import shutil
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from deepspeed import DeepSpeedEngine, set_optimizer_flags
+from deepspeed.checkpoint.constants import PARAM, UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY, \
+    UNIVERSAL_CHECKPOINT_VERSION_VALUE
+from deepspeed.runtime.comm.coalesced_collectives import reduce_scatter_coalesced
+from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
+from deepspeed.runtime.pipe.engine import PipelineEngine
+from deepspeed.runtime.zero import stage3
+from deepspeed.utils import safe_get_local_fp32_param, zero_to_fp32
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from training.compat import NO_ISSUE, Patch
+from training.compat.torch import found_inf
+from training.planning.precision import device_type, fp16_block
+
+VERIFIED_FOR = "0.19.8"
+CANARIES = "tests/training/compat/test_deepspeed.py::"
+
+
+def deepspeed_patch(name: str, why: str, canary: str, issue: str = NO_ISSUE) -> Patch:
+    return Patch(name, "deepspeed", VERIFIED_FOR, why, issue, CANARIES + canary)
+
+
+PATCHES = (
+    deepspeed_patch("sum_sequence_slices", "ZeRO-3's reduce-scatter path (stage3.reduce_scatter_coalesced, the "
+                    "default) averages the gradients over every rank, its all-reduce path over the data-parallel "
+                    "ranks only: under sequence parallelism the gradients come out N times too small",
+                    "test_zero3_reduce_scatter_still_averages_over_every_rank"),
+    deepspeed_patch("use_sdpa_under_ulysses", "UlyssesSPAttentionHF wraps the attention function registered in "
+                    "transformers' ALL_ATTENTION_FUNCTIONS and drops the attention mask, so packed documents would "
+                    "attend across each other under sdpa: the registered sdpa is replaced process-wide",
+                    "test_ulysses_wraps_the_registered_attention_and_drops_the_mask"),
+    deepspeed_patch("use_fp16_block_loss_scaling", "fp16 at ZeRO-0 (torch autocast) gets a default torch GradScaler, "
+                    "engine.torch_autocast_z0_gradscaler, whatever the config's fp16 block says, and checkpoints "
+                    "leave its scale out: it is replaced by FP16BlockGradScaler",
+                    "test_zero0_fp16_gets_a_default_grad_scaler"),
+    deepspeed_patch("zero0_grad_norm", "a plain torch optimizer at ZeRO-0 reports no gradient norm "
+                    "(get_global_grad_norm() is None; clipping computes one and drops it), and under fp16 the "
+                    "gradients are still scaled by engine.torch_autocast_z0_gradscaler at the step",
+                    "test_zero0_reports_no_gradient_norm"),
+    deepspeed_patch("measure_before_model_step", "PipelineEngine steps through the private _take_model_step and "
+                    "keeps the norm in the private _global_grad_norm: the engine's method is replaced on the "
+                    "instance to measure the norm before the step", "test_the_pipeline_steps_through_take_model_step"),
+    deepspeed_patch("withheld_step", "the engine skips a step (no scheduler step, skipped_steps + 1) when its "
+                    "optimizer's `overflow` attribute is true; a torch optimizer has none and steps on NaN gradients",
+                    "test_an_optimizer_reporting_overflow_skips_the_step"),
+    deepspeed_patch("local_fp32_shares", "a rank's fp32 master copy is reachable only through private attributes: "
+                    "ZeRO-1/2 and the bf16 optimizer's param._hp_mapping, ZeRO-3's param.ds_tensor/ds_numel",
+                    "test_zero1_parameters_map_to_their_fp32_fragments"),
+    deepspeed_patch("gathered_16bit_state_dict", "the whole 16-bit weights under ZeRO-3 and AutoTP come from the "
+                    "private engine._consolidated_16bit_state_dict (save_16bit_model writes a file instead)",
+                    "test_save_16bit_model_still_gathers_through_the_private_method"),
+    deepspeed_patch("release_shared_memory_buffer", "the CPU accelerator's shared-memory all-reduce creates "
+                    "/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank> per rank and never unlinks it "
+                    "(shm.cpp's shared_close is never called)", "test_the_cpu_all_reduce_never_unlinks_its_buffer"),
+    deepspeed_patch("without_train_batch_size", "AutoTP: the config checks train_batch_size against the whole "
+                    "world before _configure_tensor_parallel makes the groups, and under ZeRO-3 against the "
+                    "data-parallel ranks after: no value passes both, so it is left for DeepSpeed to derive",
+                    "test_the_batch_size_is_checked_before_autotp_makes_its_groups"),
+    deepspeed_patch("muon_flags", "Muon's parameters are chosen by name in set_optimizer_flags (2-D, not embed or "
+                    "lm_head), which needs only the config's optimizer_name/params, and marked param.use_muon",
+                    "test_muon_is_chosen_by_name_and_marked_on_the_parameter"),
+    deepspeed_patch("pipeline_layer_file", "PipelineModule names each layer's checkpoint file "
+                    "layer_NN-model_states.pt (ckpt_layer_path); export and the universal check read them by name",
+                    "test_pipeline_layer_files_are_named_layer_nn_model_states"),
+    deepspeed_patch("zero_fp32_weights", "zero_to_fp32 joins only model-parallel rank 00's files "
+                    "(get_model_state_file names mp_rank_00); its private per-stage readers are run here on one "
+                    "rank's files at a time", "test_zero_to_fp32_reads_model_parallel_rank_00_only"),
+    deepspeed_patch("provide_universal_info", "ds_to_universal needs the Megatron-style UNIVERSAL_CHECKPOINT_INFO "
+                    "attribute on the saved model, which Hugging Face models lack",
+                    "test_the_engine_saves_the_models_universal_info"),
+    deepspeed_patch("make_stage_neutral", "ds_to_universal writes a universal checkpoint's common files as the "
+                    "writing ZeRO stage reads them, and stage 3 reads other names and formats than stages 1/2",
+                    "test_universal_files_are_still_read_per_stage"),
+    deepspeed_patch("universal_load_repaired", "ZeRO-3's universal loader gives every parameter group the first "
+                    "group's settings and every state one shared step tensor",
+                    "test_zero3_universal_loader_still_copies_the_first_group"),
+    deepspeed_patch("loading_universal", "checkpoint.load_universal is read from the private engine._config at "
+                    "each load_checkpoint", "test_deepspeed_reads_load_universal_from_the_engine_config"),
+    deepspeed_patch("convert_with_tensor_parallel", "the engine records parallel_dims.tp_degree as the mpu's "
+                    "model-parallel size (Ulysses' sequence-parallel size); the converter reads it through the "
+                    "private DeepSpeedCheckpoint._lightweight_parallel_dimensions, replaced here",
+                    "test_the_converter_reads_the_tensor_parallel_degree_where_it_is_replaced"),
+)
+
+
+# --- sequence parallelism ------------------------------------------------------------------------------------------
+
+def sum_sequence_slices(size: int) -> None:
+    """ZeRO-3's reduce-scatter averages over every rank; a sequence group's gradients are to be summed."""
+    def reduce_scatter_summing_groups(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
+        return [partition.mul_(size) for partition in reduce_scatter_coalesced(tensors, group)]
+
+    stage3.reduce_scatter_coalesced = reduce_scatter_summing_groups
+
+
+def use_sdpa_under_ulysses(attention: Callable) -> None:
+    """Have Ulysses' wrapper, which takes the function registered under "sdpa", run `attention` instead."""
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = attention
+
+
+# --- fp16 at ZeRO-0 and the gradient norm without ZeRO -------------------------------------------------------------
+
+class FP16BlockGradScaler(torch.amp.GradScaler):
+    """fp16 at ZeRO-0 (torch autocast) with the loss scaling that the DeepSpeed config's `fp16` block asks for.
+
+    There DeepSpeed makes a default GradScaler (scale 2^16, doubled after 2,000 clean steps, halved at every
+    overflow) whatever the block says, and its checkpoints leave the scale out. This one keeps torch's
+    mechanics (scale the loss, unscale, skip a step whose gradients hold inf/nan) and takes each new scale from
+    DeepSpeed's own loss scaler built from the block: `initial_scale_power`, `loss_scale_window`,
+    `hysteresis`, `consecutive_hysteresis`, `min_loss_scale`, or a static `loss_scale`. Its state_dict
+    includes that scaler's state, which train.py's checkpoints save and restore."""
+
+    POLICY_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+    def __init__(self, ds_config: dict, device: str):
+        block = fp16_block(ds_config)
+        self.policy = CreateLossScaler(torch.float16, block.loss_scale, block.loss_scale == 0,
+                                       block.dynamic_loss_scale_args())
+        super().__init__(device, init_scale=float(self.policy.cur_scale))
+        self.overflow = False
+
+    def step(self, optimizer: torch.optim.Optimizer, *args, **kwargs):
+        result = super().step(optimizer, *args, **kwargs)
+        self.overflow = found_inf(self, optimizer)
+        return result
+
+    def update(self, new_scale: float | None = None) -> None:
+        self.policy.update_scale(self.overflow)
+        super().update(new_scale=float(self.policy.cur_scale))
+
+    def state_dict(self) -> dict:
+        policy = {key: getattr(self.policy, key) for key in self.POLICY_STATE if hasattr(self.policy, key)}
+        return {**super().state_dict(), "deepspeed_loss_scaler": policy}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state = dict(state_dict)
+        for key, value in state.pop("deepspeed_loss_scaler").items():
+            setattr(self.policy, key, value)
+        super().load_state_dict(state)
+
+
+def z0_grad_scaler(engine: DeepSpeedEngine) -> torch.amp.GradScaler | None:
+    """fp16's grad scaler at ZeRO-0 (torch autocast); None otherwise."""
+    return engine.torch_autocast_z0_gradscaler
+
+
+def use_fp16_block_loss_scaling(engine: DeepSpeedEngine) -> None:
+    """At ZeRO-0 with fp16, replace DeepSpeed's default GradScaler with one that follows the config's fp16 block."""
+    if engine.torch_autocast_z0_gradscaler is not None:
+        engine.torch_autocast_z0_gradscaler = FP16BlockGradScaler(engine.config, device_type())
+
+
+def loss_scale(engine: DeepSpeedEngine) -> float | None:
+    """fp16's current loss scale (logged: a scale that keeps falling means overflowing gradients); None otherwise."""
+    if engine.torch_autocast_z0_gradscaler is not None:
+        return engine.torch_autocast_z0_gradscaler.get_scale()
+    return float(engine.optimizer.loss_scale) if engine.fp16_enabled() else None
+
+
+def zero0_grad_norm(engine: DeepSpeedEngine, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The gradient norm that DeepSpeed does not report without ZeRO: over this rank's gradients (a pipeline's tied
+    copies once), summed in squares over the ranks of `group` (a pipeline's stages), and unscaled by fp16's
+    ZeRO-0 loss scale, since the gradients are still scaled when the engine steps."""
+    grads = [p.grad.float() for p in engine.module.parameters()  # float(): a no-op for fp32 gradients
+             if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)]
+    norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=engine.device)
+    if group is not None:
+        squares = norm.square()
+        dist.all_reduce(squares, group=group)
+        norm = squares.sqrt()
+    scaler = engine.torch_autocast_z0_gradscaler
+    return norm / scaler.get_scale() if scaler else norm
+
+
+@contextmanager
+def withheld_step(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """DeepSpeed's engine leaves the learning-rate schedule alone and counts a skipped step when its optimizer
+    reports `overflow`; a torch optimizer has no such flag and steps on whatever gradients it holds. For one
+    step its `step` does nothing and it reports an overflow; the engine then clears the gradients as usual."""
+    optimizer.step, optimizer.overflow = (lambda *args, **kwargs: None), True
+    try:
+        yield
+    finally:
+        del optimizer.step, optimizer.overflow
+
+
+def measure_before_model_step(engine: PipelineEngine, grad_norm: Callable[[], torch.Tensor],
+                              withhold_nonfinite: bool) -> None:
+    """Have the pipeline engine take `grad_norm()` as its gradient norm where it steps (after the data-parallel
+    reduction, before clipping), and withhold a step whose norm is not finite when asked."""
+    take_model_step = engine._take_model_step
+
+    def norm_then_step(lr_kwargs=None):
+        engine._global_grad_norm = grad_norm()
+        nonfinite = withhold_nonfinite and not torch.isfinite(engine._global_grad_norm).item()
+        with withheld_step(engine.optimizer) if nonfinite else nullcontext():
+            take_model_step(lr_kwargs)
+
+    engine._take_model_step = norm_then_step
+
+
+# --- engine internals ----------------------------------------------------------------------------------------------
+
+def local_fp32_shares(engine: DeepSpeedEngine, parameters: list[torch.nn.Parameter]) -> list[tuple[int, int, torch.Tensor]]:
+    """This rank's share of each parameter in the fp32 the optimizer updates, as (where the share starts in the
+    flattened weight, the weight's size, the share): ZeRO-3's partitions, ZeRO-1/2's fragments of the fp32 master
+    copy (also under the bf16 optimizer), or the whole weights without ZeRO (fp32 there: bf16/fp16 are autocast)."""
+    if engine.zero_optimization_partition_weights():
+        return [(dist.get_rank(group=p.ds_process_group) * p.ds_tensor.ds_numel, p.ds_numel,
+                 safe_get_local_fp32_param(p)) for p in parameters]
+    if engine.zero_optimization() or engine.bfloat16_enabled():
+        return [(p._hp_mapping.lp_fragment_address.start, p.numel(), p._hp_mapping.get_hp_fragment())
+                for p in parameters if p._hp_mapping is not None]
+    return [(0, p.numel(), p) for p in parameters]
+
+
+def gathered_16bit_state_dict(engine: DeepSpeedEngine, exclude_frozen_parameters: bool = False) -> dict:
+    """The whole 16-bit weights on rank 0 under ZeRO-3 or AutoTP (every rank calls it)."""
+    return engine._consolidated_16bit_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
+
+
+def release_shared_memory_buffer(rank: int) -> None:
+    """Unlink this rank's shared-memory all-reduce buffer (66 MB, left in /dev/shm until reboot otherwise). Every
+    rank calls it once every rank has mapped every buffer (after init and a barrier); the memory stays mapped for
+    the run and is freed when its processes exit, however they exit."""
+    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ['MASTER_ADDR']}_{os.environ['MASTER_PORT']}_{rank}"
+    Path("/dev/shm", name).unlink(missing_ok=True)
+
+
+def without_train_batch_size(ds_config: dict) -> dict:
+    """The config without train_batch_size, which DeepSpeed then derives from the micro-batch and accumulation."""
+    return {key: value for key, value in ds_config.items() if key != "train_batch_size"}
+
+
+def muon_flags(model: torch.nn.Module) -> dict[str, bool]:
+    """Which parameters DeepSpeed's Muon takes (by its name rule), by parameter name."""
+    set_optimizer_flags(_MuonConfig(), model)
+    return {name: p.use_muon for name, p in model.named_parameters()}
+
+
+class _MuonConfig:
+    """What set_optimizer_flags reads of DeepSpeed's config."""
+    optimizer_name, optimizer_params = "muon", {}
+
+
+# --- checkpoint files ----------------------------------------------------------------------------------------------
+
+def pipeline_layer_file(index: int) -> str:
+    return f"layer_{index:02d}-model_states.pt"
+
+
+def model_parallel_ranks(tag_dir: Path, at_least: int) -> list[str]:
+    """The checkpoint's model-parallel ranks by their file names' `mp_rank_NN`: `at_least` of them, or more where
+    DeepSpeed named more."""
+    found = {int(match.group(1)) for path in tag_dir.iterdir()
+             if (match := re.search(r"mp_rank_(\d+)_(?:model|optim)_states\.pt$", path.name))}
+    return [f"mp_rank_{rank:02d}" for rank in range(max([at_least, *(rank + 1 for rank in found)]))]
+
+
+def in_order(paths) -> list[Path]:
+    return sorted(paths, key=lambda path: zero_to_fp32.natural_keys(path.name))
+
+
+def has_zero_partitions(tag_dir: Path) -> bool:
+    """Whether the optimizer files are ZeRO partitions: a bf16 run's are named bf16_zero_pp_rank_* at ZeRO-0/1 too,
+    where they are BF16_Optimizer's, hold no ZeRO stage, and zero_to_fp32 refuses them."""
+    optimizer_files = in_order(tag_dir.glob("*zero_pp_rank_*_optim_states.pt"))
+    return bool(optimizer_files) and zero_to_fp32.ZERO_STAGE in torch.load(
+        optimizer_files[0], map_location="cpu", mmap=True, weights_only=False)[zero_to_fp32.OPTIMIZER_STATE_DICT]
+
+
+def zero_rank_files(tag_dir: Path, rank: str) -> dict[str, list[Path]]:
+    """One model-parallel rank's files, by kind: ZeRO-1/2's mp_rank_NN_model_states.pt or ZeRO-3's
+    zero_pp_rank_M_mp_rank_NN_model_states.pt (one per ZeRO rank), and its optimizer partitions."""
+    return {kind: in_order(tag_dir.glob(f"{prefix}{rank}_{kind}_states.pt"))
+            for kind, prefix in (("model", "*"), ("optim", "*zero_pp_rank_*_"))}
+
+
+def zero_fp32_weights(tag_dir: Path, files: dict[str, list[Path]]) -> dict[str, torch.Tensor]:
+    """zero_to_fp32's steps on one model-parallel rank's files (zero_rank_files): its fp32 master weights."""
+    model_states = zero_to_fp32.parse_model_states([str(path) for path in files["model"]])
+    stage, size, groups, paddings = zero_to_fp32.parse_optim_states([str(p) for p in files["optim"]], tag_dir)
+    state_dict = (zero_to_fp32._get_fp32_state_dict_from_zero2_checkpoint(size, groups, model_states, False,
+                                                                          paddings) if stage <= 2 else
+                  zero_to_fp32._get_fp32_state_dict_from_zero3_checkpoint(size, groups, model_states, False))
+    return zero_to_fp32.to_torch_tensor(state_dict)
+
+
+# --- universal checkpoints -----------------------------------------------------------------------------------------
+
+def provide_universal_info(model: torch.nn.Module) -> None:
+    """The entry ds_to_universal needs in the checkpoint (with plain data parallelism its version is all there is)."""
+    setattr(model, UNIVERSAL_CHECKPOINT_INFO, {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE})
+
+
+def make_stage_neutral(folder: Path) -> None:
+    """DeepSpeed's converter writes the folder's two common files as the ZeRO stage that wrote the checkpoint
+    reads them, and stage 3 reads them otherwise than stages 1 and 2 (and the bf16 optimizer of stage 1):
+    - the engine's state (step counters, learning-rate schedule) is `mp_rank_00_model_states.pt` to stages
+      1/2 and `zero_pp_rank_0_mp_rank_00_model_states.pt` to stage 3: both names are given the one file;
+    - each parameter's states are files of {"param": tensor} in the parameter's shape to stages 1/2, which
+      stage 3 also reads (it writes bare flat tensors): stage 3's are wrapped and shaped;
+    - the optimizer's step is a `step.pt` per parameter to stages 1/2, and a torch optimizer state dict in
+      `zero/optimizer_state.pt` (`optimizer_state_dict`) to stage 3, which stages 1/2 check for DeepSpeed's
+      version and the clipping value: each is added where missing, with the values the folder holds."""
+    engine_states = sorted(folder.glob("*mp_rank_00_model_states.pt"))
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
+        if not (folder / name).exists():
+            shutil.copyfile(engine_states[0], folder / name)
+    path = folder / "zero" / "optimizer_state.pt"
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    engine_state = torch.load(engine_states[0], map_location="cpu", weights_only=False)
+    parameters = [item for item in path.parent.iterdir() if item.is_dir()]
+    if "optimizer_state_dict" in state:  # converted from stage 3: flat bare tensors, and the step in the states
+        step = state["optimizer_state_dict"]["state"][0]["step"]
+        shapes = {name: shape for group in engine_state["param_shapes"] for name, shape in group.items()}
+        for parameter in parameters:
+            for file in parameter.glob("*.pt"):
+                tensor = torch.load(file, map_location="cpu", weights_only=False)
+                if torch.is_tensor(tensor):
+                    torch.save({PARAM: tensor.view(shapes[parameter.name])}, file)
+            torch.save(step.clone(), parameter / "step.pt")
+    else:
+        step = torch.load(parameters[0] / "step.pt", map_location="cpu", weights_only=False)
+        state["optimizer_state_dict"] = {"state": {i: {"step": step} for i in range(len(state["param_groups"]))},
+                                         "param_groups": state["param_groups"]}
+    state.setdefault("ds_version", engine_state["ds_version"])
+    state.setdefault("clip_grad", engine_state["ds_config"].get("gradient_clipping", 0.0))
+    torch.save(state, path)
+
+
+@contextmanager
+def universal_load_repaired(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Undo two things ZeRO-3's universal loader does to a torch optimizer with several parameter groups (found by
+    comparing resumed runs with uninterrupted ones):
+    - every group gets the first group's settings, so the group without weight decay would decay: each
+      group's own settings, which come from this run's recipe, are put back (the learning rate stays as
+      loaded: it is the schedule's, at the step);
+    - every state gets the same `step` tensor, which AdamW then advances once per group and step, skewing
+      the bias correction: each state gets its own copy."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed's optimizers wrap a torch one
+    settings = [{key: value for key, value in group.items() if key not in ("params", "lr")}
+                for group in inner.param_groups]
+    yield
+    for group, kept in zip(inner.param_groups, settings):
+        group.update(kept)
+    for state in inner.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+
+
+@contextmanager
+def loading_universal(engine: DeepSpeedEngine, universal: bool) -> Iterator[None]:
+    """DeepSpeed reads `checkpoint.load_universal` from the engine's config object at every load_checkpoint
+    (engine.load_universal_checkpoint()), and only there. It is set for each load: a resume in another layout loads
+    the universal conversion, and a rewind later in that run loads either that conversion again or a checkpoint the
+    run saved since, in its own layout."""
+    config, before = engine._config, engine._config.load_universal_checkpoint
+    config.load_universal_checkpoint = universal
+    try:
+        yield
+    finally:
+        config.load_universal_checkpoint = before
+
+
+def convert_with_tensor_parallel(tensor_parallel: int, arguments: list[str]) -> None:
+    """DeepSpeed's converter (ds_to_universal.main) on a checkpoint whose model-state files record the right tensor-
+    parallel degree. DeepSpeed records `parallel_dims.tp_degree` as the `mpu`'s model-parallel size, and for
+    sequence parallelism the mpu is Ulysses', whose model-parallel size is the sequence-parallel size: the converter
+    then looks for that many tensor-parallel slices of weights that sequence parallelism never splits (its files are
+    plain data-parallel ZeRO partitions). The degree the converter reads is set to the run's own tensor parallelism."""
+    from deepspeed.checkpoint import ds_to_universal
+    from deepspeed.checkpoint.constants import CHECKPOINT_TP_DEGREE
+    from deepspeed.checkpoint.deepspeed_checkpoint import DeepSpeedCheckpoint
+    recorded = DeepSpeedCheckpoint._lightweight_parallel_dimensions
+
+    def run_dimensions(model_state: dict):
+        dimensions = recorded(model_state)
+        return {**dimensions, CHECKPOINT_TP_DEGREE: tensor_parallel} if isinstance(dimensions, dict) else dimensions
+
+    DeepSpeedCheckpoint._lightweight_parallel_dimensions = staticmethod(run_dimensions)
+    sys.argv = ["ds_to_universal", *arguments]
+    ds_to_universal.main(ds_to_universal.parse_arguments())
