@@ -1,7 +1,8 @@
 """Every workaround of upstream behaviour, in one guarded place: a module per library (torch.py, deepspeed.py,
 transformers.py, peft.py, datatrove.py). Each module declares its PATCHES: what upstream does, in which version
-the workaround was verified, the upstream issue, and the canary test (tests/training/compat/) that fails when
-the patched name disappears, when upstream stops calling it, or when upstream fixes the behaviour.
+the workaround was verified, the upstream issue, the canary test (tests/training/compat/) that fails when the
+patched name disappears, when upstream stops calling it, or when upstream fixes the behaviour, and the tests that
+prove the workaround (they fail without it).
 
 check_versions, called once at start-up, warns in one line when an installed library is another version than
 the one its patches were verified for (docs/compat.md: what to do on a pin bump)."""
@@ -25,6 +26,7 @@ class Patch:
     why: str
     issue: str
     canary: str  # the test in tests/training/compat/ that fails when the workaround is no longer right
+    proofs: tuple[str, ...]  # the tests that fail without it: what it is for, measured
 
 
 def release(version: str) -> str:

@@ -21,18 +21,24 @@ PATCHES = (
     Patch("ShinglesMinhashSignature", "datatrove", VERIFIED_FOR,
           "MinhashDedupSignature.run hashes what its undocumented get_shingles(text) returns; it is overridden to "
           "take the recipe's shingles, and a word tokenizer that loads nothing (not spaCy) is passed as language",
-          NO_ISSUE, CANARIES + "test_minhash_signatures_hash_what_get_shingles_returns"),
+          NO_ISSUE, CANARIES + "test_minhash_signatures_hash_what_get_shingles_returns",
+          proofs=("tests/data_pipeline/test_scale.py::"
+                  "test_near_dedup_agrees_with_the_in_process_path_within_lsh_noise",)),
     Patch("step_counts", "datatrove", VERIFIED_FOR,
           "each task's step counters are in logs/STAGE/stats/RANK.json, a list of steps with their `stats`",
-          NO_ISSUE, CANARIES + "test_task_stats_are_saved_where_step_counts_reads_them"),
+          NO_ISSUE, CANARIES + "test_task_stats_are_saved_where_step_counts_reads_them",
+          proofs=("tests/data_pipeline/test_scale.py::test_one_task_writes_the_in_process_rows_row_for_row",)),
     Patch("completed_tasks", "datatrove", VERIFIED_FOR,
           "a stage writes logs/STAGE/executor.json before its tasks start, and an empty completions/RANK file for "
           "each task finished (and skips those tasks on a rerun)", NO_ISSUE,
-          CANARIES + "test_stages_mark_their_start_and_each_finished_task"),
+          CANARIES + "test_stages_mark_their_start_and_each_finished_task",
+          proofs=("tests/data_pipeline/test_scale.py::test_a_rerun_after_the_output_was_deleted_writes_it_again",)),
     Patch("end_if_a_worker_dies", "datatrove", VERIFIED_FOR,
           "LocalPipelineExecutor runs tasks with a process pool's imap_unordered, which replaces a worker that died "
           "(OOM killer, a crash) and waits forever for its task", NO_ISSUE,
-          CANARIES + "test_the_local_executor_still_waits_on_a_pool"),
+          CANARIES + "test_the_local_executor_still_waits_on_a_pool",
+          proofs=("tests/data_pipeline/test_scale.py::"
+                  "test_a_job_whose_worker_is_killed_stops_and_its_rerun_finishes_it",)),
 )
 
 

@@ -11,12 +11,18 @@ PATCHES = (
           "the attention a model runs is the config's private _attn_implementation, set by from_pretrained and "
           "from_config; a config built by hand (the pipeline's stages) gets it set here, and sequence parallelism "
           "reads it to wrap that attention", NO_ISSUE,
-          "tests/training/compat/test_transformers.py::test_the_attention_implementation_lives_on_the_config"),
+          "tests/training/compat/test_transformers.py::test_the_attention_implementation_lives_on_the_config",
+          proofs=("tests/test_parallelism.py::"
+                  "test_a_packed_row_keeps_its_documents_apart",
+                  "tests/test_train_pipeline.py::"
+                  "test_each_family_as_a_pipeline_gives_the_models_loss")),
     Patch("set_checkpointing_function", "transformers", VERIFIED_FOR,
           "activation checkpointing with a caller's checkpoint function goes through the private "
           "PreTrainedModel._set_gradient_checkpointing; the public activation_checkpointing_enable(offload=True) "
           "asks for pinned memory, which torch refuses on CPU-only machines", NO_ISSUE,
-          "tests/training/compat/test_transformers.py::test_the_checkpoint_function_reaches_every_layer"),
+          "tests/training/compat/test_transformers.py::test_the_checkpoint_function_reaches_every_layer",
+          proofs=("tests/training/models/test_long_context.py::"
+                  "test_offloaded_checkpoints_hold_each_layers_input_in_host_memory",)),
 )
 
 

@@ -2,6 +2,7 @@
 fails when a patched name disappears, when DeepSpeed stops calling it, or when DeepSpeed fixes the behaviour: its
 message then says what can go."""
 import inspect
+import json
 import os
 
 import deepspeed
@@ -10,6 +11,7 @@ import torch
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.zero import stage3
 
+from tests.conftest import run_train
 from training.compat.deepspeed import (local_fp32_shares, muon_flags, pipeline_layer_file, withheld_step,
                                        zero0_grad_norm)
 
@@ -179,10 +181,32 @@ def test_the_converter_reads_the_tensor_parallel_degree_where_it_is_replaced():
     assert "bwc_tensor_model_parallel_world_size(mpu)" in source(deepspeed.runtime.engine)
 
 
-# --- the upstream bugs behind refusals (training/parallel/tensor_parallel.py, training/loop/optimizer.py): when one of these fails, the refusal can be lifted --------------------------------
+# --- the upstream bugs behind refusals: when one of these fails, its refusal can be lifted -------------------------
+
+@pytest.fixture(scope="module")
+def upstream_bugs() -> dict[int, dict]:
+    """tests/helpers/upstream_bugs.py's report, by rank: the refused layouts run as they would run."""
+    result = run_train([], ranks=2, script="tests/helpers/upstream_bugs.py")
+    reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"rank"')]
+    assert len(reports) == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    return {report["rank"]: report for report in reports}
+
+
+@pytest.mark.slow
+def test_autotp_still_drops_the_sequence_parallel_groups(upstream_bugs):
+    assert not any(report["autotp_keeps_the_sequence_groups"] for report in upstream_bugs.values()), \
+        "AutoTP keeps the sequence-parallel mpu now: the refusal of tensor with sequence parallelism can be lifted"
+
+
+@pytest.mark.slow
+def test_bf16_zero1_still_takes_the_sequence_rank_for_a_tensor_parallel_one(upstream_bugs):
+    assert upstream_bugs[1]["bf16_zero1_step_error"] == "RuntimeError: stack expects a non-empty TensorList", \
+        "bf16 at ZeRO-1 steps under sequence parallelism now: the refusal of bf16/fp8 sequence parallelism at " \
+        "ZeRO-1 (training/parallel/sequence_parallel.py) can be lifted"
+
 
 def test_autotp_replaces_the_engines_mpu_with_its_own_groups():
-    """Tensor with sequence parallelism: AutoTP sets the engine's mpu to its tensor-parallel groups, dropping the
+    """The fast tier's sign of the bug above: AutoTP sets the engine's mpu to its tensor-parallel groups, dropping the
     sequence-parallel mpu given to deepspeed.initialize."""
     assert "self.mpu = groups" in source(deepspeed.DeepSpeedEngine._configure_tensor_parallel_states)
 

@@ -1,4 +1,6 @@
-"""The start-up version check (training/compat/__init__.py check_versions) and the pins it is verified against."""
+"""The registry of upstream workarounds (training/compat/__init__.py): each patch defined, with its canary, its proofs
+and its line in docs/compat.md, and the start-up version check against the pins."""
+import importlib
 import re
 
 import pytest
@@ -37,3 +39,25 @@ def test_a_missing_optional_library_has_no_active_patches(monkeypatch, capsys):
     monkeypatch.setattr(compat, "installed_version", lambda library: None if library in ("peft", "datatrove")
                         else pins()[library])
     assert compat.check_versions(compat.LIBRARIES) == [] and capsys.readouterr().err == ""
+
+
+def names_a_test(reference: str) -> bool:
+    """Whether `tests/path.py::test_name` names a test function that exists."""
+    path, name = reference.split("::")
+    return f"\ndef {name}(" in (REPO / path).read_text()
+
+
+@pytest.mark.parametrize("library", compat.LIBRARIES)
+def test_each_patch_is_defined_and_has_its_canary_and_its_proof(library):
+    module = importlib.import_module(f"training.compat.{library}")
+    for patch in compat.patches(library):
+        assert callable(getattr(module, patch.name, None)), f"{library}.{patch.name} is declared but not defined"
+        assert patch.canary.startswith("tests/training/compat/") and names_a_test(patch.canary), patch
+        assert all(names_a_test(proof) for proof in patch.proofs) and patch.proofs, patch
+
+
+def test_docs_list_every_patch():
+    listed = (REPO / "docs/compat.md").read_text()
+    missing = [f"{patch.library}.{patch.name}" for library in compat.LIBRARIES for patch in compat.patches(library)
+               if f"`{patch.name}`" not in listed]
+    assert not missing, f"docs/compat.md does not list {missing}"

@@ -5,7 +5,7 @@ from peft import get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import train
-from tests.conftest import save_small_checkpoint
+from tests.conftest import REPO, save_small_checkpoint
 from training.config.errors import ConfigError
 from training.models.lora import lora_config
 from training.planning.memory import lora_model_states
@@ -100,3 +100,22 @@ def test_a_lora_checkpoint_resumes_only_as_lora_in_its_own_layout():
         needs_universal(wrote, wrote.model_copy(update={"lora": False}), False, "export")
     with pytest.raises(ConfigError, match="resumes in the layout that wrote it"):
         needs_universal(wrote, wrote.model_copy(update={"world_size": 4}), False, "export")
+
+
+def test_adapters_on_a_checkpointed_model_warn_nothing_on_every_rank():
+    """peft reads a name transformers 5 deprecated: each rank would print a FutureWarning for nothing (compat
+    quiet_gradient_checkpointing_warning, which importing training/models/lora.py installs for the process; pytest
+    resets the filters around each test, so it is installed again here)."""
+    import warnings
+
+    from training.compat.peft import quiet_gradient_checkpointing_warning
+    from training.config.recipe import LoraSection
+    from training.models.lora import with_lora
+    config = AutoConfig.from_pretrained(REPO / "recipes/tiny_llama/config.json", num_hidden_layers=1, hidden_size=32,
+                                        intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    model = AutoModelForCausalLM.from_config(config)
+    model.activation_checkpointing_enable()
+    with warnings.catch_warnings(record=True) as caught:
+        quiet_gradient_checkpointing_warning()
+        with_lora(model, LoraSection(enabled=True), seed=0)
+    assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)], [str(w.message) for w in caught]

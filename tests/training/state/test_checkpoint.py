@@ -1,9 +1,11 @@
+import sys
+
 import deepspeed
 import torch
 
 from training.parallel.layout import Layout
 from training.state.checkpoint import load_checkpoint, save_checkpoint
-from training.compat.deepspeed import FP16BlockGradScaler
+from training.compat.deepspeed import FP16BlockGradScaler, provide_universal_info
 
 RUN_STATE = {"step": 4, "tokens_seen": 64, "world_size": 1, "zero_stage": 0, "precision": "fp16"}
 
@@ -53,3 +55,41 @@ def test_a_zero0_checkpoint_loads_as_it_is_in_another_zero0_layout(one_rank, tmp
     run_state, data_state = load_checkpoint(engine_with_fp16_block_scaler(), tmp_path, layout=Layout(
         world_size=1, zero_stage=0, precision="bf16"))
     assert run_state["world_size"] == 2 and data_state == {"position": 3}
+
+
+def test_a_run_resumed_through_a_universal_conversion_loads_its_own_checkpoints(one_rank, tmp_path):
+    """Such a run's DeepSpeed config has checkpoint.load_universal on (with_universal_load); a rewind to a checkpoint
+    it saved since, in its own layout, loads that checkpoint as it is (compat loading_universal)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1},
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.1, "torch_adam": True}},
+              "checkpoint": {"load_universal": True}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    wrote = {**RUN_STATE, "zero_stage": 1, "precision": "fp32"}
+    save_checkpoint(engine, tmp_path, wrote, {"position": 3}, hf_files=(), keep_last=None)
+    saved = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.zero_()
+    run_state, data_state = load_checkpoint(engine, tmp_path, layout=Layout(world_size=1, zero_stage=1,
+                                                                           precision="fp32"))
+    assert run_state["step"] == 4 and data_state == {"position": 3}
+    assert torch.equal(engine.module.weight, saved) and engine._config.load_universal_checkpoint
+
+
+def test_a_checkpoint_of_a_model_with_universal_info_converts_without_injected_state(one_rank, tmp_path, monkeypatch):
+    """DeepSpeed's converter, as a user runs it (no --inject_missing_state), needs the entry that compat
+    provide_universal_info gives every model train.py builds."""
+    from deepspeed.checkpoint import ds_to_universal
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    provide_universal_info(model)
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1},
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.1, "torch_adam": True}}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine.save_checkpoint(str(tmp_path), tag="global_step1")
+    monkeypatch.setattr(sys, "argv", ["ds_to_universal", "--input_folder", str(tmp_path / "global_step1"),
+                                      "--output_folder", str(tmp_path / "universal"), "--num_extract_workers", "1",
+                                      "--num_merge_workers", "1"])
+    ds_to_universal.main(ds_to_universal.parse_arguments())
+    assert (tmp_path / "universal" / "zero" / "weight" / "fp32.pt").is_file()
