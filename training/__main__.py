@@ -4,6 +4,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from training.compat import check_versions
 from training.config.errors import exit_code
 from training.state.export import export_checkpoint, find_tag
 from training.planning.precision import DTYPES
@@ -24,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     convert_parser.add_argument("checkpoint", type=Path, help="a run's checkpoints/ folder (its latest) or one "
                                 "global_stepN/ in it")
     args = parser.parse_args(argv)
+    check_versions()  # export and convert read DeepSpeed's checkpoint formats (training/compat/deepspeed.py)
 
     def run_export() -> int:
         tag_dir = export_checkpoint(args.checkpoint, args.out_dir, args.dtype, args.overwrite)
