@@ -6,7 +6,7 @@ import re
 import pytest
 
 import training.compat as compat
-from tests.conftest import REPO
+from tests.conftest import REPO, train_in_process
 
 
 def pins() -> dict[str, str]:
@@ -61,3 +61,10 @@ def test_docs_list_every_patch():
     missing = [f"{patch.library}.{patch.name}" for library in compat.LIBRARIES for patch in compat.patches(library)
                if f"`{patch.name}`" not in listed]
     assert not missing, f"docs/compat.md does not list {missing}"
+
+
+def test_train_py_warns_once_before_its_plan(monkeypatch):
+    monkeypatch.setattr(compat, "installed_version", lambda library: "0.20.0" if library == "deepspeed" else pins()[library])
+    result = train_in_process(["--recipe", "tiny_llama", "--dry-run"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.count("warning: upstream workarounds unverified for the installed versions") == 1

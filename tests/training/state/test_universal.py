@@ -90,21 +90,3 @@ def test_pipeline_and_zero_0_checkpoints_are_refused_by_name(tmp_path, capsys):
         (tag / name).write_bytes(b"weights")
         assert main(["convert", str(tag)]) == 2
         assert problem in capsys.readouterr().err
-
-
-def test_the_converter_reads_the_tensor_parallel_degree_where_run_converter_sets_it():
-    """run_converter replaces this DeepSpeed 0.19.8 reader of the model-state files' parallel_dims: if DeepSpeed
-    moves it, sequence-parallel checkpoints would convert as tensor-parallel ones again."""
-    from deepspeed.checkpoint.constants import CHECKPOINT_PARALLEL_DIMS, CHECKPOINT_TP_DEGREE
-    from deepspeed.checkpoint.deepspeed_checkpoint import DeepSpeedCheckpoint
-    dimensions = {CHECKPOINT_PARALLEL_DIMS: {"pp_degree": 1, CHECKPOINT_TP_DEGREE: 2}}
-    assert DeepSpeedCheckpoint._lightweight_parallel_dimensions(dimensions)[CHECKPOINT_TP_DEGREE] == 2
-    assert "_lightweight_parallel_dimensions(model_state)" in \
-        __import__("inspect").getsource(DeepSpeedCheckpoint._discover_model_state_metadata)
-
-
-def test_deepspeed_reads_load_universal_where_loading_universal_sets_it():
-    """loading_universal sets the engine config's flag for each load; DeepSpeed 0.19.8 reads it there, at each load."""
-    import inspect
-    from deepspeed import DeepSpeedEngine
-    assert "self._config.load_universal_checkpoint" in inspect.getsource(DeepSpeedEngine.load_universal_checkpoint)
