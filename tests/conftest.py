@@ -196,8 +196,6 @@ def assert_only_created(before: dict[Path, tuple[int, str]], after: dict[Path, t
 def tree_guard(tmp_path):
     """Call it around a command: `with tree_guard(): ...` fails the test if the command deleted or changed a file under
     the test's folder (tmp_path) or the repository's recipes and ds_configs, apart from `replaceable` places."""
-    from contextlib import contextmanager, redirect_stderr, redirect_stdout
-
     @contextmanager
     def guard(*replaceable: Path, folders: tuple[Path, ...] = ()):
         watched = (tmp_path, REPO / "recipes", REPO / "ds_configs", *folders)

@@ -12,10 +12,7 @@ SAMPLE = 4096  # weights per parameter tensor (and rank) that the update-to-weig
 
 
 def fp32_shares(engine: DeepSpeedEngine) -> list[tuple[int, int, torch.Tensor]]:
-    """This rank's share of each trained weight, in the fp32 the optimizer updates, as (where the share starts in
-    the flattened weight, the weight's size, the share): ZeRO-3's partitions, ZeRO-1/2's fragments of the fp32
-    master copy (DeepSpeed's own mapping, also under its bf16 optimizer), or whole weights without ZeRO (fp32
-    there: bf16 and fp16 run as autocast)."""
+    """This rank's fp32 share of each trained weight (training/compat/deepspeed.py local_fp32_shares)."""
     return local_fp32_shares(engine, [p for p in engine.module.parameters() if p.requires_grad])
 
 

@@ -10,16 +10,22 @@ from training.compat.deepspeed import FP16BlockGradScaler, provide_universal_inf
 RUN_STATE = {"step": 4, "tokens_seen": 64, "world_size": 1, "zero_stage": 0, "precision": "fp16"}
 
 
+def linear_engine(zero_stage: int, model: torch.nn.Module | None = None, **config) -> deepspeed.DeepSpeedEngine:
+    """A one-rank engine of a seeded 4x4 linear layer (or `model`) under AdamW, with `config` added."""
+    torch.manual_seed(0)
+    model = model or torch.nn.Linear(4, 4)
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": zero_stage},
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.1, "torch_adam": True}}, **config}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
 def engine_with_fp16_block_scaler() -> deepspeed.DeepSpeedEngine:
     """A ZeRO-0 engine carrying the fp16 scaler that train.py installs there (CPU computes in fp32, but the
     scaler's state and its way through the checkpoint are the same)."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 4)
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0},
-              "optimizer": {"type": "AdamW", "params": {"lr": 0.1, "torch_adam": True}},
-              "fp16": {"initial_scale_power": 10, "hysteresis": 1, "loss_scale_window": 100}}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    engine.torch_autocast_z0_gradscaler = FP16BlockGradScaler(config, "cpu")
+    fp16 = {"fp16": {"initial_scale_power": 10, "hysteresis": 1, "loss_scale_window": 100}}
+    engine = linear_engine(0, **fp16)
+    engine.torch_autocast_z0_gradscaler = FP16BlockGradScaler(fp16, "cpu")
     return engine
 
 
@@ -60,12 +66,8 @@ def test_a_zero0_checkpoint_loads_as_it_is_in_another_zero0_layout(one_rank, tmp
 def test_a_run_resumed_through_a_universal_conversion_loads_its_own_checkpoints(one_rank, tmp_path):
     """Such a run's DeepSpeed config has checkpoint.load_universal on (with_universal_load); a rewind to a checkpoint
     it saved since, in its own layout, loads that checkpoint as it is (compat loading_universal)."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 4)
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1},
-              "optimizer": {"type": "AdamW", "params": {"lr": 0.1, "torch_adam": True}},
-              "checkpoint": {"load_universal": True}}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine = linear_engine(1, checkpoint={"load_universal": True})
+    model = engine.module
     wrote = {**RUN_STATE, "zero_stage": 1, "precision": "fp32"}
     save_checkpoint(engine, tmp_path, wrote, {"position": 3}, hf_files=(), keep_last=None)
     saved = model.weight.detach().clone()
@@ -81,12 +83,9 @@ def test_a_checkpoint_of_a_model_with_universal_info_converts_without_injected_s
     """DeepSpeed's converter, as a user runs it (no --inject_missing_state), needs the entry that compat
     provide_universal_info gives every model train.py builds."""
     from deepspeed.checkpoint import ds_to_universal
-    torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
     provide_universal_info(model)
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1},
-              "optimizer": {"type": "AdamW", "params": {"lr": 0.1, "torch_adam": True}}}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine = linear_engine(1, model)
     engine.save_checkpoint(str(tmp_path), tag="global_step1")
     monkeypatch.setattr(sys, "argv", ["ds_to_universal", "--input_folder", str(tmp_path / "global_step1"),
                                       "--output_folder", str(tmp_path / "universal"), "--num_extract_workers", "1",
