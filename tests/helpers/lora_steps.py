@@ -25,7 +25,8 @@ from training.config.ds_config import load_ds_config, resolve_ds_config  # noqa:
 from training.models.lora import lora_config, with_lora  # noqa: E402
 from training.state.export import export_lora  # noqa: E402
 from training.models.model import build_model, load_model_config  # noqa: E402
-from training.loop.optimizer import lr_schedule, weight_decay_groups  # noqa: E402
+from training.loop.optimizer import lr_schedule  # noqa: E402
+from training.planning.shape import weight_decay_groups  # noqa: E402
 from training.config.recipe import load_recipe  # noqa: E402
 from tests.helpers import end_process  # noqa: E402
 

@@ -1,6 +1,7 @@
 """Workarounds of DeepSpeed behaviour (verified for deepspeed 0.19.8, requirements.txt): process-wide replacements,
 reads and writes of its private attributes, and its checkpoint files' names and formats. Each is declared in PATCHES
 with the canary test (tests/training/compat/test_deepspeed.py) that fails when it is no longer right."""
+import math
 import os
 import re
 import shutil
@@ -68,9 +69,15 @@ PATCHES = (
                     "test_an_optimizer_reporting_overflow_skips_the_step",
                     proofs=("tests/test_stability.py::test_a_skipped_batch_is_the_only_difference",)),
     deepspeed_patch("local_fp32_shares", "a rank's fp32 master copy is reachable only through private attributes: "
-                    "ZeRO-1/2 and the bf16 optimizer's param._hp_mapping, ZeRO-3's param.ds_tensor/ds_numel",
+                    "ZeRO-1/2 and the bf16 optimizer's param._hp_mapping, ZeRO-3's param.ds_tensor/ds_numel/ds_shape "
+                    "(weight_shape)",
                     "test_zero1_parameters_map_to_their_fp32_fragments",
                     proofs=("tests/test_train_distributed.py::test_health_signals_are_the_same_under_every_stage",)),
+    deepspeed_patch("zero_cuts", "how ZeRO cuts the weights between ranks is not an API: the plan counts the memory-"
+                    "lean optimizers' states on the parts each rank holds, by stage_1_and_2's padding of each flat "
+                    "group to 2 x ranks and equal ranges, and ZeRO-3's ceil(size / ranks) per weight",
+                    "test_zero_cuts_are_deepspeeds_partitions",
+                    proofs=("tests/test_optimizers.py::test_memory_lean_optimizers_equal_the_library_on_zeros_parts",)),
     deepspeed_patch("gathered_16bit_state_dict", "the whole 16-bit weights under ZeRO-3 and AutoTP come from the "
                     "private engine._consolidated_16bit_state_dict (save_16bit_model writes a file instead)",
                     "test_save_16bit_model_still_gathers_through_the_private_method",
@@ -259,6 +266,36 @@ def local_fp32_shares(engine: DeepSpeedEngine,
         return [(p._hp_mapping.lp_fragment_address.start, p.numel(), p._hp_mapping.get_hp_fragment())
                 for p in parameters if p._hp_mapping is not None]
     return [(0, p.numel(), p) for p in parameters]
+
+
+def zero_cuts(groups: list[list[int]], stage: int, ranks: int, rank: int) -> list[tuple[int, int, int]]:
+    """How DeepSpeed cuts the trained weights (their sizes, per parameter group in order) between `ranks`: the parts
+    `rank` holds, as (the weight's index over the groups, where the part starts in the flattened weight, its
+    length). ZeRO-1/2 and the bf16 optimizer flatten each group, pad it to a multiple of 2 x ranks
+    (nccl_start_alignment_factor) and give each rank an equal range; ZeRO-3 cuts every weight into ceil(size /
+    ranks) pieces (the last rank's padded); ZeRO-0 keeps them whole."""
+    if stage == 0 or ranks == 1:
+        return [(index, 0, size) for index, size in enumerate(size for group in groups for size in group)]
+    cuts, index = [], 0
+    for group in groups:
+        padded = math.ceil(sum(group) / (2 * ranks)) * 2 * ranks
+        first, last, offset = rank * padded // ranks, (rank + 1) * padded // ranks, 0
+        for size in group:
+            if stage == 3:
+                piece = math.ceil(size / ranks)
+                begin, end = min(size, rank * piece), min(size, (rank + 1) * piece)
+            else:
+                begin, end = max(first, offset) - offset, min(last, offset + size) - offset
+            if begin < end:
+                cuts.append((index, begin, end - begin))
+            offset += size
+            index += 1
+    return cuts
+
+
+def weight_shape(parameter: torch.nn.Parameter) -> tuple[int, ...]:
+    """A weight's whole shape, also under ZeRO-3 (where the parameter itself is empty; its ds_shape)."""
+    return tuple(getattr(parameter, "ds_shape", parameter.shape))
 
 
 def gathered_16bit_state_dict(engine: DeepSpeedEngine, exclude_frozen_parameters: bool = False) -> dict:

@@ -1,6 +1,7 @@
 """Workarounds of torch behaviour (verified for torch 2.13.0, requirements.txt)."""
 import types
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -20,7 +21,45 @@ PATCHES = (
           "module replaces its class's forward for that module alone, hooks included (long_context's tiling)",
           NO_ISSUE, "tests/training/compat/test_torch.py::test_an_instance_forward_replaces_the_class_forward",
           proofs=("tests/training/models/test_long_context.py::test_tiles_give_the_models_loss_and_gradients",)),
+    Patch("plain_optimizer_states", "torch", VERIFIED_FOR,
+          "torch.load with a callable map_location, which DeepSpeed's ZeRO-0 checkpoint reader passes "
+          "(state_dict_factory), cannot rebuild a tensor subclass (torchao's 8-bit optimizer states): the "
+          "shaped optimizer saves such states as the plain tensors they are made of", NO_ISSUE,
+          "tests/training/compat/test_torch.py::test_a_callable_map_location_cannot_load_a_tensor_subclass",
+          proofs=("tests/training/loop/test_shaped_optimizer.py::test_a_checkpoint_loads_back_at_every_zero_stage",)),
 )
+
+
+@dataclass(frozen=True)
+class FlattenedTensor:
+    """A tensor subclass as its plain inner tensors and what rebuilds it (torch's __tensor_flatten__ protocol)."""
+    kind: type
+    inner: dict[str, torch.Tensor]
+    context: object
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def plain_optimizer_states(state_dict: dict) -> dict:
+    """An optimizer's state_dict with each tensor-subclass state as a FlattenedTensor (a shallow copy)."""
+    def plain(value: object) -> object:
+        if not (torch.is_tensor(value) and hasattr(value, "__tensor_flatten__")):
+            return value
+        names, context = value.__tensor_flatten__()
+        return FlattenedTensor(type(value), {name: getattr(value, name) for name in names}, context,
+                               tuple(value.size()), tuple(value.stride()))
+    return {**state_dict, "state": {index: {key: plain(value) for key, value in state.items()}
+                                    for index, state in state_dict["state"].items()}}
+
+
+def rebuilt_optimizer_states(state_dict: dict) -> dict:
+    """plain_optimizer_states undone."""
+    def rebuilt(value: object) -> object:
+        if not isinstance(value, FlattenedTensor):
+            return value
+        return value.kind.__tensor_unflatten__(value.inner, value.context, value.size, value.stride)
+    return {**state_dict, "state": {index: {key: rebuilt(value) for key, value in state.items()}
+                                    for index, state in state_dict["state"].items()}}
 
 
 def found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:

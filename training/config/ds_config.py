@@ -18,7 +18,7 @@ from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from pydantic import ValidationError
 
 from training.config.errors import ConfigError, read_text
-from training.loop.optimizer import ADAMW_ONLY_KEYS, deepspeed_optimizer_keys
+from training.loop.optimizer import UNTAKEN_KEYS, deepspeed_optimizer_keys
 from training.planning.precision import fp16_block
 from training.config.recipe import Recipe, TrainingSection
 
@@ -209,9 +209,8 @@ def resolve_ds_config(raw: dict, source: Path, recipe: Recipe, hidden_size: int,
     stage = zero_stage(config)
     if get_key(config, "optimizer.type") == "AdamW":  # the HF Trainer's type, in the shipped files: the recipe's
         set_key(config, "optimizer.type", "auto")
-    if recipe.optimizer.name == "lion":
-        for key in ADAMW_ONLY_KEYS:
-            config.get("optimizer", {}).get("params", {}).pop(key, None)
+    for key in UNTAKEN_KEYS.get(recipe.optimizer.name, ()):
+        config.get("optimizer", {}).get("params", {}).pop(key, None)
     from_recipe = {
         "train_micro_batch_size_per_gpu": ("training.micro_batch_size", training.micro_batch_size),
         "gradient_accumulation_steps": ("training.global_batch_size / (micro_batch_size x ranks)",

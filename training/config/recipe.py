@@ -107,9 +107,9 @@ class TrainingSection(StrictModel):
 
 class OptimizerSection(StrictModel):
     """Which update rule (training/loop/optimizer.py). The learning rate, betas, eps, weight decay and clipping stay in
-    `training`: AdamW uses them all, Lion all but eps, Muon its own rate and momentum for the decoder layers'
-    matrices and AdamW (training.*) for the rest."""
-    name: Literal["adamw", "lion", "muon"] = "adamw"
+    `training`: AdamW and AdamW8bit use them all, Lion all but eps, Adafactor the rate and weight decay, Muon its
+    own rate and momentum for the decoder layers' matrices and AdamW (training.*) for the rest."""
+    name: Literal["adamw", "adamw8bit", "adafactor", "lion", "muon"] = "adamw"
     muon_lr: PositiveFloat = 0.02  # Muon's matrices (the schedule scales it as it scales training.lr)
     muon_momentum: float = Field(0.95, gt=0, lt=1)  # Muon's momentum (Nesterov)
 

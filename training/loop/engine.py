@@ -5,7 +5,9 @@ import torch
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from training.compat.deepspeed import use_fp16_block_loss_scaling
-from training.loop.optimizer import client_optimizer, lr_schedule, weight_decay_groups
+from training.loop.optimizer import client_optimizer, lr_schedule
+from training.loop.shaped_optimizer import attach_shaped_optimizer
+from training.planning.shape import weight_decay_groups
 from training.parallel.pipeline import report_grad_norm
 from training.planning.plan import RunPlan
 
@@ -16,6 +18,7 @@ def start_engine(plan: RunPlan, model: torch.nn.Module, mpu: object | None, tota
                                       model_parameters=weight_decay_groups(model, training.weight_decay),
                                       lr_scheduler=lr_schedule(training, total_steps), mpu=mpu)
     use_fp16_block_loss_scaling(engine)
+    attach_shaped_optimizer(engine)
     if isinstance(engine, PipelineEngine) and not plan.zero_stage:
         report_grad_norm(engine, withhold_nonfinite=plan.recipe.stability.enabled)
     if plan.recipe.compile:

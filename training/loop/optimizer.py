@@ -1,6 +1,10 @@
-"""The optimizer: AdamW, Lion or Muon as DeepSpeed builds them from its config's optimizer section, the
-weight-decay groups, the checks before a run, the optimizer-state bytes the plan counts, and the learning-rate
-schedule (transformers' own schedules).
+"""The optimizer: AdamW, AdamW8bit, Adafactor, Lion or Muon built from the DeepSpeed config's optimizer section,
+the checks before a run, and the learning-rate schedule (transformers' own schedules).
+
+AdamW8bit (torchao's: quantized moments, about 2 bytes per parameter) and Adafactor (torch's: factored second
+moment, a row and a column per matrix) are the memory-lean ones; they step each parameter in its own shape under
+ZeRO (training/loop/shaped_optimizer.py), and the plan counts their states share by share
+(training/planning/optimizer_states.py).
 
 Lion is lion-pytorch's, handed to DeepSpeed as the client optimizer (built from the config's section): DeepSpeed
 0.19.8's own Lion kernels take sign(0) as +1 (CPU) or -1 (CUDA), so a weight whose update direction is exactly
@@ -19,7 +23,7 @@ from typing import Any
 
 import torch
 from lion_pytorch import Lion
-from torch import nn
+from torchao.optim import AdamW8bit
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import AutoModelForCausalLM, PretrainedConfig
@@ -29,10 +33,14 @@ from transformers.optimization import (get_constant_schedule_with_warmup, get_co
 from training.compat.deepspeed import muon_flags
 from training.config.errors import ConfigError
 from training.config.recipe import Recipe, TrainingSection
+from training.loop.shaped_optimizer import ShapedOptimizer
 from training.planning.shape import ModelShape, decoder_layers
 
-DEEPSPEED_TYPES = {"adamw": "AdamW", "lion": "Lion", "muon": "Muon"}  # the ds_config's optimizer.type
-ADAMW_ONLY_KEYS = ("eps", "torch_adam")  # in the shipped configs; Lion takes neither
+DEEPSPEED_TYPES = {"adamw": "AdamW", "adamw8bit": "AdamW8bit", "adafactor": "Adafactor", "lion": "Lion",
+                   "muon": "Muon"}  # the ds_config's optimizer.type
+CLIENT_OPTIMIZERS = ("adamw8bit", "adafactor", "lion")  # built here and handed to DeepSpeed
+UNTAKEN_KEYS = {"lion": ("eps", "torch_adam"), "adamw8bit": ("torch_adam",),
+                "adafactor": ("eps", "torch_adam", "betas")}  # the shipped configs' AdamW settings they do not take
 
 
 def deepspeed_optimizer_keys(recipe: Recipe, setting: str) -> dict[str, tuple[str, Any]]:
@@ -41,19 +49,20 @@ def deepspeed_optimizer_keys(recipe: Recipe, setting: str) -> dict[str, tuple[st
     training, section = recipe.training, recipe.optimizer
     keys = {"optimizer.type": ("optimizer.name", DEEPSPEED_TYPES[section.name]),
             "optimizer.params.lr": ("training.lr", training.lr),
-            "optimizer.params.betas": ("training.betas", list(training.betas)),
             "optimizer.params.weight_decay": ("training.weight_decay", training.weight_decay)}
-    if section.name != "lion":
+    if section.name != "adafactor":  # its second moment's decay follows the step count (beta2_decay), no betas
+        keys["optimizer.params.betas"] = ("training.betas", list(training.betas))
+    if section.name not in ("lion", "adafactor"):
         keys["optimizer.params.eps"] = ("training.eps", training.eps)
     if section.name == "muon":
         keys["optimizer.params.muon_lr"] = ("optimizer.muon_lr", section.muon_lr)
         keys["optimizer.params.momentum"] = ("optimizer.muon_momentum", section.muon_momentum)
         if setting.startswith("3"):  # DeepSpeed's ZeRO-3 Muon refuses its reduce-scatter gradient path
             keys["zero_optimization.reduce_scatter"] = ("optimizer.name=muon at ZeRO-3", False)
-    if section.name == "lion":  # a client optimizer, which ZeRO wraps as it wraps any torch optimizer
-        keys["zero_allow_untested_optimizer"] = ("optimizer.name=lion", True)
+    if section.name in CLIENT_OPTIMIZERS:  # which ZeRO wraps as it wraps any torch optimizer
+        keys["zero_allow_untested_optimizer"] = (f"optimizer.name={section.name}", True)
         if setting.endswith("_offload"):  # stepped on the CPU, in place of DeepSpeed's CPU optimizers
-            keys["zero_force_ds_cpu_optimizer"] = ("optimizer.name=lion with ZeRO-Offload", False)
+            keys["zero_force_ds_cpu_optimizer"] = (f"optimizer.name={section.name} with ZeRO-Offload", False)
     return keys
 
 
@@ -93,32 +102,27 @@ def muon_name_rule_mismatch(config: PretrainedConfig) -> list[str]:
 
 
 def client_optimizer(ds_config: dict) -> Callable[[list], Optimizer] | None:
-    """None: DeepSpeed builds the optimizer its config names; for Lion, lion-pytorch's with the config's settings
-    (module docstring)."""
+    """None: DeepSpeed builds the optimizer its config names; for Lion, lion-pytorch's (module docstring); for
+    AdamW8bit (torchao) and Adafactor (torch), the library's inside a ShapedOptimizer, which shows it each
+    parameter in its own shape under ZeRO (training/loop/shaped_optimizer.py); all with the config's settings."""
     optimizer = ds_config["optimizer"]
-    if optimizer["type"] != "Lion":
-        return None
     params = optimizer["params"]
-    return partial(Lion, lr=params["lr"], betas=tuple(params["betas"]), weight_decay=params["weight_decay"])
+    settings = {"lr": params["lr"], "weight_decay": params["weight_decay"]}
+    if optimizer["type"] == "Lion":
+        return partial(Lion, betas=tuple(params["betas"]), **settings)
+    if optimizer["type"] == "AdamW8bit":
+        return partial(ShapedOptimizer, build=partial(adamw8bit, betas=tuple(params["betas"]), eps=params["eps"]),
+                       **settings)
+    if optimizer["type"] == "Adafactor":
+        return partial(ShapedOptimizer, build=lambda groups: [torch.optim.Adafactor(groups)], **settings)
+    return None
 
 
-def optimizer_state_bytes(name: str, shape: ModelShape) -> float:
-    """fp32 optimizer-state bytes per parameter, over the whole model: AdamW's two moments (8), Lion's one
-    momentum (4), Muon's momentum on the decoder layers' matrices (4) and AdamW's moments on the rest (8)."""
-    if name == "muon":
-        return (4 * shape.layer_matrix_parameters + 8 * (shape.parameters - shape.layer_matrix_parameters)) / \
-            shape.parameters
-    return 4.0 if name == "lion" else 8.0
-
-
-def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay on matrices; none on biases, norm weights (1-D) and embeddings (tied ones included)."""
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    decay, no_decay = [], []
-    for param in model.parameters():
-        if param.requires_grad:
-            (no_decay if param.ndim < 2 or id(param) in embeddings else decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+def adamw8bit(groups: list[dict], betas: tuple[float, float], eps: float) -> list[Optimizer]:
+    """torchao's AdamW8bit, with torch's AdamW (fp32 moments) on the embeddings (training/loop/shaped_optimizer.py)."""
+    chosen = [(library, [g for g in groups if g["embedding"] == embedding])
+              for library, embedding in ((AdamW8bit, False), (torch.optim.AdamW, True))]
+    return [library(chosen_groups, betas=betas, eps=eps) for library, chosen_groups in chosen if chosen_groups]
 
 
 def lr_schedule(training: TrainingSection, total_steps: int) -> Callable[[Optimizer], LambdaLR]:

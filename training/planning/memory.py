@@ -26,7 +26,7 @@ from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
 from training.config.recipe import Recipe
-from training.loop.optimizer import optimizer_state_bytes
+from training.planning.optimizer_states import optimizer_state_bytes
 from training.planning.plan import Machine, RunPlan
 from training.planning.precision import DTYPES, is_mixed
 from training.planning.shape import ModelShape
@@ -251,15 +251,19 @@ def states_per_setting(recipe: Recipe, precision: str, shape: ModelShape, machin
     """Each ZeRO setting's model states per rank on `machine` (a rank's slice under tensor parallelism, ZeRO over
     the data-parallel ranks; with LoRA, the shape's lora_parameters on frozen weights); offload only in mixed precision
     (DeepSpeed's offload keeps 16-bit weights on the GPU)."""
-    tp, state_bytes = recipe.parallelism.tensor_parallel, optimizer_state_bytes(recipe.optimizer.name, shape)
+    tp = recipe.parallelism.tensor_parallel
     settings = [setting for setting in ZERO_SETTINGS if not (precision == "fp32" and setting.endswith("_offload"))]
+    ranks = machine.gpus_per_node * machine.nodes // tp
+
+    def state_bytes(setting: str) -> float:
+        return optimizer_state_bytes(recipe.optimizer.name, shape, int(setting[0]), ranks)
     if shape.lora_parameters is not None:
         return {setting: lora_model_states(setting, shape, shape.lora_parameters, machine.gpus_per_node, machine.nodes,
-                                           precision, state_bytes, recipe.lora.quantize == "nf4")
+                                           precision, state_bytes(setting), recipe.lora.quantize == "nf4")
                 for setting in settings}
     return {setting: model_states(setting, tensor_parallel_shard(shape, tp), machine.gpus_per_node // tp,
                                   machine.nodes, precision, zero_init=recipe.model.name_or_path is not None,
-                                  state_bytes=state_bytes) for setting in settings}
+                                  state_bytes=state_bytes(setting)) for setting in settings}
 
 
 def planned_model_states(plan: RunPlan) -> ModelStates:
@@ -281,6 +285,6 @@ def planned_model_states(plan: RunPlan) -> ModelStates:
 
 
 def state_bytes(plan: RunPlan) -> float:
-    """The run's optimizer-state bytes per parameter."""
-    return optimizer_state_bytes(plan.recipe.optimizer.name, plan.shape)
+    """The run's optimizer-state bytes per trained parameter (training/planning/optimizer_states.py)."""
+    return optimizer_state_bytes(plan.recipe.optimizer.name, plan.shape, plan.zero_stage, plan.dp_size)
 

@@ -31,6 +31,7 @@ class ModelShape:
     experts_per_token: int = 0  # the router's top-k
     expert_intermediate_size: int = 0
     expert_parameters: int = 0  # every expert's weights, all layers
+    trained_shapes: tuple[tuple[tuple[int, ...], ...], ...] = ()  # per weight_decay_groups group, what it trains
 
     @property
     def inactive_expert_parameters(self) -> int:
@@ -67,6 +68,16 @@ def count(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay on matrices; none on biases, norm weights (1-D) and embeddings (tied ones included)."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (no_decay if param.ndim < 2 or id(param) in embeddings else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return model.base_model.layers if hasattr(model.base_model, "layers") else model.base_model.h  # GPT-2: h
 
@@ -93,7 +104,8 @@ def model_shape(config: PretrainedConfig, lora: LoraSection | None = None) -> Mo
         head_dim=head_dim, vocab_size=config.vocab_size, **expert_shape(model, config))
     if lora and lora.enabled:  # last: peft adds the adapters to this very model
         shape = replace(shape, lora_parameters=adapted_parameters(model, lora))
-    return shape
+    return replace(shape, trained_shapes=tuple(tuple(tuple(p.shape) for p in group["params"])
+                                               for group in weight_decay_groups(model, 0.0)))
 
 
 def expert_shape(model: torch.nn.Module, config: PretrainedConfig) -> dict:

@@ -30,6 +30,7 @@ from training.compat.deepspeed import convert_with_tensor_parallel, make_stage_n
 from training.parallel.distributed import host_group
 from training.config.errors import ConfigError
 from training.parallel.layout import Layout
+from training.planning.optimizer_states import SHAPED
 from training.state.run_state import RunState
 
 UNIVERSAL = "universal"  # the folder under checkpoints/ that holds converted checkpoints, one per tag
@@ -75,6 +76,8 @@ def needs_universal(wrote: Layout, layout: Layout, streaming: bool, export_hint:
                           f"that wrote it, or start a new run from its weights: {export_hint}")
     if not through_universal(wrote, layout):
         return False
+    if layout.optimizer in SHAPED:
+        raise ConfigError(shaped_refusal(f"--resume ({change})", layout.optimizer, export_hint))
     if layout.optimizer != "adamw":
         raise ConfigError(f"--resume ({change}): the universal conversion is proven here with AdamW's moments, not "
                           f"{layout.optimizer}'s states; resume in the layout that wrote the checkpoint, or start a "
@@ -84,6 +87,13 @@ def needs_universal(wrote: Layout, layout: Layout, streaming: bool, export_hint:
                           f"ZeRO-0 optimizer state is neither written nor read by them. Resume at ZeRO-0 (on any number "
                           f"of ranks) or, to move to ZeRO, start a new run from its weights: {export_hint}")
     return True
+
+
+def shaped_refusal(what: str, optimizer: str, export_hint: str) -> str:
+    kept = "in 8-bit blocks" if optimizer == "adamw8bit" else "as a row and a column per matrix"
+    return (f"{what}: {optimizer} keeps its states for the part of each weight a rank holds, {kept} "
+            f"(training/loop/shaped_optimizer.py), which DeepSpeed's universal conversion (flat fp32 moments) cannot "
+            f"join; resume in the layout that wrote the checkpoint, or start a new run from its weights: {export_hint}")
 
 
 def universal_folder(checkpoint_dir: Path, tag: str) -> Path:
@@ -105,6 +115,9 @@ def convert(checkpoint_dir: Path, tag: str) -> Path:
         raise ConfigError(f"{source} is a pipeline checkpoint (a file per layer); DeepSpeed's universal converter reads "
                           f"only Megatron's layer layout. Resume in the layout that wrote it, or start a new run from "
                           f"its weights: {export_hint}")
+    wrote = run_state_of(source)
+    if wrote and wrote.optimizer in SHAPED:
+        raise ConfigError(shaped_refusal(str(source), wrote.optimizer, export_hint))
     if not any(source.glob("*optim_states.pt")):
         raise ConfigError(f"{source} holds no ZeRO optimizer partitions (a ZeRO-0 checkpoint, or not DeepSpeed's); "
                           f"universal checkpoints connect ZeRO stages 1-3. A ZeRO-0 run resumes at ZeRO-0 on any number "
@@ -163,12 +176,18 @@ def with_universal_load(ds_config: dict) -> dict:
     return {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
 
 
-def tensor_parallel_of(tag_dir: Path) -> int:
-    """The tensor-parallel degree of the run that wrote the checkpoint (its run state; 1 for a checkpoint without)."""
+def run_state_of(tag_dir: Path) -> RunState | None:
+    """The run state the checkpoint was written with; None for a checkpoint without a readable one."""
     try:
-        return RunState.model_validate_json((tag_dir / "run_state.json").read_bytes()).tensor_parallel
+        return RunState.model_validate_json((tag_dir / "run_state.json").read_bytes())
     except (OSError, ValidationError):
-        return 1
+        return None
+
+
+def tensor_parallel_of(tag_dir: Path) -> int:
+    """The tensor-parallel degree of the run that wrote the checkpoint (1 for a checkpoint without a run state)."""
+    state = run_state_of(tag_dir)
+    return state.tensor_parallel if state else 1
 
 
 if __name__ == "__main__":  # the conversion's child process (convert)

@@ -13,7 +13,7 @@ from deepspeed.runtime.zero import stage3
 
 from tests.conftest import run_train
 from training.compat.deepspeed import (local_fp32_shares, muon_flags, pipeline_layer_file, withheld_step,
-                                       zero0_grad_norm)
+                                       zero0_grad_norm, zero_cuts)
 
 STAGE3 = stage3.DeepSpeedZeroOptimizer_Stage3
 
@@ -99,6 +99,24 @@ def test_zero1_parameters_map_to_their_fp32_fragments(one_rank):
     shares = local_fp32_shares(engine, parameters)
     assert [(start, size) for start, size, _ in shares] == [(0, p.numel()) for p in parameters]
     assert all(torch.equal(share.view(p.shape), p.float()) for (_, _, share), p in zip(shares, parameters))
+
+
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_zero_cuts_are_deepspeeds_partitions(one_rank, zero_stage):
+    """On one rank what can be seen of the cut: ZeRO-1's flat group padded to an even length, ZeRO-3's weights whole;
+    the source lines below make the N-rank rule (tests/test_optimizers.py measures it on 2 ranks)."""
+    engine = tiny_engine(zero_stage)  # 8 x 8 + 8 + 8 + 1 = 81 values in one group
+    sizes = [p.ds_numel if zero_stage == 3 else p.numel() for p in engine.module.parameters()]
+    assert zero_cuts([sizes], zero_stage, 1, 0) == [(i, 0, size) for i, size in enumerate(sizes)]
+    if zero_stage == 1:
+        assert [flat.numel() for flat in engine.optimizer.single_partition_of_fp32_groups] == [82]
+    assert "self.nccl_start_alignment_factor = 2" in source(deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer)
+    assert "alignment = self.nccl_start_alignment_factor * dist.get_world_size(" in \
+        source(deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer)
+    init = deepspeed.runtime.zero.partition_parameters.Init
+    assert "remainder = param.ds_numel % partition_world_size" in source(init._padding_size)
+    assert "partition_size = tensor_size // self._partition_world_size(param)" in \
+        source(deepspeed.runtime.zero.partition_parameters)  # Init._partition_param, wrapped for NVTX
 
 
 def test_save_16bit_model_still_gathers_through_the_private_method():

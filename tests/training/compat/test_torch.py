@@ -1,7 +1,8 @@
 """Canaries of training/compat/torch.py: each fails when its workaround is no longer right (docs/compat.md)."""
+import pytest
 import torch
 
-from training.compat.torch import found_inf, replace_forward
+from training.compat.torch import found_inf, plain_optimizer_states, rebuilt_optimizer_states, replace_forward
 
 
 def test_grad_scaler_reports_found_inf_only_through_a_private_method():
@@ -21,3 +22,16 @@ def test_an_instance_forward_replaces_the_class_forward():
     module.register_forward_hook(lambda *_: seen.append("hook"))
     replace_forward(module, lambda self, x: x * 3)
     assert torch.equal(module(torch.ones(2)), torch.full((2,), 3.0)) and seen == ["hook"]
+
+
+def test_a_callable_map_location_cannot_load_a_tensor_subclass(tmp_path):
+    from torchao.optim.subclass_8bit import OptimState8bit
+    path = tmp_path / "state.pt"
+    torch.save({"exp_avg": OptimState8bit.zeros((4096,), signed=True)}, path)
+    with pytest.raises(RuntimeError, match="Callable map_location not supported"):
+        torch.load(path, map_location=lambda storage, location: storage, weights_only=False)
+    saved = plain_optimizer_states({"state": {0: {"exp_avg": OptimState8bit.zeros((4096,), signed=True)}}})
+    torch.save(saved, path)
+    loaded = rebuilt_optimizer_states(torch.load(path, map_location=lambda storage, location: storage,
+                                                 weights_only=False))
+    assert type(loaded["state"][0]["exp_avg"]) is OptimState8bit

@@ -8,10 +8,10 @@ import train
 from tests.test_train import no_model_building  # noqa: F401 (a fixture)
 from training.config.ds_config import load_ds_config, resolve_ds_config
 from training.config.errors import ConfigError
-from training.loop.optimizer import (client_optimizer, lr_schedule, muon_name_rule_mismatch, optimizer_state_bytes,
-                                weight_decay_groups)
+from training.loop.optimizer import client_optimizer, lr_schedule, muon_name_rule_mismatch
+from training.planning.optimizer_states import optimizer_state_bytes
 from training.config.recipe import load_recipe
-from training.planning.shape import model_shape
+from training.planning.shape import model_shape, weight_decay_groups
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -86,6 +86,12 @@ def test_the_optimizer_section_follows_the_recipe():
     assert {key: muon["optimizer"]["params"][key] for key in ("lr", "muon_lr", "momentum")} == \
         {"lr": 3e-3, "muon_lr": 0.01, "momentum": 0.95}
     assert muon["zero_optimization"]["reduce_scatter"] is False  # DeepSpeed's ZeRO-3 Muon refuses it
+    adamw8bit = resolved("optimizer.name=adamw8bit", "deepspeed.config=zero3_offload", "precision=bf16")
+    assert adamw8bit["optimizer"] == {"type": "AdamW8bit", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                                       "weight_decay": 0.1}}
+    assert adamw8bit["zero_allow_untested_optimizer"] is True and adamw8bit["zero_force_ds_cpu_optimizer"] is False
+    adafactor = resolved("optimizer.name=adafactor", "training.lr=1e-2")
+    assert adafactor["optimizer"] == {"type": "Adafactor", "params": {"lr": 1e-2, "weight_decay": 0.1}}
 
 
 def test_a_json_optimizer_type_that_contradicts_the_recipe_is_refused(tmp_path):
@@ -95,7 +101,7 @@ def test_a_json_optimizer_type_that_contradicts_the_recipe_is_refused(tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     ("optimizer.muon_lr=0.01", "optimizer.muon_lr applies to optimizer.name=muon, not adamw"),
-    ("optimizer.name=sgd", "optimizer.name: Input should be 'adamw', 'lion' or 'muon'"),
+    ("optimizer.name=sgd", "optimizer.name: Input should be 'adamw', 'adamw8bit', 'adafactor', 'lion' or 'muon'"),
 ])
 def test_invalid_optimizer_settings(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -125,12 +131,6 @@ def test_muon_takes_exactly_the_decoder_layers_matrices(model_type):
     assert muon_name_rule_mismatch(config) == []
 
 
-def test_optimizer_state_bytes_per_parameter():
-    shape = model_shape(AutoConfig.from_pretrained("recipes/tiny_llama/config.json"))
-    assert optimizer_state_bytes("adamw", shape) == 8 and optimizer_state_bytes("lion", shape) == 4
-    matrices = shape.layer_matrix_parameters
-    assert 0 < matrices < shape.parameters
-    assert optimizer_state_bytes("muon", shape) * shape.parameters == 4 * matrices + 8 * (shape.parameters - matrices)
 
 
 def test_lion_leaves_a_weight_without_a_gradient_where_it_is():

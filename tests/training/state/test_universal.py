@@ -1,5 +1,7 @@
 """Which resumes go through a universal checkpoint, and which cannot be made (the conversions themselves run
 in tests/test_resume_anywhere.py)."""
+import json
+
 import pytest
 
 from training.config.errors import ConfigError
@@ -53,6 +55,9 @@ def test_run_states_older_than_a_key_count_as_its_default(key):
     ({}, {"pipeline_stages": 2}, "pipeline_stages 1 -> 2.*Megatron's layer layout"),
     ({}, {"optimizer": "lion"}, "optimizer adamw -> lion.*holds adamw's optimizer states; resume with optimizer.name=adamw"),
     ({"optimizer": "muon"}, {"optimizer": "muon", "world_size": 1}, "proven here with AdamW's moments, not muon's"),
+    ({"optimizer": "adafactor"}, {"optimizer": "adafactor", "zero_stage": 3}, "adafactor keeps its states for the "
+     "part of each weight a rank holds, as a row and a column per matrix.*resume in the layout that wrote"),
+    ({"optimizer": "adamw8bit"}, {"optimizer": "adamw8bit", "world_size": 4}, "in 8-bit blocks"),
     ({"sequence_parallel": 2}, {"tensor_parallel": 2}, "sequence_parallel 2 -> 1.*a tensor-parallel checkpoint"),
 ])
 def test_what_cannot_be_converted_is_refused_with_the_way_out(wrote, changes, message):
@@ -65,6 +70,17 @@ def test_a_stream_cannot_move_to_another_number_of_ranks():
     with pytest.raises(ConfigError, match="world_size 2 -> 1.*data.streaming.*resume with 2 rank"):
         needs_universal(written(WROTE), layout(world_size=1), streaming=True, export_hint=HINT)
     assert needs_universal(written(WROTE), layout(zero_stage=3), streaming=True, export_hint=HINT) is True
+
+
+def test_the_converter_is_not_started_on_a_memory_lean_optimizers_checkpoint(tmp_path, capsys):
+    from training.__main__ import main
+    tag = tmp_path / "checkpoints" / "global_step4"
+    tag.mkdir(parents=True)
+    (tag / "run_state.json").write_text(json.dumps({**WROTE, "optimizer": "adafactor"}))
+    (tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
+    assert main(["convert", str(tag)]) == 2
+    assert f"{tag}: adafactor keeps its states" in capsys.readouterr().err
+    assert not (tmp_path / "checkpoints" / "universal").exists()
 
 
 def test_a_checkpoint_the_converter_cannot_read_exits_2_and_leaves_nothing(tmp_path, capsys):
