@@ -34,7 +34,7 @@ from training.compat.deepspeed import muon_flags
 from training.config.errors import ConfigError
 from training.config.recipe import Recipe, TrainingSection
 from training.loop.shaped_optimizer import ShapedOptimizer
-from training.planning.shape import ModelShape, decoder_layers
+from training.planning.shape import decoder_layers
 
 DEEPSPEED_TYPES = {"adamw": "AdamW", "adamw8bit": "AdamW8bit", "adafactor": "Adafactor", "lion": "Lion",
                    "muon": "Muon"}  # the ds_config's optimizer.type

@@ -71,15 +71,19 @@ class ShapedOptimizer(Optimizer):
         self.libraries = self.build(groups)
         self.shared = {id(p) for group in self.parameters for p in group}
         # DeepSpeed steps a group at a time, showing param_groups as a list of that group's (same) dict
-        self.library_groups = {id(group): [library_group for library in self.libraries
-                                           for library_group in library.param_groups if library_group["outer"] == i]
-                               for i, group in enumerate(self.param_groups)}
+        self.outer = {id(group): index for index, group in enumerate(self.param_groups)}
+
+    def library_groups(self, group: dict) -> list[dict]:
+        """The library optimizers' groups made from `group` (looked up each time: loading their state replaces
+        them)."""
+        return [library_group for library in self.libraries for library_group in library.param_groups
+                if library_group["outer"] == self.outer[id(group)]]
 
     def step(self, closure: Callable | None = None) -> None:
         assert closure is None, "DeepSpeed steps without a closure"
         lent = []
         for group in self.param_groups:
-            for library_group in self.library_groups[id(group)]:
+            for library_group in self.library_groups(group):
                 for key in HYPERPARAMETERS:
                     if torch.is_tensor(library_group[key]):  # torchao keeps lr as a tensor: compiled once
                         library_group[key].fill_(group[key])
@@ -103,11 +107,16 @@ class ShapedOptimizer(Optimizer):
         return inside
 
     def state_dict(self) -> dict:
-        return {"libraries": [plain_optimizer_states(library.state_dict()) for library in self.libraries]}
+        """The library optimizers' states, and the groups' settings: the schedule's last learning rate lives only
+        here (a torch scheduler's own state does not set it again when loaded)."""
+        return {"libraries": [plain_optimizer_states(library.state_dict()) for library in self.libraries],
+                "groups": [{key: group[key] for key in HYPERPARAMETERS} for group in self.param_groups]}
 
     def load_state_dict(self, state_dict: dict) -> None:
         for library, library_state in zip(self.libraries, state_dict["libraries"], strict=True):
             library.load_state_dict(rebuilt_optimizer_states(library_state))
+        for group, settings in zip(self.param_groups, state_dict["groups"], strict=True):
+            group.update(settings)
 
 
 def attach_shaped_optimizer(engine: DeepSpeedEngine) -> None:

@@ -9,9 +9,8 @@ from tests.test_train import no_model_building  # noqa: F401 (a fixture)
 from training.config.ds_config import load_ds_config, resolve_ds_config
 from training.config.errors import ConfigError
 from training.loop.optimizer import client_optimizer, lr_schedule, muon_name_rule_mismatch
-from training.planning.optimizer_states import optimizer_state_bytes
 from training.config.recipe import load_recipe
-from training.planning.shape import model_shape, weight_decay_groups
+from training.planning.shape import weight_decay_groups
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -110,10 +110,13 @@ def test_a_checkpoint_loads_back_at_every_zero_stage(one_rank, tmp_path, name, d
     engine, *_ = shaped_engine(name, ds_config_name)
     engine.backward(engine(input_ids=batch(0), labels=batch(0)).loss)
     engine.step()
+    for group in engine.optimizer.param_groups:  # as a schedule leaves it: its own state does not set it again
+        group["lr"] /= 3
     engine.save_checkpoint(str(tmp_path), tag="step1")
     loaded, *_ = shaped_engine(name, ds_config_name)
-    loaded.load_checkpoint(str(tmp_path), tag="step1")
+    loaded.load_checkpoint(str(tmp_path), tag="step1", load_lr_scheduler_states=False)
     assert state_bytes(client_of(loaded)) == state_bytes(client_of(engine)) > 0
+    assert [g["lr"] for g in loaded.optimizer.param_groups] == [g["lr"] for g in engine.optimizer.param_groups]
     for each in (engine, loaded):
         each.backward(each(input_ids=batch(1), labels=batch(1)).loss)
         each.step()
