@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 from lion_pytorch import Lion
-from torchao.optim import AdamW8bit
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import AutoModelForCausalLM, PretrainedConfig
@@ -119,7 +118,10 @@ def client_optimizer(ds_config: dict) -> Callable[[list], Optimizer] | None:
 
 
 def adamw8bit(groups: list[dict], betas: tuple[float, float], eps: float) -> list[Optimizer]:
-    """torchao's AdamW8bit, with torch's AdamW (fp32 moments) on the embeddings (training/loop/shaped_optimizer.py)."""
+    """torchao's AdamW8bit, with torch's AdamW (fp32 moments) on the embeddings (training/loop/shaped_optimizer.py).
+    torchao is imported here, as training/models/fp8.py does: its import takes about 2 s that other runs need not pay."""
+    from torchao.optim import AdamW8bit
+
     chosen = [(library, [g for g in groups if g["embedding"] == embedding])
               for library, embedding in ((AdamW8bit, False), (torch.optim.AdamW, True))]
     return [library(chosen_groups, betas=betas, eps=eps) for library, chosen_groups in chosen if chosen_groups]
