@@ -88,8 +88,9 @@ def library_optimizers(name: str, groups: list[dict], settings: dict) -> list[to
     if name == "adafactor":
         return [torch.optim.Adafactor(groups, lr=settings["lr"])]
     adam = {"lr": settings["lr"], "betas": settings["betas"], "eps": settings["eps"]}
-    return [library([g for g in groups if g["embedding"] == embedding], **adam)
-            for library, embedding in ((AdamW8bit, False), (torch.optim.AdamW, True))]
+    chosen = [(library, [g for g in groups if g["embedding"] == embedding])
+              for library, embedding in ((AdamW8bit, False), (torch.optim.AdamW, True))]
+    return [library(library_groups, **adam) for library, library_groups in chosen if library_groups]
 
 
 class Pieces:
@@ -180,12 +181,10 @@ def run(name: str, ds_config_name: str, config: AutoConfig) -> None:
         reference_run(name, reference, ranks, settings, recipe.training.weight_decay,
                       rank_shares(shape.trained_shapes, 0, 1, 0))
         reference_run(name, pieces, ranks, settings, recipe.training.weight_decay, cuts)
-        whole = relative_differences(reference, trained)
+        whole, differences = relative_differences(reference, trained), relative_differences(pieces, trained)
         report |= {"planned_state_bytes": rank_state_bytes(name, shape, stage, ranks), "split": sorted(split),
                    "whole_weights": max((v for n, v in whole.items() if n not in split), default=None),
-                   "unsplit_reference": max(whole.values()),
-                   "all_weights": max(relative_differences(pieces, trained).values())}
-        differences = relative_differences(pieces, trained)
+                   "unsplit_reference": max(whole.values()), "all_weights": max(differences.values())}
     else:
         reference_run(name, reference, ranks, settings, recipe.training.weight_decay)
         differences = relative_differences(reference, trained)

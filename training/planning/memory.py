@@ -254,16 +254,15 @@ def states_per_setting(recipe: Recipe, precision: str, shape: ModelShape, machin
     tp = recipe.parallelism.tensor_parallel
     settings = [setting for setting in ZERO_SETTINGS if not (precision == "fp32" and setting.endswith("_offload"))]
     ranks = machine.gpus_per_node * machine.nodes // tp
-
-    def state_bytes(setting: str) -> float:
-        return optimizer_state_bytes(recipe.optimizer.name, shape, int(setting[0]), ranks)
+    optimizer = {setting: optimizer_state_bytes(recipe.optimizer.name, shape, int(setting[0]), ranks)
+                 for setting in settings}
     if shape.lora_parameters is not None:
         return {setting: lora_model_states(setting, shape, shape.lora_parameters, machine.gpus_per_node, machine.nodes,
-                                           precision, state_bytes(setting), recipe.lora.quantize == "nf4")
+                                           precision, optimizer[setting], recipe.lora.quantize == "nf4")
                 for setting in settings}
     return {setting: model_states(setting, tensor_parallel_shard(shape, tp), machine.gpus_per_node // tp,
                                   machine.nodes, precision, zero_init=recipe.model.name_or_path is not None,
-                                  state_bytes=state_bytes(setting)) for setting in settings}
+                                  state_bytes=optimizer[setting]) for setting in settings}
 
 
 def planned_model_states(plan: RunPlan) -> ModelStates:

@@ -12,14 +12,13 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from training.config.ds_config import load_ds_config, resolve_ds_config
 from training.config.recipe import load_recipe
-from training.loop.optimizer import client_optimizer, lr_schedule
-from training.loop.shaped_optimizer import attach_shaped_optimizer, share_parts, state_bytes
-from training.planning.optimizer_states import rank_state_bytes
-from training.planning.shape import model_shape, weight_decay_groups
+from tests.helpers.optimizer_steps import STEPS, Pieces, start_engine
+from training.loop.shaped_optimizer import share_parts, state_bytes
+from training.planning.optimizer_states import rank_shares, rank_state_bytes
+from training.planning.shape import model_shape
 
 CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, use_cache=False)
-STEPS = 3
 # ZeRO-3 reduces the gradients through its own hooks, whose float sums differ from autograd's in the last bits:
 # measured 3e-8 on the embedding (rows Adam divides by tiny second moments) and, where that flips an 8-bit code
 # of AdamW8bit's moments, 3e-7 on one weight (steps of lr = 3e-3)
@@ -37,29 +36,11 @@ def shaped_engine(name: str, ds_config_name: str) -> tuple[deepspeed.DeepSpeedEn
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **CONFIG), dtype=torch.float32)
     reference = copy.deepcopy(model)
-    engine, *_ = deepspeed.initialize(model=model, config=ds_config, optimizer=client_optimizer(ds_config),
-                                      model_parameters=weight_decay_groups(model, recipe.training.weight_decay),
-                                      lr_scheduler=lr_schedule(recipe.training, STEPS))
-    attach_shaped_optimizer(engine)
-    return engine, reference, recipe
+    return start_engine(model, ds_config, recipe), reference, recipe
 
 
 def batch(step: int) -> torch.Tensor:
     return torch.randint(0, CONFIG["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(step))
-
-
-def library_optimizers(name: str, model: torch.nn.Module, recipe) -> list[torch.optim.Optimizer]:
-    """What the optimizer is without DeepSpeed: torch's Adafactor; torchao's AdamW8bit with torch's AdamW on the
-    embeddings."""
-    training, groups = recipe.training, weight_decay_groups(model, recipe.training.weight_decay)
-    if name == "adafactor":
-        return [torch.optim.Adafactor(groups, lr=training.lr)]
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    split = [[{**g, "params": [p for p in g["params"] if (id(p) in embeddings) == embedding]} for g in groups]
-             for embedding in (False, True)]
-    adam = {"lr": training.lr, "betas": training.betas, "eps": training.eps}
-    return [AdamW8bit([g for g in split[0] if g["params"]], **adam),
-            torch.optim.AdamW([g for g in split[1] if g["params"]], **adam)]
 
 
 def client_of(engine: deepspeed.DeepSpeedEngine) -> torch.optim.Optimizer:
@@ -71,24 +52,25 @@ def client_of(engine: deepspeed.DeepSpeedEngine) -> torch.optim.Optimizer:
 def test_steps_equal_the_library_optimizer_and_the_states_the_plan(one_rank, name, ds_config_name):
     engine, reference, recipe = shaped_engine(name, ds_config_name)
     initial = {name_: weight.detach().clone() for name_, weight in reference.named_parameters()}
-    optimizers = library_optimizers(name, reference, recipe)
+    shape, training = model_shape(AutoConfig.for_model("llama", **CONFIG)), recipe.training
+    library = Pieces(name, reference, rank_shares(shape.trained_shapes, 0, 1, 0),  # the library on whole weights
+                     {"lr": training.lr, "betas": training.betas, "eps": training.eps}, training.weight_decay)
     for step in range(STEPS):
         engine.backward(engine(input_ids=batch(step), labels=batch(step)).loss)
         engine.step()
         reference.zero_grad()
         reference(input_ids=batch(step), labels=batch(step)).loss.backward()
-        for optimizer in optimizers:
-            optimizer.step()
+        with torch.no_grad():
+            library.step()
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
         trained = dict(engine.module.named_parameters())
         for name_, weight in reference.named_parameters():
             assert not torch.equal(weight, initial[name_]), f"{name_} did not move"
             torch.testing.assert_close(trained[name_], weight, rtol=0, atol=TOLERANCE[ds_config_name],
                                        msg=lambda m: f"{name_}: {m}")
-    stage = engine.zero_optimization_stage()
     measured = state_bytes(client_of(engine))
-    assert measured == rank_state_bytes(name, model_shape(AutoConfig.for_model("llama", **CONFIG)), stage, 1)[0]
-    assert measured == sum(state_bytes(optimizer) for optimizer in optimizers)
+    assert measured == rank_state_bytes(name, shape, engine.zero_optimization_stage(), 1)[0]
+    assert measured == sum(state_bytes(optimizer) for optimizer in library.optimizers)
 
 
 def test_adafactor_factors_each_matrix_under_zero():
