@@ -1,6 +1,5 @@
 """The data stage in-process (`datasets`, num_proc) against the same stage as a datatrove job on this machine.
 
-    pip install -r requirements-scale.txt
     python benchmarks/data_engines.py [--copies 30] [--shards 8] [--cores 2]
 
 The corpus: tiny_llama's documents (Python's documentation) `--copies` times, each copy with 10% of its

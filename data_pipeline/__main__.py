@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from data_pipeline import DataError
-from data_pipeline.config import DedupConfig
+from data_pipeline.config import SAMPLES_FILE, DedupConfig
 from data_pipeline.dedup import NearDuplicates, repeated_mask, text_hashes
 from data_pipeline.files import emptiness, json_lines, record_problem
 from data_pipeline.prepare import PREPARE_COMMAND, build_dataset, minhash_signatures, save_prepared
@@ -42,6 +42,21 @@ def print_counts(title: str, counts: dict) -> None:
             table.add_row(name, f"{value:,}" if isinstance(value, int) else f"{value:.4f}" if isinstance(value, float)
                           else value)
     Console(width=120).print(table)
+
+
+def print_filters(stats: dict, output: Path) -> None:
+    """What each quality filter removed, in order: the trade-off to judge with the samples beside the data."""
+    table = Table(title="quality filters, in order", title_justify="left")
+    for column in ("filter", "documents removed", "of those read", "tokens removed", "edited", "top reasons"):
+        table.add_column(column, justify="left" if column in ("filter", "top reasons") else "right")
+    for index, counts in enumerate(stats["filters"]):
+        reasons = sorted(counts["reasons"].items(), key=lambda item: -item[1])[:3]
+        table.add_row(f"{index}: {counts['type']}", f"{counts['documents_removed']:,}",
+                      f"{counts['documents_removed'] / max(1, stats['documents_in']):.1%}",
+                      f"{counts['tokens_removed']:,}", f"{counts['documents_edited']:,}",
+                      ", ".join(f"{reason} {count:,}" for reason, count in reasons))
+    Console(width=140).print(table)
+    print(f"a sample of each filter's removed documents: {output / SAMPLES_FILE}")
 
 
 DEDUP_COMMAND = "python -m data_pipeline dedup"
@@ -77,9 +92,11 @@ def prepare(args: argparse.Namespace) -> int:
             return job_not_finished(args.output, work, args.executor)
         stats = json.loads((args.output / "stats.json").read_text())
     else:
-        prepared, stats = build_dataset(recipe.data, tokenizer)
-        save_prepared(prepared, stats, args.output)
+        save_prepared(*build_dataset(recipe.data, tokenizer), args.output)
+        stats = json.loads((args.output / "stats.json").read_text())
     print_counts(f"{recipe.name}: prepared data in {args.output}", stats)
+    if "filters" in stats:
+        print_filters(stats, args.output)
     if "eval" in stats:
         print_counts("evaluation split", stats["eval"])
     for source in stats["sources"]:

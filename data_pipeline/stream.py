@@ -4,7 +4,9 @@ Each rank reads its own share of the sources (`datasets` streaming, split by ran
 document at a time and packs with `concat` into exactly the rows its micro-batches need, carrying the
 unfinished tail into the next batch. Nothing is written to disk and memory stays bounded.
 
-Limits, all checked by the recipe schema: `concat` packing only (best-fit needs the whole data set);
+Quality filters (`data.filters`) judge each rank's documents as they are read; a stream writes no stats.json, so
+what they removed is not counted (prepare the sources to see it). Limits, all checked by the recipe schema: `concat`
+packing only (best-fit needs the whole data set);
 no deduplication and no evaluation split (both need every document; deduplicate offline with
 `python -m data_pipeline dedup`); source weights act as sampling probabilities (weights / sum) rather
 than rates; the run length is `training.max_steps` (the number of rows is unknown in advance). Resume
@@ -12,6 +14,8 @@ restores the position after the last document used, plus the carried tail: exact
 (`shuffle_buffer: 0`), and with shuffling the documents in the shuffle buffer at the checkpoint are
 skipped, as `datasets` documents for IterableDataset.state_dict.
 """
+from functools import partial
+
 import datasets
 import numpy as np
 import torch
@@ -25,8 +29,9 @@ from data_pipeline.sources import load_source
 from data_pipeline.tokenize import encode_batch
 
 
-def stream_documents(config: DataConfig, dp_rank: int, dp_size: int, seed: int) -> datasets.IterableDataset:
-    """This rank's share of the mixed sources, as one iterable of documents."""
+def stream_documents(config: DataConfig, tokenizer: PreTrainedTokenizerBase, dp_rank: int, dp_size: int,
+                     seed: int) -> datasets.IterableDataset:
+    """This rank's share of the mixed sources, as one iterable of documents, without those the quality filters remove."""
     streams = [load_source(source, index, streaming=True) for index, source in enumerate(config.sources)]
     if len(streams) > 1:
         total = sum(s.weight for s in config.sources)
@@ -36,7 +41,12 @@ def stream_documents(config: DataConfig, dp_rank: int, dp_size: int, seed: int) 
         documents = streams[0]
     if config.shuffle_buffer:
         documents = documents.shuffle(seed=seed, buffer_size=config.shuffle_buffer)
-    return split_dataset_by_node(documents, rank=dp_rank, world_size=dp_size)
+    documents = split_dataset_by_node(documents, rank=dp_rank, world_size=dp_size)
+    if config.filters:  # imports datatrove and spaCy: only for recipes that filter
+        from data_pipeline.filters import FilterChain, kept_documents
+        chain = FilterChain([(f.type, f.parameters) for f in config.filters], tokenizer)
+        documents = documents.map(partial(kept_documents, chain), batched=True, batch_size=256)
+    return documents
 
 
 class StreamingBatches:
@@ -49,7 +59,7 @@ class StreamingBatches:
                  accumulation_steps: int, dp_rank: int, dp_size: int, seed: int):
         self.config, self.tokenizer = config, tokenizer
         self.micro_batch_size, self.accumulation_steps = micro_batch_size, accumulation_steps
-        self.documents = stream_documents(config, dp_rank, dp_size, seed)
+        self.documents = stream_documents(config, tokenizer, dp_rank, dp_size, seed)
         self.epoch, self.iterator = 0, None
         self.carry = (np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int64))  # tokens, labels, lengths
 

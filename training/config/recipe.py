@@ -281,6 +281,7 @@ def recipe_inputs(recipe: Recipe) -> list[Path]:
     paths = [recipe.path, recipe.model.config, recipe.model.name_or_path, recipe.tokenizer.name_or_path, data.prepared]
     for source in data.sources + data.eval.sources:
         paths += matching_files(source.path) if source.path else []
+    paths += [spec.local_model for spec in data.filters]
     return [Path(path) for path in paths if path and Path(path).exists()]
 
 

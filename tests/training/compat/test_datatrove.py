@@ -1,4 +1,4 @@
-"""Canaries of training/compat/datatrove.py (docs/compat.md); skipped without datatrove (requirements-scale.txt)."""
+"""Canaries of training/compat/datatrove.py (docs/compat.md)."""
 import inspect
 import io
 import json

@@ -10,7 +10,7 @@ from tests.conftest import REPO, train_in_process
 
 
 def pins() -> dict[str, str]:
-    text = (REPO / "requirements.txt").read_text() + (REPO / "requirements-scale.txt").read_text()
+    text = (REPO / "requirements.txt").read_text()
     return dict(re.findall(r"^([A-Za-z0-9_.-]+)==([^\s#]+)", text, re.M))
 
 
