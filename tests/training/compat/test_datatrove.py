@@ -5,16 +5,20 @@ import json
 
 import numpy as np
 import pytest
+from datatrove.data import Document
+from datatrove.executor import LocalPipelineExecutor
+from datatrove.executor.base import PipelineExecutor
+from datatrove.pipeline.dedup import MinhashDedupSignature
+from datatrove.pipeline.dedup.minhash import MinhashConfig
+from datatrove.pipeline.filters import C4QualityFilter, GopherQualityFilter, LambdaFilter, LanguageFilter
+from datatrove.utils import lid
+from datatrove.utils.stats import PipelineStats
+from datatrove.utils.word_tokenizers import SpaCyTokenizer, load_word_tokenizer
 
-pytest.importorskip("datatrove")
-from datatrove.executor import LocalPipelineExecutor  # noqa: E402
-from datatrove.executor.base import PipelineExecutor  # noqa: E402
-from datatrove.pipeline.dedup import MinhashDedupSignature  # noqa: E402
-from datatrove.pipeline.dedup.minhash import MinhashConfig  # noqa: E402
-from datatrove.pipeline.filters import LambdaFilter  # noqa: E402
-from datatrove.utils.stats import PipelineStats  # noqa: E402
-
-from training.compat.datatrove import ShinglesMinhashSignature, step_counts  # noqa: E402
+from data_pipeline.filters import PACKAGED_LID, language_model_file
+from tests.helpers.planted_corpus import FOREIGN, prose_documents
+from training.compat.datatrove import (LocalFileLanguageFilter, ShinglesMinhashSignature, language_filter, step_counts,
+                                       warm_word_tokenizers)
 
 
 def test_minhash_signatures_hash_what_get_shingles_returns(tmp_path):
@@ -44,3 +48,44 @@ def test_the_local_executor_still_waits_on_a_pool():
     assert "pool.imap_unordered(" in inspect.getsource(LocalPipelineExecutor), \
         "datatrove's local executor runs its tasks otherwise now: check whether compat/datatrove.py " \
         "end_if_a_worker_dies can go"
+
+
+ODD_TEXTS = ["", "   ", "Ünïcödé wörds — and “quotes”…", "a\n\n\nb c.  d!",
+             "e-mail: someone@example.com, URL https://example.com/x?y=1 (see 3.14)."]
+
+
+def test_filters_ask_load_word_tokenizer_and_the_warm_pipeline_answers_the_same():
+    """Gopher's words and C4's sentences come from load_word_tokenizer(language); inside warm_word_tokenizers they are
+    the same as datatrove's own, and outside it datatrove's methods are back."""
+    english = load_word_tokenizer("eng")
+    assert type(english) is SpaCyTokenizer and english.config is None
+    texts = prose_documents()[:40] + ODD_TEXTS
+    words, spans = [english.word_tokenize(t) for t in texts], [english.span_tokenize(t) for t in texts]
+    asked = []
+    with warm_word_tokenizers({"eng"}):
+        warm = english.word_tokenize
+        english.word_tokenize = lambda text: asked.append("words") or warm(text)
+        GopherQualityFilter().filter(Document(text=texts[0], id="0"))
+        english.word_tokenize = warm
+        assert asked == ["words"]
+        warm_spans = english.span_tokenize
+        english.span_tokenize = lambda text: asked.append("spans") or warm_spans(text)
+        C4QualityFilter().filter(Document(text=texts[0], id="0"))
+        english.span_tokenize = warm_spans
+        assert "spans" in asked
+        assert [english.word_tokenize(t) for t in texts] == words
+        assert [english.span_tokenize(t) for t in texts] == spans
+    assert "word_tokenize" not in vars(english) and "span_tokenize" not in vars(english)
+
+
+def test_the_language_filter_predicts_with_the_lid_in_its_model_attribute(monkeypatch):
+    """LanguageFilter asks its `model` attribute (an FT176LID, which would download lid.176.bin and needs the
+    fasttext-numpy2-wheel distribution); the packaged file answers in its place, with nothing downloaded."""
+    with pytest.raises(ImportError, match="fasttext-numpy2-wheel"):
+        LanguageFilter(["en"])  # when upstream accepts fasttext-predict, LocalFileLanguageFilter.__new__ can go
+    assert isinstance(LocalFileLanguageFilter(["en"]).model, lid.FT176LID)
+    monkeypatch.setattr(lid, "cached_asset_path_or_download", lambda *args, **kwargs: pytest.fail("a download"))
+    keeps = language_filter(["en"], 0.65, language_model_file(PACKAGED_LID))
+    assert keeps.filter(Document(text=prose_documents()[0], id="0"))
+    document = Document(text=FOREIGN[0], id="1")
+    assert not keeps.filter(document) and document.metadata["language"] == "fr"
