@@ -3,6 +3,7 @@ counts and samples prepare writes, the cache key, the classifier, bad settings, 
 documents."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,10 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
 
 from data_pipeline.__main__ import main
-from data_pipeline.config import SAMPLES_FILE
+from data_pipeline.config import SAMPLES_FILE, DataConfig
 from data_pipeline.filters import ClassifierFilter, FilterChain, check_parameters, sample_key
 from data_pipeline.prepare import build_dataset, fingerprint
 from tests.conftest import REPO
@@ -222,3 +224,12 @@ def test_both_engines_keep_the_same_documents_with_the_same_counts_and_samples(c
         assert got[key] == expected[key], key
     written = [json.loads(line) for line in (output / SAMPLES_FILE).read_text().splitlines()]
     assert written == [{k: v for k, v in s.items() if k != "key"} for s in samples]
+
+
+def test_the_documented_filter_chains_are_valid_recipes():
+    blocks = re.findall(r"```yaml\n(.*?)```", (REPO / "docs/data_filters.md").read_text(), re.S)
+    assert len(blocks) == 2
+    for block in blocks:
+        data = yaml.safe_load(block)["data"]
+        config = DataConfig(seq_len=8, sources=[{"path": str(RECIPES_DIR / "tiny_llama/corpus.jsonl")}], **data)
+        assert [f.type for f in config.filters] == [entry["type"] for entry in data["filters"]]
