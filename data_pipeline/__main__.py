@@ -31,6 +31,7 @@ from data_pipeline.dedup import NearDuplicates, repeated_mask, text_hashes
 from data_pipeline.files import emptiness, json_lines, record_problem
 from data_pipeline.prepare import PREPARE_COMMAND, build_dataset, minhash_signatures, save_prepared
 from data_pipeline.work_folder import check_work_folder, work_folder
+from training.compat import check_versions
 from training.config.errors import exit_code, positive_int
 from training.state.output_guard import check_output, mark, overlap, write_atomically
 
@@ -81,10 +82,10 @@ def prepare(args: argparse.Namespace) -> int:
                         "prepare a streamed recipe's sources anyway, add data.streaming=false")
     check_prepare_output(args.output, recipe_inputs(recipe), args.engine)
     tokenizer = load_tokenizer(recipe.tokenizer_path, recipe.model.trust_remote_code)  # as train.py loads it
+    if args.engine == "datatrove" or recipe.data.filters:
+        check_versions(("datatrove",))
     if args.engine == "datatrove":
         from data_pipeline.scale import JobOptions, run_job
-        from training.compat import check_versions
-        check_versions(("datatrove",))
         options = JobOptions(args.executor, args.tasks, args.workers, args.slurm_partition, args.slurm_time,
                              args.cpus_per_task, args.mem_per_cpu_gb)
         work = run_job(recipe.data, tokenizer, args.output, options, recipe.name)

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 NO_ISSUE = "no upstream issue found"
 LIBRARIES = ("torch", "deepspeed", "transformers", "peft", "datatrove")  # each a module here, named as on PyPI
-TRAINING = ("torch", "deepspeed", "transformers", "peft")  # train.py's; datatrove's are checked by its data job
 
 
 @dataclass(frozen=True)
@@ -48,7 +47,7 @@ def patches(library: str) -> tuple[Patch, ...]:
 
 def unverified(libraries: tuple[str, ...] = LIBRARIES) -> list[tuple[Patch, str]]:
     """(patch, installed version) for each patch whose library is installed in another release than the one it
-    was verified for. A library that is not installed (peft, datatrove are optional) has no active patches."""
+    was verified for. A library that is not installed has no active patches."""
     found = []
     for library in libraries:
         version = installed_version(library)
@@ -58,7 +57,7 @@ def unverified(libraries: tuple[str, ...] = LIBRARIES) -> list[tuple[Patch, str]
     return found
 
 
-def check_versions(libraries: tuple[str, ...] = TRAINING, show: bool = True) -> list[tuple[Patch, str]]:
+def check_versions(libraries: tuple[str, ...] = LIBRARIES, show: bool = True) -> list[tuple[Patch, str]]:
     """One warning line on stderr naming the patches whose upstream assumptions are unverified for the installed
     versions; nothing when every version matches. A warning only: the run goes on. `show`: whether this process
     prints it (local rank 0: each node once, since nodes may differ in what they have installed)."""
