@@ -201,6 +201,9 @@ class DataConfig(StrictModel):
         if (not self.sources) == (self.prepared is None):
             raise ValueError("set data.sources (to prepare) or data.prepared (a folder `python -m data_pipeline "
                              "prepare` wrote), not both")
+        if self.prepared and self.filters:
+            raise ValueError("data.filters apply while preparing, and data.prepared is already prepared: filter when "
+                             "you prepare it (python -m data_pipeline prepare ... data.filters=[...]), or remove them")
         if self.streaming:
             unsupported = [name for name, on in (("packing other than concat", self.packing != "concat"),
                                                  ("dedup.exact", self.dedup.exact), ("dedup.near", self.dedup.near),

@@ -25,6 +25,7 @@ from datatrove.utils.lid import FT176LID
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, create_model, field_validator
 from transformers import PreTrainedTokenizerBase
 
+from data_pipeline import DataError
 from data_pipeline.config import SAMPLES_FILE
 from training.compat.datatrove import language_filter, warm_word_tokenizers
 
@@ -127,6 +128,21 @@ def language_model_file(model: str) -> str:
         return cached_asset_path_or_download(DOWNLOADED_LID.get(model, model), namespace="lid", subfolder="recipe",
                                              desc=f"the {model} language identifier")
     return model
+
+
+def check_models(filters: list[tuple[str, dict]]) -> None:
+    """Before any document is read: each hub model the filters name is reachable (or cached), and a language model to
+    download is downloaded, so that an offline machine fails here, naming the filter, not in a worker mid-run."""
+    from transformers import AutoConfig
+    for index, (kind, parameters) in enumerate(filters):
+        try:
+            if kind == "classifier" and not Path(parameters["model"]).is_dir():
+                AutoConfig.from_pretrained(parameters["model"])
+            if kind == "language":
+                language_model_file(parameters["model"])
+        except (OSError, ValueError) as error:
+            raise DataError(f"data.filters.{index} ({kind}): cannot load {parameters['model']} ({error}); give a "
+                            f"local file or folder, or run where the hub is reachable") from None
 
 
 class KeepMatches(RegexFilter):

@@ -135,7 +135,8 @@ def filter_documents(documents: datasets.Dataset, config: DataConfig, tokenizer:
                      stats: dict) -> tuple[datasets.Dataset, list[dict]]:
     """The documents `data.filters` keep (with C4's edits), their counts in stats["filters"] and the sample of removed
     documents. datatrove and spaCy are imported here, by recipes that filter only."""
-    from data_pipeline.filters import FilterChain, summarize
+    from data_pipeline.filters import FilterChain, check_models, summarize
+    check_models([(f.type, f.parameters) for f in config.filters])
     chain = FilterChain([(f.type, f.parameters) for f in config.filters], tokenizer)
     judged = documents.map(lambda texts, messages: chain(texts, [m is None for m in messages]), batched=True,
                            batch_size=256, input_columns=["text", "messages"], num_proc=processes(config.num_proc),

@@ -44,7 +44,7 @@ from data_pipeline import DataError
 from data_pipeline.config import DataConfig, DataSource, matching_files
 from data_pipeline.dedup import MinHasher, lsh_bands, normalize
 from data_pipeline.files import check_lines, field_problem, is_json_lines
-from data_pipeline.filters import FilterChain, merge, summarize
+from data_pipeline.filters import FilterChain, check_models, merge, summarize
 from data_pipeline.prepare import (LONG_DOCUMENT_STATS, decontaminate, drop_empty, fingerprint, mixture_rows, pack,
                                    pad_token_id, rows_to_dataset, save_prepared)
 from data_pipeline.sources import FEATURES, chat_document, load_documents, load_source, source_field
@@ -368,6 +368,7 @@ def run_job(config: DataConfig, tokenizer: PreTrainedTokenizerBase, output: Path
     """Run (local) or submit (Slurm, Ray) the job; its working files go to OUTPUT.datatrove next to OUTPUT."""
     check_options(options)
     check_sources(config)
+    check_models([(f.type, f.parameters) for f in config.filters])
     work = Layout(work_folder(output))
     claim_work_folder(work, {"fingerprint": fingerprint(config, tokenizer), "tasks": options.tasks})
     reopen_for_rerun(work, output, held_out=bool(config.eval.fraction))

@@ -43,7 +43,8 @@ def stream_documents(config: DataConfig, tokenizer: PreTrainedTokenizerBase, dp_
         documents = documents.shuffle(seed=seed, buffer_size=config.shuffle_buffer)
     documents = split_dataset_by_node(documents, rank=dp_rank, world_size=dp_size)
     if config.filters:  # imports datatrove and spaCy: only for recipes that filter
-        from data_pipeline.filters import FilterChain, kept_documents
+        from data_pipeline.filters import FilterChain, check_models, kept_documents
+        check_models([(f.type, f.parameters) for f in config.filters])
         chain = FilterChain([(f.type, f.parameters) for f in config.filters], tokenizer)
         documents = documents.map(partial(kept_documents, chain), batched=True, batch_size=256)
     return documents

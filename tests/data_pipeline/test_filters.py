@@ -233,3 +233,16 @@ def test_the_documented_filter_chains_are_valid_recipes():
         data = yaml.safe_load(block)["data"]
         config = DataConfig(seq_len=8, sources=[{"path": str(RECIPES_DIR / "tiny_llama/corpus.jsonl")}], **data)
         assert [f.type for f in config.filters] == [entry["type"] for entry in data["filters"]]
+
+
+def test_an_unreachable_model_is_named_before_any_document_is_read(corpus, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)  # as HF_HUB_OFFLINE=1 at start-up
+    scored = filters_override("classifier", classifier={"model": "nobody/no-such-classifier", "threshold": 1})
+    assert main(["prepare", "--recipe", "tiny_llama", "--output", str(tmp_path / "out"), corpus["source"], scored]) == 2
+    error = capsys.readouterr().err
+    assert "data.filters.0 (classifier): cannot load nobody/no-such-classifier" in error and "Traceback" not in error
+
+
+def test_filters_are_refused_on_prepared_data(prepared):
+    with pytest.raises(ConfigError, match="data.filters apply while preparing"):
+        load_recipe("tiny_llama", ["data.sources=[]", f"data.prepared={prepared['output']}", filters_override("c4")])
