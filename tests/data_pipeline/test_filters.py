@@ -16,7 +16,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassificat
 
 from data_pipeline.__main__ import main
 from data_pipeline.config import SAMPLES_FILE, DataConfig
-from data_pipeline.filters import ClassifierFilter, FilterChain, check_parameters, sample_key
+from data_pipeline.filters import SCHEMAS, ClassifierFilter, FilterChain, check_parameters, sample_key
 from data_pipeline.prepare import build_dataset, fingerprint
 from tests.conftest import REPO
 from tests.helpers.planted_corpus import CONTACT_PATTERN, KINDS, write_corpus
@@ -246,3 +246,17 @@ def test_an_unreachable_model_is_named_before_any_document_is_read(corpus, tmp_p
 def test_filters_are_refused_on_prepared_data(prepared):
     with pytest.raises(ConfigError, match="data.filters apply while preparing"):
         load_recipe("tiny_llama", ["data.sources=[]", f"data.prepared={prepared['output']}", filters_override("c4")])
+
+
+def documented(value) -> str:
+    return {None: "null", True: "true", False: "false"}.get(value, value) if not isinstance(value, (tuple, list)) \
+        else json.dumps(value)
+
+
+def test_the_docs_give_each_filters_parameters_with_the_librarys_defaults():
+    rows = {line.split("|")[1].strip(" `"): line for line in (REPO / "docs/data_filters.md").read_text().splitlines()
+            if line.startswith("| `")}
+    for kind, schema in SCHEMAS.items():
+        for name, field in schema.model_fields.items():
+            expected = f"`{name}`" if field.is_required() else f"`{name}: {documented(field.default)}`"
+            assert expected in rows[kind], (kind, expected)
