@@ -133,18 +133,17 @@ class QualityFilters(PipelineStep):
         self.chain = FilterChain([(f.type, f.parameters) for f in config.filters], tokenizer)
 
     def run(self, data, rank: int = 0, world_size: int = 1):
-        kinds = [f.type for f in self.config.filters]
-        summaries = [summarize(kinds, np.zeros(0, np.int64), np.zeros((0, len(kinds)), np.int64),
-                               {"reason": [], "text": [], "source": []}, self.config.seed, 0)]
+        kinds, seed, samples = [f.type for f in self.config.filters], self.config.seed, self.config.filter_samples
+        summary = summarize(kinds, np.zeros(0, np.int64), np.zeros((0, len(kinds))), {}, seed, samples)
         for batch in batched(data, 256):
             with self.track_time("batch"):
                 verdicts = self.chain([doc.text for doc in batch], [doc.metadata["messages"] is None for doc in batch])
             removed_by = np.asarray(verdicts["removed_by"], dtype=np.int64)
             gone = np.flatnonzero(removed_by >= 0)
-            summaries = [merge(summaries + [summarize(kinds, removed_by, np.asarray(verdicts["tokens_removed"]), {
-                "reason": [verdicts["reason"][i] for i in gone], "text": [verdicts["text"][i] for i in gone],
-                "source": [batch[i].metadata["source"] for i in gone]}, self.config.seed, self.config.filter_samples)],
-                self.config.filter_samples)]
+            removed = {"reason": [verdicts["reason"][i] for i in gone], "text": [verdicts["text"][i] for i in gone],
+                       "source": [batch[i].metadata["source"] for i in gone]}
+            summary = merge([summary, summarize(kinds, removed_by, verdicts["tokens_removed"], removed, seed, samples)],
+                            samples)
             for doc, text, by in zip(batch, verdicts["text"], removed_by):
                 self.stat_update("forwarded" if by < 0 else "dropped")
                 if by < 0:
@@ -152,7 +151,7 @@ class QualityFilters(PipelineStep):
                     yield doc
         folder = Path(self.work("filters"))
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"{rank:05d}.json").write_text(json.dumps(summaries[0]) + "\n")
+        (folder / f"{rank:05d}.json").write_text(json.dumps(summary) + "\n")
 
 
 def read_and_drop_empty(config: DataConfig) -> list[PipelineStep]:
