@@ -211,6 +211,7 @@ def warm_word_tokenizers(languages: set[str]) -> Iterator[None]:
     memory zone around each call only frees the vocabulary built in it), and each text's words are made once for all
     the filters that ask. For a text spaCy fails on, or that holds the string datatrove works around, datatrove's own
     method answers."""
+    from spacy.attrs import IDX, LENGTH
     patched = []
     for language in languages:
         tokenizer = load_word_tokenizer(language)
@@ -223,7 +224,8 @@ def warm_word_tokenizers(languages: set[str]) -> Iterator[None]:
                 return original(text)
             if text not in words:
                 try:
-                    words[text] = strip_strings([token.text for token in nlp.tokenizer(text)])
+                    spans = nlp.tokenizer(text).to_array([IDX, LENGTH]).tolist()  # no Token objects made
+                    words[text] = strip_strings([text[start:start + length] for start, length in spans])
                 except Exception:  # noqa: BLE001
                     return original(text)
             return list(words[text])
