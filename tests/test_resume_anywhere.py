@@ -58,21 +58,32 @@ def runs(tmp_path_factory, data_cache) -> dict:
     whole = tmp_path_factory.mktemp("whole")
     result = run_train(["--output-dir", str(whole), *common, *layout_args("zero2", "fp32")], ranks=2)
     assert result.returncode == 0, result.stderr[-3000:]
-    runs = {"whole": whole}
-    for name, ((ranks, ds_config, precision), (new_ranks, new_ds_config, new_precision)) in CASES.items():
+    runs, killed = {"whole": whole}, {}
+    for name, (layout, (new_ranks, new_ds_config, new_precision)) in CASES.items():
+        if layout not in killed:
+            killed[layout] = killed_run(tmp_path_factory.mktemp("killed"), common, layout)
         out = tmp_path_factory.mktemp("run")
-        killed = run_train(["--kill-after-deepspeed-save", str(KILLED_AT), "--output-dir", str(out), *common,
-                            *layout_args(ds_config, precision)], ranks=ranks, script=PROBES)
-        assert killed.returncode != 0 and (out / "checkpoints" / "latest").read_text() == f"global_step{RESUMED_FROM}"
+        shutil.copytree(killed[layout], out, dirs_exist_ok=True)
         before = metrics(out)  # the resume rewrites the lines after its checkpoint
         files = sorted(path.name for path in (out / "checkpoints" / f"global_step{RESUMED_FROM}").iterdir())
         if not runs.get("rewind"):  # the first case is also resumed into a spike, rewound to its universal conversion
-            runs["rewind"] = resume_into_a_spike(out, tmp_path_factory.mktemp("rewind"), common, CASES[name][1])
+            runs["rewind"] = resume_into_a_spike(killed[layout], tmp_path_factory.mktemp("rewind"), common,
+                                                 CASES[name][1])
         result = run_train(["--output-dir", str(out), "--resume", *common, *layout_args(new_ds_config, new_precision)],
                            ranks=new_ranks)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
         runs[name] = {"out": out, "before": before, "files": files, "console": result.stdout}
     return runs
+
+
+def killed_run(out: Path, common: list[str], layout: tuple) -> Path:
+    """A run in `layout` SIGKILLed in the middle of step 9's save, left as the kill left it: the cases that start from
+    the same layout each resume a copy of it (the run is deterministic, and its folder holds no path of its own)."""
+    ranks, ds_config, precision = layout
+    killed = run_train(["--kill-after-deepspeed-save", str(KILLED_AT), "--output-dir", str(out), *common,
+                        *layout_args(ds_config, precision)], ranks=ranks, script=PROBES)
+    assert killed.returncode != 0 and (out / "checkpoints" / "latest").read_text() == f"global_step{RESUMED_FROM}"
+    return out
 
 
 def resume_into_a_spike(killed: Path, out: Path, common: list[str], layout: tuple) -> tuple[Path, str]:
