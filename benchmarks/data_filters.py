@@ -41,9 +41,15 @@ FINEWEB = ["language", "gopher_repetition", "gopher_quality", "c4", "fineweb_qua
 TOKENIZER = AutoTokenizer.from_pretrained(REPO / "recipes/tiny_llama/tokenizer")
 
 
+def settings(kinds: list[str]) -> list[dict]:
+    """The filters' parameters as the benchmark runs them (FineWeb's chain: C4 without its punctuation rule)."""
+    chosen = {**SETTINGS, "c4": {"filter_no_terminal_punct": False}} if kinds == FINEWEB else SETTINGS
+    return [chosen.get(kind, {}) for kind in kinds]
+
+
 def chain(kinds: list[str], warm: bool = True) -> FilterChain:
-    settings = {**SETTINGS, "c4": {"filter_no_terminal_punct": False}} if kinds == FINEWEB else SETTINGS
-    return FilterChain([(kind, check_parameters(kind, settings.get(kind, {}))) for kind in kinds], TOKENIZER, warm)
+    return FilterChain([(kind, check_parameters(kind, parameters)) for kind, parameters in zip(kinds, settings(kinds))],
+                       TOKENIZER, warm)
 
 
 def removed(kinds: list[str], texts: list[str]) -> np.ndarray:
@@ -105,8 +111,7 @@ def speed_table(texts: list[str]) -> None:
     exact = timed(lambda: deduplicate(documents, DedupConfig(exact=True, near=False), 1, {}))
     near = timed(lambda: deduplicate(documents, DedupConfig(exact=False, near=True), 1, {}))
     tokenize = timed(lambda: tokenize_documents(documents, TOKENIZER, 1))
-    fineweb_filters = [{"type": kind, **({"languages": ["en"]} if kind == "language" else {}),
-                        **({"filter_no_terminal_punct": False} if kind == "c4" else {})} for kind in FINEWEB]
+    fineweb_filters = [{"type": kind, **parameters} for kind, parameters in zip(FINEWEB, settings(FINEWEB))]
     unfiltered, filtered = preparation(texts, []), preparation(texts, fineweb_filters)
     print(f"## Speed: {len(texts):,} documents, {megabytes:.1f} MB, one core\n")
     print("| step | seconds | documents/s | datatrove's own: seconds | documents/s |")
