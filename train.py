@@ -18,14 +18,15 @@ import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
+import datasets
 import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from data_pipeline import DataError
-from data_pipeline.loader import EvalBatches, StepBatches, model_inputs, target_count
-from data_pipeline.prepare import prepare_dataset
+from data_pipeline.loader import EvalBatches, EvalPairBatches, PairBatches, StepBatches, model_inputs, target_count
+from data_pipeline.prepare import pad_token_id, prepare_dataset
 from data_pipeline.stream import StreamingBatches
 from training.compat import check_versions
 from training.compat.deepspeed import loss_scale, withheld_step, zero0_grad_norm
@@ -38,6 +39,7 @@ from training.loop.evaluation import evaluate
 from training.loop.metrics import (FlopsMeter, MetricsLogger, Stopwatch, flops_meter, gpu_metrics, measured_model_states,
                                    peak_memory_bytes, record_model_states, run_totals, write_summary)
 from training.loop.health import WeightWatch
+from training.loop.preference import PreferenceLoss, start_preference
 from training.loop.stability import StabilityGuard, finite, rewind
 from training.models.build import build_run_model
 from training.models.lora import lora_files
@@ -131,6 +133,8 @@ def make_batches(plan: RunPlan) -> tuple[StepBatches | StreamingBatches, EvalBat
                                 plan.dp_size, training.seed), None, {"streaming": True}
     with distributed.local_main_first():
         prepared, stats = prepare_dataset(data, plan.tokenizer)
+    if data.preference:
+        return *pair_batches(prepared, plan, rank), stats
     row_length = len(prepared["train"][0]["input_ids"])
     if row_length != data.seq_len:
         raise DataError(f"data.prepared={data.prepared} holds rows of {row_length} tokens, but data.seq_len is "
@@ -139,6 +143,16 @@ def make_batches(plan: RunPlan) -> tuple[StepBatches | StreamingBatches, EvalBat
                              training.eval_max_rows) if "eval" in prepared else None
     return StepBatches(prepared["train"], training.micro_batch_size, plan.accumulation_steps, rank,
                        plan.dp_size, training.seed), evaluation, stats
+
+
+def pair_batches(prepared: datasets.DatasetDict, plan: RunPlan, rank: int) -> tuple[PairBatches, EvalPairBatches | None]:
+    """training.objective=dpo: batches of preference pairs, packed when fetched."""
+    data, training = plan.recipe.data, plan.recipe.training
+    packing = (data.seq_len, pad_token_id(plan.tokenizer), data.packing)
+    evaluation = EvalPairBatches(prepared["eval"], training.micro_batch_size, rank, plan.dp_size, *packing,
+                                 training.eval_max_rows) if "eval" in prepared else None
+    return PairBatches(prepared["train"], training.micro_batch_size, plan.accumulation_steps, rank, plan.dp_size,
+                       training.seed, *packing), evaluation
 
 
 def grad_norm_before_step(engine: deepspeed.DeepSpeedEngine) -> torch.Tensor | None:
@@ -150,8 +164,8 @@ def grad_norm_before_step(engine: deepspeed.DeepSpeedEngine) -> torch.Tensor | N
 
 
 def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict], dp_size: int,
-               guard: StabilityGuard | None = None,
-               shard: tuple[int, int] = (0, 1)) -> tuple[torch.Tensor, torch.Tensor | float, int, bool]:
+               guard: StabilityGuard | None = None, shard: tuple[int, int] = (0, 1),
+               preference: PreferenceLoss | None = None) -> tuple[torch.Tensor, torch.Tensor | float, int, bool]:
     """One optimizer step. Returns this rank's share of the step's loss (the shares of all ranks sum to the
     mean over every target token of the global batch), the gradient norm before clipping, the real
     (non-padding) tokens of the global batch, and whether any rank has been asked to stop. Under sequence
@@ -161,9 +175,10 @@ def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict], dp_
     x ranks)): DeepSpeed's averaging over accumulation steps and ranks then yields exactly the global
     token mean, not a mean of micro-batch means. The counts are reduced on the host, in the same
     collective as the stop flag. The stability guard, when on, reads the step's loss before the last
-    backward pass and may drop the step (training/loop/stability.py): one wait for the device per step."""
+    backward pass and may drop the step (training/loop/stability.py): one wait for the device per step. Under DPO
+    (preference) pairs take the place of target tokens: the step's loss is the mean over the global batch's pairs."""
     targets, tokens, stops = distributed.all_reduce_on_host([
-        sum(map(target_count, micro_batches)), sum(int(batch["length"].sum()) for batch in micro_batches),
+        sum(map(preference.count if preference else target_count, micro_batches)), sum(int(batch["length"].sum()) for batch in micro_batches),
         float(stop_requested.is_set())])
     copies = dist.get_world_size() // dp_size  # the ranks of a pipeline, sequence or tensor group hold the same rows
     targets, tokens = targets / copies, tokens // copies
@@ -177,8 +192,11 @@ def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict], dp_
         return loss / dist.get_world_size(), engine.get_global_grad_norm(), int(tokens), stops > 0
     shares = len(micro_batches) * dp_size * loss_copies(engine)
     loss_sum, grad_norm = torch.zeros((), device=engine.device), None
+    if preference:
+        preference.start_step()
     for index, batch in enumerate(micro_batches):
-        loss = engine(**model_inputs(batch, engine.device, shard), num_items_in_batch=targets_per_micro_batch).loss
+        loss = preference(engine, batch, targets_per_micro_batch) if preference else \
+            engine(**model_inputs(batch, engine.device, shard), num_items_in_batch=targets_per_micro_batch).loss
         if guard and index == len(micro_batches) - 1:
             loss = guard.drop_if_bad((loss_sum + loss.detach()) / shares, loss)
         engine.backward(loss)
@@ -194,7 +212,8 @@ def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict], dp_
 
 
 def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: EvalBatches | None, plan: RunPlan,
-          start: dict, total_steps: int, flops: FlopsMeter | None, router: RouterLoss | None = None) -> dict:
+          start: dict, total_steps: int, flops: FlopsMeter | None, router: RouterLoss | None = None,
+          preference: PreferenceLoss | None = None) -> dict:
     """The loop: batch, forward/backward/step, log every N steps, evaluate every E, checkpoint every M, and
     on SIGTERM checkpoint and stop. A step the stability guard drops is tried again on the next batch; a
     rewind goes back to the last checkpoint (training/loop/stability.py). Returns run totals. Only training is
@@ -230,7 +249,7 @@ def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: E
         lr = guard.set_lr(engine, step + 1) if guard else engine.get_lr()[0]
         skipped_before = engine.skipped_steps
         loss_share, grad_norm, tokens, stop = train_step(engine, batches.micro_batches(position), plan.dp_size, guard,
-                                                         plan.sequence_shard(dist.get_rank()))
+                                                         plan.sequence_shard(dist.get_rank()), preference)
         position += 1
         event = guard.after_step(step + 1, position - 1, float(grad_norm), engine.skipped_steps > skipped_before) \
             if guard else None
@@ -265,13 +284,16 @@ def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: E
         if log_now:
             seconds = clock.take()
             records.append(step_record(engine, step, lr, loss_share, grad_norm, interval, seconds, flops, router))
+            if preference:
+                records[-1].update(preference.metrics())
             if watch and watch.before is not None:
                 records[-1].update(watch.measure())
             if step > start_step + 1:  # the first step pays for warm-up and is left out of the mean
                 timed.update(tokens=timed["tokens"] + interval["tokens"], steps=timed["steps"] + interval["steps"],
                              seconds=timed["seconds"] + seconds)
             if evaluate_at(step):
-                records[-1].update(evaluate(engine, evaluation, plan.sequence_shard(dist.get_rank())))
+                records[-1].update(preference.evaluate(engine, evaluation) if preference else
+                                   evaluate(engine, evaluation, plan.sequence_shard(dist.get_rank())))
             logger.log(records[-1])
             interval = {"tokens": 0, "steps": 0}
         if save_now:
@@ -281,7 +303,8 @@ def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: E
         clock.start()
     logger.close()
     return {"last_step": step, "tokens_seen": tokens_seen, **run_totals(records, timed, saves, flops),
-            **({"stability": guard.summary()} if guard else {}), **({"stopped": stopped} if stopped else {})}
+            **({"stability": guard.summary()} if guard else {}), **({"stopped": stopped} if stopped else {}),
+            **(preference.summary() if preference else {})}
 
 
 def step_record(engine: deepspeed.DeepSpeedEngine, step: int, lr: float, loss_share: torch.Tensor,
@@ -341,12 +364,14 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
     start = resume_engine(engine, batches, plan, total_steps) if args.resume else \
         {"step": 0, "tokens_seen": 0, "data_position": 0}
     start_output_dir(plan, args.overwrite)  # every check has passed: only now may --overwrite remove the earlier run
+    preference = start_preference(engine, plan.recipe.dpo, plan.recipe.lora.enabled, plan.output_dir, batches,
+                                  evaluation, args.resume) if plan.recipe.data.preference else None
     signal.signal(signal.SIGTERM, lambda signum, frame: stop_requested.set())  # from here a SIGTERM saves, then stops
     held_tensors = {}
     record_model_states(engine.optimizer, lambda: engine.global_steps, start["step"] + 1, held_tensors)
     flops = flops_meter(plan)
     totals = train(engine, batches, evaluation, plan, start, total_steps, flops,
-                   router_loss(engine.module, plan.accumulation_steps))
+                   router_loss(engine.module, plan.accumulation_steps), preference)
     totals["model_state_bytes"] = measured_model_states(held_tensors)
     if totals["last_step"] < total_steps:
         return stopped_early(plan, totals, total_steps)

@@ -107,6 +107,10 @@ class DataSource(StrictModel):
     split: str = "train"
     text_field: str | None = None  # default "text" unless messages_field is set
     messages_field: str | None = None
+    prompt_field: str = "prompt"  # training.objective=dpo: a string or chat messages; without it in the data,
+    # conversational chosen/rejected carry the prompt as their shared first messages (TRL's implicit prompt)
+    chosen_field: str = "chosen"  # dpo: the preferred completion (a string, or chat messages)
+    rejected_field: str = "rejected"  # dpo: the other completion
     weight: PositiveFloat = 1.0  # a sampling rate, not a probability: 0.5 = a random half, 2 = every document twice
 
     @model_validator(mode="after")
@@ -193,6 +197,7 @@ class DataConfig(StrictModel):
     seed: int = 1234  # mixture sampling and the evaluation split
     num_proc: PositiveInt = 1
     streaming: bool = False
+    preference: bool = False  # set from training.objective=dpo: the sources hold preference pairs
     shuffle_buffer: NonNegativeInt = 10_000  # streaming only: documents held for shuffling (0: read in order)
     cache_dir: LocalPath = Field("~/.cache/deepspeed-recipes/data", validate_default=True)
 

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from data_pipeline import DataError
+from data_pipeline.preference import pack_pairs
 
 ROW_COLUMNS = ("input_ids", "labels", "position_ids", "length")
 
@@ -58,7 +59,7 @@ class StepBatches:
         self.global_batch_size = micro_batch_size * accumulation_steps * dp_size
         self.steps_per_epoch = len(rows) // self.global_batch_size
         if self.steps_per_epoch == 0:
-            raise DataError(f"the data set has {len(rows)} rows, fewer than one global batch of "
+            raise DataError(f"the data set has {len(rows)} rows (pairs under dpo), fewer than one global batch of "
                              f"{self.global_batch_size}; add data or lower training.global_batch_size")
         self._epoch, self._order = None, None
 
@@ -73,7 +74,10 @@ class StepBatches:
         start = index * self.global_batch_size
         rows = self.epoch_order(epoch)[start:start + self.global_batch_size]
         rows = rows.reshape(self.accumulation_steps, self.dp_size, self.micro_batch_size)[:, self.dp_rank]
-        return [fetch_rows(self.rows, np.sort(micro)) for micro in rows]
+        return [self.fetch(np.sort(micro)) for micro in rows]
+
+    def fetch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
+        return fetch_rows(self.rows, indices)
 
     def pass_over(self, count: int) -> None:
         """Batches are read by their position: passing over some needs nothing (a stream must read them)."""
@@ -112,3 +116,52 @@ class EvalBatches:
             batch = fetch_rows(self.rows, np.minimum(indices, self.count - 1))
             batch["labels"][indices >= self.count] = -100
             yield batch
+
+
+class PairBatches(StepBatches):
+    """The same over preference pairs (training.objective=dpo): a batch counts pairs, and each micro-batch's pairs are
+    packed into rows when it is fetched (data_pipeline/preference.py), both sequences of a pair in the same
+    micro-batch. `reference` (set before training) holds each pair's reference log-probabilities."""
+
+    def __init__(self, pairs: datasets.Dataset, micro_batch_size: int, accumulation_steps: int, dp_rank: int,
+                 dp_size: int, seed: int, seq_len: int, pad_id: int, packing: str):
+        super().__init__(pairs, micro_batch_size, accumulation_steps, dp_rank, dp_size, seed)
+        self.seq_len, self.pad_id, self.packing = seq_len, pad_id, packing
+        self.reference: np.ndarray | None = None
+
+    def fetch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
+        return fetch_pairs(self, indices, np.ones(len(indices), dtype=bool))
+
+
+class EvalPairBatches:
+    """Every pair once in a fixed order, split across data-parallel ranks as EvalBatches splits rows: for evaluation
+    and for the reference pass over the training pairs. Past the end, copies of the last pair with `real` false fill
+    the last micro-batches, so every rank runs as many forward passes."""
+
+    def __init__(self, pairs: datasets.Dataset, micro_batch_size: int, dp_rank: int, dp_size: int, seq_len: int,
+                 pad_id: int, packing: str, max_pairs: int | None = None):
+        self.rows = pairs.with_format("numpy")
+        self.count = min(len(pairs), max_pairs or len(pairs))
+        self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
+        self.seq_len, self.pad_id, self.packing = seq_len, pad_id, packing
+        self.reference: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return -(-self.count // (self.micro_batch_size * self.dp_size))
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        for b in range(len(self)):
+            first = (b * self.dp_size + self.dp_rank) * self.micro_batch_size
+            indices = np.arange(first, first + self.micro_batch_size)
+            yield fetch_pairs(self, np.minimum(indices, self.count - 1), indices < self.count)
+
+
+def fetch_pairs(source: PairBatches | EvalPairBatches, indices: np.ndarray, real: np.ndarray) -> dict:
+    """Pairs `indices` packed into rows, with their indices, which of them are `real` and their reference values."""
+    pairs = source.rows[indices]
+    batch = pack_pairs(pairs["chosen_ids"], pairs["rejected_ids"], pairs["prompt_length"], source.seq_len,
+                       source.pad_id, source.packing)
+    batch["pair_index"], batch["real"] = torch.from_numpy(indices.astype(np.int64)), torch.from_numpy(real)
+    if source.reference is not None:
+        batch["reference"] = torch.from_numpy(source.reference[indices])
+    return batch

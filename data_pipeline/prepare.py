@@ -21,6 +21,7 @@ from data_pipeline import DataError, processes
 from data_pipeline.config import PREPARE_AGAIN, DataConfig, DataSource, DedupConfig, check_prepared, matching_files
 from data_pipeline.dedup import MinHasher, NearDuplicates, repeated_mask, text_hashes
 from data_pipeline.pack import fit_to_length, pack_bfd, pack_concat, pack_padded
+from data_pipeline.preference import load_pairs, pair_stats, tokenize_pairs
 from data_pipeline.sources import load_documents
 from data_pipeline.tokenize import token_stream, tokenize_documents
 from training.state.output_guard import mark
@@ -108,7 +109,8 @@ def split_eval(documents: datasets.Dataset, config: DataConfig, stats: dict) -> 
     """Hold out `eval.fraction` of the documents at random, or load `eval.sources`; with decontaminate,
     drop training documents that near-duplicate an evaluation document."""
     if config.eval.sources:
-        evaluation = drop_empty(load_documents(config.eval.sources), {}, config.num_proc)
+        evaluation = load_pairs(config.eval.sources) if config.preference else \
+            drop_empty(load_documents(config.eval.sources), {}, config.num_proc)
     elif config.eval.fraction:
         order = np.random.default_rng([config.seed, 1]).permutation(len(documents))
         held_out = max(1, round(config.eval.fraction * len(documents)))
@@ -194,8 +196,35 @@ def pack(tokenized: datasets.Dataset, rows: np.ndarray | None, config: DataConfi
     return packed, stats
 
 
+def build_pair_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[datasets.DatasetDict, dict]:
+    """Preference pairs (training.objective=dpo): read, deduplicated and decontaminated as whole pairs, held out,
+    tokenized and fitted to seq_len; the training split is the sources' mixture. Packed when batched."""
+    documents = load_pairs(config.sources)
+    stats = {"documents_in": len(documents), "exact_duplicates_removed": 0, "near_duplicates_removed": 0}
+    documents, evaluation = split_eval(deduplicate(documents, config.dedup, config.num_proc, stats), config, stats)
+    tokenized = tokenize_pairs(documents, tokenizer, config.seq_len, config.long_documents, config.num_proc, stats)
+    if len(tokenized) == 0:
+        raise DataError(f"no pairs are left after fitting them to data.seq_len={config.seq_len} ({json.dumps(stats)}); "
+                        f"raise data.seq_len or set data.long_documents=truncate")
+    sources = np.asarray(tokenized["source"])
+    rows = mixture_rows(sources, [s.weight for s in config.sources], config.seed)
+    splits = {"train": tokenized.select(rows)}
+    stats.update(pair_stats(splits["train"]), seq_len=config.seq_len, packing=config.packing, sources=[
+        {"name": s.name, "weight": s.weight, "documents_in": int((np.asarray(documents["source"]) == i).sum()),
+         "documents_kept": int((sources == i).sum()), "documents_in_mixture": int((sources[rows] == i).sum())}
+        for i, s in enumerate(config.sources)])
+    if evaluation is not None:
+        eval_stats = {}
+        splits["eval"] = tokenize_pairs(evaluation, tokenizer, config.seq_len, config.long_documents, config.num_proc,
+                                        eval_stats)
+        stats["eval"] = {**eval_stats, **pair_stats(splits["eval"])}
+    return datasets.DatasetDict(splits), stats
+
+
 def build_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[datasets.DatasetDict, dict, list]:
     """The prepared splits, their stats and the sample of documents each quality filter removed."""
+    if config.preference:
+        return *build_pair_dataset(config, tokenizer), []
     key = fingerprint(config, tokenizer)
     documents = load_documents(config.sources)
     stats = {"documents_in": len(documents), "exact_duplicates_removed": 0, "near_duplicates_removed": 0}

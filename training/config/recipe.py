@@ -81,8 +81,9 @@ class TokenizerSection(StrictModel):
 
 
 class TrainingSection(StrictModel):
-    micro_batch_size: PositiveInt  # rows per rank per forward pass
-    global_batch_size: PositiveInt  # rows per optimizer step = micro x accumulation x data-parallel ranks
+    objective: Literal["lm", "dpo"] = "lm"  # lm: next-token loss (pretraining, SFT); dpo: preference pairs (dpo:)
+    micro_batch_size: PositiveInt  # rows per rank per forward pass (dpo: pairs, packed into as few rows as fit)
+    global_batch_size: PositiveInt  # rows per optimizer step = micro x accumulation x data-parallel ranks (dpo: pairs)
     max_steps: PositiveInt | None = None
     epochs: PositiveInt | None = None
     lr: PositiveFloat
@@ -175,6 +176,14 @@ class MoeSection(StrictModel):
     # this; None: the checkpoint config's router_aux_loss_coef; 0: off
 
 
+class DpoSection(StrictModel):
+    """training.objective=dpo (training/loop/preference.py): the preference loss against a frozen reference, the
+    starting model (its log-probabilities computed once, before step 1) or, with LoRA, the base without adapters."""
+    beta: PositiveFloat = 0.1  # how far the policy may move from the reference: the log-ratios' scale in the loss
+    loss: Literal["sigmoid", "ipo"] = "sigmoid"  # sigmoid: DPO (Rafailov et al.); ipo: IPO (Azar et al.), on the
+    # per-token mean log-ratios, squared distance from 1 / (2 beta)
+
+
 class ExportSection(StrictModel):
     merge: bool = False  # with lora: also write the base weights with the adapters merged into them (hf/)
 
@@ -228,6 +237,7 @@ class Recipe(StrictModel):
     parallelism: ParallelismSection = ParallelismSection()
     lora: LoraSection = LoraSection()
     moe: MoeSection = MoeSection()
+    dpo: DpoSection = DpoSection()
     export: ExportSection = ExportSection()
     long_context: LongContextSection = LongContextSection()
     checkpointing: CheckpointingSection = CheckpointingSection()
@@ -266,6 +276,12 @@ class Recipe(StrictModel):
         if self.lora.enabled and not self.model.name_or_path:
             raise ValueError("lora.enabled trains adapters on a frozen base model: set model.name_or_path to the "
                              "checkpoint to adapt (from model.config alone the frozen weights would be random)")
+        if self.dpo.model_fields_set and self.training.objective != "dpo":
+            raise ValueError("dpo.* is set but training.objective is lm: set training.objective=dpo to train on "
+                             "preference pairs, or remove the dpo section")
+        if self.training.objective == "dpo":
+            check_preference(self)
+        self.data.preference = self.training.objective == "dpo"  # how the data stage reads and prepares the sources
         if self.data.streaming and self.training.max_steps is None:
             raise ValueError("data.streaming needs training.max_steps: the length of a stream is not known ahead")
         return self
@@ -273,6 +289,29 @@ class Recipe(StrictModel):
     @property
     def tokenizer_path(self) -> str:
         return self.tokenizer.name_or_path or self.model.name_or_path
+
+
+def check_preference(recipe: Recipe) -> None:
+    """What training.objective=dpo does not combine with, and why."""
+    data, parallelism, tiles = recipe.data, recipe.parallelism, recipe.long_context.logits_tile_tokens
+    refused = [reason for condition, reason in (
+        (data.streaming, "data.streaming: the reference log-probabilities are computed over the whole data set "
+                         "before step 1; prepare it"),
+        (data.packing == "concat", "data.packing=concat: it would cut sequences across rows; use bfd (pairs packed "
+                                   "whole) or none (one sequence per row)"),
+        (data.long_documents == "split", "data.long_documents=split: a pair's sequence cut in two has no whole "
+                                         "log-probability; use truncate or drop"),
+        (bool(data.filters), "data.filters: the quality filters judge documents, not pairs; filter the sources first"),
+        (parallelism.pipeline_stages > 1, "parallelism.pipeline_stages > 1: the pipeline's last stage would need "
+                                          "each pair's sequences and reference values"),
+        (parallelism.tensor_parallel > 1, "parallelism.tensor_parallel > 1"),
+        (parallelism.sequence_parallel > 1, "parallelism.sequence_parallel > 1: the loss is a function of each "
+                                            "sequence's whole log-probability, which sequence parallelism splits "
+                                            "across ranks"),
+        (tiles is not None, "long_context.logits_tile_tokens: the loss needs every sequence's log-probability, "
+                            "which the tiled loss does not return")) if condition]
+    if refused:
+        raise ValueError(f"training.objective=dpo does not support {refused[0]}")
 
 
 def recipe_inputs(recipe: Recipe) -> list[Path]:

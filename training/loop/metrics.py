@@ -161,7 +161,7 @@ def run_totals(records: list[dict], timed: dict, saves: list[dict], flops: Flops
                if "peak_mem_reserved_bytes" in records[0] else {}),
             **({"checkpoint_bytes": saves[-1]["bytes"], "checkpoint_save_s": max(s["seconds"] for s in saves)}
                if saves else {}),
-            **{key: records[-1][key] for key in ("eval_loss", "eval_perplexity") if key in records[-1]}}
+            **{key: value for key, value in records[-1].items() if key.startswith(("eval_", "rewards/", "logps/"))}}
 
 
 def format_line(record: dict, total_steps: int) -> str:
@@ -171,8 +171,11 @@ def format_line(record: dict, total_steps: int) -> str:
             + (f"{record['tflops']:.1f} TFLOP/s  " if "tflops" in record else "")
             + (f"MFU {record['mfu']:.1%}  " if "mfu" in record else "")
             + f"peak mem {record['peak_mem_bytes'] / 2**30:.2f} GiB"
-            + (f"  eval loss {record['eval_loss']:.4f} (perplexity {record['eval_perplexity']:.1f})"
-               if "eval_loss" in record else ""))
+            + (f"  reward margin {record['rewards/margins']:.3f}  accuracy {record['rewards/accuracies']:.0%}"
+               if "rewards/margins" in record else "")
+            + (f"  eval loss {record['eval_loss']:.4f}" if "eval_loss" in record else "")
+            + (f" (perplexity {record['eval_perplexity']:.1f})" if "eval_perplexity" in record else "")
+            + (f" (accuracy {record['eval_rewards/accuracies']:.0%})" if "eval_rewards/accuracies" in record else ""))
 
 
 class MetricsLogger:
@@ -268,7 +271,12 @@ def print_summary(summary: dict) -> None:
             f"{summary['world_size'] // summary['pipeline_stages']}")] if summary["pipeline_stages"] > 1 else []),
         ("loss (first -> final)", f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}"),
         *([("eval loss (perplexity)", f"{summary['eval_loss']:.4f} ({summary['eval_perplexity']:.1f})")]
-          if "eval_loss" in summary else []),
+          if "eval_perplexity" in summary else []),
+        *([("DPO reward margin / accuracy (last step)", f"{summary['rewards/margins']:.3f} / "
+            f"{summary['rewards/accuracies']:.0%}")] if "rewards/margins" in summary else []),
+        *([("DPO eval loss / reward accuracy", f"{summary['eval_loss']:.4f} / "
+            f"{summary['eval_rewards/accuracies']:.0%}")] if "eval_rewards/accuracies" in summary else []),
+        *([("DPO reference pass", f"{summary['reference_pass_s']:.1f} s")] if "reference_pass_s" in summary else []),
         ("tokens seen", f"{summary['tokens_seen']:,}"),
         ("mean tokens/s (after step 1)", f"{summary['mean_tokens_per_s']:,.0f}"),
         *([("TFLOP/s per GPU (model / with recomputation)", f"{summary['tflops']:.1f} / "

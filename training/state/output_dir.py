@@ -13,8 +13,9 @@ from training.planning.plan import RunPlan
 
 OUTPUT_ROOT = Path("outputs")
 COMMAND = "train.py"
+REFERENCE_FILE = "reference_logps.npz"  # a DPO run's reference log-probabilities (training/loop/preference.py)
 RUN_FILES = ("metrics.jsonl", "summary.json", "resolved_recipe.yaml", "ds_config.json", "checkpoints", "hf", "adapter",
-             "tensorboard")
+             "tensorboard", REFERENCE_FILE)
 
 
 def holds_run(path: Path) -> bool:

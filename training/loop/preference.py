@@ -1,0 +1,186 @@
+"""Preference tuning (training.objective=dpo): DPO's and IPO's losses on packed pairs, the reference pass, and the
+rewards TRL logs.
+
+Each sequence's log-probability is the sum of its completion tokens' log-probabilities (fp32), read from packed rows
+by `sequence_index` (data_pipeline/preference.py). The reference is the starting model: its log-probabilities are
+computed once, in a pass over the training and evaluation pairs before step 1, in the run's own DeepSpeed layout (no
+second model in memory), and stored with the run (reference_logps.npz), which a resumed run reads again. Under LoRA
+the reference is the base with the adapters disabled, computed beside each step's forward pass (no pass, no file).
+
+With h = beta x ((policy - reference) of chosen - (policy - reference) of rejected), a pair's loss is
+-log sigmoid(h) (sigmoid, DPO), or with the per-token mean log-ratios (h / beta - 1 / (2 beta))^2 (ipo, IPO). The
+step's loss is the mean over the global batch's pairs; rewards are beta x (policy - reference) per sequence, as TRL
+logs them.
+"""
+import os
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import deepspeed
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from data_pipeline import DataError
+from data_pipeline.loader import EvalPairBatches, PairBatches
+from training.config.recipe import DpoSection
+from training.parallel import distributed
+from training.state.output_dir import REFERENCE_FILE
+
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+           "logps/rejected")
+
+
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, sequence_index: torch.Tensor,
+                   count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each of `count` sequences' summed log-probability of its target tokens (each label predicted from the token
+    before it), and its number of target tokens."""
+    targets, owner = labels[:, 1:].reshape(-1), sequence_index[:, 1:].reshape(-1)
+    token_logps = -F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), targets, reduction="none")
+    taken = targets != -100
+    logps = torch.zeros(count, dtype=torch.float32, device=logits.device).index_add_(0, owner[taken], token_logps[taken])
+    tokens = torch.zeros(count, dtype=torch.float32, device=logits.device).index_add_(
+        0, owner[taken], torch.ones_like(token_logps[taken]))
+    return logps, tokens
+
+
+def pair_losses(policy: torch.Tensor, reference: torch.Tensor, tokens: torch.Tensor,
+                section: DpoSection) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-pair losses and per-sequence rewards, from [pairs, 2] (chosen, rejected) log-probabilities and token counts."""
+    ratios = policy - reference
+    rewards = section.beta * ratios.detach()
+    if section.loss == "sigmoid":
+        losses = -F.logsigmoid(section.beta * (ratios[:, 0] - ratios[:, 1]))
+    else:  # ipo
+        mean_ratios = ratios / tokens
+        losses = (mean_ratios[:, 0] - mean_ratios[:, 1] - 1 / (2 * section.beta)) ** 2
+    return losses, rewards
+
+
+def model_inputs(batch: dict, device: torch.device) -> dict:
+    return {name: batch[name].to(device, non_blocking=True) for name in ("input_ids", "position_ids")}
+
+
+def pair_logps(model: torch.nn.Module, batch: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[pairs, 2] log-probabilities (chosen, rejected) and token counts of a packed micro-batch."""
+    logits = model(**model_inputs(batch, device)).logits
+    logps, tokens = sequence_logps(logits, batch["labels"].to(device), batch["sequence_index"].to(device),
+                                   2 * batch["pairs"])
+    return logps.view(-1, 2), tokens.view(-1, 2)
+
+
+class PreferenceLoss:
+    """The loss of a micro-batch of pairs, and the sums the step's metrics are made of."""
+
+    def __init__(self, section: DpoSection, adapters_off: bool, reference_seconds: float | None):
+        self.section, self.adapters_off, self.reference_seconds = section, adapters_off, reference_seconds
+        self.sums: torch.Tensor | None = None
+
+    @staticmethod
+    def count(batch: dict) -> int:
+        """The pairs a micro-batch trains on (what its loss is a mean over)."""
+        return int(batch["real"].sum())
+
+    def reference(self, engine: deepspeed.DeepSpeedEngine, batch: dict) -> torch.Tensor:
+        """The batch's stored reference values, or under LoRA the base's, adapters disabled."""
+        if not self.adapters_off:
+            return batch["reference"].to(engine.device, torch.float32)
+        with torch.no_grad(), engine.module.disable_adapter():
+            return pair_logps(engine.module, batch, engine.device)[0]
+
+    def __call__(self, engine: deepspeed.DeepSpeedEngine, batch: dict, pairs_per_micro_batch: float) -> torch.Tensor:
+        """This micro-batch's summed pair loss over pairs_per_micro_batch (see train.py's train_step)."""
+        reference = self.reference(engine, batch)
+        policy, tokens = pair_logps(engine, batch, engine.device)
+        losses, rewards = pair_losses(policy, reference, tokens, self.section)
+        real = batch["real"].to(engine.device)
+        self.add(policy.detach()[real], rewards[real])
+        return losses[real].sum() / pairs_per_micro_batch
+
+    def add(self, policy: torch.Tensor, rewards: torch.Tensor) -> None:
+        sums = torch.stack([rewards[:, 0].sum(), rewards[:, 1].sum(), (rewards[:, 0] - rewards[:, 1]).sum(),
+                            (rewards[:, 0] > rewards[:, 1]).float().sum(), policy[:, 0].sum(), policy[:, 1].sum(),
+                            torch.tensor(float(len(policy)), device=policy.device)]).double()
+        self.sums = sums if self.sums is None else self.sums + sums
+
+    def start_step(self) -> None:
+        self.sums = None
+
+    def metrics(self, prefix: str = "", copies: int = 1) -> dict:
+        """The means over every pair seen since start_step, on every rank (copies: ranks that saw the same pairs)."""
+        sums = distributed.all_reduce(self.sums) / copies
+        return {f"{prefix}{name}": (sums[i] / sums[-1]).item() for i, name in enumerate(METRICS)}
+
+    def evaluate(self, engine: deepspeed.DeepSpeedEngine, batches: EvalPairBatches) -> dict:
+        """eval_loss (the mean pair loss) and the rewards over the evaluation pairs."""
+        engine.eval()
+        self.start_step()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
+        with torch.no_grad():
+            for batch in batches:
+                loss_sum += self(engine, batch, 1.0).double()
+        engine.train()
+        metrics = self.metrics("eval_")
+        pairs = distributed.all_reduce(self.sums)[-1]
+        self.start_step()
+        return {"eval_loss": (distributed.all_reduce(loss_sum) / pairs).item(), **metrics}
+
+    def summary(self) -> dict:
+        return {"reference_pass_s": self.reference_seconds} if self.reference_seconds is not None else {}
+
+
+def reference_pass(engine: deepspeed.DeepSpeedEngine, batches: EvalPairBatches) -> np.ndarray:
+    """[pairs, 2] log-probabilities (chosen, rejected) of every pair under the engine's current weights: each
+    data-parallel rank its share, gathered by a sum."""
+    values = torch.zeros((batches.count, 2), dtype=torch.float64, device=engine.device)
+    engine.eval()
+    with torch.no_grad():
+        for batch in batches:
+            logps = pair_logps(engine, batch, engine.device)[0].double()
+            real = batch["real"].to(engine.device)
+            values[batch["pair_index"].to(engine.device)[real]] = logps[real]
+    engine.train()
+    return distributed.all_reduce(values).cpu().numpy()
+
+
+def data_key(batches: PairBatches) -> str:
+    return batches.rows._fingerprint
+
+
+def start_preference(engine: deepspeed.DeepSpeedEngine, section: DpoSection, lora: bool, output_dir: Path,
+                     batches: PairBatches, evaluation: EvalPairBatches | None, resume: bool) -> PreferenceLoss:
+    """The loss, with every pair's reference values in `batches` (and `evaluation`): read from the run's
+    reference_logps.npz when resuming, else computed now by the starting model and written there. Under LoRA, none."""
+    if lora:
+        return PreferenceLoss(section, adapters_off=True, reference_seconds=None)
+    path, started = output_dir / REFERENCE_FILE, time.perf_counter()
+    splits = {"train": batches, **({"eval": evaluation} if evaluation else {})}
+    if resume:
+        stored = read_reference(path, batches)
+    else:
+        stored = {name: reference_pass(engine, EvalPairBatches(split.rows, batches.micro_batch_size, batches.dp_rank,
+                                                               batches.dp_size, batches.seq_len, batches.pad_id,
+                                                               batches.packing))
+                  for name, split in splits.items()}
+        if dist.get_rank() == 0:
+            partial = path.with_name(f"{path.stem}.partial.npz")
+            np.savez(partial, data=np.array(data_key(batches)), **stored)
+            os.replace(partial, path)  # a kill leaves the old file or the new one whole
+    for name, split in splits.items():
+        split.reference = stored[name][:len(split.rows)]
+    return PreferenceLoss(section, adapters_off=False, reference_seconds=None if resume else
+                          time.perf_counter() - started)
+
+
+def read_reference(path: Path, batches: PairBatches) -> dict[str, np.ndarray]:
+    if not path.is_file():
+        raise DataError(f"{path} is missing: a resumed DPO run needs the reference log-probabilities its first start "
+                        f"computed (the starting model's weights are gone from the checkpoints); start the run again "
+                        f"without --resume")
+    with np.load(path) as stored:
+        if str(stored["data"]) != data_key(batches) or len(stored["train"]) != len(batches.rows):
+            raise DataError(f"{path} holds reference values for other prepared pairs than this run's: resume with the "
+                            f"data the run started with")
+        return {name: stored[name] for name in stored.files if name != "data"}
