@@ -225,10 +225,12 @@ def stage_bounds(layer_parameters: list[int], stages: int, method: str) -> list[
 
 def activations(recipe: Recipe, precision: str, shape: ModelShape, **stage) -> Activations | None:
     """One micro-batch's activations on a rank: its slice of the rows under sequence parallelism, its share of
-    the heads and the MLP width under tensor parallelism."""
+    the heads and the MLP width under tensor parallelism. Under DPO a micro-batch of pairs is taken at its largest:
+    every sequence a whole row."""
     seq_len, long_context, parallelism = recipe.data.seq_len, recipe.long_context, recipe.parallelism
     shape = tensor_parallel_shard(shape, parallelism.tensor_parallel)
-    return activation_bytes(shape, recipe.training.micro_batch_size * seq_len // parallelism.sequence_parallel, seq_len,
+    rows = recipe.training.micro_batch_size * (2 if recipe.training.objective == "dpo" else 1)
+    return activation_bytes(shape, rows * seq_len // parallelism.sequence_parallel, seq_len,
                             DTYPES[precision].itemsize, recipe.model.attn_implementation,
                             sequence_parallel=parallelism.sequence_parallel, tiled_mlp=long_context.tiled_mlp,
                             logits_tile_tokens=long_context.logits_tile_tokens,

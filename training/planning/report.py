@@ -46,11 +46,14 @@ def print_plan(plan: RunPlan, machine: Machine) -> None:
               f"(the run downloads it)")
     print(f"layout: {plan.world_size} rank(s) = {plan.dp_size} data-parallel x {plan.tensor_parallel} "
           f"tensor-parallel x {plan.sequence_parallel} sequence-parallel x {plan.pipeline_stages} pipeline stage(s)")
-    print(f"batch: {training.micro_batch_size} rows/rank x {plan.accumulation_steps} accumulation x {plan.dp_size} "
-          f"data-parallel ranks = {training.global_batch_size} rows x {recipe.data.seq_len} tokens = "
-          f"{training.global_batch_size * recipe.data.seq_len:,} tokens per step"
-          + (f"; each row split over {plan.sequence_parallel} ranks, {recipe.data.seq_len // plan.sequence_parallel:,} "
-             f"tokens each" if plan.sequence_parallel > 1 else ""))
+    if training.objective == "dpo":
+        print_preference_plan(plan)
+    else:
+        print(f"batch: {training.micro_batch_size} rows/rank x {plan.accumulation_steps} accumulation x {plan.dp_size} "
+              f"data-parallel ranks = {training.global_batch_size} rows x {recipe.data.seq_len} tokens = "
+              f"{training.global_batch_size * recipe.data.seq_len:,} tokens per step"
+              + (f"; each row split over {plan.sequence_parallel} ranks, {recipe.data.seq_len // plan.sequence_parallel:,} "
+                 f"tokens each" if plan.sequence_parallel > 1 else ""))
     chosen = " chosen by deepspeed.config=auto: the least-sharded that fits" if plan.chosen_for else ""
     print(f"DeepSpeed: {plan.ds_config_path.name} (ZeRO-{plan.zero_stage}{chosen}), optimizer {recipe.optimizer.name}, "
           f"precision {plan.precision}, "
@@ -71,6 +74,23 @@ def print_plan(plan: RunPlan, machine: Machine) -> None:
     print(f"output: {plan.output_dir}")
 
 
+def print_preference_plan(plan: RunPlan) -> None:
+    """DPO's batch (pairs) and what its reference costs (training/loop/preference.py)."""
+    training, seq_len, beta = plan.recipe.training, plan.recipe.data.seq_len, plan.recipe.dpo.beta
+    print(f"batch: {training.micro_batch_size} pairs/rank x {plan.accumulation_steps} accumulation x {plan.dp_size} "
+          f"data-parallel ranks = {training.global_batch_size} pairs per step, each micro-batch's 2 x "
+          f"{training.micro_batch_size} sequences packed into rows of {seq_len} tokens (at most "
+          f"{2 * training.micro_batch_size} rows, which the memory below assumes)")
+    if plan.recipe.lora.enabled:
+        reference = ("the base with the adapters disabled: one more forward pass per micro-batch, without gradients "
+                     "(2N FLOPs per token more than the training FLOPs below); no second model, no pass before step 1")
+    else:
+        reference = ("the starting model: one forward pass over every training and evaluation pair before step 1, in "
+                     "this layout (2N FLOPs per token: a third of an epoch's 6N training FLOPs, at most a training "
+                     "step's memory: no gradients, no second model), stored with the run (16 bytes per pair)")
+    print(f"DPO: loss {plan.recipe.dpo.loss}, beta {beta:g}; reference: {reference}")
+
+
 def print_checkpoint_size(plan: RunPlan, shape: ModelShape) -> None:
     """What a save writes, against the time a preempted run has to write it (docs/checkpoints.md#preemption)."""
     size = checkpoint_bytes(shape.lora_parameters or shape.parameters, plan.zero_stage, plan.world_size // plan.pipeline_stages, plan.precision,
@@ -84,8 +104,9 @@ def print_memory_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> Non
     """Model states per ZeRO setting over the data-parallel ranks, plus one micro-batch's activations."""
     acts = activations(plan.recipe, plan.precision, shape)
     current = plan.zero_setting
+    rows = plan.recipe.training.micro_batch_size * (2 if plan.recipe.training.objective == "dpo" else 1)
     print(f"memory per rank, {machine.gpus_per_node} GPU(s) x {machine.nodes} node(s), micro-batch "
-          f"{plan.recipe.training.micro_batch_size} x {plan.recipe.data.seq_len // plan.sequence_parallel} tokens "
+          f"{rows} x {plan.recipe.data.seq_len // plan.sequence_parallel} tokens "
           f"on each rank; fits = within "
           f"{HEADROOM:.0%} of {format_bytes(machine.memory_per_rank)} ({machine.memory_source}):")
     if acts:
