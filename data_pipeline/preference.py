@@ -151,7 +151,8 @@ def tokenize_pairs(documents: datasets.Dataset, tokenizer: PreTrainedTokenizerBa
                               fn_kwargs={"tokenizer": tokenizer, "seq_len": seq_len, "policy": policy},
                               desc="tokenizing pairs")
     too_long = np.asarray(tokenized["too_long"])
-    kept = tokenized.filter(lambda ids: [i is not None for i in ids], input_columns="chosen_ids", batched=True)
+    kept = tokenized.filter(lambda ids: [i is not None for i in ids], input_columns="chosen_ids", batched=True
+                            ).flatten_indices()
     stats["long_documents_truncated"] = int(too_long.sum()) - (len(tokenized) - len(kept))
     stats["long_documents_dropped"] = len(tokenized) - len(kept)
     return kept.remove_columns("too_long")

@@ -208,7 +208,7 @@ def build_pair_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -
                         f"raise data.seq_len or set data.long_documents=truncate")
     sources = np.asarray(tokenized["source"])
     rows = mixture_rows(sources, [s.weight for s in config.sources], config.seed)
-    splits = {"train": tokenized.select(rows)}
+    splits = {"train": tokenized.select(rows).flatten_indices()}
     stats.update(pair_stats(splits["train"]), seq_len=config.seq_len, packing=config.packing, sources=[
         {"name": s.name, "weight": s.weight, "documents_in": int((np.asarray(documents["source"]) == i).sum()),
          "documents_kept": int((sources == i).sum()), "documents_in_mixture": int((sources[rows] == i).sum())}

@@ -1,0 +1,60 @@
+"""DPO's pieces: a packed micro-batch gives every sequence the log-probability it has alone (so packed pairs give the
+same loss as unpacked), and the losses and rewards are the papers' formulas."""
+import math
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from data_pipeline.preference import pack_pairs
+from training.config.recipe import DpoSection
+from training.loop.preference import pair_logps, pair_losses
+from tests.conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = AutoConfig.from_pretrained(REPO / "recipes/tiny_llama/config.json", num_hidden_layers=2, hidden_size=64,
+                                        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        use_cache=False)  # as training/models/model.py builds it: packed attention
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def alone(model, sequence: np.ndarray, prompt: int) -> float:
+    """A sequence's completion log-probability, run by itself: no packing, no padding."""
+    ids = torch.from_numpy(sequence).long()[None]
+    logps = model(input_ids=ids).logits[0, :-1].float().log_softmax(-1).gather(1, ids[0, 1:, None])[:, 0]
+    return float(logps[prompt - 1:].sum())
+
+
+@pytest.mark.parametrize("packing", ["bfd", "none"])
+def test_packed_pairs_give_each_sequence_its_log_probability_alone(model, packing):
+    rng = np.random.default_rng(1)
+    chosen = [rng.integers(3, 1000, rng.integers(5, 30)) for _ in range(5)]
+    rejected = [rng.integers(3, 1000, rng.integers(5, 30)) for _ in range(5)]
+    prompts = np.array([3, 1, 4, 2, 4])
+    batch = pack_pairs(chosen, rejected, prompts, 64, 0, packing)
+    with torch.no_grad():
+        logps, tokens = pair_logps(model, batch, torch.device("cpu"))
+        expected = [[alone(model, c, p), alone(model, r, p)] for c, r, p in zip(chosen, rejected, prompts)]
+    torch.testing.assert_close(logps, torch.tensor(expected), rtol=1e-5, atol=1e-5)
+    assert tokens.tolist() == [[len(c) - p, len(r) - p] for c, r, p in zip(chosen, rejected, prompts)]
+
+
+def test_sigmoid_loss_is_dpo_and_starts_at_log_2():
+    policy, reference = torch.tensor([[-10.0, -12.0], [-5.0, -4.0]]), torch.tensor([[-11.0, -11.0], [-5.0, -5.0]])
+    losses, rewards = pair_losses(policy, reference, torch.ones(2, 2), DpoSection(beta=0.5))
+    margins = 0.5 * torch.tensor([(1.0 - -1.0), (0.0 - 1.0)])
+    torch.testing.assert_close(losses, -torch.nn.functional.logsigmoid(margins))
+    torch.testing.assert_close(rewards, 0.5 * (policy - reference))
+    start = pair_losses(reference, reference, torch.ones(2, 2), DpoSection())[0]
+    torch.testing.assert_close(start, torch.full((2,), math.log(2)))
+
+
+def test_ipo_loss_uses_per_token_mean_log_ratios():
+    policy, reference = torch.tensor([[-10.0, -12.0]]), torch.tensor([[-11.0, -11.0]])
+    tokens = torch.tensor([[4.0, 2.0]])
+    losses, _ = pair_losses(policy, reference, tokens, DpoSection(beta=0.1, loss="ipo"))
+    torch.testing.assert_close(losses, torch.tensor([(1 / 4 - -1 / 2 - 1 / (2 * 0.1)) ** 2]))
