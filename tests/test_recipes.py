@@ -1,7 +1,7 @@
-"""Every shipped model recipe (tiny_llama and tiny_llama_sft have tests of their own): its config.json is the
-published architecture, its model family keeps attention inside each document of a packed row, its
-full-size plan fits the hardware it is written for, and the recipe itself trains on CPU with the model
-shrunk and local data in place of the hub."""
+"""Every shipped model recipe (tiny_llama and tiny_llama_sft have tests of their own; tiny_llama_dpo, which starts
+from tiny_llama_sft's export, has its own below): its config.json is the published architecture, its model family
+keeps attention inside each document of a packed row, its full-size plan fits the hardware it is written for, and
+the recipe itself trains on CPU with the model shrunk and local data in place of the hub."""
 import importlib.util
 import json
 import math
@@ -14,11 +14,11 @@ from transformers import AutoModelForCausalLM
 
 import train
 from data_pipeline.pack import pack_concat
-from tests.conftest import REPO, run_train
+from tests.conftest import REPO, run_train, save_small_checkpoint
 from training.models.model import load_model_config
 from training.config.recipe import available_recipes, load_recipe
 
-RECIPES = [name for name in available_recipes() if name not in ("tiny_llama", "tiny_llama_sft")]
+RECIPES = [name for name in available_recipes() if name not in ("tiny_llama", "tiny_llama_sft", "tiny_llama_dpo")]
 
 # Parameter counts of the published checkpoints (tied embeddings counted once).
 PUBLISHED_PARAMETERS = {
@@ -27,6 +27,7 @@ PUBLISHED_PARAMETERS = {
     "llama3_8b": 8_030_261_248,  # meta-llama/Meta-Llama-3-8B
     "llama3_8b_long": 8_030_261_248,  # the same checkpoint, its RoPE base and context raised
     "llama3_8b_lora": 8_030_261_248,  # the same checkpoint, frozen under adapters
+    "llama3_8b_dpo": 8_030_261_248,  # princeton-nlp/Llama-3-Base-8B-SFT: Meta-Llama-3-8B fine-tuned
     "llama3_70b": 70_553_706_496,  # meta-llama/Meta-Llama-3-70B
     "mistral_7b": 7_241_732_096,  # mistralai/Mistral-7B-v0.1
     "qwen2_5_1_5b": 1_543_714_304,  # Qwen/Qwen2.5-1.5B
@@ -36,8 +37,9 @@ PUBLISHED_PARAMETERS = {
 }
 
 # The GPUs each recipe is written for (its header and README): H100s, 80 GB.
-TARGET_GPUS = {"llama2_7b": 8, "llama2_7b_sft": 8, "llama3_8b": 8, "llama3_8b_long": 8, "llama3_8b_lora": 1, "llama3_70b": 32,
-               "mistral_7b": 8, "qwen2_5_1_5b": 1, "gpt2": 1, "mixtral_8x7b": 32, "qwen3_30b_a3b": 16}
+TARGET_GPUS = {"llama2_7b": 8, "llama2_7b_sft": 8, "llama3_8b": 8, "llama3_8b_long": 8, "llama3_8b_lora": 1,
+               "llama3_8b_dpo": 8, "llama3_70b": 32, "mistral_7b": 8, "qwen2_5_1_5b": 1, "gpt2": 1, "mixtral_8x7b": 32,
+               "qwen3_30b_a3b": 16}
 
 TINY_TOKENIZER = str(REPO / "recipes/tiny_llama/tokenizer")  # 4,096 tokens: fits every model's vocabulary
 
@@ -124,13 +126,27 @@ def test_full_size_plan_fits_the_target_gpus(name, capsys, tmp_path):
     assert fits == "yes" or (fits == "with checkpointing" and load_recipe(name).activation_checkpointing), row
 
 
-def local_data(name: str) -> list[str]:
-    """The repository's own files in place of the hub data sets: chat for SFT recipes, text for pretraining."""
+def local_data(name: str, folder) -> list[str]:
+    """The repository's own files in place of the hub data sets: chat for SFT recipes, text for pretraining, and for
+    DPO tiny_llama_dpo's pairs in UltraFeedback binarized's layout (written to `folder`), with 5% held out."""
     recipe = load_recipe(name)
+    if recipe.training.objective == "dpo":
+        pairs = folder / "pairs.jsonl"
+        pairs.write_text("".join(json.dumps(ultrafeedback_layout(json.loads(line))) + "\n" for line in
+                                 (REPO / "recipes/tiny_llama_dpo/pairs.jsonl").read_text().splitlines()))
+        return [f"data.sources=[{{path: {pairs}}}]", "data.eval={fraction: 0.05}", "data.seq_len=512",
+                "data.num_proc=1"]  # 512: every pair's sequences whole
     if any(source.messages_field for source in recipe.data.sources):
         return ["data.sources=[{path: recipes/tiny_llama_sft/chat.jsonl, messages_field: messages}]",
                 "data.seq_len=256", "data.num_proc=1"]  # 256: an assistant reply inside every row
     return ["data.sources=[{path: recipes/tiny_llama/corpus.jsonl}]", "data.seq_len=64", "data.num_proc=1"]
+
+
+def ultrafeedback_layout(pair: dict) -> dict:
+    """A conversational pair as HuggingFaceH4/ultrafeedback_binarized holds it: `prompt` the last user turn as a
+    string, `chosen` and `rejected` whole conversations, whose shared first messages are the prompt."""
+    return {"prompt": pair["prompt"][-1]["content"], "chosen": pair["prompt"] + pair["chosen"],
+            "rejected": pair["prompt"] + pair["rejected"]}
 
 
 @pytest.mark.slow
@@ -155,7 +171,7 @@ def test_recipe_trains_two_steps_on_cpu(name, tmp_path, data_cache):
         config = model_config(name)
         config.update(small_sizes(config))
         AutoModelForCausalLM.from_config(config).save_pretrained(base)
-    result = run_train(["--recipe", name, "--output-dir", str(out), data_cache, *shrink, *local_data(name),
+    result = run_train(["--recipe", name, "--output-dir", str(out), data_cache, *shrink, *local_data(name, tmp_path),
                         f"model.name_or_path={base}", f"tokenizer.name_or_path={TINY_TOKENIZER}", *steps,
                         "training.max_steps=2", "training.micro_batch_size=2", "training.global_batch_size=2",
                         "precision=fp32", f"model.attn_implementation={cpu_attention(name)}",
@@ -177,3 +193,17 @@ def test_recipe_trains_two_steps_on_cpu(name, tmp_path, data_cache):
     assert exported["model_type"] == model_config(name).model_type
     assert {key: exported[key] for key in recipe.model.config_overrides} == recipe.model.config_overrides
     assert (out / "hf" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_tiny_llama_dpo_trains_two_steps_on_cpu(tmp_path, data_cache):
+    """tiny_llama_dpo as shipped (its pairs, evaluation, ZeRO stage, reference pass) for 2 steps, from a small
+    checkpoint in place of tiny_llama_sft's export."""
+    save_small_checkpoint(tmp_path / "sft")
+    out = tmp_path / "run"
+    result = run_train(["--recipe", "tiny_llama_dpo", "--output-dir", str(out), data_cache,
+                        f"model.name_or_path={tmp_path / 'sft'}", "training.max_steps=2"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and math.isfinite(summary["final_loss"]) and math.isfinite(summary["eval_loss"])
+    assert (out / "reference_logps.npz").is_file() and (out / "hf" / "model.safetensors").is_file()

@@ -70,9 +70,11 @@ PATCHES = (
                     proofs=("tests/test_stability.py::test_a_skipped_batch_is_the_only_difference",)),
     deepspeed_patch("local_fp32_shares", "a rank's fp32 master copy is reachable only through private attributes: "
                     "ZeRO-1/2 and the bf16 optimizer's param._hp_mapping, ZeRO-3's param.ds_tensor/ds_numel/ds_shape "
-                    "(weight_shape)",
+                    "(weight_shape, which weight decay's groups also take a weight's shape from)",
                     "test_zero1_parameters_map_to_their_fp32_fragments",
-                    proofs=("tests/test_train_distributed.py::test_health_signals_are_the_same_under_every_stage",)),
+                    proofs=("tests/test_train_distributed.py::test_health_signals_are_the_same_under_every_stage",
+                            "tests/training/compat/test_deepspeed.py::"
+                            "test_zero3_weights_keep_their_shape_for_the_weight_decay_groups")),
     deepspeed_patch("zero_cuts", "how ZeRO cuts the weights between ranks is not an API: the plan counts the memory-"
                     "lean optimizers' states on the parts each rank holds, by stage_1_and_2's padding of each flat "
                     "group to 2 x ranks and equal ranges, and ZeRO-3's ceil(size / ranks) per weight",

@@ -108,9 +108,9 @@ class PreferenceLoss:
     def start_step(self) -> None:
         self.sums = None
 
-    def metrics(self, prefix: str = "", copies: int = 1) -> dict:
-        """The means over every pair seen since start_step, on every rank (copies: ranks that saw the same pairs)."""
-        sums = distributed.all_reduce(self.sums) / copies
+    def metrics(self, prefix: str = "") -> dict:
+        """The means over every pair every rank has seen since start_step."""
+        sums = distributed.all_reduce(self.sums.clone())
         return {f"{prefix}{name}": (sums[i] / sums[-1]).item() for i, name in enumerate(METRICS)}
 
     def evaluate(self, engine: deepspeed.DeepSpeedEngine, batches: EvalPairBatches) -> dict:
@@ -123,9 +123,9 @@ class PreferenceLoss:
                 loss_sum += self(engine, batch, 1.0).double()
         engine.train()
         metrics = self.metrics("eval_")
-        pairs = distributed.all_reduce(self.sums)[-1]
+        sums = distributed.all_reduce(torch.cat([loss_sum[None], self.sums[-1:]]))
         self.start_step()
-        return {"eval_loss": (distributed.all_reduce(loss_sum) / pairs).item(), **metrics}
+        return {"eval_loss": (sums[0] / sums[1]).item(), **metrics}
 
     def summary(self) -> dict:
         return {"reference_pass_s": self.reference_seconds} if self.reference_seconds is not None else {}

@@ -6,6 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from training.models.lora import adapted_parameters
+from training.compat.deepspeed import weight_shape
 from training.config.recipe import LoraSection
 
 
@@ -69,12 +70,13 @@ def count(module: torch.nn.Module) -> int:
 
 
 def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Decay on matrices; none on biases, norm weights (1-D) and embeddings (tied ones included)."""
+    """Decay on matrices; none on biases, norm weights (1-D) and embeddings (tied ones included). Shapes are the weights'
+    whole ones: a ZeRO-3 parameter itself is empty (1-D) once partitioned."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
-            (no_decay if param.ndim < 2 or id(param) in embeddings else decay).append(param)
+            (no_decay if len(weight_shape(param)) < 2 or id(param) in embeddings else decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

@@ -12,8 +12,9 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.zero import stage3
 
 from tests.conftest import run_train
-from training.compat.deepspeed import (local_fp32_shares, muon_flags, pipeline_layer_file, withheld_step,
-                                       zero0_grad_norm, zero_cuts)
+from training.compat.deepspeed import (local_fp32_shares, muon_flags, pipeline_layer_file, weight_shape,
+                                       withheld_step, zero0_grad_norm, zero_cuts)
+from training.planning.shape import weight_decay_groups
 
 STAGE3 = stage3.DeepSpeedZeroOptimizer_Stage3
 
@@ -117,6 +118,15 @@ def test_zero_cuts_are_deepspeeds_partitions(one_rank, zero_stage):
     assert "remainder = param.ds_numel % partition_world_size" in source(init._padding_size)
     assert "partition_size = tensor_size // self._partition_world_size(param)" in \
         source(deepspeed.runtime.zero.partition_parameters)  # Init._partition_param, wrapped for NVTX
+
+
+def test_zero3_weights_keep_their_shape_for_the_weight_decay_groups(one_rank):
+    """A partitioned ZeRO-3 parameter is empty: taken by its own ndim every weight would land in the no-decay group
+    (weight decay silently off under ZeRO-3, and one parameter group where the other stages have two)."""
+    engine = tiny_engine(3)
+    assert all(p.ndim == 1 and p.numel() == 0 for p in engine.module.parameters())
+    decay, no_decay = weight_decay_groups(engine.module, 0.1)
+    assert [weight_shape(p) for p in decay["params"]] == [(8, 8), (1, 8)] and len(no_decay["params"]) == 2
 
 
 def test_save_16bit_model_still_gathers_through_the_private_method():

@@ -1,0 +1,166 @@
+"""training.objective=dpo against an independent plain-PyTorch loop: a policy and a frozen reference (for LoRA, peft's
+adapters disabled), each sequence run alone (no packing, no padding), the same loss formula and torch's AdamW.
+
+Eight chat pairs from tiny_llama_dpo, all in every step's global batch (so the order of pairs does not matter), four
+held out for evaluation. train.py packs them (bfd, 2 pairs per micro-batch) and computes the reference in its pass
+before step 1 (LoRA: adapters disabled beside each step). Runs:
+- 1 rank, ZeRO-1, 6 steps: the uninterrupted curve;
+- 2 ranks, ZeRO-3, checkpointing every 2 steps, SIGKILLed in the middle of step 4's save, so `latest` stays at step 2;
+  then resumed on 1 rank with ZeRO-2 (another layout: through a universal checkpoint) to step 6;
+- 2 ranks, ZeRO-3, LoRA, 4 steps.
+Tolerance: 1e-5 absolute on losses and rewards (fp32; the engine sums the same terms in another order), 1e-5 relative
+on the summed log-probabilities (about -300 each).
+"""
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.conftest import REPO, run_train, save_small_checkpoint
+from training.state.output_dir import REFERENCE_FILE
+
+pytestmark = pytest.mark.slow
+
+BETA, LR, SEED, STEPS = 0.1, 1e-3, 1234, 6
+PAIRS = [json.loads(line) for line in (REPO / "recipes/tiny_llama_dpo/pairs.jsonl").read_text().splitlines()[:12]]
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "event" not in line]
+
+
+def completion_tokens(tokenizer, prompt: list[dict], completion: list[dict]) -> tuple[torch.Tensor, int]:
+    """The conversation's tokens and where its completion starts (checked: the prompt's rendering is a prefix)."""
+    prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
+    assert text.startswith(prompt_text)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    start = len(tokenizer(prompt_text, add_special_tokens=False)["input_ids"])
+    assert ids[:start] == tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+    return torch.tensor(ids), start
+
+
+def logp(model, ids: torch.Tensor, start: int) -> torch.Tensor:
+    logits = model(input_ids=ids[None]).logits[0, :-1].float()
+    return logits.log_softmax(-1).gather(1, ids[1:, None])[start - 1:].sum()
+
+
+def pair_logps(model, sequences) -> torch.Tensor:
+    return torch.stack([torch.stack([logp(model, *chosen), logp(model, *rejected)]) for chosen, rejected in sequences])
+
+
+def reference_loop(base: Path, steps: int, lora: bool = False) -> list[dict]:
+    """Each step's loss, rewards and log-probabilities, and the evaluation's at steps 2, 4, 6 (before the update)."""
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    sequences = [(completion_tokens(tokenizer, p["prompt"], p["chosen"]),
+                  completion_tokens(tokenizer, p["prompt"], p["rejected"])) for p in PAIRS]
+    train, held_out = sequences[:8], sequences[8:]
+    policy = AutoModelForCausalLM.from_pretrained(base, use_cache=False)
+    frozen = AutoModelForCausalLM.from_pretrained(base, use_cache=False).eval()
+    if lora:
+        torch.manual_seed(SEED)  # as training/models/lora.py seeds the adapters
+        policy = get_peft_model(policy, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear",
+                                                   task_type="CAUSAL_LM"))
+    policy.train()
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=LR, betas=(0.9, 0.999),
+                                  eps=1e-8, weight_decay=0.0)
+
+    def reference(pairs):
+        with torch.no_grad():
+            if lora:
+                with policy.disable_adapter():
+                    return pair_logps(policy, pairs)
+            return pair_logps(frozen, pairs)
+
+    def losses(pairs, reference_logps):
+        logps = pair_logps(policy, pairs)
+        ratios = logps - reference_logps
+        return -F.logsigmoid(BETA * (ratios[:, 0] - ratios[:, 1])), BETA * ratios.detach(), logps.detach()
+
+    fixed = {"train": reference(train), "eval": reference(held_out)}
+    records = []
+    for step in range(1, steps + 1):
+        loss, rewards, logps = losses(train, fixed["train"])
+        loss.mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        records.append({"step": step, "loss": loss.mean().item(), "rewards/chosen": rewards[:, 0].mean().item(),
+                        "rewards/rejected": rewards[:, 1].mean().item(),
+                        "rewards/margins": (rewards[:, 0] - rewards[:, 1]).mean().item(),
+                        "logps/chosen": logps[:, 0].mean().item(), "logps/rejected": logps[:, 1].mean().item()})
+        if step % 2 == 0:
+            with torch.no_grad():
+                records[-1]["eval_loss"] = losses(held_out, fixed["eval"])[0].mean().item()
+    return records
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    folder = tmp_path_factory.mktemp("dpo")
+    save_small_checkpoint(folder / "base")
+    for name, pairs in (("train", PAIRS[:8]), ("eval", PAIRS[8:])):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    common = ["--recipe", "tiny_llama_dpo", f"model.name_or_path={folder / 'base'}",
+              f"data.sources=[{{path: {folder / 'train.jsonl'}}}]", f"data.eval.sources=[{{path: {folder / 'eval.jsonl'}}}]",
+              "data.eval.fraction=0", f"data.cache_dir={folder / 'cache'}", "training.micro_batch_size=2",
+              "training.global_batch_size=8", f"training.lr={LR}", "training.schedule=constant", "training.warmup_steps=0",
+              "training.grad_clip=0", "training.eval_every_steps=2", "logging.every_steps=1", "precision=fp32",
+              "logging.tensorboard=false"]
+    whole, killed, resumed, lora = (folder / name for name in ("whole", "killed", "resumed", "lora"))
+    result = run_train(["--output-dir", str(whole), *common, f"training.max_steps={STEPS}", "deepspeed.config=zero1"],
+                       ranks=1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_train(["--kill-after-deepspeed-save", "4", "--output-dir", str(killed), *common,
+                        f"training.max_steps={STEPS}", "deepspeed.config=zero3", "checkpointing.every_steps=2"],
+                       ranks=2, script="tests/helpers/train_with_probes.py")
+    assert result.returncode != 0 and (killed / "checkpoints/latest").read_text() == "global_step2"
+    shutil.copytree(killed, resumed)
+    result = run_train(["--output-dir", str(resumed), "--resume", *common, f"training.max_steps={STEPS}",
+                        "deepspeed.config=zero2"], ranks=1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_train(["--output-dir", str(lora), *common, "training.max_steps=4", "deepspeed.config=zero3",
+                        "lora.enabled=true"], ranks=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {"base": folder / "base", "whole": whole, "killed": killed, "resumed": resumed, "lora": lora}
+
+
+def assert_same_curve(records: list[dict], expected: list[dict]) -> None:
+    assert [r["step"] for r in records] == [e["step"] for e in expected]
+    for record, reference in zip(records, expected):
+        for key, value in reference.items():
+            tolerance = {"rel": 1e-5} if key.startswith("logps/") else {"abs": 1e-5}
+            assert record[key] == pytest.approx(value, **tolerance), (record["step"], key)
+
+
+@pytest.fixture(scope="module")
+def expected(runs) -> list[dict]:
+    return reference_loop(runs["base"], STEPS)
+
+
+def test_dpo_equals_an_independent_reference_loop_on_one_rank_and_under_zero3(runs, expected):
+    assert expected[0]["loss"] == pytest.approx(math.log(2)) and expected[-1]["loss"] < 0.6  # the loss moves
+    assert_same_curve(metrics(runs["whole"]), expected)
+    killed = metrics(runs["killed"])
+    assert_same_curve(killed, expected[:len(killed)])  # 2 ranks, ZeRO-3, until the kill
+    whole = metrics(runs["whole"])
+    assert whole[0]["rewards/accuracies"] == 0 and whole[-1]["rewards/accuracies"] == 1
+    assert json.loads((runs["whole"] / "summary.json").read_text())["reference_pass_s"] > 0
+
+
+def test_a_killed_dpo_run_resumes_in_another_layout_with_its_stored_reference(runs, expected):
+    assert_same_curve(metrics(runs["resumed"]), expected)  # steps 1-2 from the killed run, 3-6 resumed
+    killed_reference = (runs["killed"] / REFERENCE_FILE).read_bytes()
+    assert (runs["resumed"] / REFERENCE_FILE).read_bytes() == killed_reference  # read again, not recomputed
+    assert "reference_pass_s" not in json.loads((runs["resumed"] / "summary.json").read_text())
+
+
+def test_dpo_with_lora_takes_the_base_without_adapters_as_reference(runs):
+    assert_same_curve(metrics(runs["lora"]), reference_loop(runs["base"], 4, lora=True))
+    assert not (runs["lora"] / REFERENCE_FILE).exists()
+    assert (runs["lora"] / "adapter" / "adapter_config.json").is_file()
