@@ -97,7 +97,7 @@ class TrainingSection(StrictModel):
     grad_clip: NonNegativeFloat = 1.0  # 0 turns clipping off
     seed: int = 1234
     eval_every_steps: PositiveInt | None = None  # with an eval split (data.eval): also at the end of the run
-    eval_max_rows: PositiveInt | None = None  # None: every evaluation row
+    eval_max_rows: PositiveInt | None = None  # None: every evaluation row (dpo: pair)
 
     @model_validator(mode="after")
     def steps_or_epochs(self) -> "TrainingSection":
@@ -295,8 +295,6 @@ def check_preference(recipe: Recipe) -> None:
     """What training.objective=dpo does not combine with, and why."""
     data, parallelism, tiles = recipe.data, recipe.parallelism, recipe.long_context.logits_tile_tokens
     refused = [reason for condition, reason in (
-        (data.streaming, "data.streaming: the reference log-probabilities are computed over the whole data set "
-                         "before step 1; prepare it"),
         (data.packing == "concat", "data.packing=concat: it would cut sequences across rows; use bfd (pairs packed "
                                    "whole) or none (one sequence per row)"),
         (data.long_documents == "split", "data.long_documents=split: a pair's sequence cut in two has no whole "
