@@ -7,7 +7,7 @@ before step 1 (LoRA: adapters disabled beside each step). Runs:
 - 1 rank, ZeRO-1, 6 steps: the uninterrupted curve;
 - 2 ranks, ZeRO-3, checkpointing every 2 steps, SIGKILLed in the middle of step 4's save, so `latest` stays at step 2;
   then resumed on 1 rank with ZeRO-2 (another layout: through a universal checkpoint) to step 6;
-- 2 ranks, ZeRO-3, LoRA, 4 steps.
+- 2 ranks, ZeRO-3 with CPU offload, LoRA, activation checkpointing, 4 steps.
 Tolerance: 1e-5 absolute on losses and rewards (fp32; the engine sums the same terms in another order), 1e-5 relative
 on the summed log-probabilities (about -300 each).
 """
@@ -124,8 +124,8 @@ def runs(tmp_path_factory) -> dict:
     result = run_train(["--output-dir", str(resumed), "--resume", *common, f"training.max_steps={STEPS}",
                         "deepspeed.config=zero2"], ranks=1)
     assert result.returncode == 0, result.stderr[-3000:]
-    result = run_train(["--output-dir", str(lora), *common, "training.max_steps=4", "deepspeed.config=zero3",
-                        "lora.enabled=true"], ranks=2)
+    result = run_train(["--output-dir", str(lora), *common, "training.max_steps=4", "deepspeed.config=zero3_offload",
+                        "lora.enabled=true", "activation_checkpointing=true"], ranks=2)
     assert result.returncode == 0, result.stderr[-3000:]
     return {"base": folder / "base", "whole": whole, "killed": killed, "resumed": resumed, "lora": lora}
 
@@ -160,7 +160,7 @@ def test_a_killed_dpo_run_resumes_in_another_layout_with_its_stored_reference(ru
     assert "reference_pass_s" not in json.loads((runs["resumed"] / "summary.json").read_text())
 
 
-def test_dpo_with_lora_takes_the_base_without_adapters_as_reference(runs):
+def test_dpo_with_lora_offload_and_checkpointing_takes_the_base_without_adapters_as_reference(runs):
     assert_same_curve(metrics(runs["lora"]), reference_loop(runs["base"], 4, lora=True))
     assert not (runs["lora"] / REFERENCE_FILE).exists()
     assert (runs["lora"] / "adapter" / "adapter_config.json").is_file()
