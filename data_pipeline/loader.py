@@ -50,6 +50,7 @@ class StepBatches:
 
     Rank r's micro-batch m holds rows [(m * ranks + r) * micro, ... + micro) of the global batch.
     """
+    unit = "rows"
 
     def __init__(self, rows: datasets.Dataset, micro_batch_size: int, accumulation_steps: int,
                  dp_rank: int, dp_size: int, seed: int):
@@ -59,7 +60,7 @@ class StepBatches:
         self.global_batch_size = micro_batch_size * accumulation_steps * dp_size
         self.steps_per_epoch = len(rows) // self.global_batch_size
         if self.steps_per_epoch == 0:
-            raise DataError(f"the data set has {len(rows)} rows (pairs under dpo), fewer than one global batch of "
+            raise DataError(f"the data set has {len(rows)} {self.unit}, fewer than one global batch of "
                              f"{self.global_batch_size}; add data or lower training.global_batch_size")
         self._epoch, self._order = None, None
 
@@ -122,6 +123,7 @@ class PairBatches(StepBatches):
     """The same over preference pairs (training.objective=dpo): a batch counts pairs, and each micro-batch's pairs are
     packed into rows when it is fetched (data_pipeline/preference.py), both sequences of a pair in the same
     micro-batch. `reference` (set before training) holds each pair's reference log-probabilities."""
+    unit = "pairs"
 
     def __init__(self, pairs: datasets.Dataset, micro_batch_size: int, accumulation_steps: int, dp_rank: int,
                  dp_size: int, seed: int, seq_len: int, pad_id: int, packing: str):
