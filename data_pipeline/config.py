@@ -95,6 +95,11 @@ def check_prepared(folder: Path, fix: str) -> None:
             read(folder / split / name, read_arrow)
 
 
+def holds_pairs(folder: Path) -> bool:
+    """Whether a prepared folder holds preference pairs (training.objective=dpo) rather than packed rows."""
+    return "chosen_ids" in read_json(folder / "train" / "dataset_info.json")["features"]
+
+
 LocalPath = Annotated[str, AfterValidator(resolve_path)]
 
 

@@ -116,3 +116,16 @@ def test_prepared_pairs_are_deduplicated_and_fitted_to_seq_len(tmp_path, tokeniz
     assert max(max(map(len, train["chosen_ids"])), max(map(len, train["rejected_ids"]))) <= 48
     assert all(p < min(len(c), len(r)) for p, c, r in zip(train["prompt_length"], train["chosen_ids"],
                                                           train["rejected_ids"]))
+
+
+def test_prepared_pairs_are_refused_by_a_language_model_run(tmp_path, tokenizer):
+    from data_pipeline.prepare import save_prepared
+    from training.config.errors import ConfigError
+    from training.config.recipe import load_recipe
+    rows = [{"prompt": f"Question {i}?", "chosen": f" Answer {i}.", "rejected": f" Not {i}."} for i in range(4)]
+    config = DataConfig(sources=[{"path": write_jsonl(tmp_path / "pairs.jsonl", rows)}], seq_len=48, preference=True)
+    save_prepared(*build_dataset(config, tokenizer), tmp_path / "prepared")
+    assert load_recipe("tiny_llama_dpo", [f"data.prepared={tmp_path / 'prepared'}", "data.sources=[]",
+                                          "data.eval.fraction=0"]).data.prepared
+    with pytest.raises(ConfigError, match="holds preference pairs, but training.objective is lm"):
+        load_recipe("tiny_llama", [f"data.prepared={tmp_path / 'prepared'}", "data.sources=[]"])

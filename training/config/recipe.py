@@ -14,7 +14,7 @@ import yaml
 from pydantic import (AfterValidator, BaseModel, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat,
                       PositiveInt, PrivateAttr, ValidationError, ValidationInfo, model_validator)
 
-from data_pipeline.config import DataConfig, LocalPath, StrictModel, matching_files
+from data_pipeline.config import DataConfig, LocalPath, StrictModel, holds_pairs, matching_files
 from training.config.errors import ConfigError, read_text
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
@@ -282,6 +282,10 @@ class Recipe(StrictModel):
         if self.training.objective == "dpo":
             check_preference(self)
         self.data.preference = self.training.objective == "dpo"  # how the data stage reads and prepares the sources
+        if self.data.prepared and holds_pairs(Path(self.data.prepared)) != self.data.preference:
+            raise ValueError(f"data.prepared={self.data.prepared} holds "
+                             f"{'packed rows' if self.data.preference else 'preference pairs'}, but training.objective "
+                             f"is {self.training.objective}; prepare the data with this recipe")
         if self.data.streaming and self.training.max_steps is None:
             raise ValueError("data.streaming needs training.max_steps: the length of a stream is not known ahead")
         return self
