@@ -201,6 +201,7 @@ def build_pair_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -
     tokenized and fitted to seq_len; the training split is the sources' mixture. Packed when batched."""
     documents = load_pairs(config.sources)
     stats = {"documents_in": len(documents), "exact_duplicates_removed": 0, "near_duplicates_removed": 0}
+    per_source = np.bincount(np.asarray(documents["source"]), minlength=len(config.sources))
     documents, evaluation = split_eval(deduplicate(documents, config.dedup, config.num_proc, stats), config, stats)
     tokenized = tokenize_pairs(documents, tokenizer, config.seq_len, config.long_documents, config.num_proc, stats)
     if len(tokenized) == 0:
@@ -210,7 +211,7 @@ def build_pair_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -
     rows = mixture_rows(sources, [s.weight for s in config.sources], config.seed)
     splits = {"train": tokenized.select(rows).flatten_indices()}
     stats.update(pair_stats(splits["train"]), seq_len=config.seq_len, packing=config.packing, sources=[
-        {"name": s.name, "weight": s.weight, "documents_in": int((np.asarray(documents["source"]) == i).sum()),
+        {"name": s.name, "weight": s.weight, "documents_in": int(per_source[i]),
          "documents_kept": int((sources == i).sum()), "documents_in_mixture": int((sources[rows] == i).sum())}
         for i, s in enumerate(config.sources)])
     if evaluation is not None:

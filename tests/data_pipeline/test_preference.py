@@ -112,6 +112,7 @@ def test_prepared_pairs_are_deduplicated_and_fitted_to_seq_len(tmp_path, tokeniz
     prepared, stats, _ = build_dataset(config, tokenizer)
     train = prepared["train"]
     assert stats["exact_duplicates_removed"] == 1 and stats["pairs"] == len(train) == kept
+    assert stats["documents_in"] == stats["sources"][0]["documents_in"] == 6
     assert stats[counted] == (1 if policy == "truncate" else 2) and stats["long_documents_dropped"] >= 1
     assert max(max(map(len, train["chosen_ids"])), max(map(len, train["rejected_ids"]))) <= 48
     assert all(p < min(len(c), len(r)) for p, c, r in zip(train["prompt_length"], train["chosen_ids"],
