@@ -178,8 +178,8 @@ def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict], dp_
     backward pass and may drop the step (training/loop/stability.py): one wait for the device per step. Under DPO
     (preference) pairs take the place of target tokens: the step's loss is the mean over the global batch's pairs."""
     targets, tokens, stops = distributed.all_reduce_on_host([
-        sum(map(preference.count if preference else target_count, micro_batches)), sum(int(batch["length"].sum()) for batch in micro_batches),
-        float(stop_requested.is_set())])
+        sum(map(preference.count if preference else target_count, micro_batches)),
+        sum(int(batch["length"].sum()) for batch in micro_batches), float(stop_requested.is_set())])
     copies = dist.get_world_size() // dp_size  # the ranks of a pipeline, sequence or tensor group hold the same rows
     targets, tokens = targets / copies, tokens // copies
     targets_per_micro_batch = targets / (len(micro_batches) * dp_size)  # a float: no copy to the device

@@ -136,14 +136,15 @@ class PairBatches(StepBatches):
 
 
 class EvalPairBatches:
-    """Every pair once in a fixed order, split across data-parallel ranks as EvalBatches splits rows: for evaluation
-    and for the reference pass over the training pairs. Past the end, copies of the last pair with `real` false fill
-    the last micro-batches, so every rank runs as many forward passes."""
+    """Every pair once in a fixed order (or the pairs `indices` names, in that order), split across data-parallel
+    ranks as EvalBatches splits rows: for evaluation and for the reference pass. Past the end, copies of the last pair
+    with `real` false fill the last micro-batches, so every rank runs as many forward passes."""
 
     def __init__(self, pairs: datasets.Dataset, micro_batch_size: int, dp_rank: int, dp_size: int, seq_len: int,
-                 pad_id: int, packing: str, max_pairs: int | None = None):
+                 pad_id: int, packing: str, max_pairs: int | None = None, indices: np.ndarray | None = None):
         self.rows = pairs.with_format("numpy")
-        self.count = min(len(pairs), max_pairs or len(pairs))
+        self.indices = np.arange(len(pairs)) if indices is None else indices
+        self.count = min(len(self.indices), max_pairs or len(self.indices))
         self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
         self.seq_len, self.pad_id, self.packing = seq_len, pad_id, packing
         self.reference: np.ndarray | None = None
@@ -155,7 +156,7 @@ class EvalPairBatches:
         for b in range(len(self)):
             first = (b * self.dp_size + self.dp_rank) * self.micro_batch_size
             indices = np.arange(first, first + self.micro_batch_size)
-            yield fetch_pairs(self, np.minimum(indices, self.count - 1), indices < self.count)
+            yield fetch_pairs(self, self.indices[np.minimum(indices, self.count - 1)], indices < self.count)
 
 
 def fetch_pairs(source: PairBatches | EvalPairBatches, indices: np.ndarray, real: np.ndarray) -> dict:

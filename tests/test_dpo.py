@@ -8,8 +8,10 @@ before step 1 (LoRA: adapters disabled beside each step). Runs:
 - 2 ranks, ZeRO-3, checkpointing every 2 steps, SIGKILLed in the middle of step 4's save, so `latest` stays at step 2;
   then resumed on 1 rank with ZeRO-2 (another layout: through a universal checkpoint) to step 6;
 - 2 ranks, ZeRO-3 with CPU offload, LoRA, activation checkpointing, 4 steps.
-Tolerance: 1e-5 absolute on losses and rewards (fp32; the engine sums the same terms in another order), 1e-5 relative
-on the summed log-probabilities (about -300 each).
+Tolerance (fp32; the engine sums the same terms in another order): 1e-5 absolute on the steps' losses and rewards,
+1e-5 relative on the summed log-probabilities (-100 to -1,000, where fp32's spacing is 1e-5 to 6e-5), 5e-5 absolute on
+the evaluation loss at steps 2, 4 and 6 (measured 1.5e-5 at step 6: after six updates at lr 1e-3 the two policies
+differ by those rounding differences, and the held-out pairs' log-ratios grow large).
 """
 import json
 import math
@@ -35,15 +37,22 @@ def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "event" not in line]
 
 
-def completion_tokens(tokenizer, prompt: list[dict], completion: list[dict]) -> tuple[torch.Tensor, int]:
-    """The conversation's tokens and where its completion starts (checked: the prompt's rendering is a prefix)."""
-    prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-    text = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
-    assert text.startswith(prompt_text)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    start = len(tokenizer(prompt_text, add_special_tokens=False)["input_ids"])
-    assert ids[:start] == tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
-    return torch.tensor(ids), start
+def shared_length(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def pair_tokens(tokenizer, pair: dict) -> tuple[tuple[torch.Tensor, int], tuple[torch.Tensor, int]]:
+    """Each conversation's tokens and where the completions start: where the tokenized prompt stops being a prefix of
+    either (a reply may begin with a character that merges with the prompt's last token), as TRL takes it."""
+    prompt_text = tokenizer.apply_chat_template(pair["prompt"], tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+    sequences = []
+    for completion in (pair["chosen"], pair["rejected"]):
+        text = tokenizer.apply_chat_template(pair["prompt"] + completion, tokenize=False)
+        assert text.startswith(prompt_text)
+        sequences.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    start = min(shared_length(prompt, ids) for ids in sequences)
+    return (torch.tensor(sequences[0]), start), (torch.tensor(sequences[1]), start)
 
 
 def logp(model, ids: torch.Tensor, start: int) -> torch.Tensor:
@@ -58,8 +67,7 @@ def pair_logps(model, sequences) -> torch.Tensor:
 def reference_loop(base: Path, steps: int, lora: bool = False) -> list[dict]:
     """Each step's loss, rewards and log-probabilities, and the evaluation's at steps 2, 4, 6 (before the update)."""
     tokenizer = AutoTokenizer.from_pretrained(base)
-    sequences = [(completion_tokens(tokenizer, p["prompt"], p["chosen"]),
-                  completion_tokens(tokenizer, p["prompt"], p["rejected"])) for p in PAIRS]
+    sequences = [pair_tokens(tokenizer, pair) for pair in PAIRS]
     train, held_out = sequences[:8], sequences[8:]
     policy = AutoModelForCausalLM.from_pretrained(base, use_cache=False)
     frozen = AutoModelForCausalLM.from_pretrained(base, use_cache=False).eval()
@@ -134,7 +142,7 @@ def assert_same_curve(records: list[dict], expected: list[dict]) -> None:
     assert [r["step"] for r in records] == [e["step"] for e in expected]
     for record, reference in zip(records, expected):
         for key, value in reference.items():
-            tolerance = {"rel": 1e-5} if key.startswith("logps/") else {"abs": 1e-5}
+            tolerance = {"rel": 1e-5} if key.startswith("logps/") else {"abs": 5e-5 if key == "eval_loss" else 1e-5}
             assert record[key] == pytest.approx(value, **tolerance), (record["step"], key)
 
 

@@ -1,93 +1,61 @@
-"""Build an offline DPO preference data set from the tiny_llama_sft chat data.
+"""Build tiny_llama_dpo's preference pairs from tiny_llama_sft's chat data: writes pairs.jsonl beside this script.
 
-Each conversation in ``../tiny_llama_sft/chat.jsonl`` becomes one pair in TRL's
-standard conversational preference form:
+    python recipes/tiny_llama_dpo/make_pairs.py
 
-* ``prompt``   -- the messages up to and including the last user turn
-                  (the system turn, if any, is kept);
-* ``chosen``   -- the conversation's real last assistant reply;
-* ``rejected`` -- the last assistant reply of another conversation, drawn at
-                  random among those with a different ``source`` (pydoc topic),
-                  excluding texts that are also a real reply of the prompt's source;
-* ``source``   -- the original source string.
+Each conversation of ../tiny_llama_sft/chat.jsonl that ends with an assistant reply of two words or more becomes one
+pair in TRL's conversational preference form:
+- prompt: the messages up to and including the last user turn (the system turn kept where there is one);
+- chosen: the conversation's own last reply;
+- rejected: the same reply with its words in a seeded random order;
+- source: the pydoc topic, e.g. pydoc:assert.
 
-Why this is a fair preference signal: the chosen reply is the documentation
-text that actually answers the prompt, while the rejected reply is equally
-fluent, in-domain documentation text of the same style and length
-distribution, but about a different topic. The only systematic difference
-between the two is therefore whether the reply is relevant to the question,
-so a model trained with DPO on these pairs learns to prefer on-topic answers
-rather than surface features such as style or length.
-
-The output is deterministic (fixed seed) and keeps the input order.
-Conversations whose last turn is not an assistant reply are skipped.
-Only ``pairs.jsonl`` beside this script is written.
+Both replies hold exactly the same words, so the only thing that separates them is whether the words make sentences:
+a preference a 5M-parameter model can learn in 60 steps. A more meaningful one, another topic's reply as the
+rejected one, stays at chance at this size (tried with learning rates 2e-5 to 3e-4, 60 steps: evaluation accuracy
+44-56% at the end).
+Deterministic (seed 1234, input order kept): run again on the same chat.jsonl it writes the same file.
 """
-
-from __future__ import annotations
-
 import json
 import random
-from collections import defaultdict
 from pathlib import Path
-from typing import Any
 
 HERE = Path(__file__).resolve().parent
-SRC = HERE.parent / "tiny_llama_sft" / "chat.jsonl"
-OUT = HERE / "pairs.jsonl"
-SEED = 1234
-
-Message = dict[str, str]
+SOURCE, OUTPUT, SEED = HERE.parent / "tiny_llama_sft" / "chat.jsonl", HERE / "pairs.jsonl", 1234
 
 
-def load(path: Path) -> list[dict[str, Any]]:
-    """Read the conversations, keeping only those that end with an assistant reply."""
-    with path.open(encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return [r for r in rows if r["messages"] and r["messages"][-1]["role"] == "assistant"]
+def scrambled(text: str, rng: random.Random) -> str | None:
+    """The text's words in a random order other than their own; None for a text of one distinct word."""
+    words = text.split(" ")
+    if len(set(words)) < 2:
+        return None
+    order = words[:]
+    while order == words:
+        rng.shuffle(order)
+    return " ".join(order)
 
 
-def split(messages: list[Message]) -> tuple[list[Message], str]:
-    """Return (messages up to and including the last user turn, last assistant reply)."""
-    last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
-    return messages[: last_user + 1], messages[-1]["content"]
-
-
-def make_pairs(rows: list[dict[str, Any]], seed: int = SEED) -> list[dict[str, Any]]:
-    """Pair each conversation's real reply with a random reply from another source."""
+def make_pairs(conversations: list[dict], seed: int = SEED) -> list[dict]:
     rng = random.Random(seed)
-    replies = [r["messages"][-1]["content"] for r in rows]
-    # Some pydoc topics share passages, so also track every reply text of a source:
-    # a "rejected" reply must never be a genuine answer for the prompt's own source.
-    own: dict[str, set[str]] = defaultdict(set)
-    for row, reply in zip(rows, replies):
-        own[row["source"]].add(reply)
     pairs = []
-    for row, chosen in zip(rows, replies):
-        prompt, _ = split(row["messages"])
-        # Rejection sampling: retry until the other conversation has a different
-        # source and its reply is not one of this source's own replies.
-        while True:
-            j = rng.randrange(len(rows))
-            if rows[j]["source"] != row["source"] and replies[j] not in own[row["source"]]:
-                break
-        pairs.append(
-            {
-                "prompt": prompt,
-                "chosen": [{"role": "assistant", "content": chosen}],
-                "rejected": [{"role": "assistant", "content": replies[j]}],
-                "source": row["source"],
-            }
-        )
+    for conversation in conversations:
+        messages = conversation["messages"]
+        if not messages or messages[-1]["role"] != "assistant":
+            continue
+        last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+        reply = messages[-1]["content"]
+        rejected = scrambled(reply, rng)
+        if rejected is None:  # a one-word reply: no other order
+            continue
+        pairs.append({"prompt": messages[:last_user + 1], "chosen": [{"role": "assistant", "content": reply}],
+                      "rejected": [{"role": "assistant", "content": rejected}], "source": conversation["source"]})
     return pairs
 
 
 def main() -> None:
-    pairs = make_pairs(load(SRC))
-    with OUT.open("w", encoding="utf-8") as f:
-        for pair in pairs:
-            f.write(json.dumps(pair, ensure_ascii=False) + "\n")
-    print(f"wrote {len(pairs)} pairs to {OUT}")
+    conversations = [json.loads(line) for line in SOURCE.read_text(encoding="utf-8").splitlines() if line.strip()]
+    pairs = make_pairs(conversations)
+    OUTPUT.write_text("".join(json.dumps(pair, ensure_ascii=False) + "\n" for pair in pairs), encoding="utf-8")
+    print(f"wrote {len(pairs)} pairs to {OUTPUT}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ logs them.
 """
 import os
 import time
-from contextlib import nullcontext
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import deepspeed
@@ -131,13 +131,25 @@ class PreferenceLoss:
         return {"reference_pass_s": self.reference_seconds} if self.reference_seconds is not None else {}
 
 
-def reference_pass(engine: deepspeed.DeepSpeedEngine, batches: EvalPairBatches) -> np.ndarray:
-    """[pairs, 2] log-probabilities (chosen, rejected) of every pair under the engine's current weights: each
+def training_layout(batches: PairBatches) -> Iterator[dict]:
+    """Every training pair once, in this rank's micro-batches: first epoch 0's as the steps read them (the same
+    packed rows, so that until the first update the policy's values equal the reference's exactly and step 1's
+    rewards are 0, as TRL's), then the pairs that epoch 0 leaves out."""
+    for position in range(batches.steps_per_epoch):
+        yield from batches.micro_batches(position)
+    left_out = batches.epoch_order(0)[batches.steps_per_epoch * batches.global_batch_size:]
+    if len(left_out):
+        yield from EvalPairBatches(batches.rows, batches.micro_batch_size, batches.dp_rank, batches.dp_size,
+                                   batches.seq_len, batches.pad_id, batches.packing, indices=left_out)
+
+
+def reference_pass(engine: deepspeed.DeepSpeedEngine, micro_batches: Iterable[dict], count: int) -> np.ndarray:
+    """[count, 2] log-probabilities (chosen, rejected) of every pair under the engine's current weights: each
     data-parallel rank its share, gathered by a sum."""
-    values = torch.zeros((batches.count, 2), dtype=torch.float64, device=engine.device)
+    values = torch.zeros((count, 2), dtype=torch.float64, device=engine.device)
     engine.eval()
     with torch.no_grad():
-        for batch in batches:
+        for batch in micro_batches:
             logps = pair_logps(engine, batch, engine.device)[0].double()
             real = batch["real"].to(engine.device)
             values[batch["pair_index"].to(engine.device)[real]] = logps[real]
@@ -160,10 +172,8 @@ def start_preference(engine: deepspeed.DeepSpeedEngine, section: DpoSection, lor
     if resume:
         stored = read_reference(path, batches)
     else:
-        stored = {name: reference_pass(engine, EvalPairBatches(split.rows, batches.micro_batch_size, batches.dp_rank,
-                                                               batches.dp_size, batches.seq_len, batches.pad_id,
-                                                               batches.packing))
-                  for name, split in splits.items()}
+        stored = {"train": reference_pass(engine, training_layout(batches), len(batches.rows)),
+                  **({"eval": reference_pass(engine, evaluation, len(evaluation.rows))} if evaluation else {})}
         if dist.get_rank() == 0:
             partial = path.with_name(f"{path.stem}.partial.npz")
             np.savez(partial, data=np.array(data_key(batches)), **stored)
