@@ -7,7 +7,7 @@ before step 1 (LoRA: adapters disabled beside each step). Runs:
 - 1 rank, ZeRO-1, 6 steps: the uninterrupted curve;
 - 2 ranks, ZeRO-3, checkpointing every 2 steps, SIGKILLed in the middle of step 4's save, so `latest` stays at step 2;
   then resumed on 1 rank with ZeRO-2 (another layout: through a universal checkpoint) to step 6;
-- 2 ranks, ZeRO-3 with CPU offload, LoRA, activation checkpointing, 4 steps.
+- 2 ranks, ZeRO-3 with CPU offload, LoRA, activation checkpointing, IPO's loss, 4 steps.
 Tolerance (fp32; the engine sums the same terms in another order): 1e-5 absolute on the steps' losses and rewards,
 1e-5 relative on the summed log-probabilities (-100 to -1,000, where fp32's spacing is 1e-5 to 6e-5), 5e-5 absolute on
 the evaluation loss at steps 2, 4 and 6 (measured 1.5e-5 at step 6: after six updates at lr 1e-3 the two policies
@@ -64,8 +64,9 @@ def pair_logps(model, sequences) -> torch.Tensor:
     return torch.stack([torch.stack([logp(model, *chosen), logp(model, *rejected)]) for chosen, rejected in sequences])
 
 
-def reference_loop(base: Path, steps: int, lora: bool = False) -> list[dict]:
-    """Each step's loss, rewards and log-probabilities, and the evaluation's at steps 2, 4, 6 (before the update)."""
+def reference_loop(base: Path, steps: int, lora: bool = False, ipo: bool = False) -> list[dict]:
+    """Each step's loss, rewards and log-probabilities, and the evaluation's at steps 2, 4, 6 (after the update).
+    ipo: IPO's loss, on the log-ratios' means over the completion tokens."""
     tokenizer = AutoTokenizer.from_pretrained(base)
     sequences = [pair_tokens(tokenizer, pair) for pair in PAIRS]
     train, held_out = sequences[:8], sequences[8:]
@@ -89,7 +90,13 @@ def reference_loop(base: Path, steps: int, lora: bool = False) -> list[dict]:
     def losses(pairs, reference_logps):
         logps = pair_logps(policy, pairs)
         ratios = logps - reference_logps
-        return -F.logsigmoid(BETA * (ratios[:, 0] - ratios[:, 1])), BETA * ratios.detach(), logps.detach()
+        if ipo:
+            tokens = torch.tensor([[len(ids) - start for ids, start in pair] for pair in pairs])
+            means = ratios / tokens
+            pair_losses = (means[:, 0] - means[:, 1] - 1 / (2 * BETA)) ** 2
+        else:
+            pair_losses = -F.logsigmoid(BETA * (ratios[:, 0] - ratios[:, 1]))
+        return pair_losses, BETA * ratios.detach(), logps.detach()
 
     fixed = {"train": reference(train), "eval": reference(held_out)}
     records = []
@@ -133,7 +140,7 @@ def runs(tmp_path_factory) -> dict:
                         "deepspeed.config=zero2"], ranks=1)
     assert result.returncode == 0, result.stderr[-3000:]
     result = run_train(["--output-dir", str(lora), *common, "training.max_steps=4", "deepspeed.config=zero3_offload",
-                        "lora.enabled=true", "activation_checkpointing=true"], ranks=2)
+                        "lora.enabled=true", "activation_checkpointing=true", "dpo.loss=ipo"], ranks=2)
     assert result.returncode == 0, result.stderr[-3000:]
     return {"base": folder / "base", "whole": whole, "killed": killed, "resumed": resumed, "lora": lora}
 
@@ -168,7 +175,7 @@ def test_a_killed_dpo_run_resumes_in_another_layout_with_its_stored_reference(ru
     assert "reference_pass_s" not in json.loads((runs["resumed"] / "summary.json").read_text())
 
 
-def test_dpo_with_lora_offload_and_checkpointing_takes_the_base_without_adapters_as_reference(runs):
-    assert_same_curve(metrics(runs["lora"]), reference_loop(runs["base"], 4, lora=True))
+def test_ipo_with_lora_offload_and_checkpointing_takes_the_base_without_adapters_as_reference(runs):
+    assert_same_curve(metrics(runs["lora"]), reference_loop(runs["base"], 4, lora=True, ipo=True))
     assert not (runs["lora"] / REFERENCE_FILE).exists()
     assert (runs["lora"] / "adapter" / "adapter_config.json").is_file()
