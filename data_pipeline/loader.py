@@ -113,10 +113,13 @@ class EvalBatches:
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         for b in range(len(self)):
             first = (b * self.dp_size + self.dp_rank) * self.micro_batch_size
-            indices = np.arange(first, first + self.micro_batch_size)
-            batch = fetch_rows(self.rows, np.minimum(indices, self.count - 1))
-            batch["labels"][indices >= self.count] = -100
-            yield batch
+            wanted = np.arange(first, first + self.micro_batch_size)
+            yield self.fetch(np.minimum(wanted, self.count - 1), wanted < self.count)
+
+    def fetch(self, positions: np.ndarray, real: np.ndarray) -> dict[str, torch.Tensor]:
+        batch = fetch_rows(self.rows, positions)
+        batch["labels"][~real] = -100
+        return batch
 
 
 class PairBatches(StepBatches):
@@ -135,28 +138,21 @@ class PairBatches(StepBatches):
         return fetch_pairs(self, indices, np.ones(len(indices), dtype=bool))
 
 
-class EvalPairBatches:
+class EvalPairBatches(EvalBatches):
     """Every pair once in a fixed order (or the pairs `indices` names, in that order), split across data-parallel
     ranks as EvalBatches splits rows: for evaluation and for the reference pass. Past the end, copies of the last pair
     with `real` false fill the last micro-batches, so every rank runs as many forward passes."""
 
     def __init__(self, pairs: datasets.Dataset, micro_batch_size: int, dp_rank: int, dp_size: int, seq_len: int,
                  pad_id: int, packing: str, max_pairs: int | None = None, indices: np.ndarray | None = None):
-        self.rows = pairs.with_format("numpy")
+        super().__init__(pairs, micro_batch_size, dp_rank, dp_size)
         self.indices = np.arange(len(pairs)) if indices is None else indices
         self.count = min(len(self.indices), max_pairs or len(self.indices))
-        self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
         self.seq_len, self.pad_id, self.packing = seq_len, pad_id, packing
         self.reference: np.ndarray | None = None
 
-    def __len__(self) -> int:
-        return -(-self.count // (self.micro_batch_size * self.dp_size))
-
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        for b in range(len(self)):
-            first = (b * self.dp_size + self.dp_rank) * self.micro_batch_size
-            indices = np.arange(first, first + self.micro_batch_size)
-            yield fetch_pairs(self, self.indices[np.minimum(indices, self.count - 1)], indices < self.count)
+    def fetch(self, positions: np.ndarray, real: np.ndarray) -> dict[str, torch.Tensor]:
+        return fetch_pairs(self, self.indices[positions], real)
 
 
 def fetch_pairs(source: PairBatches | EvalPairBatches, indices: np.ndarray, real: np.ndarray) -> dict:

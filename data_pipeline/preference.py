@@ -62,11 +62,10 @@ def pair_documents(columns: dict, source: DataSource, index: int, first_row: int
                             f"other chat messages; give both in the same form")
         if is_conversation(chosen) and not is_conversation(prompt):  # TRL's implicit prompt (a string one is ignored)
             prompt, chosen, rejected = implicit_prompt(chosen, rejected)
-        elif not isinstance(prompt, str) or is_conversation(chosen):
-            if not is_conversation(prompt) or not is_conversation(chosen):
-                raise DataError(f"{where}: field '{source.prompt_field}' is {type(prompt).__name__}: a string prompt "
-                                f"goes with string completions, chat messages with chat messages (set prompt_field "
-                                f"in the recipe's data source if the prompt is elsewhere)")
+        elif not is_conversation(chosen) and not isinstance(prompt, str):
+            raise DataError(f"{where}: field '{source.prompt_field}' is {type(prompt).__name__}: a string prompt "
+                            f"goes with string completions, chat messages with chat messages (set prompt_field "
+                            f"in the recipe's data source if the prompt is elsewhere)")
         fields = (prompt, chosen, rejected)
         out["text"].append("\n".join(map(field_text, fields)))
         for name, value in zip(("prompt", "chosen", "rejected"), fields):

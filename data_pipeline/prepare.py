@@ -196,6 +196,13 @@ def pack(tokenized: datasets.Dataset, rows: np.ndarray | None, config: DataConfi
     return packed, stats
 
 
+def source_counts(config: DataConfig, read: np.ndarray, kept: np.ndarray, rows: np.ndarray) -> list[dict]:
+    """stats.json's per-source counts: documents read (`read`, per source), kept (`kept`: each kept document's
+    source) and in the training mixture (`rows` of the kept)."""
+    return [{"name": s.name, "weight": s.weight, "documents_in": int(read[i]), "documents_kept": int((kept == i).sum()),
+             "documents_in_mixture": int((kept[rows] == i).sum())} for i, s in enumerate(config.sources)]
+
+
 def build_pair_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[datasets.DatasetDict, dict]:
     """Preference pairs (training.objective=dpo): read, deduplicated and decontaminated as whole pairs, held out,
     tokenized and fitted to seq_len; the training split is the sources' mixture. Packed when batched."""
@@ -210,10 +217,8 @@ def build_pair_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -
     sources = np.asarray(tokenized["source"])
     rows = mixture_rows(sources, [s.weight for s in config.sources], config.seed)
     splits = {"train": tokenized.select(rows).flatten_indices()}
-    stats.update(pair_stats(splits["train"]), seq_len=config.seq_len, packing=config.packing, sources=[
-        {"name": s.name, "weight": s.weight, "documents_in": int(per_source[i]),
-         "documents_kept": int((sources == i).sum()), "documents_in_mixture": int((sources[rows] == i).sum())}
-        for i, s in enumerate(config.sources)])
+    stats.update(pair_stats(splits["train"]), seq_len=config.seq_len, packing=config.packing,
+                 sources=source_counts(config, per_source, sources, rows))
     if evaluation is not None:
         eval_stats = {}
         splits["eval"] = tokenize_pairs(evaluation, tokenizer, config.seq_len, config.long_documents, config.num_proc,
@@ -243,10 +248,8 @@ def build_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tup
     rows = mixture_rows(sources, [s.weight for s in config.sources], config.seed)
     pad_id = pad_token_id(tokenizer)
     train, train_stats = pack(tokenized, rows, config, pad_id)
-    stats.update(train_stats, seq_len=config.seq_len, packing=config.packing, sources=[
-        {"name": s.name, "weight": s.weight, "documents_in": int(per_source[i]),
-         "documents_kept": int((sources == i).sum()), "documents_in_mixture": int((sources[rows] == i).sum())}
-        for i, s in enumerate(config.sources)])
+    stats.update(train_stats, seq_len=config.seq_len, packing=config.packing,
+                 sources=source_counts(config, per_source, sources, rows))
     splits = {"train": rows_to_dataset(train, f"{key}-train")}
     if evaluation is not None:
         eval_rows, eval_stats = pack(tokenize_documents(evaluation, tokenizer, config.num_proc), None, config, pad_id)

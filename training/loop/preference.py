@@ -168,7 +168,6 @@ def start_preference(engine: deepspeed.DeepSpeedEngine, section: DpoSection, lor
     if lora:
         return PreferenceLoss(section, adapters_off=True, reference_seconds=None)
     path, started = output_dir / REFERENCE_FILE, time.perf_counter()
-    splits = {"train": batches, **({"eval": evaluation} if evaluation else {})}
     if resume:
         stored = read_reference(path, batches)
     else:
@@ -178,8 +177,9 @@ def start_preference(engine: deepspeed.DeepSpeedEngine, section: DpoSection, lor
             partial = path.with_name(f"{path.stem}.partial.npz")
             np.savez(partial, data=np.array(data_key(batches)), **stored)
             os.replace(partial, path)  # a kill leaves the old file or the new one whole
-    for name, split in splits.items():
-        split.reference = stored[name][:len(split.rows)]
+    batches.reference = stored["train"]
+    if evaluation:
+        evaluation.reference = stored["eval"]
     return PreferenceLoss(section, adapters_off=False, reference_seconds=None if resume else
                           time.perf_counter() - started)
 

@@ -223,14 +223,17 @@ def stage_bounds(layer_parameters: list[int], stages: int, method: str) -> list[
     return partition_balanced(layer_parameters, stages)
 
 
+def micro_batch_rows(recipe: Recipe) -> int:
+    """The rows of a micro-batch; under DPO at its largest, every sequence of its pairs a whole row."""
+    return recipe.training.micro_batch_size * (2 if recipe.training.objective == "dpo" else 1)
+
+
 def activations(recipe: Recipe, precision: str, shape: ModelShape, **stage) -> Activations | None:
     """One micro-batch's activations on a rank: its slice of the rows under sequence parallelism, its share of
-    the heads and the MLP width under tensor parallelism. Under DPO a micro-batch of pairs is taken at its largest:
-    every sequence a whole row."""
+    the heads and the MLP width under tensor parallelism."""
     seq_len, long_context, parallelism = recipe.data.seq_len, recipe.long_context, recipe.parallelism
     shape = tensor_parallel_shard(shape, parallelism.tensor_parallel)
-    rows = recipe.training.micro_batch_size * (2 if recipe.training.objective == "dpo" else 1)
-    return activation_bytes(shape, rows * seq_len // parallelism.sequence_parallel, seq_len,
+    return activation_bytes(shape, micro_batch_rows(recipe) * seq_len // parallelism.sequence_parallel, seq_len,
                             DTYPES[precision].itemsize, recipe.model.attn_implementation,
                             sequence_parallel=parallelism.sequence_parallel, tiled_mlp=long_context.tiled_mlp,
                             logits_tile_tokens=long_context.logits_tile_tokens,

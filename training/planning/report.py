@@ -7,7 +7,8 @@ from rich.table import Table
 
 from training.planning.flops import flops_per_token
 from training.planning.memory import (HEADROOM, LAUNCHER_GRACE_S, Activations, activations, checkpoint_bytes, fits,
-                                      stage_bounds, state_bytes, states_per_setting, zero_arithmetic)
+                                      micro_batch_rows, stage_bounds, state_bytes, states_per_setting,
+                                      zero_arithmetic)
 from training.planning.plan import Machine, RunPlan
 from training.planning.shape import ModelShape
 
@@ -104,9 +105,8 @@ def print_memory_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> Non
     """Model states per ZeRO setting over the data-parallel ranks, plus one micro-batch's activations."""
     acts = activations(plan.recipe, plan.precision, shape)
     current = plan.zero_setting
-    rows = plan.recipe.training.micro_batch_size * (2 if plan.recipe.training.objective == "dpo" else 1)
     print(f"memory per rank, {machine.gpus_per_node} GPU(s) x {machine.nodes} node(s), micro-batch "
-          f"{rows} x {plan.recipe.data.seq_len // plan.sequence_parallel} tokens "
+          f"{micro_batch_rows(plan.recipe)} x {plan.recipe.data.seq_len // plan.sequence_parallel} tokens "
           f"on each rank; fits = within "
           f"{HEADROOM:.0%} of {format_bytes(machine.memory_per_rank)} ({machine.memory_source}):")
     if acts:
