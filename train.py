@@ -45,8 +45,9 @@ from training.models.build import build_run_model
 from training.models.lora import lora_files
 from training.models.model import (check_checkpoint_folder, check_checkpoint_matches, check_recipe_against_model,
                                    load_model_config, load_tokenizer, weights_digest)
-from training.models.moe import RouterLoss, router_loss, with_router_loss
+from training.models.moe import RouterMeter, router_meter, with_router_loss
 from training.parallel import distributed
+from training.parallel.expert_parallel import with_expert_parallel
 from training.parallel.pipeline import pipeline_batches
 from training.parallel.tensor_parallel import loss_copies, with_tensor_parallel
 from training.planning.checks import check_layout, refusal
@@ -112,6 +113,7 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> RunPla
     dp_size = world_size // (parallelism.pipeline_stages * parallelism.sequence_parallel * tensor)
     ds_config = with_tensor_parallel(resolve_ds_config(raw_ds_config, ds_config_path, recipe, model_config.hidden_size,
                                                        dp_size, precision), tensor)
+    ds_config = with_expert_parallel(ds_config, parallelism.expert_parallel, model_config)
     output_dir = args.output_dir or default_output_dir(recipe.name, args.resume)
     if not args.dry_run:
         check_output_dir(output_dir, args.resume, args.overwrite, [*recipe_inputs(recipe), ds_config_path])
@@ -212,7 +214,7 @@ def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict], dp_
 
 
 def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: EvalBatches | None, plan: RunPlan,
-          start: dict, total_steps: int, flops: FlopsMeter | None, router: RouterLoss | None = None,
+          start: dict, total_steps: int, flops: FlopsMeter | None, router: RouterMeter | None = None,
           preference: PreferenceLoss | None = None) -> dict:
     """The loop: batch, forward/backward/step, log every N steps, evaluate every E, checkpoint every M, and
     on SIGTERM checkpoint and stop. A step the stability guard drops is tried again on the next batch; a
@@ -309,15 +311,16 @@ def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: E
 
 def step_record(engine: deepspeed.DeepSpeedEngine, step: int, lr: float, loss_share: torch.Tensor,
                 grad_norm: torch.Tensor | float, interval: dict, seconds: float, flops: FlopsMeter | None,
-                router: RouterLoss | None) -> dict:
+                router: RouterMeter | None) -> dict:
     """The metrics.jsonl line of a logged step: the step's loss (the language model's: without an MoE router's
-    load-balancing loss, logged apart as aux_loss) and gradient norm, and the interval since the last logged
-    step's throughput and peak memory."""
+    load-balancing loss, logged apart as aux_loss, with the tokens each expert was sent) and gradient norm, and the
+    interval since the last logged step's throughput and peak memory."""
     peak = distributed.all_reduce(torch.tensor(peak_memory_bytes(), device=engine.device), dist.ReduceOp.MAX)
     scale = loss_scale(engine)
-    aux = router.step_mean() if router else None
-    loss = distributed.all_reduce(loss_share).item() - (router.coefficient * aux if router else 0.0)
-    return {"step": step, "loss": loss, **({"aux_loss": aux} if router else {}), "lr": lr, "grad_norm": float(grad_norm),
+    routing = router.metrics() if router else {}
+    aux = router.coefficient * routing["aux_loss"] if "aux_loss" in routing else 0.0
+    loss = distributed.all_reduce(loss_share).item() - aux
+    return {"step": step, "loss": loss, **routing, "lr": lr, "grad_norm": float(grad_norm),
             "tokens_per_s": interval["tokens"] / seconds, "peak_mem_bytes": int(peak.item()),
             **({"loss_scale": scale} if scale is not None else {}), **gpu_metrics(flops, interval["steps"], seconds)}
 
@@ -371,7 +374,7 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
     record_model_states(engine.optimizer, lambda: engine.global_steps, start["step"] + 1, held_tensors)
     flops = flops_meter(plan)
     totals = train(engine, batches, evaluation, plan, start, total_steps, flops,
-                   router_loss(engine.module, plan.accumulation_steps), preference)
+                   router_meter(engine.module, plan.accumulation_steps), preference)
     totals["model_state_bytes"] = measured_model_states(held_tensors)
     if totals["last_step"] < total_steps:
         return stopped_early(plan, totals, total_steps)

@@ -12,8 +12,9 @@
 --blind-node-on-rank RANK: that rank acts as the first rank of another node, one that cannot see the output
     folder (a node-local disk).
 --slow-save SECONDS: DeepSpeed takes that much longer to write every checkpoint.
---record-routing [--route-by-rank]: the experts each MoE router picks in the first step, per rank
-    (routing_rank{r}.json); with --route-by-rank the ranks' tokens go to disjoint experts.
+--record-routing [--route-by-rank | --route-across]: the experts each MoE router picks in the first step, per rank
+    (routing_rank{r}.json); with --route-by-rank the ranks' tokens go to disjoint experts, with --route-across to
+    the next rank's experts.
 --insert-poisoned-batches KIND:POSITIONS[:RANK]: poisoned batches are inserted into the data at those data
     positions (comma-separated), pushing the data's own batches back: `nonfinite` makes the model's embedding
     output infinite, `spike` multiplies its logits by 30 (a finite loss spike), on RANK only or on every rank.
@@ -36,6 +37,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import train  # noqa: E402
+from training.models.moe import AUTOEP_ROUTER, routed_experts  # noqa: E402
 from training.parallel import distributed  # noqa: E402
 from training.parallel.pipeline import pipeline_batches  # noqa: E402
 
@@ -131,27 +133,33 @@ def insert_poisoned_batches(spec: str) -> None:
     train.train = train_with_hook
 
 
-def record_routing(by_rank: bool) -> None:
+def record_routing(route: str | None) -> None:
     """The experts each MoE router picks for this rank's tokens in the first optimizer step, by layer, written to
-    <output dir>/routing_rank{r}.json. by_rank: every router sends rank r's tokens to experts r*k .. r*k + k-1
-    instead of its own top-k (with its own top-k weights), so that the ranks use disjoint experts."""
+    <output dir>/routing_rank{r}.json. route="by-rank": every router sends rank r's tokens to experts r*k .. r*k + k-1
+    instead of its own top-k (with its own top-k weights), so that the ranks use disjoint experts; "across": to the
+    experts of rank r+1 (r+1)*k .. (r+1)*k + k-1, which under expert parallelism over 2 ranks with 2k experts are
+    all held by the other rank of the pair. Both transformers' routers and AutoEP's."""
     run = train.train
+    shift = {"by-rank": 0, "across": 1}.get(route)
 
     def route_by_rank(module, inputs, output):
-        logits, weights, indices = output
-        first = dist.get_rank() * module.top_k % module.num_experts
-        return logits, weights, (torch.arange(module.top_k, device=indices.device) + first).expand_as(indices)
+        indices = routed_experts(module, output)
+        first = (dist.get_rank() + shift) * module.top_k % module.num_experts
+        forced = (torch.arange(module.top_k, device=indices.device) + first).expand_as(indices).contiguous()
+        if type(module).__name__ == AUTOEP_ROUTER:  # (weights, experts, tokens per expert)
+            return output[0], forced, torch.bincount(forced.reshape(-1), minlength=module.num_experts).to(output[2])
+        return output[0], output[1], forced
 
     def train_and_record(engine, *args, **kwargs):
         picked, routers = {}, [m for m in engine.module.modules() if type(m).__name__.endswith("TopKRouter")]
-        if by_rank:
-            for router in routers:
-                router.register_forward_hook(route_by_rank)
+        if shift is not None:
+            for router in routers:  # before the run's own hooks (the router meter's), which see the routing used
+                router.register_forward_hook(route_by_rank, prepend=True)
 
         def note(layer):
             def hook(module, inputs, output):
                 if engine.global_steps == 0:
-                    picked.setdefault(layer, set()).update(output[2].flatten().tolist())
+                    picked.setdefault(layer, set()).update(routed_experts(module, output).flatten().tolist())
             return hook
 
         for layer, router in enumerate(routers):
@@ -180,8 +188,9 @@ if __name__ == "__main__":
             del args[at:at + 2]
     if "--record-routing" in args:
         args.remove("--record-routing")
-        record_routing(by_rank="--route-by-rank" in args)
-        args = [arg for arg in args if arg != "--route-by-rank"]
+        route = next((arg.removeprefix("--route-") for arg in args if arg in ("--route-by-rank", "--route-across")), None)
+        record_routing(route)
+        args = [arg for arg in args if arg not in ("--route-by-rank", "--route-across")]
     if "--record-logits" in args:
         args.remove("--record-logits")
         record_logits()

@@ -35,6 +35,17 @@ def deepspeed_patch(name: str, why: str, canary: str, issue: str = NO_ISSUE, *, 
 
 
 PATCHES = (
+    deepspeed_patch("expert_files", "an expert-parallel checkpoint keeps each expert's module weights in a file of "
+                    "its own, named by DeepSpeedEngine._get_expert_ckpt_name (layer_L_expert_E_mp_rank_00_model_"
+                    "states.pt): the export reads them", "test_expert_files_are_named_by_layer_and_expert",
+                    proofs=("tests/test_expert_parallel.py::test_the_checkpoint_exports_as_the_hf_folder",)),
+    deepspeed_patch("autoep_output_recorders", "AutoEP moves transformers' router-logit recorders onto its own router "
+                    "through the output-capture registry as a plain dict (registry.get(key, default), registry[key] = "
+                    "value, with class names for keys); transformers 5.23's _CanRecordRegistry takes a model in get "
+                    "and __setitem__, so deepspeed.initialize fails with a TypeError. While AutoEP replaces the MoE "
+                    "blocks the registry also takes the class-name keys it stores",
+                    "test_autoep_still_treats_the_output_capture_registry_as_a_dict",
+                    proofs=("tests/test_expert_parallel.py::test_expert_parallel_gives_the_data_parallel_run",)),
     deepspeed_patch("sum_sequence_slices", "ZeRO-3's reduce-scatter path (stage3.reduce_scatter_coalesced, the "
                     "default) averages the gradients over every rank, its all-reduce path over the data-parallel "
                     "ranks only: under sequence parallelism the gradients come out N times too small",
@@ -300,6 +311,22 @@ def weight_shape(parameter: torch.nn.Parameter) -> tuple[int, ...]:
     return tuple(getattr(parameter, "ds_shape", parameter.shape))
 
 
+@contextmanager
+def autoep_output_recorders() -> Iterator[None]:
+    """transformers' output-capture registry, for the duration, also takes the class-name keys that AutoEP reads and
+    writes (what it stores under them is what transformers reads for a model of that class)."""
+    from transformers.utils import output_capturing
+    registry = type(output_capturing._CAN_RECORD_REGISTRY)
+    get, set_item = registry.get, registry.__setitem__
+    registry.get = lambda self, key, *default: dict.get(self, key, *default) if isinstance(key, str) else get(self, key)
+    registry.__setitem__ = lambda self, key, value: dict.__setitem__(self, key, value) if isinstance(key, str) \
+        else set_item(self, key, value)
+    try:
+        yield
+    finally:
+        registry.get, registry.__setitem__ = get, set_item
+
+
 def gathered_16bit_state_dict(engine: DeepSpeedEngine, exclude_frozen_parameters: bool = False) -> dict:
     """The whole 16-bit weights on rank 0 under ZeRO-3 or AutoTP (every rank calls it)."""
     return engine._consolidated_16bit_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
@@ -341,6 +368,16 @@ def model_parallel_ranks(tag_dir: Path, at_least: int) -> list[str]:
     found = {int(match.group(1)) for path in tag_dir.iterdir()
              if (match := re.search(r"mp_rank_(\d+)_(?:model|optim)_states\.pt$", path.name))}
     return [f"mp_rank_{rank:02d}" for rank in range(max([at_least, *(rank + 1 for rank in found)]))]
+
+
+EXPERT_FILE = re.compile(r"layer_(\d+)_expert_(\d+)_mp_rank_00_model_states\.pt")
+
+
+def expert_files(tag_dir: Path) -> list[Path]:
+    """An expert-parallel checkpoint's files of each expert's module weights (one per MoE layer and expert, which
+    DeepSpeed names by the layer's MoE index and the expert's global index), in order."""
+    found = [(path, EXPERT_FILE.fullmatch(path.name)) for path in tag_dir.iterdir()]
+    return [path for path, match in sorted((f for f in found if f[1]), key=lambda f: tuple(map(int, f[1].groups())))]
 
 
 def in_order(paths) -> list[Path]:

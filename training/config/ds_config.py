@@ -74,7 +74,7 @@ SET_BY_TRAIN_PY = {
     "tensor_parallel": "parallelism.tensor_parallel",
     "sequence_parallel_size": "parallelism.sequence_parallel",
     "checkpoint.load_universal": "--resume (train.py loads a checkpoint of another layout through a universal one)",
-    "expert_parallel": "nothing yet (train.py does not build expert parallelism; remove the section)",
+    "expert_parallel": "parallelism.expert_parallel",
 }
 OFFLOAD_SECTIONS = ("offload_optimizer", "offload_param")
 

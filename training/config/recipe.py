@@ -133,6 +133,7 @@ class ParallelismSection(StrictModel):
     partition_method: Literal["parameters", "uniform"] = "parameters"  # balance stages by parameters or by layers
     sequence_parallel: PositiveInt = 1  # > 1: Ulysses; each row split over this many ranks (training/parallel/sequence_parallel.py)
     tensor_parallel: PositiveInt = 1  # > 1: AutoTP; each matrix split over this many ranks (training/parallel/tensor_parallel.py)
+    expert_parallel: PositiveInt = 1  # > 1: AutoEP; each MoE layer's experts split over this many ranks (training/parallel/expert_parallel.py)
 
 
 class LongContextSection(StrictModel):

@@ -234,7 +234,11 @@ class MetricsLogger:
         self.file.flush()
         if self.writer:
             for key, value in record.items():
-                if key != "step":
+                if key == "expert_tokens":  # by layer, each expert's
+                    for layer, tokens in enumerate(value):
+                        for expert, count in enumerate(tokens):
+                            self.writer.add_scalar(f"experts/layer{layer:02d}/expert{expert:02d}", count, record["step"])
+                elif key != "step":
                     name = f"eval/{key.removeprefix('eval_')}" if key.startswith("eval_") else f"train/{key}"
                     self.writer.add_scalar(name, value, record["step"])
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)

@@ -10,6 +10,7 @@ training loss with `moe.aux_loss_coef`; metrics.jsonl logs the language-model lo
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,8 @@ from training.config.errors import ConfigError
 from training.config.recipe import MoeSection, Recipe
 
 SPARSE_BLOCK_SUFFIX = "SparseMoeBlock"
+ROUTER_SUFFIX = "TopKRouter"  # transformers' MixtralTopKRouter, Qwen3MoeTopKRouter; AutoEP's TokenChoiceTopKRouter
+AUTOEP_ROUTER = "TokenChoiceTopKRouter"
 
 
 def is_moe(config: PretrainedConfig) -> bool:
@@ -66,31 +69,64 @@ def mark_sparse_blocks(model: torch.nn.Module) -> None:
         set_z3_leaf_modules(model, classes)
 
 
-class RouterLoss:
-    """The router's load-balancing loss of the last optimizer step's micro-batches, read from the model's output
-    (`aux_loss`) by a forward hook while training; evaluation runs without it (`without_router_loss`)."""
+class RouterMeter:
+    """What an MoE model's routers did in training: the load-balancing loss of the last optimizer step's
+    micro-batches (the model output's `aux_loss`, read by a forward hook when the run trains with it) and the tokens
+    each layer's experts were sent since the last logging step (forward hooks on the routers: transformers' and, under
+    expert parallelism, AutoEP's). Each micro-batch is counted once: activation checkpointing's recomputation in the
+    backward pass runs the routers again, after the model's forward has finished, and is not counted."""
 
-    def __init__(self, model: torch.nn.Module, micro_batches: int, coefficient: float):
+    def __init__(self, model: torch.nn.Module, micro_batches: int, coefficient: float, experts: int):
         self.values, self.coefficient = deque(maxlen=micro_batches), coefficient
+        routers = [m for m in model.modules() if type(m).__name__.endswith(ROUTER_SUFFIX)]
+        self.tokens = torch.zeros(len(routers), experts, dtype=torch.int64)  # moved to the routers' device
+        self.in_forward = False
+        model.register_forward_pre_hook(lambda *_: setattr(self, "in_forward", True))
         model.register_forward_hook(self.record)
+        for layer, router in enumerate(routers):
+            router.register_forward_hook(partial(self.count, layer))
 
     def record(self, module: torch.nn.Module, args, output) -> None:
-        if module.training and getattr(output, "aux_loss", None) is not None:
+        self.in_forward = False
+        if module.training and self.coefficient and getattr(output, "aux_loss", None) is not None:
             self.values.append(output.aux_loss.detach())
 
+    def count(self, layer: int, module: torch.nn.Module, args, output) -> None:
+        if module.training and self.in_forward:
+            experts = routed_experts(module, output)
+            self.tokens = self.tokens.to(experts.device)  # a no-op after the first count: no host sync per layer
+            self.tokens[layer] += torch.bincount(experts.reshape(-1), minlength=self.tokens.shape[1])
+
     def step_mean(self) -> float:
-        """The mean over the step's micro-batches and the data-parallel ranks."""
+        """The load-balancing loss's mean over the step's micro-batches and the data-parallel ranks."""
         mean = torch.stack(list(self.values)).mean() / dist.get_world_size()
         return distributed.all_reduce(mean).item()
 
+    def metrics(self) -> dict:
+        """For metrics.jsonl, every rank calling: `aux_loss` (when trained with it), `expert_tokens` (by layer, the
+        tokens each expert was sent since the last call, summed over the ranks) and `expert_load_max` (the busiest
+        expert's tokens over the layer's mean: 1 is a perfect balance, num_experts / top-k the worst)."""
+        tokens = distributed.all_reduce(self.tokens.clone()).cpu().double()
+        self.tokens.zero_()
+        load = (tokens / tokens.mean(dim=1, keepdim=True).clamp(min=1)).max().item()
+        return {**({"aux_loss": self.step_mean()} if self.coefficient else {}),
+                "expert_tokens": tokens.long().tolist(), "expert_load_max": load}
 
-def router_loss(model: torch.nn.Module, micro_batches: int) -> RouterLoss | None:
-    """The router's loss meter of an MoE model trained with it; None otherwise (a pipeline's PipelineModule has no
-    config: MoE models run without pipeline stages)."""
+
+def routed_experts(router: torch.nn.Module, output: tuple) -> torch.Tensor:
+    """The experts a router picked for each token (tokens x top-k): transformers' routers return (logits, weights,
+    experts), AutoEP's (weights, experts, tokens per expert)."""
+    return output[1] if type(router).__name__ == AUTOEP_ROUTER else output[2]
+
+
+def router_meter(model: torch.nn.Module, micro_batches: int) -> RouterMeter | None:
+    """The router meter of an MoE model; None for a dense one (and a pipeline's PipelineModule, which has no config:
+    MoE models run without pipeline stages)."""
     config = getattr(model, "config", None)
-    if config is None or not (is_moe(config) and config.output_router_logits):
+    if config is None or not is_moe(config):
         return None
-    return RouterLoss(model, micro_batches, config.router_aux_loss_coef)
+    coefficient = config.router_aux_loss_coef if config.output_router_logits else 0.0
+    return RouterMeter(model, micro_batches, coefficient, getattr(config, "num_local_experts", None) or config.num_experts)
 
 
 @contextmanager

@@ -18,6 +18,7 @@ class Layout(BaseModel):
     pipeline_stages: PositiveInt = 1
     tensor_parallel: PositiveInt = 1
     sequence_parallel: PositiveInt = 1
+    expert_parallel: PositiveInt = 1
     optimizer: str = "adamw"
     lora: bool = False
 

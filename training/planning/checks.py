@@ -2,11 +2,13 @@
 stage, precision and optimizer together, before anything is built."""
 from transformers import PretrainedConfig
 
-from training.config.ds_config import check_nvme_offload, config_source, ds_config_file, load_ds_config, zero_setting, zero_stage
+from training.config.ds_config import (check_nvme_offload, config_source, ds_config_file, load_ds_config, offloads,
+                                       zero_setting, zero_stage)
 from training.config.errors import ConfigError
 from training.models.lora import check_lora
 from training.models.moe import check_moe
 from training.loop.optimizer import check_optimizer
+from training.parallel.expert_parallel import check_expert_parallel
 from training.parallel.pipeline import check_pipeline
 from training.planning.precision import resolve_precision
 from training.config.recipe import Recipe
@@ -30,6 +32,8 @@ def check_layout(recipe: Recipe, model_config: PretrainedConfig, raw_ds_config: 
         check_pipeline(model_config, parallelism.pipeline_stages, stage, world_size)
     check_optimizer(recipe, model_config, zero_setting(raw_ds_config))
     check_moe(recipe, model_config)
+    if parallelism.expert_parallel > 1:
+        check_expert_parallel(recipe, model_config, world_size, stage, bool(offloads(raw_ds_config)))
     if recipe.lora.enabled:
         check_lora(recipe, model_config, precision, for_gpus)
     if not for_gpus:  # a plan for GPUs elsewhere cannot look at their drives

@@ -59,11 +59,16 @@ class RunPlan:
     def tensor_parallel(self) -> int:
         return self.recipe.parallelism.tensor_parallel
 
+    @property
+    def expert_parallel(self) -> int:
+        return self.recipe.parallelism.expert_parallel
+
     def layout(self) -> Layout:
         """What the run's checkpoints belong to."""
         return Layout(world_size=self.world_size, zero_stage=self.zero_stage, precision=self.precision,
                       pipeline_stages=self.pipeline_stages, tensor_parallel=self.tensor_parallel,
-                      sequence_parallel=self.sequence_parallel, optimizer=self.recipe.optimizer.name,
+                      sequence_parallel=self.sequence_parallel,
+                      expert_parallel=self.expert_parallel, optimizer=self.recipe.optimizer.name,
                       lora=self.recipe.lora.enabled)
 
     @property

@@ -77,7 +77,9 @@ def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dic
     for param in model.parameters():
         if param.requires_grad:
             (no_decay if len(weight_shape(param)) < 2 or id(param) in embeddings else decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # named: DeepSpeed splits each named group into its expert and non-expert parameters under expert parallelism
+    return [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
+            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:

@@ -10,7 +10,9 @@ are exactly what was trained (the optimizer copies its fp32 master into them aft
 Tensor-parallel checkpoints hold each model-parallel rank's slices in files of their own (mp_rank_NN): each
 rank is read the same way, and the slices are joined along the dimension AutoTP split. Sequence-parallel ranks
 hold whole weights (DeepSpeed 0.19.8 saves them as data-parallel ranks of mp_rank_00). Pipeline checkpoints hold
-each layer's module weights in a file of its own. A missing or unreadable file is named, as a damaged checkpoint.
+each layer's module weights in a file of its own; expert-parallel ones each expert's (training/parallel/
+expert_parallel.py puts them back under the original model's names). A missing or unreadable file is named, as a
+damaged checkpoint.
 """
 import json
 import shutil
@@ -22,13 +24,14 @@ from deepspeed import DeepSpeedEngine
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from training.compat.deepspeed import (gathered_16bit_state_dict, has_zero_partitions, model_parallel_ranks,
-                                       zero_fp32_weights, zero_rank_files)
+from training.compat.deepspeed import (expert_files, gathered_16bit_state_dict, has_zero_partitions,
+                                       model_parallel_ranks, zero_fp32_weights, zero_rank_files)
 from training.state.checkpoint import READ_ERRORS, RUN_STATE, latest_tag, unreadable_files
 from training.config.errors import ConfigError
 from training.models.lora import ADAPTER_CONFIG, ADAPTER_DIR
 from training.planning.plan import RunPlan
 from training.state.output_guard import check_output, staged_folder
+from training.parallel.expert_parallel import expert_layers, hf_weights, original_weights
 from training.parallel.pipeline import hf_name, layer_files
 from training.planning.precision import DTYPES
 
@@ -123,6 +126,9 @@ def checkpoint_weights(checkpoint_dir: Path, tag: str, config: PretrainedConfig,
     tag_dir = checkpoint_dir / tag
     if run_state.get("pipeline_stages", 1) > 1 or any(tag_dir.glob("layer_*-model_states.pt")):
         return pipeline_weights(tag_dir, config)
+    if run_state.get("expert_parallel", 1) > 1:  # the module's weights: what was trained (see above)
+        return original_weights(read_file(tag_dir / "mp_rank_00_model_states.pt")["module"],
+                                         [read_file(path) for path in expert_files(tag_dir)])
     slices = model_parallel_weights(tag_dir, run_state.get("tensor_parallel", 1))
     return slices[0] if len(slices) == 1 else join_tensor_parallel(slices, config, tag_dir)
 
@@ -186,10 +192,15 @@ def export_tag(checkpoint_dir: Path, tag: str, out_dir: Path, dtype: str | None 
         save_full_model(tag_dir, config, weights, out_dir, dtype)
 
 
+def meta_model(config: PretrainedConfig) -> torch.nn.Module:
+    """The model `config` builds, without weights: what save_pretrained needs besides the weights it is given."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
 def save_full_model(tag_dir: Path, config: PretrainedConfig, weights: dict[str, torch.Tensor], out_dir: Path,
                     dtype: torch.dtype) -> None:
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    model = meta_model(config)
     expected = model.state_dict().keys()
     missing = [name for name in expected if name not in weights and name not in model.all_tied_weights_keys]
     if missing:
@@ -220,9 +231,12 @@ def export_hf(engine: DeepSpeedEngine, tokenizer: PreTrainedTokenizerBase, out_d
         state_dict = gathered_16bit_state_dict(engine)  # ZeRO-3's and AutoTP's gather onto rank 0
     else:
         state_dict = engine.module.state_dict()
+    model = engine.module
+    if expert_layers(model):  # AutoEP's layers: every expert gathered, saved as the original model class
+        state_dict, model = hf_weights(engine, state_dict), meta_model(model.config)
     if dist.get_rank() == 0:
         state_dict = {name: tensor.detach().to("cpu", dtype) for name, tensor in state_dict.items()}
-        save_hf(engine.module, tokenizer, out_dir, state_dict, dtype)
+        save_hf(model, tokenizer, out_dir, state_dict, dtype)
     dist.barrier()
 
 

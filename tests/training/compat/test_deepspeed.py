@@ -4,16 +4,18 @@ message then says what can go."""
 import inspect
 import json
 import os
+from pathlib import Path
 
 import deepspeed
 import pytest
 import torch
+from deepspeed import DeepSpeedEngine
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.zero import stage3
 
 from tests.conftest import run_train
-from training.compat.deepspeed import (local_fp32_shares, muon_flags, pipeline_layer_file, weight_shape,
-                                       withheld_step, zero0_grad_norm, zero_cuts)
+from training.compat.deepspeed import (autoep_output_recorders, expert_files, local_fp32_shares, muon_flags,
+                                       pipeline_layer_file, weight_shape, withheld_step, zero0_grad_norm, zero_cuts)
 from training.planning.shape import weight_decay_groups
 
 STAGE3 = stage3.DeepSpeedZeroOptimizer_Stage3
@@ -251,3 +253,29 @@ def test_zero_muon_reports_the_norm_of_its_updates(one_rank):
     engine.step()
     assert abs(float(engine.get_global_grad_norm()) / float(gradients) - 1) > 0.5, \
         "ZeRO's Muon reports the gradients' norm now: the refusal of training.grad_clip with Muon can be lifted"
+
+
+def test_autoep_still_treats_the_output_capture_registry_as_a_dict():
+    """AutoEP reads and writes transformers' output-capture registry with class-name keys and a default, and
+    transformers' registry takes a model: this fails when either side changes (then the patch goes, or is redone)."""
+    from deepspeed.module_inject.auto_ep_presets import base
+    from transformers.utils import output_capturing
+    assert "registry.get(registry_key, _MISSING_REGISTRY_ENTRY)" in \
+        inspect.getsource(base._install_instance_transformers_output_recorders)
+    registry, key = output_capturing._CAN_RECORD_REGISTRY, "<class 'Probe'>"
+    with pytest.raises(TypeError):
+        registry.get(key, None)
+    with autoep_output_recorders():
+        registry[key] = {"router_logits": 1}
+        assert registry.get(key, None) == {"router_logits": 1} and registry.get("<class 'Other'>", 5) == 5
+        del registry[key]
+    with pytest.raises(TypeError):  # put back
+        registry.get(key, None)
+
+
+def test_expert_files_are_named_by_layer_and_expert(tmp_path):
+    names = [Path(DeepSpeedEngine._get_expert_ckpt_name(str(tmp_path), layer, expert, None)).name
+             for layer, expert in ((1, 3), (0, 10), (0, 2))]
+    for name in [*names, "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]:
+        (tmp_path / name).touch()
+    assert [path.name for path in expert_files(tmp_path)] == [names[2], names[1], names[0]]
