@@ -1,14 +1,14 @@
 """Expert parallelism (training/parallel/expert_parallel.py) through the launcher on CPU ranks, fp32: shrunk Mixtral and
 Qwen3-MoE checkpoints (2 layers, 4 experts, top-2) fine-tuned with the router's loss on, with and without AutoEP.
 
-- parallelism.expert_parallel=2 gives the ZeRO-1 data-parallel run's per-step losses, router losses and gradient
-  norms (1e-5 relative) and the same tokens per expert, for both families on 2 ranks, and under ZeRO-2 with a routing
-  that sends all of each rank's tokens to the other rank's experts (a probe: rank r's tokens go to experts of rank
-  r+1); expert_parallel=4 on 4 ranks (one expert per rank) gives the 4-rank data-parallel run's.
+- parallelism.expert_parallel=2 gives the ZeRO-1 data-parallel run's per-step losses, router losses, gradient norms
+  and parameter norms (1e-5 relative) and the same tokens per expert, for both families on 2 ranks, and under ZeRO-2
+  with a routing that sends all of each rank's tokens to the other rank's experts (a probe: rank r's tokens go to
+  experts of rank r+1); expert_parallel=4 on 4 ranks (one expert per rank) gives the 4-rank data-parallel run's.
 - The hf/ export loads as the original model class and gives the trained engine's logits; `python -m training export`
   of the final checkpoint writes the same weights.
-- A run killed (SIGKILL) while saving its step-3 checkpoint resumes from step 2 in its layout and gives the uninterrupted run's curve;
-  resuming it in another layout is refused before anything is built, with the way out.
+- A run killed (SIGKILL) while saving its step-3 checkpoint resumes from step 2 in its layout and gives the
+  uninterrupted run's curve; resuming it in another layout is refused before anything is built, with the way out.
 """
 import json
 
@@ -85,7 +85,7 @@ def records(out) -> list[dict]:
 def test_expert_parallel_gives_the_data_parallel_run(runs, reference, run):
     expected, got = records(runs[reference]), records(runs[run])
     assert len(got) == STEPS and all(r["aux_loss"] > 0 for r in got)
-    for key in ("loss", "aux_loss", "grad_norm"):
+    for key in ("loss", "aux_loss", "grad_norm", "param_norm"):
         assert [r[key] for r in got] == pytest.approx([r[key] for r in expected], rel=1e-5), key
     assert [r["expert_tokens"] for r in got] == [r["expert_tokens"] for r in expected]
 

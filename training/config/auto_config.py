@@ -7,6 +7,11 @@ turns checkpointing on keeps it). Settings that the run's own checks refuse (Muo
 parallelism at ZeRO-0, ...) are passed over. Offload moves model states to the host, whose memory is not
 checked here (the plan prints what it needs per node). DeepSpeed's autotuner answers the same question by
 running experiments; this needs none.
+
+For a mixture of experts whose recipe leaves parallelism.expert_parallel at 1, ZeRO-1 and then 2 with the experts
+split over expert_parallel_size ranks come after ZeRO-2 and before ZeRO-3: each rank then keeps 1/N of the experts'
+weights whole, and the all-to-alls of the tokens' hidden states replace ZeRO-3's all-gather of every layer's
+weights, forward and backward. A recipe that sets expert_parallel keeps it (and the settings it runs with).
 """
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,7 +19,8 @@ from dataclasses import dataclass
 from transformers import PretrainedConfig
 
 from training.config.errors import ConfigError
-from training.planning.memory import HEADROOM, activations, fits, states_per_setting
+from training.planning.memory import (EXPERT_PARALLEL_SETTINGS, HEADROOM, Activations, activations, fits,
+                                      states_per_setting)
 from training.planning.plan import Machine
 from training.planning.report import format_bytes
 from training.config.recipe import Recipe
@@ -29,10 +35,20 @@ class Need:
     checkpointing: bool
     states: float  # bytes per rank
     activations: float
+    expert_parallel: int = 1
 
     @property
     def total(self) -> float:
         return self.states + self.activations
+
+    @property
+    def layout(self) -> str:
+        """The setting as the shortfall names it, e.g. 'ZeRO-3 + offload', 'ZeRO-2 + expert_parallel=8'."""
+        return f"ZeRO-{self.setting.replace('_', ' + ')}{self.experts}"
+
+    @property
+    def experts(self) -> str:
+        return f" + expert_parallel={self.expert_parallel}" if self.expert_parallel > 1 else ""
 
 
 def choose_ds_config(recipe: Recipe, config: PretrainedConfig, precision: str, machine: Machine,
@@ -56,7 +72,7 @@ def choose_ds_config(recipe: Recipe, config: PretrainedConfig, precision: str, m
             why = refusal(chosen)
             if why is None:
                 return chosen
-            refused.append(f"  {chosen.deepspeed.config}: " + " ".join(why.split()))
+            refused.append(f"  {chosen.deepspeed.config}{need.experts}: " + " ".join(why.split()))
     if refused:
         raise ConfigError("deepspeed.config=auto: what fits, the run's checks refuse:\n" + "\n".join(refused))
     raise ConfigError(shortfall(recipe, shape, precision, machine))
@@ -64,19 +80,48 @@ def choose_ds_config(recipe: Recipe, config: PretrainedConfig, precision: str, m
 
 def memory_needs(recipe: Recipe, shape: ModelShape, precision: str, machine: Machine) -> list[Need]:
     """Each candidate's bytes per rank, in the order of preference."""
+    order = candidates(recipe, shape, machine)
+    plans = {size: layout_bytes(with_parallelism(recipe, expert_parallel=size), shape, precision, machine)
+             for size in {size for _, size in order}}
+    return [Need(setting, checkpointing, plans[size][0][setting].device_bytes, plans[size][1].peak(checkpointing), size)
+            for checkpointing in ([True] if recipe.activation_checkpointing else [False, True])
+            for setting, size in order if setting in plans[size][0]]
+
+
+def candidates(recipe: Recipe, shape: ModelShape, machine: Machine) -> list[tuple[str, int]]:
+    """(ZeRO setting, expert_parallel) in the order of preference (module docstring)."""
+    size = recipe.parallelism.expert_parallel
+    split = expert_parallel_size(shape, machine) if size == 1 else 1
+    before = AUTO_ORDER.index("3")
+    return ([(setting, size) for setting in AUTO_ORDER[:before]]
+            + [(setting, split) for setting in EXPERT_PARALLEL_SETTINGS if split > 1]
+            + [(setting, size) for setting in AUTO_ORDER[before:]])
+
+
+def expert_parallel_size(shape: ModelShape, machine: Machine) -> int:
+    """The expert parallelism tried for a mixture of experts: the most ranks of one node that split each layer's
+    experts evenly, so that every MoE layer's all-to-alls, forward and backward, stay on the node's own links
+    (NVLink), not the network between nodes; 1 for a dense model. (A divisor of the GPUs per node divides the world
+    size, and DeepSpeed's expert-parallel groups, consecutive ranks, then do not cross nodes.)"""
+    if not shape.num_experts:
+        return 1
+    return max(size for size in range(1, machine.gpus_per_node + 1)
+               if machine.gpus_per_node % size == 0 and shape.num_experts % size == 0)
+
+
+def layout_bytes(recipe: Recipe, shape: ModelShape, precision: str, machine: Machine) -> tuple[dict, Activations]:
+    """The model states per setting and one micro-batch's activations of the recipe's layout."""
     acts = activations(recipe, precision, shape)
     if acts is None:
         raise ConfigError(f"deepspeed.config=auto: the plan has no activation rule for model type {shape.model_type}; "
                           f"choose a config under ds_configs/ yourself")
-    states = states_per_setting(recipe, precision, shape, machine)
-    return [Need(setting, checkpointing, states[setting].device_bytes, acts.peak(checkpointing))
-            for checkpointing in ([True] if recipe.activation_checkpointing else [False, True])
-            for setting in AUTO_ORDER if setting in states]
+    return states_per_setting(recipe, precision, shape, machine), acts
 
 
 def with_setting(recipe: Recipe, need: Need) -> Recipe:
     deepspeed = recipe.deepspeed.model_copy(update={"config": f"zero{need.setting}"})
-    return recipe.model_copy(update={"deepspeed": deepspeed, "activation_checkpointing": need.checkpointing})
+    return with_parallelism(recipe, expert_parallel=need.expert_parallel).model_copy(
+        update={"deepspeed": deepspeed, "activation_checkpointing": need.checkpointing})
 
 
 def shortfall(recipe: Recipe, shape: ModelShape, precision: str, machine: Machine) -> str:
@@ -85,8 +130,8 @@ def shortfall(recipe: Recipe, shape: ModelShape, precision: str, machine: Machin
     budget = HEADROOM * machine.memory_per_rank
     smallest = min(memory_needs(recipe, shape, precision, machine), key=lambda need: need.total)
     lines = [f"deepspeed.config=auto: nothing fits in {format_bytes(budget)} per rank ({HEADROOM:.0%} of "
-             f"{format_bytes(machine.memory_per_rank)}, {machine.memory_source}); the smallest is ZeRO-"
-             f"{smallest.setting.replace('_', ' + ')}{' with activation checkpointing' if smallest.checkpointing else ''}"
+             f"{format_bytes(machine.memory_per_rank)}, {machine.memory_source}); the smallest is "
+             f"{smallest.layout}{' with activation checkpointing' if smallest.checkpointing else ''}"
              f": {format_bytes(smallest.total)} ({format_bytes(smallest.states)} model states + "
              f"{format_bytes(smallest.activations)} activations). What would fit:"]
     for nodes in (2, 4, 8, 16, 32, 64):
@@ -110,6 +155,10 @@ def shortfall(recipe: Recipe, shape: ModelShape, precision: str, machine: Machin
 
 def anything_fits(recipe: Recipe, shape: ModelShape, precision: str, machine: Machine) -> bool:
     return any(fits(need.total, machine.memory_per_rank) for need in memory_needs(recipe, shape, precision, machine))
+
+
+def with_parallelism(recipe: Recipe, **changes) -> Recipe:
+    return recipe.model_copy(update={"parallelism": recipe.parallelism.model_copy(update=changes)})
 
 
 def with_training(recipe: Recipe, **changes) -> Recipe:

@@ -18,6 +18,17 @@ row length (the per-layer copy of the packed-document mask; flash_attention_2 ha
 activations are rebuilt at a time in the backward pass. The loss briefly holds the logits and their fp32
 copy too, (a + 4)*V per token, which is added to the peak. Gradient buffers of the activations, the CUDA
 context and allocator fragmentation are not: `fits` leaves 10% of the memory for them.
+
+Expert parallelism of N (training/parallel/expert_parallel.py, ZeRO-1 and 2 only) over R data-parallel ranks, with
+P parameters of which P_e are the experts' (all layers):
+  model states:  S(P - P_e, R) + S(P_e / N, R / N)
+     (S the ZeRO setting's per-rank bytes of so many parameters over so many ranks: the routers, attention and
+     embeddings whole on every rank, sharded over all R; a rank's E/N experts of each layer sharded over the R/N
+     ranks that hold the same experts)
+  activations:   as without expert parallelism, plus 2*k*a*h per token for the all-to-alls of the MoE layer running
+     (with balanced routing a rank's experts receive as many token copies, k per token, as its tokens send, and
+     AutoEP's layer saves what the MoE rule counts: tests/training/planning/test_expert_parallel_memory.py; the
+     all-to-alls' send and receive buffers are saved by nothing, so they are added once, to the peak)
 """
 from dataclasses import dataclass, replace
 
@@ -26,6 +37,7 @@ from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
 from training.config.recipe import Recipe
+from training.parallel.expert_parallel import ZERO_STAGES as EXPERT_PARALLEL_STAGES
 from training.planning.optimizer_states import optimizer_state_bytes
 from training.planning.plan import Machine, RunPlan
 from training.planning.precision import DTYPES, is_mixed
@@ -34,6 +46,7 @@ from training.planning.shape import ModelShape
 ZERO_SETTINGS = ("0", "1", "2", "3", "2_offload", "3_offload")  # named as the ds_configs/zero*.json files
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")  # the MoE ones with their own MLP term
 HEADROOM = 0.9  # share of a GPU's memory the estimate may fill
+EXPERT_PARALLEL_SETTINGS = tuple(str(stage) for stage in EXPERT_PARALLEL_STAGES)  # no offload with expert parallelism
 
 
 @dataclass(frozen=True)
@@ -82,6 +95,22 @@ def model_states(setting: str, shape: ModelShape, gpus_per_node: int, nodes: int
     else:
         device -= fewer / ranks
     return ModelStates(float(device), float(host), "DeepSpeed estimator")
+
+
+def expert_parallel_states(setting: str, shape: ModelShape, gpus_per_node: int, nodes: int, size: int,
+                           precision: str, state_bytes: float = 8.0) -> ModelStates:
+    """Model states per rank with each MoE layer's experts split over `size` ranks (the formula in the module
+    docstring; S is model_states' ZeRO-1 arithmetic or ZeRO-2 estimator, each linear in the parameters). The node's
+    memory is the whole model's: each rank builds it whole before AutoEP keeps its experts. The optimizer's bytes
+    per parameter are the whole model's mean (exact for AdamW and Lion)."""
+    if setting not in EXPERT_PARALLEL_SETTINGS:
+        raise ValueError(f"no estimate for ZeRO-{setting} with expert parallelism")
+    ranks = gpus_per_node * nodes
+    parts = ((shape.parameters - shape.expert_parameters, ranks), (shape.expert_parameters // size, ranks // size))
+    device = sum(model_states(setting, replace(shape, parameters=count), shards, 1, precision, False,
+                              state_bytes).device_bytes for count, shards in parts)
+    whole = model_states(setting, shape, gpus_per_node, nodes, precision, False, state_bytes)
+    return ModelStates(device, whole.host_bytes, f"{whole.source}, experts / {size}")
 
 
 NF4_BYTES = 4.127 / 8  # QLoRA's 4-bit NormalFloat with double-quantized block constants (Dettmers et al. 2023)
@@ -161,6 +190,16 @@ def mlp_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> float:
     return k * a * (2 * shape.hidden_size + 4 * shape.expert_intermediate_size) + 4 * shape.num_experts + 28 * k + 4
 
 
+def all_to_all_bytes_per_token(shape: ModelShape, dtype_bytes: int, expert_parallel: int) -> float:
+    """Under expert parallelism, the buffers of one MoE layer's all-to-all: each token's k hidden states sent to their
+    experts' ranks and as many received there (balanced routing), and the same again for the experts' outputs on
+    their way back; a buffer is freed once the next step has its copy, 2*k*a*h per token live at a time (module
+    docstring); 0 without it."""
+    if expert_parallel == 1 or not shape.num_experts:
+        return 0.0
+    return 2 * shape.experts_per_token * dtype_bytes * shape.hidden_size
+
+
 def outside_layers_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> float:
     """Embedding, final norm, LM head and loss: what they save per token, plus the loss's logits transient."""
     a, h, vocab = dtype_bytes, shape.hidden_size, shape.vocab_size
@@ -182,7 +221,7 @@ class Activations:
 def activation_bytes(shape: ModelShape, tokens: int, seq_len: int, dtype_bytes: int, attn_implementation: str,
                      layers: int | None = None, with_head: bool = True, sequence_parallel: int = 1,
                      tiled_mlp: bool = False, logits_tile_tokens: int | None = None,
-                     offload_checkpoints: bool = False) -> Activations | None:
+                     offload_checkpoints: bool = False, expert_parallel: int = 1) -> Activations | None:
     """Peak activation memory of one micro-batch of `tokens` tokens (on this rank: a 1/N slice of each row under
     sequence parallelism) through `layers` decoder layers (default: all) and, with_head, the embedding, head and
     loss; None for a model type without a rule.
@@ -190,7 +229,8 @@ def activation_bytes(shape: ModelShape, tokens: int, seq_len: int, dtype_bytes: 
     Tiling (training/models/long_context.py): a tiled MLP saves only its input, which the layer's norm output already
     counts, and one tile of hidden_size tokens per row is live at a time; tiled logits save nothing of the
     vocabulary's width, and one tile's logits and their fp32 copy are live at a time. Offloaded checkpoints keep
-    the layers' saved inputs in host memory, all but the one brought back for the layer being recomputed."""
+    the layers' saved inputs in host memory, all but the one brought back for the layer being recomputed. Under
+    expert parallelism one MoE layer's all-to-all buffers are added to the peak."""
     a, h, vocab = dtype_bytes, shape.hidden_size, shape.vocab_size
     per_layer = layer_bytes_per_token(shape, seq_len, a, attn_implementation, sequence_parallel)
     if per_layer is None:
@@ -205,6 +245,8 @@ def activation_bytes(shape: ModelShape, tokens: int, seq_len: int, dtype_bytes: 
     if with_head and logits_tile_tokens:
         outside -= (a + 8) * vocab
         transient = max(transient, min(tokens, logits_tile_tokens) * (a + 4) * vocab)
+    if layers:
+        transient += tokens * all_to_all_bytes_per_token(shape, a, expert_parallel)
     on_device = 1 if offload_checkpoints and layers else layers
     checkpointed = on_device * a * h + (per_layer if layers else 0.0)
     return Activations(tokens * (layers * per_layer + outside) + transient,
@@ -230,14 +272,15 @@ def micro_batch_rows(recipe: Recipe) -> int:
 
 def activations(recipe: Recipe, precision: str, shape: ModelShape, **stage) -> Activations | None:
     """One micro-batch's activations on a rank: its slice of the rows under sequence parallelism, its share of
-    the heads and the MLP width under tensor parallelism."""
+    the heads and the MLP width under tensor parallelism, the all-to-all buffers under expert parallelism."""
     seq_len, long_context, parallelism = recipe.data.seq_len, recipe.long_context, recipe.parallelism
     shape = tensor_parallel_shard(shape, parallelism.tensor_parallel)
     return activation_bytes(shape, micro_batch_rows(recipe) * seq_len // parallelism.sequence_parallel, seq_len,
                             DTYPES[precision].itemsize, recipe.model.attn_implementation,
                             sequence_parallel=parallelism.sequence_parallel, tiled_mlp=long_context.tiled_mlp,
                             logits_tile_tokens=long_context.logits_tile_tokens,
-                            offload_checkpoints=long_context.offload_checkpoints, **stage)
+                            offload_checkpoints=long_context.offload_checkpoints,
+                            expert_parallel=parallelism.expert_parallel, **stage)
 
 
 def tensor_parallel_shard(shape: ModelShape, size: int) -> ModelShape:
@@ -254,10 +297,13 @@ def tensor_parallel_shard(shape: ModelShape, size: int) -> ModelShape:
 
 def states_per_setting(recipe: Recipe, precision: str, shape: ModelShape, machine: Machine) -> dict[str, ModelStates]:
     """Each ZeRO setting's model states per rank on `machine` (a rank's slice under tensor parallelism, ZeRO over
-    the data-parallel ranks; with LoRA, the shape's lora_parameters on frozen weights); offload only in mixed precision
-    (DeepSpeed's offload keeps 16-bit weights on the GPU)."""
-    tp = recipe.parallelism.tensor_parallel
+    the data-parallel ranks; with LoRA, the shape's lora_parameters on frozen weights; under expert parallelism only
+    the settings it runs with, a rank's share of the experts); offload only in mixed precision (DeepSpeed's offload
+    keeps 16-bit weights on the GPU)."""
+    tp, ep = recipe.parallelism.tensor_parallel, recipe.parallelism.expert_parallel
     settings = [setting for setting in ZERO_SETTINGS if not (precision == "fp32" and setting.endswith("_offload"))]
+    if ep > 1:
+        settings = [setting for setting in settings if setting in EXPERT_PARALLEL_SETTINGS]
     ranks = machine.gpus_per_node * machine.nodes // tp
     optimizer = {setting: optimizer_state_bytes(recipe.optimizer.name, shape, int(setting[0]), ranks)
                  for setting in settings}
@@ -265,18 +311,25 @@ def states_per_setting(recipe: Recipe, precision: str, shape: ModelShape, machin
         return {setting: lora_model_states(setting, shape, shape.lora_parameters, machine.gpus_per_node, machine.nodes,
                                            precision, optimizer[setting], recipe.lora.quantize == "nf4")
                 for setting in settings}
+    if ep > 1:
+        return {setting: expert_parallel_states(setting, shape, machine.gpus_per_node, machine.nodes, ep, precision,
+                                                optimizer[setting]) for setting in settings}
     return {setting: model_states(setting, tensor_parallel_shard(shape, tp), machine.gpus_per_node // tp,
                                   machine.nodes, precision, zero_init=recipe.model.name_or_path is not None,
                                   state_bytes=optimizer[setting]) for setting in settings}
 
 
 def planned_model_states(plan: RunPlan) -> ModelStates:
-    """The run's model-state estimate per rank: its ZeRO setting over its data-parallel ranks (one node), or
-    with pipeline stages the largest stage's share. ValueError where there is no estimate (offload in fp32)."""
+    """The run's model-state estimate per rank: its ZeRO setting over its data-parallel ranks (one node), a rank's
+    share of the experts under expert parallelism, or with pipeline stages the largest stage's share. ValueError
+    where there is no estimate (offload in fp32)."""
     shape = plan.shape
     if shape.lora_parameters is not None:
         return lora_model_states(plan.zero_setting, shape, shape.lora_parameters, plan.world_size, 1,
                                  plan.precision, state_bytes(plan), plan.recipe.lora.quantize == "nf4")
+    if plan.expert_parallel > 1:
+        return expert_parallel_states(plan.zero_setting, shape, plan.world_size, 1, plan.expert_parallel,
+                                      plan.precision, state_bytes(plan))
     if plan.pipeline_stages == 1:
         return model_states(plan.zero_setting, tensor_parallel_shard(shape, plan.tensor_parallel),
                             plan.world_size // plan.tensor_parallel, 1, plan.precision,

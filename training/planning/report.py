@@ -6,10 +6,11 @@ from rich.console import Console
 from rich.table import Table
 
 from training.planning.flops import flops_per_token
-from training.planning.memory import (HEADROOM, LAUNCHER_GRACE_S, Activations, activations, checkpoint_bytes, fits,
-                                      micro_batch_rows, stage_bounds, state_bytes, states_per_setting,
-                                      zero_arithmetic)
+from training.planning.memory import (HEADROOM, LAUNCHER_GRACE_S, Activations, activations,
+                                      all_to_all_bytes_per_token, checkpoint_bytes, fits, micro_batch_rows,
+                                      stage_bounds, state_bytes, states_per_setting, zero_arithmetic)
 from training.planning.plan import Machine, RunPlan
+from training.planning.precision import DTYPES
 from training.planning.shape import ModelShape
 
 
@@ -46,7 +47,10 @@ def print_plan(plan: RunPlan, machine: Machine) -> None:
         print(f"tokenizer: {recipe.tokenizer_path} is not in the local Hugging Face cache; not checked here "
               f"(the run downloads it)")
     print(f"layout: {plan.world_size} rank(s) = {plan.dp_size} data-parallel x {plan.tensor_parallel} "
-          f"tensor-parallel x {plan.sequence_parallel} sequence-parallel x {plan.pipeline_stages} pipeline stage(s)")
+          f"tensor-parallel x {plan.sequence_parallel} sequence-parallel x {plan.pipeline_stages} pipeline stage(s)"
+          + (f"; experts: {plan.expert_parallel} expert-parallel x {plan.world_size // plan.expert_parallel} "
+             f"expert-data-parallel ({shape.num_experts // plan.expert_parallel} of each layer's {shape.num_experts} "
+             f"experts per rank)" if plan.expert_parallel > 1 else ""))
     if training.objective == "dpo":
         print_preference_plan(plan)
     else:
@@ -116,6 +120,8 @@ def print_memory_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> Non
                  f"{format_bytes(acts.host * machine.gpus_per_node)} per node)" if acts.host else ""))
     else:
         print(f"activations: no estimate for model type {shape.model_type}")
+    if plan.expert_parallel > 1:
+        print_expert_parallel_memory(plan, shape, machine)
     table = Table()
     for column in ("ZeRO", "model states", "CPU per node", "estimated by", "+ activations", "+ act. (ckpt)", "fits"):
         table.add_column(column, justify="left" if column in ("ZeRO", "estimated by", "fits") else "right")
@@ -125,6 +131,17 @@ def print_memory_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> Non
                       format_bytes(states.host_bytes) if states.host_bytes else "-", states.source,
                       *memory_cells(states.device_bytes, acts, machine.memory_per_rank))
     Console(width=140).print(table)
+
+
+def print_expert_parallel_memory(plan: RunPlan, shape: ModelShape, machine: Machine) -> None:
+    """What a rank keeps of the experts (memory.py's expert-parallel formulas), and its all-to-all buffers."""
+    size, ranks = plan.expert_parallel, machine.gpus_per_node * machine.nodes
+    tokens = micro_batch_rows(plan.recipe) * plan.recipe.data.seq_len // plan.sequence_parallel
+    buffers = tokens * all_to_all_bytes_per_token(shape, DTYPES[plan.precision].itemsize, size)
+    print(f"experts: {shape.expert_parameters:,} parameters / {size} per rank, which ZeRO shards over the "
+          f"{ranks // size} rank(s) holding the same experts, the other {shape.parameters - shape.expert_parameters:,} "
+          f"over all {ranks}; the activations include one MoE layer's all-to-all buffers ({format_bytes(buffers)}); "
+          f"only ZeRO-1 and 2 run with expert parallelism")
 
 
 def print_pipeline_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> None:

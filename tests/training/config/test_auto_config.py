@@ -3,10 +3,18 @@ the printed plan says fits; checkpointing only when needed; refused settings pas
 exits 2 with the numbers and what would fit."""
 import json
 import re
+from dataclasses import replace
 
+import pytest
 import yaml
 
 import train
+from training.config.auto_config import AUTO_ORDER, candidates, expert_parallel_size, memory_needs
+from training.config.recipe import load_recipe
+from training.models.model import load_model_config
+from training.planning.memory import fits
+from training.planning.plan import Machine
+from training.planning.shape import model_shape
 from tests.conftest import SMALL_MODEL, train_in_process
 from tests.test_train import no_model_building  # noqa: F401 (a fixture)
 
@@ -72,6 +80,50 @@ def test_what_fits_but_is_refused_is_named(no_model_building, capsys):
     assert train.main(args) == 2
     error = " ".join(capsys.readouterr().err.split())
     assert "what fits, the run's checks refuse: zero3_offload: optimizer.name=muon: ZeRO-Offload" in error
+
+
+@pytest.mark.parametrize("recipe_name, nodes, split", [("mixtral_8x7b", 4, "1 of each layer's 8"),
+                                                       ("qwen3_30b_a3b", 2, "16 of each layer's 128")])
+def test_a_mixture_of_experts_splits_its_experts_rather_than_take_zero3(no_model_building, capsys, recipe_name, nodes,
+                                                                        split):
+    """The MoE recipes on their target nodes of 8: ZeRO-0 to 2 do not fit, ZeRO-3 does, and before it ZeRO-1 with each
+    layer's experts split over the 8 GPUs of a node."""
+    recipe, machine = load_recipe(recipe_name), Machine(8, nodes, 80 * 2**30, "--gpu-mem")
+    needs = [need for need in memory_needs(recipe, model_shape(load_model_config(recipe.model)), "bf16", machine)
+             if fits(need.total, machine.memory_per_rank)]
+    without_experts_split = next(need for need in needs if need.expert_parallel == 1)
+    assert (without_experts_split.setting, without_experts_split.checkpointing) == ("3", True)
+    assert (needs[0].setting, needs[0].checkpointing, needs[0].expert_parallel) == ("1", True, 8)
+    output = plan_output(capsys, recipe_name, "--num-nodes", str(nodes))
+    assert chosen(output) == ("zero1", True)
+    assert f"; experts: 8 expert-parallel x {nodes} expert-data-parallel ({split} experts per rank)" in output
+
+
+def test_expert_parallelism_where_it_does_not_fit_is_passed_over(no_model_building, capsys):
+    # one node of 8: a rank's one expert of each layer keeps its states unsharded, over 80 GB
+    output = plan_output(capsys, "mixtral_8x7b")
+    assert chosen(output) == ("zero3_offload", True)
+    assert "expert-parallel" not in output
+
+
+def test_a_recipes_expert_parallelism_is_kept(no_model_building, capsys):
+    output = plan_output(capsys, "qwen3_30b_a3b", "--num-nodes", "2", "parallelism.expert_parallel=16")
+    assert chosen(output) == ("zero1", True)
+    assert "experts: 16 expert-parallel x 1 expert-data-parallel" in output
+
+
+def test_a_dense_model_has_the_candidates_it_had():
+    shape = model_shape(load_model_config(load_recipe("llama3_8b").model))
+    machine = Machine(8, 4, 80 * 2**30, "--gpu-mem")
+    assert expert_parallel_size(shape, machine) == 1
+    assert candidates(load_recipe("llama3_8b"), shape, machine) == [(setting, 1) for setting in AUTO_ORDER]
+
+
+@pytest.mark.parametrize("gpus_per_node, experts, size", [(8, 8, 8), (8, 128, 8), (8, 6, 2), (6, 8, 2), (4, 60, 4)])
+def test_the_expert_parallelism_tried_stays_in_a_node(gpus_per_node, experts, size):
+    shape = model_shape(load_model_config(load_recipe("mixtral_8x7b").model))
+    machine = Machine(gpus_per_node, 2, 80 * 2**30, "--gpu-mem")
+    assert expert_parallel_size(replace(shape, num_experts=experts), machine) == size
 
 
 def test_on_a_cpu_the_run_writes_the_config_it_chose(tmp_path, data_cache):

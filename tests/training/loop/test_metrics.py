@@ -2,7 +2,7 @@ import gc
 
 import torch
 
-from training.loop.metrics import FlopsMeter, held_tensor_bytes, record_model_states
+from training.loop.metrics import FlopsMeter, MetricsLogger, held_tensor_bytes, record_model_states
 
 
 def test_model_states_are_measured_when_the_second_step_starts():
@@ -36,3 +36,18 @@ def test_flops_meter():
     meter = FlopsMeter(model_flops_per_step=3e12, hardware_flops_per_step=4e12, peak_tflops=100.0)
     assert meter.metrics(steps=10, seconds=2.0) == {"tflops": 15.0, "hardware_tflops": 20.0, "mfu": 0.15}
     assert "mfu" not in FlopsMeter(3e12, 3e12, None).metrics(1, 1.0)
+
+
+def test_expert_counts_are_logged_to_metrics_jsonl_and_tensorboard(tmp_path):
+    """metrics.jsonl keeps the counts by layer as a list; TensorBoard gets one scalar per layer and expert."""
+    import json
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    logger = MetricsLogger(tmp_path, total_steps=1, start_step=0, tensorboard=True, enabled=True)
+    logger.log({"step": 1, "loss": 2.0, "expert_tokens": [[3, 5], [8, 0]], "expert_load_max": 2.0, "lr": 1e-3,
+                "grad_norm": 1.0, "tokens_per_s": 10.0, "peak_mem_bytes": 0})
+    logger.close()
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["expert_tokens"] == [[3, 5], [8, 0]]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert {"experts/layer00/expert01", "experts/layer01/expert00", "train/expert_load_max"} <= set(events.Tags()["scalars"])
+    assert events.Scalars("experts/layer01/expert00")[0].value == 8
