@@ -30,6 +30,11 @@ def is_moe(config: PretrainedConfig) -> bool:
     return getattr(config, "num_experts_per_tok", None) is not None and hasattr(config, "router_aux_loss_coef")
 
 
+def expert_count(config: PretrainedConfig) -> int:
+    """Experts per MoE layer (Mixtral's num_local_experts, Qwen3-MoE's num_experts)."""
+    return getattr(config, "num_local_experts", None) or config.num_experts
+
+
 def with_router_loss(config: PretrainedConfig, section: MoeSection) -> PretrainedConfig:
     """The config of an MoE model set to add the router's loss to the training loss at moe.aux_loss_coef (by default
     the checkpoint's own router_aux_loss_coef; 0 turns it off); a dense model's unchanged."""
@@ -126,7 +131,7 @@ def router_meter(model: torch.nn.Module, micro_batches: int) -> RouterMeter | No
     if config is None or not is_moe(config):
         return None
     coefficient = config.router_aux_loss_coef if config.output_router_logits else 0.0
-    return RouterMeter(model, micro_batches, coefficient, getattr(config, "num_local_experts", None) or config.num_experts)
+    return RouterMeter(model, micro_batches, coefficient, expert_count(config))
 
 
 @contextmanager

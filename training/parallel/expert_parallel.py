@@ -18,14 +18,11 @@ from transformers import PretrainedConfig
 
 from training.config.errors import ConfigError
 from training.config.recipe import Recipe
+from training.models.moe import expert_count
 from training.planning.shape import rank_groups_problem
 
 PRESETS = {"mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen3_moe"}  # model_type -> AutoEP preset
 ZERO_STAGES = (1, 2)
-
-
-def expert_count(config: PretrainedConfig) -> int:
-    return getattr(config, "num_local_experts", None) or config.num_experts
 
 
 def check_expert_parallel(recipe: Recipe, config: PretrainedConfig, world_size: int, zero_stage: int,
