@@ -5,8 +5,8 @@ Qwen3-MoE checkpoints (2 layers, 4 experts, top-2) fine-tuned with the router's 
   and parameter norms (1e-5 relative) and the same tokens per expert, for both families on 2 ranks, and under ZeRO-2
   with a routing that sends all of each rank's tokens to the other rank's experts (a probe: rank r's tokens go to
   experts of rank r+1); expert_parallel=4 on 4 ranks (one expert per rank) gives the 4-rank data-parallel run's.
-- The hf/ export loads as the original model class and gives the trained engine's logits; `python -m training export`
-  of the final checkpoint writes the same weights.
+- The hf/ export loads as the original model class (both families) and gives the trained engine's logits; `python -m
+  training export` of the final checkpoint writes the same weights.
 - A run killed (SIGKILL) while saving its step-3 checkpoint resumes from step 2 in its layout and gives the
   uninterrupted run's curve; resuming it in another layout is refused before anything is built, with the way out.
 """
@@ -59,7 +59,7 @@ RUNS = {  # name: (family, ranks, options)
     "ep across": ("mixtral", 2, ["deepspeed.config=zero2", "parallelism.expert_parallel=2", "--record-routing",
                                  "--route-across"]),
     "qwen dp": ("qwen3_moe", 2, ["deepspeed.config=zero1"]),
-    "qwen ep": ("qwen3_moe", 2, ["deepspeed.config=zero1", "parallelism.expert_parallel=2"]),
+    "qwen ep": ("qwen3_moe", 2, ["deepspeed.config=zero1", "parallelism.expert_parallel=2", "--record-logits"]),
     "dp 4 ranks": ("mixtral", 4, ["deepspeed.config=zero1"]),
     "ep 4 ranks": ("mixtral", 4, ["deepspeed.config=zero2", "parallelism.expert_parallel=4"]),
 }
@@ -105,10 +105,11 @@ def test_the_expert_load_is_logged_per_layer(runs):
     assert 1 <= record["expert_load_max"] <= 2
 
 
-def test_the_export_loads_as_the_original_model_with_the_engines_logits(runs):
-    recorded = torch.load(runs["ep"] / "engine_logits.pt")
-    model = AutoModelForCausalLM.from_pretrained(runs["ep"] / "hf", dtype=torch.float32).eval()
-    assert type(model).__name__ == "MixtralForCausalLM"
+@pytest.mark.parametrize("run, model_class", [("ep", "MixtralForCausalLM"), ("qwen ep", "Qwen3MoeForCausalLM")])
+def test_the_export_loads_as_the_original_model_with_the_engines_logits(runs, run, model_class):
+    recorded = torch.load(runs[run] / "engine_logits.pt")
+    model = AutoModelForCausalLM.from_pretrained(runs[run] / "hf", dtype=torch.float32).eval()
+    assert type(model).__name__ == model_class
     with torch.no_grad():
         logits = model(input_ids=recorded["input_ids"], position_ids=recorded["position_ids"], use_cache=False).logits
     torch.testing.assert_close(logits, recorded["logits"], atol=1e-5, rtol=1e-5)
