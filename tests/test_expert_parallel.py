@@ -7,10 +7,12 @@ Qwen3-MoE checkpoints (2 layers, 4 experts, top-2) fine-tuned with the router's 
   experts of rank r+1); expert_parallel=4 on 4 ranks (one expert per rank) gives the 4-rank data-parallel run's.
 - The hf/ export loads as the original model class (both families) and gives the trained engine's logits; `python -m
   training export` of the final checkpoint writes the same weights.
-- A run killed (SIGKILL) while saving its step-3 checkpoint resumes from step 2 in its layout and gives the
-  uninterrupted run's curve; resuming it in another layout is refused before anything is built, with the way out.
+- A run killed (SIGKILL) while saving its step-3 checkpoint resumes from step 2 in its layout, and on 4 ranks at ZeRO-2
+  through a universal checkpoint, and gives the uninterrupted run's curve; resuming it with another expert-parallel
+  degree is refused before anything is built, with the way out.
 """
 import json
+import shutil
 
 import pytest
 import torch
@@ -124,14 +126,23 @@ def test_the_checkpoint_exports_as_the_hf_folder(runs, tmp_path):
         torch.testing.assert_close(exported[name], tensor, rtol=0, atol=0)
 
 
-def test_a_killed_run_resumes_in_its_layout(runs, bases, data_cache, tmp_path):
-    run = ["--output-dir", str(tmp_path), *common(bases["mixtral"], data_cache), *RUNS["ep"][2][:2]]
-    killed = run_train(["--kill-after-deepspeed-save", "3", *run], ranks=2, timeout=300,  # step 3's save: the last
-                       script="tests/helpers/train_with_probes.py")
-    assert killed.returncode != 0 and (tmp_path / "checkpoints" / "latest").read_text() == "global_step2"
-    refused = run_train([*run[:-1], "parallelism.expert_parallel=1", "--resume"], ranks=2, timeout=300)
+def test_a_killed_run_resumes_in_its_layout_and_on_other_ranks(runs, bases, data_cache, tmp_path):
+    """Killed while saving step 3: resumed from step 2 in its layout, and (a copy) on 4 ranks at ZeRO-2 through a
+    universal checkpoint, both give the uninterrupted run's curve and expert counts; another expert-parallel degree
+    is refused before anything is built."""
+    killed_dir, moved_dir = tmp_path / "killed", tmp_path / "moved"
+    run = [*common(bases["mixtral"], data_cache), *RUNS["ep"][2][:2]]
+    killed = run_train(["--kill-after-deepspeed-save", "3", "--output-dir", str(killed_dir), *run], ranks=2,
+                       timeout=300, script="tests/helpers/train_with_probes.py")  # step 3's save: the last
+    assert killed.returncode != 0 and (killed_dir / "checkpoints" / "latest").read_text() == "global_step2"
+    refused = run_train(["--output-dir", str(killed_dir), *run[:-1], "parallelism.expert_parallel=1", "--resume"],
+                        ranks=2, timeout=300)
     assert refused.returncode == 2
     assert "expert_parallel 2 -> 1" in refused.stderr and "parallelism.expert_parallel=2" in refused.stderr
-    resumed = run_train([*run, "--resume"], ranks=2, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert losses(tmp_path) == pytest.approx(losses(runs["ep"]), rel=1e-5)
+    shutil.copytree(killed_dir, moved_dir)
+    for out, ranks, more in ((killed_dir, 2, []), (moved_dir, 4, ["deepspeed.config=zero2"])):
+        resumed = run_train(["--output-dir", str(out), *run, *more, "--resume"], ranks=ranks, timeout=300)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert losses(out) == pytest.approx(losses(runs["ep"]), rel=1e-5)
+        assert losses(out, "expert_tokens") == losses(runs["ep"], "expert_tokens")
+    assert (moved_dir / "checkpoints" / "universal").is_dir()
