@@ -7,9 +7,9 @@ Qwen3-MoE checkpoints (2 layers, 4 experts, top-2) fine-tuned with the router's 
   experts of rank r+1); expert_parallel=4 on 4 ranks (one expert per rank) gives the 4-rank data-parallel run's.
 - The hf/ export loads as the original model class (both families) and gives the trained engine's logits; `python -m
   training export` of the final checkpoint writes the same weights.
-- A run killed (SIGKILL) while saving its step-3 checkpoint resumes from step 2 in its layout, and on 4 ranks at ZeRO-2
-  through a universal checkpoint, and gives the uninterrupted run's curve; resuming it with another expert-parallel
-  degree is refused before anything is built, with the way out.
+- A run killed (SIGKILL) while saving its step-3 checkpoint resumes from step 2 in its layout, and through a universal
+  checkpoint on 4 ranks at ZeRO-2 with expert_parallel=4, and gives the uninterrupted run's curve; resuming it without
+  expert parallelism is refused before anything is built, with the way out.
 """
 import json
 import shutil
@@ -127,9 +127,9 @@ def test_the_checkpoint_exports_as_the_hf_folder(runs, tmp_path):
 
 
 def test_a_killed_run_resumes_in_its_layout_and_on_other_ranks(runs, bases, data_cache, tmp_path):
-    """Killed while saving step 3: resumed from step 2 in its layout, and (a copy) on 4 ranks at ZeRO-2 through a
-    universal checkpoint, both give the uninterrupted run's curve and expert counts; another expert-parallel degree
-    is refused before anything is built."""
+    """Killed while saving step 3: resumed from step 2 in its layout, and (a copy) through a universal checkpoint on 4
+    ranks at ZeRO-2 with the experts split 4 ways, both give the uninterrupted run's curve and expert counts; resuming
+    without expert parallelism is refused before anything is built."""
     killed_dir, moved_dir = tmp_path / "killed", tmp_path / "moved"
     run = [*common(bases["mixtral"], data_cache), *RUNS["ep"][2][:2]]
     killed = run_train(["--kill-after-deepspeed-save", "3", "--output-dir", str(killed_dir), *run], ranks=2,
@@ -140,7 +140,8 @@ def test_a_killed_run_resumes_in_its_layout_and_on_other_ranks(runs, bases, data
     assert refused.returncode == 2
     assert "expert_parallel 2 -> 1" in refused.stderr and "parallelism.expert_parallel=2" in refused.stderr
     shutil.copytree(killed_dir, moved_dir)
-    for out, ranks, more in ((killed_dir, 2, []), (moved_dir, 4, ["deepspeed.config=zero2"])):
+    for out, ranks, more in ((killed_dir, 2, []),
+                             (moved_dir, 4, ["deepspeed.config=zero2", "parallelism.expert_parallel=4"])):
         resumed = run_train(["--output-dir", str(out), *run, *more, "--resume"], ranks=ranks, timeout=300)
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert losses(out) == pytest.approx(losses(runs["ep"]), rel=1e-5)

@@ -94,3 +94,17 @@ def test_the_router_meter_counts_each_micro_batch_once(one_rank):
     assert [sum(layer) for layer in metrics["expert_tokens"]] == [2 * 3 * 10 * 2] * 2  # micro x rows x tokens x top-2
     assert metrics["aux_loss"] > 0 and metrics["expert_load_max"] >= 1
     assert meter.metrics()["expert_tokens"] == [[0] * 4] * 2  # counted since the last call
+
+
+def test_an_expert_parallel_checkpoint_resumes_with_expert_parallelism_of_any_degree():
+    from training.config.errors import ConfigError
+    from training.parallel.layout import Layout
+    from training.state.universal import needs_universal
+    wrote = Layout(world_size=2, zero_stage=1, precision="fp32", expert_parallel=2)
+    assert needs_universal(wrote, wrote, False, "export") is False
+    for change in ({"world_size": 4, "zero_stage": 2}, {"world_size": 4, "expert_parallel": 4}):
+        assert needs_universal(wrote, wrote.model_copy(update=change), False, "export") is True
+    for wrote, layout in ((wrote, wrote.model_copy(update={"expert_parallel": 1})),
+                          (wrote.model_copy(update={"expert_parallel": 1}), wrote)):
+        with pytest.raises(ConfigError, match="expert_parallel .* -> .*: an expert-parallel checkpoint keeps"):
+            needs_universal(wrote, layout, False, "export")
