@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from training.models.lora import adapted_parameters
 from training.compat.deepspeed import weight_shape
 from training.config.recipe import LoraSection
+from training.models.moe import expert_count
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ def expert_shape(model: torch.nn.Module, config: PretrainedConfig) -> dict:
     experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
     if not experts:
         return {}
-    return {"num_experts": getattr(config, "num_local_experts", None) or config.num_experts,
+    return {"num_experts": expert_count(config),
             "experts_per_token": config.num_experts_per_tok,
             "expert_intermediate_size": getattr(config, "moe_intermediate_size", None) or config.intermediate_size,
             "expert_parameters": sum(count(m) for m in experts)}
