@@ -34,7 +34,7 @@ from training.config.auto_config import choose_ds_config
 from training.config.ds_config import accumulation_steps, load_ds_config, resolve_ds_config
 from training.config.errors import ConfigError, positive_float, positive_int
 from training.config.recipe import load_recipe, recipe_inputs
-from training.loop.engine import start_engine
+from training.loop.engine import loss_divisor, start_engine
 from training.loop.evaluation import evaluate
 from training.loop.metrics import (FlopsMeter, MetricsLogger, Stopwatch, flops_meter, gpu_metrics, measured_model_states,
                                    peak_memory_bytes, record_model_states, run_totals, write_summary)
@@ -184,7 +184,7 @@ def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict], dp_
         sum(int(batch["length"].sum()) for batch in micro_batches), float(stop_requested.is_set())])
     copies = dist.get_world_size() // dp_size  # the ranks of a pipeline, sequence or tensor group hold the same rows
     targets, tokens = targets / copies, tokens // copies
-    targets_per_micro_batch = targets / (len(micro_batches) * dp_size)  # a float: no copy to the device
+    targets_per_micro_batch = targets / (len(micro_batches) * dp_size)
     if isinstance(engine, PipelineEngine):
         engine.module.loss_fn.targets_per_micro_batch = targets_per_micro_batch
         loss = engine.train_batch(data_iter=pipeline_batches(micro_batches))
@@ -198,7 +198,8 @@ def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict], dp_
         preference.start_step()
     for index, batch in enumerate(micro_batches):
         loss = preference(engine, batch, targets_per_micro_batch) if preference else \
-            engine(**model_inputs(batch, engine.device, shard), num_items_in_batch=targets_per_micro_batch).loss
+            engine(**model_inputs(batch, engine.device, shard),
+                   num_items_in_batch=loss_divisor(engine, targets_per_micro_batch)).loss
         if guard and index == len(micro_batches) - 1:
             loss = guard.drop_if_bad((loss_sum + loss.detach()) / shares, loss)
         engine.backward(loss)

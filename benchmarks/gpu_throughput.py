@@ -71,6 +71,7 @@ class Result:
     summary: dict = field(default_factory=dict)
     error: str = ""
     seconds: float = 0.0
+    planned_bytes: float | None = None
 
 
 # each bf16 run next to its fp8 counterpart, so that drifts in machine speed hit both alike
@@ -142,6 +143,23 @@ def overrides(args: argparse.Namespace, run: Run) -> list[str]:
     ]
 
 
+def planned_peak_bytes(args: argparse.Namespace, run: Run) -> float | None:
+    """--dry-run's estimate of this run's peak per GPU: its model states plus one micro-batch's activations
+    (training/planning/memory.py), or None where the plan has no estimate or refuses the run here."""
+    import train
+    from training.config.errors import ConfigError
+    from training.planning.memory import activations, planned_model_states
+
+    try:
+        plan = train.make_plan(train.parse_args(["--recipe", "tiny_llama", "--dry-run", *overrides(args, run)]),
+                               world_size=args.num_gpus)
+        states = planned_model_states(plan).device_bytes
+    except (ConfigError, ValueError):
+        return None
+    acts = activations(plan.recipe, plan.precision, plan.shape)
+    return states + acts.peak(run.checkpointing) if acts else None
+
+
 def launch(args: argparse.Namespace, run: Run) -> Result:
     out = args.output / run.name
     command = launcher_command(args.num_gpus, "train.py", ["--recipe", "tiny_llama", "--output-dir", str(out), "--overwrite",
@@ -160,9 +178,10 @@ def launch(args: argparse.Namespace, run: Run) -> Result:
             process.wait()
             code = None
     seconds = time.perf_counter() - start
+    planned = planned_peak_bytes(args, run)
     summary_file = out / "summary.json"
     if code == 0 and summary_file.exists():
-        result = Result(run, json.loads(summary_file.read_text()), seconds=seconds)
+        result = Result(run, json.loads(summary_file.read_text()), seconds=seconds, planned_bytes=planned)
     elif code is None:
         result = Result(run, error=f"timed out after {args.timeout} s", seconds=seconds)
     else:
@@ -184,6 +203,8 @@ COLUMNS = (
     ("MFU", "mfu", "{:.1%}".format),
     ("peak alloc GiB", "peak_alloc_gib", "{:.2f}".format),
     ("peak reserved GiB", "peak_reserved_gib", "{:.2f}".format),
+    ("planned GiB", "planned_gib", "{:.2f}".format),
+    ("plan / peak alloc", "plan_ratio", "{:.2f}".format),
     ("FP8 speed-up", "fp8_speedup", "{:.2f}x".format),
     ("final loss", "final_loss", "{:.4f}".format),
     ("target", "target", str),
@@ -209,13 +230,16 @@ def rows(results: list[Result]) -> list[dict]:
         else:
             target = (f">= {TARGET_FP8_SPEEDUP}x bf16: {'met' if speedup >= TARGET_FP8_SPEEDUP else 'NOT met'}"
                       if speedup is not None else f">= {TARGET_FP8_SPEEDUP}x bf16: no bf16 run to compare with")
-        reserved = summary.get("peak_mem_reserved_bytes")
+        reserved, peak = summary.get("peak_mem_reserved_bytes"), summary.get("peak_mem_bytes")
+        planned = result.planned_bytes
         table.append({
             "precision": run.precision, "activation_checkpointing": "on" if run.checkpointing else "off",
             "zero_stage": run.zero, "tokens_per_s": tokens_per_s, "tflops": summary.get("tflops"),
             "hardware_tflops": summary.get("hardware_tflops"), "mfu": mfu,
-            "peak_alloc_gib": summary["peak_mem_bytes"] / 2**30 if "peak_mem_bytes" in summary else None,
+            "peak_alloc_gib": peak / 2**30 if peak is not None else None,
             "peak_reserved_gib": reserved / 2**30 if reserved is not None else None,
+            "planned_gib": planned / 2**30 if planned is not None else None,
+            "plan_ratio": planned / peak if planned and peak else None,
             "fp8_speedup": speedup, "final_loss": summary.get("final_loss"), "target": target,
             "error": result.error or None,
         })

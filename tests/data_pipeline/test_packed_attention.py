@@ -39,18 +39,18 @@ def per_token_loss(model, input_ids, position_ids, labels) -> torch.Tensor:
     return F.cross_entropy(logits[:-1].float(), labels[1:], ignore_index=-100, reduction="none")
 
 
-def losses_alone(model, documents: list[np.ndarray]) -> list[torch.Tensor]:
+def losses_alone(model, documents: list[np.ndarray], device: str = "cpu") -> list[torch.Tensor]:
     """Each document's per-token loss (targets 2..n) run on its own."""
     with torch.no_grad():
-        return [per_token_loss(model, ids, torch.arange(len(ids)), ids)
-                for ids in (torch.from_numpy(document).long() for document in documents)]
+        return [per_token_loss(model, ids, torch.arange(len(ids), device=device), ids).cpu()
+                for ids in (torch.from_numpy(document).long().to(device) for document in documents)]
 
 
-def assert_documents_kept_apart(packed: torch.Tensor, alone: list[torch.Tensor]) -> None:
+def assert_documents_kept_apart(packed: torch.Tensor, alone: list[torch.Tensor], tolerance: float = 1e-5) -> None:
     """packed: the row's per-token losses (target t + 1 at index t)."""
     start = 0
     for expected in alone:
-        torch.testing.assert_close(packed[start:start + len(expected)], expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed[start:start + len(expected)], expected, rtol=tolerance, atol=tolerance)
         start += len(expected) + 1
     assert torch.all(packed[np.cumsum(LENGTHS)[:-1] - 1] == 0)  # a document's first token is never a target
 

@@ -1,6 +1,7 @@
 """train.py (or a script wrapping it) run as users run it, through DeepSpeed's own `deepspeed` launcher: for the
 tools, benchmarks and tests that start runs, and for reading why a run failed from its console log."""
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -9,9 +10,11 @@ from training.parallel.distributed import free_port
 
 def launcher_command(ranks: int, script: str, args: list[str], port: int | None = None) -> list[str]:
     """`deepspeed --num_gpus ranks --master_port port script args`, with the launcher of this Python's
-    environment and a free port unless one is given."""
-    launcher = Path(sys.executable).parent / "deepspeed"
-    return [str(launcher), "--num_gpus", str(ranks), "--master_port", str(port or free_port()), script, *args]
+    environment (else the one on PATH: packages installed with `pip --target` put it elsewhere) and a free port
+    unless one is given."""
+    beside = Path(sys.executable).parent / "deepspeed"
+    launcher = str(beside) if beside.exists() else shutil.which("deepspeed") or str(beside)
+    return [launcher, "--num_gpus", str(ranks), "--master_port", str(port or free_port()), script, *args]
 
 
 def failure_reason(log: str) -> str:

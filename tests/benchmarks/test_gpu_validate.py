@@ -1,0 +1,52 @@
+"""benchmarks/gpu_validate.py: its CPU smoke end to end (every part runs and reports), and the checks it makes of
+what the parts wrote: a stage that departs from ZeRO-0 is named, a part past its budget is stopped."""
+import csv
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO, TRAIN_ENV
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import gpu_validate  # noqa: E402
+
+HEADER = "cell,status,tokens_per_s,final_loss,max_loss_diff,error"
+
+
+@pytest.mark.slow
+def test_the_cpu_smoke_runs_every_part_and_reports_it(tmp_path):
+    out = tmp_path / "validate"
+    result = subprocess.run([sys.executable, "benchmarks/gpu_validate.py", "--smoke", "--output", str(out)],
+                            cwd=REPO, env=TRAIN_ENV, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = (out / "validate.md").read_text()
+    for part in ("tests", "throughput", "stages"):
+        assert f"## {part}: passed" in report, report
+    assert "0 failed" in report and "skipped test_resumed_fp16_run_continues_its_loss_scale[zero0]" in report
+    assert "every stage equals ZeRO-0 within 1e-05 relative" in report
+    row, = csv.DictReader((out / "throughput" / "results.csv").open())
+    assert float(row["tokens_per_s"]) > 0 and float(row["planned_gib"]) > 0 and float(row["plan_ratio"]) > 0
+
+
+def write_stages(folder, *rows: str) -> None:
+    folder.mkdir()
+    (folder / "comparison.csv").write_text("\n".join([HEADER, *rows]) + "\n")
+
+
+def test_a_stage_whose_losses_depart_from_zero0_is_named(tmp_path):
+    write_stages(tmp_path / "same", "deepspeed.config=zero0,ok,100,6.0,0.0,", "deepspeed.config=zero3,ok,90,6.0,3e-5,")
+    write_stages(tmp_path / "apart", "deepspeed.config=zero0,ok,100,6.0,0.0,", "deepspeed.config=zero3,ok,90,6.0,1e-3,")
+    write_stages(tmp_path / "failed", "deepspeed.config=zero0,ok,100,6.0,0.0,", "deepspeed.config=zero3,failed,,,,OOM")
+    assert gpu_validate.stage_curves(tmp_path / "same").startswith("every stage equals ZeRO-0")
+    apart = gpu_validate.stage_curves(tmp_path / "apart")
+    assert apart.startswith("NOT every stage") and "zero3: max loss difference vs ZeRO-0 1.00e-03" in apart
+    assert gpu_validate.stage_curves(tmp_path / "failed").startswith("NOT every stage")
+    assert "did not finish" in gpu_validate.stage_curves(tmp_path / "missing")
+
+
+def test_a_part_past_its_budget_is_stopped_and_recorded(tmp_path):
+    part = gpu_validate.Part("tests", 1, [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"])
+    gpu_validate.run_part(part, 1.0, tmp_path / "tests.log")
+    assert part.status == "stopped at its budget (1 s)" and part.seconds < 30
+    assert "started" in (tmp_path / "tests.log").read_text()
