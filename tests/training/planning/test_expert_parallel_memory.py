@@ -34,12 +34,12 @@ def test_a_ranks_expert_states_shrink_by_the_expert_parallel_size(setting):
 
 
 def test_the_expert_parallel_arithmetic_in_numbers():
-    """ZeRO-1 in bf16 with AdamW: weights and gradients whole (4 bytes), fp32 master weights and moments sharded
-    (12)."""
+    """ZeRO-1 in bf16 with AdamW: weights and gradients whole (4 bytes), fp32 master weights, moments and gradient
+    partition sharded (16)."""
     shape = shape_of("qwen3_moe")
     dense, experts = shape.parameters - shape.expert_parameters, shape.expert_parameters
     states = expert_parallel_states("1", shape, 8, 2, 4, "bf16")
-    assert states.device_bytes == pytest.approx(dense * (4 + 12 / 16) + experts / 4 * (4 + 12 / 4))
+    assert states.device_bytes == pytest.approx(dense * (4 + 16 / 16) + experts / 4 * (4 + 16 / 4))
     assert states.device_bytes == pytest.approx(zero_arithmetic(dense, 1, 16, "bf16")
                                                 + zero_arithmetic(experts / 4, 1, 4, "bf16"))
     with pytest.raises(ValueError, match="no estimate for ZeRO-3 with expert parallelism"):

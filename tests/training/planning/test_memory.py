@@ -81,11 +81,13 @@ def test_checkpointing_keeps_only_layer_inputs(model_type):
 def test_zero_arithmetic_shards_what_each_stage_shards():
     params, ranks = 1_000, 4
     assert zero_arithmetic(params, 0, ranks, "bf16") == 16_000
-    assert zero_arithmetic(params, 1, ranks, "bf16") == 4_000 + 12_000 / 4
-    assert zero_arithmetic(params, 2, ranks, "bf16") == 2_000 + 14_000 / 4
-    assert zero_arithmetic(params, 3, ranks, "bf16") == 16_000 / 4
+    # under ZeRO, the fp32 gradient partition the optimizer steps from (4 bytes) too: 20.0 bytes/parameter measured
+    # at bf16 ZeRO-1 on one H200 (benchmarks/results/gpu_validate_nvidia_h200/bf16-noac-zero1_summary.json)
+    assert zero_arithmetic(params, 1, ranks, "bf16") == 4_000 + 16_000 / 4
+    assert zero_arithmetic(params, 2, ranks, "bf16") == 2_000 + 18_000 / 4
+    assert zero_arithmetic(params, 3, ranks, "bf16") == 20_000 / 4
     assert zero_arithmetic(params, 0, ranks, "fp32") == 16_000
-    assert zero_arithmetic(params, 3, ranks, "fp32") == 20_000 / 4  # DeepSpeed's ZeRO keeps an fp32 master copy
+    assert zero_arithmetic(params, 3, ranks, "fp32") == 20_000 / 4  # the fp32 gradient partition, as in bf16
 
 
 def test_model_states_use_deepspeeds_estimators_for_zero_2_and_3():
