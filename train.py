@@ -41,6 +41,7 @@ from training.loop.metrics import (FlopsMeter, MetricsLogger, Stopwatch, flops_m
 from training.loop.health import WeightWatch
 from training.loop.preference import PreferenceLoss, start_preference
 from training.loop.stability import StabilityGuard, finite, rewind
+from training.loop.trackers import Trackers, check_trackers
 from training.models.build import build_run_model
 from training.models.lora import lora_files
 from training.models.model import (check_checkpoint_folder, check_checkpoint_matches, check_recipe_against_model,
@@ -91,6 +92,7 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> RunPla
     if args.num_nodes != 1 and args.num_gpus is None:
         raise ConfigError(f"--num-nodes {args.num_nodes} plans for nodes of --num-gpus GPUs each: give --num-gpus too")
     recipe = load_recipe(args.recipe, args.overrides)
+    check_trackers(recipe.logging.report_to)
     if recipe.model.name_or_path:
         check_checkpoint_folder(recipe.model.name_or_path)
     model_config = with_router_loss(load_model_config(recipe.model), recipe.moe)
@@ -215,7 +217,7 @@ def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict], dp_
 
 
 def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: EvalBatches | None, plan: RunPlan,
-          start: dict, total_steps: int, flops: FlopsMeter | None, router: RouterMeter | None = None,
+          start: dict, total_steps: int, flops: FlopsMeter | None, trackers: Trackers, router: RouterMeter | None = None,
           preference: PreferenceLoss | None = None) -> dict:
     """The loop: batch, forward/backward/step, log every N steps, evaluate every E, checkpoint every M, and
     on SIGTERM checkpoint and stop. A step the stability guard drops is tried again on the next batch; a
@@ -223,7 +225,8 @@ def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: E
     timed: the clock stops, once the accelerator has finished its queued work, for logging, evaluation,
     checkpoint saves and rewinds."""
     recipe, start_step, checkpoints = plan.recipe, start["step"], plan.output_dir / "checkpoints"
-    logger = MetricsLogger(plan.output_dir, total_steps, start_step, recipe.logging.tensorboard, dist.get_rank() == 0)
+    logger = MetricsLogger(plan.output_dir, total_steps, start_step, "tensorboard" in recipe.logging.report_to,
+                           dist.get_rank() == 0, trackers)
     guard = StabilityGuard(recipe.stability, plan.precision == "fp16", checkpoints) if recipe.stability.enabled else None
     watch = WeightWatch(engine) if plan.pipeline_stages == plan.tensor_parallel == 1 else None
     records, saves, tokens_seen, position = [], [], start["tokens_seen"], start["data_position"]
@@ -239,7 +242,7 @@ def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: E
 
     def save() -> None:
         hf_files = (plan.model_config, plan.tokenizer, *lora_files(engine.module))
-        saves.append(save_checkpoint(engine, checkpoints, run_state(plan, step, tokens_seen, position),
+        saves.append(save_checkpoint(engine, checkpoints, run_state(plan, step, tokens_seen, position, trackers.ids),
                                      batches.state_dict(), hf_files, recipe.checkpointing.keep_last))
         logger.note(f"checkpoint global_step{step}: {saves[-1]['bytes'] / 2**20:,.1f} MiB in "
                     f"{saves[-1]['seconds']:.2f} s")
@@ -268,7 +271,7 @@ def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: E
             if event["event"] == "stop":
                 stopped = event["message"]
                 if latest_tag(checkpoints) == f"global_step{step}":  # saved at this step: only the data moved on
-                    record_position(engine, checkpoints, run_state(plan, step, tokens_seen, position),
+                    record_position(engine, checkpoints, run_state(plan, step, tokens_seen, position, trackers.ids),
                                     batches.state_dict())
                 else:
                     save()
@@ -326,11 +329,12 @@ def step_record(engine: deepspeed.DeepSpeedEngine, step: int, lr: float, loss_sh
             **({"loss_scale": scale} if scale is not None else {}), **gpu_metrics(flops, interval["steps"], seconds)}
 
 
-def run_state(plan: RunPlan, step: int, tokens_seen: int, data_position: int) -> dict:
+def run_state(plan: RunPlan, step: int, tokens_seen: int, data_position: int, trackers: dict[str, str]) -> dict:
     """What a checkpoint records besides DeepSpeed's states (training/state/run_state.py): where the run is (the data
-    position runs ahead of the step by the batches passed over), and what wrote it."""
+    position runs ahead of the step by the batches passed over), what wrote it, and its tracker runs' ids."""
     base = plan.recipe.model.name_or_path
     return {"step": step, "tokens_seen": tokens_seen, "data_position": data_position, "recipe": plan.recipe.name,
+            "trackers": trackers,
             **plan.layout().model_dump(), **({"base_model": {"name_or_path": base, "digest": plan.base_digest}} if base else {})}
 
 
@@ -374,13 +378,16 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
     held_tensors = {}
     record_model_states(engine.optimizer, lambda: engine.global_steps, start["step"] + 1, held_tensors)
     flops = flops_meter(plan)
-    totals = train(engine, batches, evaluation, plan, start, total_steps, flops,
+    trackers = Trackers(plan, start.get("trackers", {}), dist.get_rank() == 0)  # a resumed run continues its own
+    totals = train(engine, batches, evaluation, plan, start, total_steps, flops, trackers,
                    router_meter(engine.module, plan.accumulation_steps), preference)
     totals["model_state_bytes"] = measured_model_states(held_tensors)
     if totals["last_step"] < total_steps:
+        trackers.finish(None)
         return stopped_early(plan, totals, total_steps)
     export_run(engine, plan)
-    write_summary(plan, totals, start["step"], total_steps, time.perf_counter() - run_start, data_stats, flops)
+    trackers.finish(write_summary(plan, totals, start["step"], total_steps, time.perf_counter() - run_start,
+                                  data_stats, flops))
     return 0
 
 

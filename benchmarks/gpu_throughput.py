@@ -134,7 +134,7 @@ def overrides(args: argparse.Namespace, run: Run) -> list[str]:
         f"activation_checkpointing={str(run.checkpointing).lower()}",
         f"deepspeed.config=zero{run.zero}",
         "logging.every_steps=5",
-        "logging.tensorboard=false",
+        "logging.report_to=[]",
         "checkpointing.every_steps=null",  # the end-of-run checkpoint is still written (see the docstring)
         "checkpointing.keep_last=1",
         *([f"logging.peak_tflops={args.peak_tflops}"] if args.peak_tflops else []),

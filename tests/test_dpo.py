@@ -126,7 +126,7 @@ def runs(tmp_path_factory) -> dict:
               "data.eval.fraction=0", f"data.cache_dir={folder / 'cache'}", "training.micro_batch_size=2",
               "training.global_batch_size=8", f"training.lr={LR}", "training.schedule=constant", "training.warmup_steps=0",
               "training.grad_clip=0", "training.eval_every_steps=2", "logging.every_steps=1", "precision=fp32",
-              "logging.tensorboard=false"]
+              "logging.report_to=[]"]
     whole, killed, resumed, lora = (folder / name for name in ("whole", "killed", "resumed", "lora"))
     result = run_train(["--output-dir", str(whole), *common, f"training.max_steps={STEPS}", "deepspeed.config=zero1"],
                        ranks=1)

@@ -87,7 +87,7 @@ def test_a_recipe_that_counts_epochs_runs_steps(tmp_path, no_launch):
 def test_a_varied_key_may_go_inside_a_fixed_mapping(tmp_path, no_launch):
     """A fixed mapping with a --vary of another key inside it loses nothing: both apply."""
     with pytest.raises(Launched):
-        compare.main(["--recipe", "tiny_llama", "--vary", "logging.tensorboard=false,true", "logging={peak_tflops: 1}",
+        compare.main(["--recipe", "tiny_llama", "--vary", "logging.run_name=a,b", "logging={peak_tflops: 1}",
                       "--output-dir", str(tmp_path / "out")])
 
 

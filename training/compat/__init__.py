@@ -1,5 +1,5 @@
 """Every workaround of upstream behaviour, in one guarded place: a module per library (torch.py, deepspeed.py,
-transformers.py, peft.py, datatrove.py). Each module declares its PATCHES: what upstream does, in which version
+transformers.py, peft.py, datatrove.py, wandb.py). Each module declares its PATCHES: what upstream does, in which version
 the workaround was verified, the upstream issue, the canary test (tests/training/compat/) that fails when the
 patched name disappears, when upstream stops calling it, or when upstream fixes the behaviour, and the tests that
 prove the workaround (they fail without it).
@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 
 NO_ISSUE = "no upstream issue found"
-LIBRARIES = ("torch", "deepspeed", "transformers", "peft", "datatrove")  # each a module here, named as on PyPI
+LIBRARIES = ("torch", "deepspeed", "transformers", "peft", "datatrove", "wandb")  # each a module here, named as on PyPI
 
 
 @dataclass(frozen=True)

@@ -220,8 +220,18 @@ class StabilitySection(StrictModel):
 
 class LoggingSection(StrictModel):
     every_steps: PositiveInt = 10
-    tensorboard: bool = False
+    report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = ["tensorboard"]  # training/loop/trackers.py
+    project: str | None = None  # the W&B project and MLflow experiment; default: the recipe's name
+    run_name: str | None = None  # the tracker run's name; default: the output folder's name
     peak_tflops: PositiveFloat | None = None  # the GPU's dense bf16 peak that MFU divides by; default: training/planning/flops.py
+
+    @model_validator(mode="before")
+    @classmethod
+    def tensorboard_is_a_tracker(cls, data: object) -> object:
+        if isinstance(data, dict) and "tensorboard" in data:
+            raise ValueError("logging.tensorboard is now one of logging.report_to's trackers: write report_to: "
+                             "[tensorboard] (the default), [tensorboard, wandb, mlflow], or [] for none")
+        return data
 
 
 class Recipe(StrictModel):

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
+from training.loop.trackers import Trackers
 from training.parallel import distributed
 from training.planning.flops import flops_per_token, peak_tflops
 from training.planning.plan import RunPlan
@@ -181,8 +182,10 @@ def format_line(record: dict, total_steps: int) -> str:
 class MetricsLogger:
     """Rank 0's reporting; on other ranks every method does nothing."""
 
-    def __init__(self, output_dir: Path, total_steps: int, start_step: int, tensorboard: bool, enabled: bool):
+    def __init__(self, output_dir: Path, total_steps: int, start_step: int, tensorboard: bool, enabled: bool,
+                 trackers: Trackers | None = None):
         self.enabled, self.total_steps, self.output_dir, self.tensorboard = enabled, total_steps, output_dir, tensorboard
+        self.trackers = trackers
         if not enabled:
             return
         self.file, self.writer = None, None
@@ -214,6 +217,8 @@ class MetricsLogger:
         if self.enabled:
             self.file.write(json.dumps(event) + "\n")
             self.file.flush()
+            if self.trackers:
+                self.trackers.event(event)
             self.bar.write(f"step {event['step']}: {event['event']} ({event['reason']}, data position "
                            f"{event['data_position']}, loss {event['loss']})" + (f": {event['message']}" if
                                                                                   "message" in event else ""))
@@ -232,6 +237,8 @@ class MetricsLogger:
             return
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+        if self.trackers:
+            self.trackers.log(record)
         if self.writer:
             for key, value in record.items():
                 if key == "expert_tokens":  # by layer, each expert's
@@ -253,10 +260,11 @@ class MetricsLogger:
 
 
 def write_summary(plan: RunPlan, totals: dict, start_step: int, total_steps: int, wall_time_s: float, data: dict,
-                  flops: FlopsMeter | None) -> None:
-    """summary.json (the run's layout, totals, data statistics and DeepSpeed config) and its table; rank 0."""
+                  flops: FlopsMeter | None) -> dict | None:
+    """summary.json (the run's layout, totals, data statistics and DeepSpeed config) and its table; rank 0, which
+    gets it back (for the trackers)."""
     if dist.get_rank() != 0:
-        return
+        return None
     summary = {"recipe": plan.recipe.name, "device": device_name(),
                **({"peak_tflops": flops.peak_tflops} if flops else {}), **plan.layout().model_dump(),
                "activation_checkpointing": plan.recipe.activation_checkpointing, "steps": total_steps,
@@ -264,6 +272,7 @@ def write_summary(plan: RunPlan, totals: dict, start_step: int, total_steps: int
                "data": data, "ds_config": plan.ds_config}
     (plan.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print_summary(summary)
+    return summary
 
 
 def print_summary(summary: dict) -> None:

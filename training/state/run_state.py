@@ -23,6 +23,7 @@ class RunState(Layout):
     data_position: NonNegativeInt | None = None  # None: written before batches could be passed over (= step)
     recipe: str = ""
     base_model: BaseModelIdentity | None = None
+    trackers: dict[str, str] = {}  # logging.report_to's run ids (training/loop/trackers.py): a resume continues them
 
     def layout(self) -> Layout:
         return Layout(**{key: getattr(self, key) for key in Layout.model_fields})
