@@ -34,6 +34,7 @@ from training.config.auto_config import choose_ds_config
 from training.config.ds_config import accumulation_steps, load_ds_config, resolve_ds_config
 from training.config.errors import ConfigError, positive_float, positive_int
 from training.config.recipe import load_recipe, recipe_inputs
+from training.loop.benchmarks import benchmark_run, check_benchmarks
 from training.loop.engine import loss_divisor, start_engine
 from training.loop.evaluation import evaluate
 from training.loop.metrics import (FlopsMeter, MetricsLogger, Stopwatch, flops_meter, gpu_metrics, measured_model_states,
@@ -93,6 +94,7 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> RunPla
         raise ConfigError(f"--num-nodes {args.num_nodes} plans for nodes of --num-gpus GPUs each: give --num-gpus too")
     recipe = load_recipe(args.recipe, args.overrides)
     check_trackers(recipe.logging.report_to)
+    check_benchmarks(recipe)
     if recipe.model.name_or_path:
         check_checkpoint_folder(recipe.model.name_or_path)
     model_config = with_router_loss(load_model_config(recipe.model), recipe.moe)
@@ -386,6 +388,7 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
         trackers.finish(None)
         return stopped_early(plan, totals, total_steps)
     export_run(engine, plan)
+    totals.update(benchmark_run(plan))  # eval.benchmarks: lm-eval on hf/
     trackers.finish(write_summary(plan, totals, start["step"], total_steps, time.perf_counter() - run_start,
                                   data_stats, flops))
     return 0

@@ -1,11 +1,13 @@
 """python -m training export CHECKPOINT OUT_DIR [--dtype bf16|fp16|fp32] [--overwrite]
-python -m training convert CHECKPOINT      (a DeepSpeed universal checkpoint, which any ZeRO-1/2/3 layout loads)"""
+python -m training convert CHECKPOINT      (a DeepSpeed universal checkpoint, which any ZeRO-1/2/3 layout loads)
+python -m training evaluate RUN_OR_HF_DIR --tasks python_docs_mc[,hellaswag,...] [--output-dir DIR] [--limit N]"""
 import argparse
 import sys
 from pathlib import Path
 
 from training.compat import check_versions
 from training.config.errors import exit_code
+from training.loop.benchmarks import evaluate_folder
 from training.state.export import export_checkpoint, find_tag
 from training.planning.precision import DTYPES
 from training.state.universal import convert
@@ -24,6 +26,15 @@ def main(argv: list[str] | None = None) -> int:
                                          "(what --resume does on another world size, ZeRO stage or precision)")
     convert_parser.add_argument("checkpoint", type=Path, help="a run's checkpoints/ folder (its latest) or one "
                                 "global_stepN/ in it")
+    evaluate = commands.add_parser("evaluate", help="benchmark scores of a run's hf/ export (or a Hugging Face folder) "
+                                   "with lm-evaluation-harness")
+    evaluate.add_argument("target", type=Path, help="a run folder (its hf/) or a Hugging Face model folder")
+    evaluate.add_argument("--tasks", required=True, help="comma-separated: eval_tasks/ folders (offline) or lm-eval's "
+                          "task names (their data from the hub)")
+    evaluate.add_argument("--output-dir", type=Path, help="default: RUN/benchmarks (needed for a model folder)")
+    evaluate.add_argument("--batch-size", type=int, default=8)
+    evaluate.add_argument("--limit", type=int, help="at most this many examples per task (a quick look)")
+    evaluate.add_argument("--overwrite", action="store_true", help="replace an earlier evaluate output there")
     args = parser.parse_args(argv)
     check_versions()  # export and convert read DeepSpeed's checkpoint formats (training/compat/deepspeed.py)
 
@@ -37,7 +48,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"universal checkpoint: {convert(checkpoint_dir, tag)}")
         return 0
 
-    return exit_code(run_export if args.command == "export" else run_convert)
+    def run_evaluate() -> int:
+        evaluate_folder(args.target, args.tasks.split(","), args.output_dir, args.overwrite, args.batch_size, args.limit)
+        return 0
+
+    return exit_code({"export": run_export, "convert": run_convert, "evaluate": run_evaluate}[args.command])
 
 
 if __name__ == "__main__":

@@ -234,6 +234,12 @@ class LoggingSection(StrictModel):
         return data
 
 
+class EvalSection(StrictModel):
+    benchmarks: list[str] = []  # lm-eval tasks run on hf/ at the end of training (training/loop/benchmarks.py)
+    batch_size: PositiveInt = 8
+    limit: PositiveInt | None = None  # at most this many examples per task
+
+
 class Recipe(StrictModel):
     model: ModelSection
     tokenizer: TokenizerSection = TokenizerSection()
@@ -254,6 +260,7 @@ class Recipe(StrictModel):
     checkpointing: CheckpointingSection = CheckpointingSection()
     stability: StabilitySection = StabilitySection()
     logging: LoggingSection = LoggingSection()
+    eval: EvalSection = EvalSection()
 
     _name: str = PrivateAttr("")
     _path: Path = PrivateAttr(Path())

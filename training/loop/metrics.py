@@ -301,6 +301,8 @@ def print_summary(summary: dict) -> None:
         *([("model states per rank (measured)", ", ".join(f"{size / 2**30:.2f} GiB on {device}" for device, size
                                                           in summary["model_state_bytes"].items()))]
           if summary.get("model_state_bytes") else []),
+        *[(f"benchmark {task} (lm-eval)", ", ".join(f"{metric} {value:.3f}" for metric, value in values.items()))
+          for task, values in summary.get("benchmarks", {}).items()],
         ("wall time", f"{summary['wall_time_s']:.0f} s"),
         ("output", summary["output_dir"]),
     ]

@@ -15,7 +15,7 @@ OUTPUT_ROOT = Path("outputs")
 COMMAND = "train.py"
 REFERENCE_FILE = "reference_logps.npz"  # a DPO run's reference log-probabilities (training/loop/preference.py)
 RUN_FILES = ("metrics.jsonl", "summary.json", "resolved_recipe.yaml", "ds_config.json", "checkpoints", "hf", "adapter",
-             "tensorboard", "wandb", "mlruns", REFERENCE_FILE)  # wandb, mlruns: training/loop/trackers.py's offline runs
+             "tensorboard", "wandb", "mlruns", "benchmarks", REFERENCE_FILE)  # wandb, mlruns: training/loop/trackers.py
 
 
 def holds_run(path: Path) -> bool:
