@@ -29,12 +29,16 @@ def check_trackers(report_to: list[str]) -> None:
 
 
 def flat(record: dict) -> dict[str, float]:
-    """A metrics.jsonl record as scalars: expert_tokens one per layer and expert, the rest as named."""
+    """A metrics.jsonl record (or summary.json) as scalars: expert_tokens one per layer and expert, benchmark scores
+    one per task and metric, the other numbers as named."""
     scalars = {}
     for key, value in record.items():
         if key == "expert_tokens":
             scalars.update({f"experts/layer{layer:02d}/expert{expert:02d}": count
                             for layer, tokens in enumerate(value) for expert, count in enumerate(tokens)})
+        elif key == "benchmarks":
+            scalars.update({f"benchmarks/{task}/{metric}": score
+                            for task, metrics in value.items() for metric, score in metrics.items()})
         elif key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
             scalars[key] = value
     return scalars

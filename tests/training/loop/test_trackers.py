@@ -90,6 +90,13 @@ def test_the_old_tensorboard_key_says_what_replaced_it():
     assert result.returncode == 2 and "logging.tensorboard is now one of logging.report_to's trackers" in result.stderr
 
 
+def test_summaries_reach_the_trackers_as_scalars_benchmark_scores_included():
+    summary = {"final_loss": 2.5, "steps": 4, "device": "cpu", "data": {"rows": 3}, "stability": {"skip": 0},
+               "benchmarks": {"python_docs_mc": {"acc": 0.25, "acc_norm": 0.24}}}
+    assert flat(summary) == {"final_loss": 2.5, "steps": 4, "benchmarks/python_docs_mc/acc": 0.25,
+                             "benchmarks/python_docs_mc/acc_norm": 0.24}
+
+
 class Failing:
     id = "x"
 
