@@ -147,14 +147,13 @@ def planned_peak_bytes(args: argparse.Namespace, run: Run) -> float | None:
     """--dry-run's estimate of this run's peak per GPU: its model states plus one micro-batch's activations
     (training/planning/memory.py), or None where the plan has no estimate or refuses the run here."""
     import train
-    from training.config.errors import ConfigError
     from training.planning.memory import activations, planned_model_states
 
     try:
         plan = train.make_plan(train.parse_args(["--recipe", "tiny_llama", "--dry-run", *overrides(args, run)]),
                                world_size=args.num_gpus)
         states = planned_model_states(plan).device_bytes
-    except (ConfigError, ValueError):
+    except ValueError:  # the plan's refusals (ConfigError) and settings it has no estimate for
         return None
     acts = activations(plan.recipe, plan.precision, plan.shape)
     return states + acts.peak(run.checkpointing) if acts else None
@@ -178,10 +177,10 @@ def launch(args: argparse.Namespace, run: Run) -> Result:
             process.wait()
             code = None
     seconds = time.perf_counter() - start
-    planned = planned_peak_bytes(args, run)
     summary_file = out / "summary.json"
     if code == 0 and summary_file.exists():
-        result = Result(run, json.loads(summary_file.read_text()), seconds=seconds, planned_bytes=planned)
+        result = Result(run, json.loads(summary_file.read_text()), seconds=seconds,
+                        planned_bytes=planned_peak_bytes(args, run))
     elif code is None:
         result = Result(run, error=f"timed out after {args.timeout} s", seconds=seconds)
     else:

@@ -91,9 +91,8 @@ def test_counts(junit: Path) -> str:
     cases = list(ElementTree.parse(junit).getroot().iter("testcase"))
     outcomes = {"passed": [], "failed": [], "skipped": []}
     for case in cases:
-        name = f"{case.get('name')}"
-        failure = case.find("failure") if case.find("failure") is not None else case.find("error")
-        skipped = case.find("skipped")
+        name, skipped = case.get("name"), case.find("skipped")
+        failure = next((found for found in (case.find("failure"), case.find("error")) if found is not None), None)
         if failure is not None:
             outcomes["failed"].append(f"{name}: {(failure.get('message') or '').splitlines()[0][:200]}")
         elif skipped is not None:
