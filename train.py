@@ -18,6 +18,7 @@ import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
+import training  # noqa: F401 (first: it keeps DeepSpeed's import from loading mlflow, training/compat/deepspeed.py)
 import datasets
 import deepspeed
 import torch

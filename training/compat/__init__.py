@@ -11,6 +11,7 @@ import importlib.metadata
 import importlib.util
 import sys
 from dataclasses import dataclass
+from importlib.machinery import ModuleSpec
 
 NO_ISSUE = "no upstream issue found"
 LIBRARIES = ("torch", "deepspeed", "transformers", "peft", "datatrove", "wandb")  # each a module here, named as on PyPI
@@ -68,3 +69,28 @@ def check_versions(libraries: tuple[str, ...] = LIBRARIES, show: bool = True) ->
         print(f"warning: upstream workarounds unverified for the installed versions: {named}; run "
               f"pytest tests/training/compat and see docs/compat.md", file=sys.stderr, flush=True)
     return found
+
+
+AUTOTUNER = "deepspeed.autotuning.autotuner"
+
+
+class MlflowRefusedToAutotuner:
+    """An import finder that refuses mlflow to DeepSpeed's autotuner, once, and then leaves sys.meta_path."""
+
+    def find_spec(self, name: str, path=None, target=None) -> ModuleSpec | None:
+        if name != "mlflow":
+            return None
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_globals.get("__name__") != AUTOTUNER:
+            frame = frame.f_back
+        if frame is None:  # another importer: mlflow as usual
+            return None
+        sys.meta_path.remove(self)
+        raise ModuleNotFoundError(f"mlflow is not given to {AUTOTUNER} (training/compat/deepspeed.py)", name=name)
+
+
+def no_mlflow_for_autotuner() -> None:
+    """Before DeepSpeed is imported: its autotuner then runs without mlflow (training/compat/deepspeed.py, PATCHES)."""
+    if AUTOTUNER not in sys.modules and not any(isinstance(finder, MlflowRefusedToAutotuner)
+                                                for finder in sys.meta_path):
+        sys.meta_path.insert(0, MlflowRefusedToAutotuner())

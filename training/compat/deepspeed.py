@@ -22,7 +22,7 @@ from deepspeed.runtime.zero import stage3
 from deepspeed.utils import safe_get_local_fp32_param, zero_to_fp32
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from training.compat import NO_ISSUE, Patch
+from training.compat import NO_ISSUE, Patch, no_mlflow_for_autotuner  # noqa: F401 (declared in PATCHES)
 from training.compat.torch import found_inf
 from training.planning.precision import device_type, fp16_block
 
@@ -35,6 +35,12 @@ def deepspeed_patch(name: str, why: str, canary: str, issue: str = NO_ISSUE, *, 
 
 
 PATCHES = (
+    deepspeed_patch("no_mlflow_for_autotuner", "`import deepspeed` imports its autotuner, which imports mlflow when it "
+                    "is installed (logging.report_to: mlflow needs it) to log autotuning experiments, which no run here "
+                    "makes: 1.1 s of every rank's start. training/__init__.py puts an import finder first that refuses "
+                    "mlflow to that module alone, once (the autotuner catches the ImportError)",
+                    "test_the_autotuner_still_imports_mlflow_when_it_can",
+                    proofs=("tests/training/compat/test_deepspeed.py::test_train_py_starts_without_mlflow",)),
     deepspeed_patch("expert_files", "an expert-parallel checkpoint keeps each expert's module weights in a file of "
                     "its own, named by DeepSpeedEngine._get_expert_ckpt_name (layer_L_expert_E_mp_rank_00_model_"
                     "states.pt): the export reads them", "test_expert_files_are_named_by_layer_and_expert",

@@ -4,6 +4,8 @@ message then says what can go."""
 import inspect
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import deepspeed
@@ -13,7 +15,7 @@ from deepspeed import DeepSpeedEngine
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.zero import stage3
 
-from tests.conftest import run_train
+from tests.conftest import REPO, run_train
 from training.compat.deepspeed import (autoep_output_recorders, expert_files, local_fp32_shares, muon_flags,
                                        pipeline_layer_file, weight_shape, withheld_step, zero0_grad_norm, zero_cuts)
 from training.planning.shape import weight_decay_groups
@@ -37,6 +39,31 @@ def tiny_engine(zero_stage: int, optimizer: str = "AdamW", **config) -> deepspee
 
 def backward(engine: deepspeed.DeepSpeedEngine) -> None:
     engine.backward(engine(torch.arange(8.0).reshape(1, 8)).square().sum())
+
+
+# --- start-up ------------------------------------------------------------------------------------------------------
+
+def test_the_autotuner_still_imports_mlflow_when_it_can():
+    """conftest imports training before DeepSpeed, as train.py does: the autotuner got no mlflow, though it is
+    installed (requirements.txt) and importable by anyone else."""
+    import importlib.util
+
+    from deepspeed.autotuning import autotuner
+    assert importlib.util.find_spec("mlflow") is not None
+    module = source(autotuner)
+    assert "try:\n    import mlflow\n    has_mlflow = True" in module, \
+        "DeepSpeed's autotuner no longer imports mlflow at import: compat no_mlflow_for_autotuner can go"
+    assert autotuner.has_mlflow is False
+
+
+@pytest.mark.slow
+def test_train_py_starts_without_mlflow():
+    """Importing train.py (as each rank does) loads DeepSpeed without mlflow; mlflow still imports afterwards."""
+    probe = ("import sys, train; loaded = 'mlflow' in sys.modules; import mlflow; "
+             "print(loaded, mlflow.get_tracking_uri is not None)")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines()[-1].split() == ["False", "True"]
 
 
 # --- sequence parallelism ------------------------------------------------------------------------------------------
