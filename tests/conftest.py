@@ -90,7 +90,8 @@ def save_small_checkpoint(path: Path, **save_options) -> None:
 
 def launch_in(command) -> str | None:
     """What a command line starts that only the slow tier may start: train.py or a script of tests/helpers/ (which
-    wrap train.py or run under the launcher), the deepspeed launcher, or a datatrove job; None for anything else."""
+    wrap train.py or run under the launcher), the deepspeed or accelerate launcher, or a datatrove job; None for
+    anything else."""
     words = [command] if isinstance(command, (str, bytes, os.PathLike)) else list(command)
     words = [str(word) for word in words]
     if len(words) == 1:  # a shell command line
@@ -98,6 +99,8 @@ def launch_in(command) -> str | None:
     names = [Path(word).name for word in words]
     if "deepspeed" in names or any(word.startswith("deepspeed.launcher") for word in words):
         return "the deepspeed launcher"
+    if "accelerate" in names or "accelerate.commands.launch" in words:
+        return "the accelerate launcher"
     if "train.py" in names or any("tests/helpers/" in word for word in words):
         return "train.py"
     if "--engine=datatrove" in words or any(pair == ("--engine", "datatrove") for pair in zip(words, words[1:])):
@@ -137,9 +140,10 @@ class GuardedPopen(subprocess.Popen):
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """The fast tier (-m "not slow") stays fast: a test not marked slow that starts train.py, the deepspeed launcher
-    or a datatrove job (a process, or datatrove's local executor in-process), in its body or in a fixture of any
-    scope, fails, naming itself. Installed for the whole session, so module and session fixtures are watched too."""
+    """The fast tier (-m "not slow") stays fast: a test not marked slow that starts train.py, the deepspeed or
+    accelerate launcher or a datatrove job (a process, or datatrove's local executor in-process), in its body or in
+    a fixture of any scope, fails, naming itself. Installed for the whole session, so module and session fixtures are
+    watched too."""
     subprocess.Popen = GuardedPopen
     try:
         from datatrove.executor.local import LocalPipelineExecutor

@@ -1,5 +1,5 @@
 """The fast tier's guard (tests/conftest.py pytest_configure): a test not marked slow that starts train.py,
-the deepspeed launcher or a datatrove job fails, naming itself and the fix."""
+the deepspeed or accelerate launcher or a datatrove job fails, naming itself and the fix."""
 import subprocess
 import sys
 
@@ -16,6 +16,9 @@ from training.parallel.launch import launcher_command
     (launcher_command(2, "tests/helpers/optimizer_steps.py", ["lion"]), "the deepspeed launcher"),
     ([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "x.py"], "the deepspeed launcher"),
     ("deepspeed --num_gpus 2 train.py", "the deepspeed launcher"),
+    ([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "-m", "training", "evaluate", "m"],
+     "the accelerate launcher"),
+    ("accelerate launch --num_processes 2 -m lm_eval --model hf", "the accelerate launcher"),
     ([sys.executable, "-m", "data_pipeline", "prepare", "--engine", "datatrove", "--tasks", "2"], "a datatrove job"),
     ([sys.executable, "-m", "data_pipeline", "prepare", "--engine=datatrove"], "a datatrove job"),
     ([sys.executable, "-m", "data_pipeline", "prepare", "--engine", "in-process"], None),

@@ -1,13 +1,15 @@
 """python -m training export CHECKPOINT OUT_DIR [--dtype bf16|fp16|fp32] [--overwrite]
 python -m training convert CHECKPOINT      (a DeepSpeed universal checkpoint, which any ZeRO-1/2/3 layout loads)
-python -m training evaluate RUN_OR_HF_DIR --tasks python_docs_mc[,hellaswag,...] [--output-dir DIR] [--limit N]"""
+python -m training evaluate RUN_OR_HF_DIR --tasks python_docs_mc[,hellaswag,...] [--output-dir DIR] [--limit N]
+                           [--num-processes N]"""
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from training.compat import check_versions
-from training.config.errors import exit_code
-from training.loop.benchmarks import evaluate_folder
+from training.config.errors import ConfigError, exit_code
+from training.loop.benchmarks import check_evaluation, evaluate_folder, evaluate_in_processes
 from training.state.export import export_checkpoint, find_tag
 from training.planning.precision import DTYPES
 from training.state.universal import convert
@@ -35,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     evaluate.add_argument("--batch-size", type=int, default=8)
     evaluate.add_argument("--limit", type=int, help="at most this many examples per task (a quick look)")
     evaluate.add_argument("--overwrite", action="store_true", help="replace an earlier evaluate output there")
+    evaluate.add_argument("--num-processes", type=int, default=1, help="data-parallel: this many processes under "
+                          "accelerate's launcher, one per GPU (CPU processes without one), each scoring a share")
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     check_versions()  # export and convert read DeepSpeed's checkpoint formats (training/compat/deepspeed.py)
 
@@ -49,7 +54,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     def run_evaluate() -> int:
-        evaluate_folder(args.target, args.tasks.split(","), args.output_dir, args.overwrite, args.batch_size, args.limit)
+        tasks = args.tasks.split(",")
+        if args.num_processes < 1:
+            raise ConfigError(f"--num-processes {args.num_processes}: give 1 or more (each process loads the model)")
+        if args.num_processes > 1 and "WORLD_SIZE" not in os.environ:  # not yet launched: launch
+            check_evaluation(args.target, tasks, args.output_dir, args.overwrite)  # a bad input fails once, here
+            return evaluate_in_processes(args.num_processes, argv)
+        evaluate_folder(args.target, tasks, args.output_dir, args.overwrite, args.batch_size, args.limit)
         return 0
 
     return exit_code({"export": run_export, "convert": run_convert, "evaluate": run_evaluate}[args.command])

@@ -1,7 +1,7 @@
 """Every workaround of upstream behaviour, in one guarded place: a module per library (torch.py, deepspeed.py,
-transformers.py, peft.py, datatrove.py, wandb.py). Each module declares its PATCHES: what upstream does, in which version
-the workaround was verified, the upstream issue, the canary test (tests/training/compat/) that fails when the
-patched name disappears, when upstream stops calling it, or when upstream fixes the behaviour, and the tests that
+transformers.py, peft.py, datatrove.py, wandb.py, lm_eval.py). Each module declares its PATCHES: what upstream does, in
+which version the workaround was verified, the upstream issue, the canary test (tests/training/compat/) that fails when
+the patched name disappears, when upstream stops calling it, or when upstream fixes the behaviour, and the tests that
 prove the workaround (they fail without it).
 
 check_versions, called once at start-up, warns in one line when an installed library is another version than
@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from importlib.machinery import ModuleSpec
 
 NO_ISSUE = "no upstream issue found"
-LIBRARIES = ("torch", "deepspeed", "transformers", "peft", "datatrove", "wandb")  # each a module here, named as on PyPI
+# each a module here, named as on PyPI (lm-eval as lm_eval, the name it is imported by)
+LIBRARIES = ("torch", "deepspeed", "transformers", "peft", "datatrove", "wandb", "lm_eval")
 
 
 @dataclass(frozen=True)

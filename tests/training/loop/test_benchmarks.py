@@ -1,15 +1,21 @@
 """Benchmarks with lm-evaluation-harness: `python -m training evaluate` on a Hugging Face folder and on a run (its
-hf/, its summary.json), `eval.benchmarks` at the end of training, the shipped offline task, and the refusals."""
+hf/, its summary.json), in several processes (lm-eval's data parallelism), `eval.benchmarks` at the end of training
+(on every rank of the run), the shipped offline task, and the refusals."""
 import json
+import re
+import subprocess
+import sys
 
 import pytest
+import torch
 
-from tests.conftest import SMALL_MODEL, main_in_process, save_small_checkpoint, train_in_process
+from tests.conftest import REPO, SMALL_MODEL, TRAIN_ENV, main_in_process, run_train, save_small_checkpoint, \
+    train_in_process
 from training.__main__ import main as training_main
 from training.loop.benchmarks import SHIPPED
 
 TASK = "python_docs_mc"
-LM_EVAL = pytest.mark.slow  # lm-eval end to end, or its task index: 7 to 16 s each, kept out of the fast tier
+LM_EVAL = pytest.mark.slow  # lm-eval end to end, its task index or its launches (7 to 40 s): not in the fast tier
 
 
 @pytest.fixture(scope="module")
@@ -21,6 +27,13 @@ def model(tmp_path_factory):
 
 def evaluate(*args: str):
     return main_in_process(training_main, ["evaluate", *map(str, args)])
+
+
+def requests_of_rank_0(output: str) -> int:
+    """How many loglikelihood requests rank 0 scored, from lm-eval's progress bar (the other ranks show none)."""
+    counts = re.findall(r"Running loglikelihood requests: 100%\|[^|]*\| (\d+)/\1 ", output)
+    assert len(counts) == 1, output[-3000:]
+    return int(counts[0])
 
 
 def test_the_shipped_task_is_200_four_way_questions_with_one_true_ending():
@@ -52,6 +65,55 @@ def test_what_cannot_be_evaluated_is_refused_before_the_model_loads(model, tmp_p
     result = evaluate(model, *args)
     assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
     assert not (model / "scores").exists()
+
+
+@pytest.mark.parametrize("gpus, args, message", [
+    (0, ["--num-processes", "0", "--output-dir", "{tmp}/o"], "--num-processes 0: give 1 or more"),
+    (0, ["--num-processes", "2", "--output-dir", "{model}/scores"], "an output never goes inside an input"),
+    (0, ["--num-processes", "2"], "is a model folder, not a run: give --output-dir"),
+    (1, ["--num-processes", "2", "--output-dir", "{tmp}/o"], "this machine has 1 GPU(s) and each process takes one"),
+])
+def test_what_cannot_be_evaluated_in_processes_is_refused_before_any_starts(model, tmp_path, monkeypatch, gpus, args,
+                                                                            message):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    launched = []
+    monkeypatch.setattr(subprocess, "run", lambda command, **options: launched.append(command))
+    result = evaluate(model, "--tasks", TASK, *[arg.format(tmp=tmp_path, model=model) for arg in args])
+    assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
+    assert result.stderr.count("error:") == 1 and launched == []
+    assert not (tmp_path / "o").exists() and not (model / "scores").exists()
+
+
+@LM_EVAL
+def test_two_processes_share_the_requests_and_give_one_processs_scores(model, tmp_path):
+    """40 questions x 4 endings: rank 0 of two CPU processes scores 80 of the 160 requests, and writes the gathered
+    scores alone; they are one process's."""
+    one = evaluate(model, "--tasks", TASK, "--output-dir", tmp_path / "one", "--limit", "40")
+    assert one.returncode == 0 and requests_of_rank_0(one.stderr) == 160, one.stderr[-3000:]
+    two = subprocess.run([sys.executable, "-m", "training", "evaluate", str(model), "--tasks", TASK, "--output-dir",
+                          str(tmp_path / "two"), "--limit", "40", "--num-processes", "2"], cwd=REPO, env=TRAIN_ENV,
+                         capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0 and requests_of_rank_0(two.stderr) == 80, two.stderr[-3000:]
+    assert two.stdout.count(f"|{TASK}|") == 1  # rank 0's table only
+    alone, shared = (json.loads((tmp_path / name / "results.json").read_text()) for name in ("one", "two"))
+    assert shared["n-samples"][TASK]["effective"] == 40
+    for metric in ("acc,none", "acc_norm,none"):
+        assert shared["results"][TASK][metric] == pytest.approx(alone["results"][TASK][metric], abs=1e-6)
+
+
+@LM_EVAL
+def test_every_rank_of_a_run_scores_a_share_of_its_export(tmp_path, data_cache):
+    """Two CPU ranks: rank 0 scores 20 of the 40 requests (10 questions x 4 endings), and the scores are the ones one
+    process gives the same export."""
+    out = tmp_path / "run"
+    result = run_train(["--recipe", "tiny_llama", "--output-dir", str(out), SMALL_MODEL, data_cache,
+                        "training.max_steps=2", f"eval.benchmarks=[{TASK}]", "eval.limit=10"], ranks=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert requests_of_rank_0(result.stdout + result.stderr) == 20
+    at_the_end = json.loads((out / "summary.json").read_text())["benchmarks"][TASK]
+    again = evaluate(out, "--tasks", TASK, "--limit", "10", "--overwrite")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads((out / "summary.json").read_text())["benchmarks"][TASK] == pytest.approx(at_the_end, abs=1e-6)
 
 
 @LM_EVAL
