@@ -35,7 +35,7 @@ from training.config.auto_config import choose_ds_config
 from training.config.ds_config import accumulation_steps, load_ds_config, resolve_ds_config
 from training.config.errors import ConfigError, positive_float, positive_int
 from training.config.recipe import load_recipe, recipe_inputs
-from training.loop.benchmarks import benchmark_run, check_benchmarks
+from training.loop.benchmarks import benchmark_checkpoint, benchmark_run, check_benchmarks
 from training.loop.engine import loss_divisor, start_engine
 from training.loop.evaluation import evaluate
 from training.loop.metrics import (FlopsMeter, MetricsLogger, Stopwatch, flops_meter, gpu_metrics, measured_model_states,
@@ -307,6 +307,8 @@ def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: E
             interval = {"tokens": 0, "steps": 0}
         if save_now:
             save()
+            if not stop and step < total_steps:  # a periodic checkpoint (the final weights are scored at the end)
+                benchmark_checkpoint(plan, step, logger)
         if stop:
             break
         clock.start()

@@ -172,3 +172,17 @@ def test_a_second_comparison_keeps_the_first(tmp_path, monkeypatch, data_cache, 
         with (folder / "comparison.csv").open() as file:
             assert [row["status"] for row in csv.DictReader(file)] == ["ok"]
         assert (folder / "training.lr=0.003" / "summary.json").is_file()
+
+
+def test_a_runs_loss_curve_leaves_out_its_event_lines(tmp_path):
+    """metrics.jsonl's stability events and checkpoint benchmark scores are event lines of their own at a step that
+    also has its step record: the curve keeps the step's loss."""
+    import json
+    summary = {"mean_tokens_per_s": 10.0, "peak_mem_bytes": 1, "final_loss": 7.5}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    lines = [{"step": 1, "loss": 8.0}, {"step": 2, "loss": 7.5},
+             {"event": "spike", "step": 2, "loss": 30.0},
+             {"event": "benchmark", "step": 2, "benchmarks": {"python_docs_mc": {"acc": 0.25}}}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    row, losses = compare.read_run(tmp_path)
+    assert losses == {1: 8.0, 2: 7.5} and row["final_loss"] == 7.5

@@ -236,8 +236,16 @@ class LoggingSection(StrictModel):
 
 class EvalSection(StrictModel):
     benchmarks: list[str] = []  # lm-eval tasks run on hf/ at the end of training (training/loop/benchmarks.py)
+    benchmark_checkpoints: bool = False  # also on each periodic checkpoint, as it is saved
     batch_size: PositiveInt = 8
     limit: PositiveInt | None = None  # at most this many examples per task
+
+    @model_validator(mode="after")
+    def checkpoints_need_tasks(self) -> "EvalSection":
+        if self.benchmark_checkpoints and not self.benchmarks:
+            raise ValueError("benchmark_checkpoints runs eval.benchmarks on each checkpoint: name the tasks, e.g. "
+                             "eval.benchmarks=[python_docs_mc]")
+        return self
 
 
 class Recipe(StrictModel):
@@ -280,6 +288,12 @@ class Recipe(StrictModel):
             raise ValueError("tokenizer.name_or_path is needed when the model is built from model.config")
         if self.stability.enabled and self.stability.policy == "rewind" and not self.checkpointing.every_steps:
             raise ValueError("stability.policy=rewind goes back to the last checkpoint: set checkpointing.every_steps")
+        if self.eval.benchmark_checkpoints and not self.checkpointing.every_steps:
+            raise ValueError("eval.benchmark_checkpoints scores the checkpoints saved every checkpointing.every_steps "
+                             "steps: set it (the final weights are scored by eval.benchmarks alone)")
+        if self.eval.benchmark_checkpoints and self.lora.enabled:
+            raise ValueError("eval.benchmark_checkpoints: a LoRA checkpoint holds the adapters alone; score the "
+                             "run's merged export (export.merge: true) with eval.benchmarks instead")
         if self.parallelism.pipeline_stages > 1 and (self.long_context.tiled_mlp or self.long_context.logits_tile_tokens):
             raise ValueError("long_context tiling with parallelism.pipeline_stages > 1: the pipeline builds its own "
                              "stages from the model's layers and does not tile them; use one or the other")

@@ -9,17 +9,22 @@ table (results.md); a run's summary.json gets the scores under `benchmarks` ({ta
 way: each process loads the model and scores its share of the requests, and rank 0 gathers and writes the results."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import yaml
 
 from training.compat.lm_eval import split_over_processes
 from training.config.errors import ConfigError
 from training.config.recipe import Recipe
+from training.loop.metrics import MetricsLogger
 from training.planning.plan import RunPlan
+from training.state.checkpoint import restore_rng_states, rng_states
+from training.state.export import export_tag
 from training.state.output_guard import check_output, staged_folder, write_atomically
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -95,9 +100,31 @@ def benchmark_run(plan: RunPlan) -> dict:
     if not evaluation.benchmarks:
         return {}
     hf_dir, output_dir = plan.output_dir / "hf", plan.output_dir / "benchmarks"
-    check_output(output_dir, COMMAND, [hf_dir], option="--output-dir")
+    check_output(output_dir, COMMAND, [hf_dir], overwrite=True, option="--output-dir")  # a resumed run's earlier scores
     found = benchmark(hf_dir, evaluation.benchmarks, output_dir, evaluation.batch_size, evaluation.limit)
     return {} if found is None else {"benchmarks": found}
+
+
+def benchmark_checkpoint(plan: RunPlan, step: int, logger: MetricsLogger) -> None:
+    """eval.benchmark_checkpoints, every rank calling after a periodic checkpoint's save: rank 0 exports the checkpoint
+    into a folder of its own inside it, every rank scores its share, rank 0 writes the results into the checkpoint's
+    benchmarks/ and logs the scores at the step (metrics.jsonl, TensorBoard, trackers); the export is removed.
+    lm-eval seeds the random generators: training goes on with its own states, as a resume from the checkpoint would."""
+    evaluation = plan.recipe.eval
+    if not evaluation.benchmark_checkpoints:
+        return
+    tag_dir = plan.output_dir / "checkpoints" / f"global_step{step}"
+    model_dir, states = tag_dir / "benchmarked_model", rng_states()
+    if dist.get_rank() == 0:
+        export_tag(tag_dir.parent, tag_dir.name, model_dir)
+    dist.barrier()
+    found = benchmark(model_dir, evaluation.benchmarks, tag_dir / "benchmarks", evaluation.batch_size,
+                      evaluation.limit)
+    restore_rng_states(states)
+    dist.barrier()  # every rank has its scores: the model folder can go
+    if dist.get_rank() == 0:
+        shutil.rmtree(model_dir)
+    logger.benchmarks(step, found)
 
 
 def benchmark(hf_dir: Path, tasks: list[str], output_dir: Path, batch_size: int = 8,

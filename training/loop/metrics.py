@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from training.loop.trackers import Trackers
+from training.loop.trackers import Trackers, flat
 from training.parallel import distributed
 from training.planning.flops import flops_per_token, peak_tflops
 from training.planning.plan import RunPlan
@@ -226,6 +226,23 @@ class MetricsLogger:
     def advance(self) -> None:
         if self.enabled:
             self.bar.update(1)
+
+    def benchmarks(self, step: int, scores: dict[str, dict[str, float]] | None) -> None:
+        """A checkpoint's benchmark scores (eval.benchmark_checkpoints): an event line of its own in metrics.jsonl
+        (readers of the step records pass over events), `benchmarks/TASK/METRIC` in TensorBoard and the trackers, at
+        the checkpoint's step. None: nothing to log."""
+        if not self.enabled or scores is None:
+            return
+        record = {"event": "benchmark", "step": step, "benchmarks": scores}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.trackers:
+            self.trackers.log(record)
+        if self.writer:
+            for name, value in flat(record).items():
+                self.writer.add_scalar(name, value, step)
+        self.bar.write(f"step {step}: " + ", ".join(f"{task} {metric} {value:.4f}" for task, metrics in scores.items()
+                                                    for metric, value in metrics.items()))
 
     def note(self, text: str) -> None:
         """A line on the console, above the progress bar."""

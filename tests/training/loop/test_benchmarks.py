@@ -3,6 +3,7 @@ hf/, its summary.json), in several processes (lm-eval's data parallelism), `eval
 (on every rank of the run), the shipped offline task, and the refusals."""
 import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -29,11 +30,10 @@ def evaluate(*args: str):
     return main_in_process(training_main, ["evaluate", *map(str, args)])
 
 
-def requests_of_rank_0(output: str) -> int:
-    """How many loglikelihood requests rank 0 scored, from lm-eval's progress bar (the other ranks show none)."""
-    counts = re.findall(r"Running loglikelihood requests: 100%\|[^|]*\| (\d+)/\1 ", output)
-    assert len(counts) == 1, output[-3000:]
-    return int(counts[0])
+def requests_of_rank_0(output: str) -> list[int]:
+    """How many loglikelihood requests rank 0 scored, from lm-eval's progress bars (the other ranks show none), one
+    number per evaluation."""
+    return [int(count) for count in re.findall(r"Running loglikelihood requests: 100%\|[^|]*\| (\d+)/\1 ", output)]
 
 
 def test_the_shipped_task_is_200_four_way_questions_with_one_true_ending():
@@ -89,11 +89,11 @@ def test_two_processes_share_the_requests_and_give_one_processs_scores(model, tm
     """40 questions x 4 endings: rank 0 of two CPU processes scores 80 of the 160 requests, and writes the gathered
     scores alone; they are one process's."""
     one = evaluate(model, "--tasks", TASK, "--output-dir", tmp_path / "one", "--limit", "40")
-    assert one.returncode == 0 and requests_of_rank_0(one.stderr) == 160, one.stderr[-3000:]
+    assert one.returncode == 0 and requests_of_rank_0(one.stderr) == [160], one.stderr[-3000:]
     two = subprocess.run([sys.executable, "-m", "training", "evaluate", str(model), "--tasks", TASK, "--output-dir",
                           str(tmp_path / "two"), "--limit", "40", "--num-processes", "2"], cwd=REPO, env=TRAIN_ENV,
                          capture_output=True, text=True, timeout=600)
-    assert two.returncode == 0 and requests_of_rank_0(two.stderr) == 80, two.stderr[-3000:]
+    assert two.returncode == 0 and requests_of_rank_0(two.stderr) == [80], two.stderr[-3000:]
     assert two.stdout.count(f"|{TASK}|") == 1  # rank 0's table only
     alone, shared = (json.loads((tmp_path / name / "results.json").read_text()) for name in ("one", "two"))
     assert shared["n-samples"][TASK]["effective"] == 40
@@ -101,19 +101,84 @@ def test_two_processes_share_the_requests_and_give_one_processs_scores(model, tm
         assert shared["results"][TASK][metric] == pytest.approx(alone["results"][TASK][metric], abs=1e-6)
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data_cache) -> dict:
+    """Two CPU ranks, 4 steps, a checkpoint every 2, attention dropout 0.1 (training draws random numbers):
+    `scored` benchmarks its step-2 checkpoint and its final export (10 questions), `plain` neither."""
+    common = ["--recipe", "tiny_llama", SMALL_MODEL.replace("head_dim: 16}", "head_dim: 16, attention_dropout: 0.1}"),
+              data_cache, "training.max_steps=4", "checkpointing.every_steps=2", "logging.every_steps=1"]
+    outputs = {}
+    for name, extra in (("scored", [f"eval.benchmarks=[{TASK}]", "eval.limit=10", "eval.benchmark_checkpoints=true"]),
+                        ("plain", [])):
+        out = tmp_path_factory.mktemp(name) / "run"
+        result = run_train([*common, "--output-dir", str(out), *extra], ranks=2)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+        outputs[name] = out
+        outputs[name, "console"] = result.stdout + result.stderr
+    resumed = tmp_path_factory.mktemp("resumed") / "run"  # a copy of `scored` continued to step 8 on 1 rank, ZeRO-3
+    shutil.copytree(outputs["scored"], resumed)
+    result = run_train([*common, "--output-dir", str(resumed), "--resume", "training.max_steps=8",
+                        "deepspeed.config=zero3", f"eval.benchmarks=[{TASK}]", "eval.limit=10",
+                        "eval.benchmark_checkpoints=true"], ranks=1)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    outputs["resumed"] = resumed
+    return outputs
+
+
+def records(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 @LM_EVAL
-def test_every_rank_of_a_run_scores_a_share_of_its_export(tmp_path, data_cache):
-    """Two CPU ranks: rank 0 scores 20 of the 40 requests (10 questions x 4 endings), and the scores are the ones one
-    process gives the same export."""
-    out = tmp_path / "run"
-    result = run_train(["--recipe", "tiny_llama", "--output-dir", str(out), SMALL_MODEL, data_cache,
-                        "training.max_steps=2", f"eval.benchmarks=[{TASK}]", "eval.limit=10"], ranks=2)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert requests_of_rank_0(result.stdout + result.stderr) == 20
+def test_every_rank_of_a_run_scores_a_share_of_its_export(runs):
+    """Rank 0 scores 20 of the 40 requests (10 questions x 4 endings), at the checkpoint and at the end, and the
+    final scores are the ones one process gives the same export."""
+    out = runs["scored"]
+    assert requests_of_rank_0(runs["scored", "console"]) == [20, 20]
     at_the_end = json.loads((out / "summary.json").read_text())["benchmarks"][TASK]
     again = evaluate(out, "--tasks", TASK, "--limit", "10", "--overwrite")
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads((out / "summary.json").read_text())["benchmarks"][TASK] == pytest.approx(at_the_end, abs=1e-6)
+
+
+@LM_EVAL
+def test_a_periodic_checkpoint_is_scored_as_its_export_is_by_evaluate(runs, tmp_path):
+    """eval.benchmark_checkpoints: the step-2 checkpoint's results are in it and its scores in metrics.jsonl at step 2;
+    `python -m training export` of that checkpoint, then `evaluate`, gives the same scores. The final checkpoint is
+    left to the end-of-run benchmark, and the checkpoint keeps no exported model."""
+    checkpoints = runs["scored"] / "checkpoints"
+    results = json.loads((checkpoints / "global_step2" / "benchmarks" / "results.json").read_text())["results"][TASK]
+    logged, = [record for record in records(runs["scored"]) if "benchmarks" in record]
+    scores = {"acc": results["acc,none"], "acc_norm": results["acc_norm,none"]}
+    assert logged == {"event": "benchmark", "step": 2, "benchmarks": {TASK: scores}}
+    assert not (checkpoints / "global_step4" / "benchmarks").exists()
+    assert not list(checkpoints.glob("*/benchmarked_model"))
+    exported = main_in_process(training_main, ["export", str(checkpoints / "global_step2"), str(tmp_path / "hf")])
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    again = evaluate(tmp_path / "hf", "--tasks", TASK, "--limit", "10", "--output-dir", tmp_path / "scores")
+    assert again.returncode == 0, again.stderr[-3000:]
+    rescored = json.loads((tmp_path / "scores" / "results.json").read_text())["results"][TASK]
+    assert (rescored["acc,none"], rescored["acc_norm,none"]) == (results["acc,none"], results["acc_norm,none"])
+
+
+@LM_EVAL
+def test_a_run_resumed_in_another_layout_scores_its_checkpoints_and_replaces_its_final_scores(runs):
+    """The resume (1 rank, ZeRO-3, through a universal conversion) keeps the step-2 scores, scores its step-6
+    checkpoint, and replaces the end-of-run results its first part wrote."""
+    out = runs["resumed"]
+    assert [record["step"] for record in records(out) if record.get("event") == "benchmark"] == [2, 6]
+    assert (out / "checkpoints" / "global_step6" / "benchmarks" / "results.json").exists()
+    assert json.loads((out / "summary.json").read_text())["steps"] == 8
+    assert (out / "benchmarks" / "results.json").stat().st_mtime > (out / "hf" / "config.json").stat().st_mtime
+
+
+@LM_EVAL
+def test_scoring_checkpoints_leaves_the_training_as_it_was(runs):
+    """lm-eval seeds the random generators; the run goes on with its own states, so the dropout draws, and the
+    losses, are the run's without the benchmarks."""
+    scored, plain = ([record["loss"] for record in records(runs[name]) if "loss" in record and "event" not in record]
+                     for name in ("scored", "plain"))
+    assert len(scored) == 4 and scored == plain
 
 
 @LM_EVAL
@@ -140,3 +205,16 @@ def test_a_lora_run_needs_its_merged_export_to_be_benchmarked(model):
     refused = train_in_process(args)
     assert refused.returncode == 2 and "export.merge: true" in refused.stderr, refused.stderr[-2000:]
     assert train_in_process([*args, "export.merge=true"]).returncode == 0
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], "name the tasks"),
+    ([f"eval.benchmarks=[{TASK}]", "checkpointing.every_steps=null"], "saved every checkpointing.every_steps"),
+    ([f"eval.benchmarks=[{TASK}]", "checkpointing.every_steps=2", "lora.enabled=true", "export.merge=true"],
+     "holds the adapters alone"),
+])
+def test_scoring_checkpoints_needs_tasks_periodic_checkpoints_and_full_weights(model, extra, message):
+    refused = train_in_process(["--recipe", "tiny_llama", "--dry-run", f"model.name_or_path={model}", "model.config=null",
+                                "eval.benchmark_checkpoints=true", *extra])
+    assert refused.returncode == 2 and message in refused.stderr, refused.stderr[-2000:]
+    assert refused.stderr.count("error") == 1
