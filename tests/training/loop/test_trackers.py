@@ -27,7 +27,8 @@ def wandb_history(out) -> tuple[set[str], dict[int, dict], list[dict]]:
 
 @pytest.fixture(scope="module")
 def tracked_run(tmp_path_factory, data_cache):
-    """Two steps, then a resume to four, with every tracker on and W&B offline."""
+    """Two steps, then a resume to four in another layout (ZeRO-3, through a universal conversion), with every
+    tracker on and W&B offline."""
     out = tmp_path_factory.mktemp("tracked") / "run"
     patch = pytest.MonkeyPatch()
     patch.setenv("WANDB_MODE", "offline")
@@ -36,7 +37,7 @@ def tracked_run(tmp_path_factory, data_cache):
     try:
         common = ["--recipe", "tiny_llama", "--output-dir", str(out), SMALL_MODEL, data_cache, TRACKED,
                   "logging.every_steps=1", "checkpointing.every_steps=2", "logging.project=tests"]
-        for args in (["training.max_steps=2"], ["--resume", "training.max_steps=4"]):
+        for args in (["training.max_steps=2"], ["--resume", "training.max_steps=4", "deepspeed.config=zero3"]):
             result = train_in_process([*common, *args])
             assert result.returncode == 0, result.stderr[-3000:]
     finally:
@@ -70,7 +71,8 @@ def test_wandb_and_mlflow_get_what_metrics_jsonl_gets(tracked_run, tmp_path):
 def test_the_trackers_get_the_recipe_the_ds_config_and_the_run_ids_resume_from(tracked_run):
     _, _, runs = wandb_history(tracked_run)
     assert runs[0]["config"]["recipe"]["logging"]["report_to"] == ["tensorboard", "wandb", "mlflow"]
-    assert runs[0]["config"]["ds_config"] == json.loads((tracked_run / "ds_config.json").read_text())
+    assert runs[-1]["config"]["ds_config"] == json.loads((tracked_run / "ds_config.json").read_text())
+    assert [run["config"]["ds_config"]["zero_optimization"]["stage"] for run in runs] == [1, 3]  # the resume's own
     assert (runs[0]["project"], runs[0]["name"]) == ("tests", "run")
     state = json.loads(next(tracked_run.glob("checkpoints/global_step4/*.json")).read_text())
     assert state["trackers"]["wandb"] == runs[0]["id"] and len(state["trackers"]["mlflow"]) == 32
