@@ -11,12 +11,16 @@ tokens/s counts input tokens. Each packer runs `--repeats` times in a fresh proc
 turns, and twice in each process: the first run pays for touching fresh memory (on a virtual machine
 that costs about as much as the packing itself), the second reuses it. The table shows medians.
 
-Near duplicates: documents made from Python's documentation (tiny_llama's corpus) with planted near
-copies (1% word edits, halves swapped, case and whitespace changes), deduplicated on one core by our
-MinHash + LSH and by datasketch's MinHash + MinHashLSH (query, then insert what is new), with the same
-shingles (word 5-grams of the normalized text), 128 permutations and threshold 0.8. Precision and recall
-are measured on the first `--sample` documents against exact Jaccard similarity of every pair. Each
-method runs `--repeats` times, taking turns; the table shows the first run and the median of the others.
+Near duplicates, on three corpora of about `--dedup-mb` MB each with planted near copies (1% word edits,
+halves swapped, case and whitespace changes): prose (2-8 paragraphs of Python's documentation, tiny_llama's
+corpus), source code (the installed packages' .py files, code no one here wrote) and chat (tiny_llama_sft's
+conversations rendered as "role: content" turns). Ours (NumPy MinHash + LSH + verification) against datasketch's
+MinHash + MinHashLSH (query, then insert what is new), with the same shingles (word 5-grams of the normalized
+text), 128 permutations and threshold 0.8, on one core, two ways: in-process on texts in memory (the margin),
+and as a whole process from a JSONL file to a JSONL file (`python -m data_pipeline dedup` against
+benchmarks/datasketch_dedup.py: start-up, imports, reading, exact and near dedup, writing). Each runs
+`--repeats` times, taking turns. Precision and recall are measured on the first `--sample` documents
+against exact Jaccard similarity of every pair.
 """
 import argparse
 import json
@@ -26,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from itertools import combinations
 from pathlib import Path
 
@@ -38,7 +43,7 @@ from trl import pack_dataset
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from data_pipeline.dedup import MinHasher, NearDuplicates, normalize  # noqa: E402
+from data_pipeline.dedup import MinHasher, NearDuplicates, first_of_group, normalize  # noqa: E402
 from data_pipeline.pack import pack_bfd, pack_concat  # noqa: E402
 from data_pipeline.prepare import rows_to_dataset  # noqa: E402
 from data_pipeline.tokenize import token_stream  # noqa: E402
@@ -112,19 +117,48 @@ def packing_table(n: int, seq_len: int, repeats: int) -> None:
               f"{results[0]['rows']:,} | {results[0]['real'] / (results[0]['rows'] * seq_len):.4f} |")
 
 
-def planted_corpus(target_mb: float) -> list[str]:
-    """Documents of 2-8 paragraphs drawn from the corpus, each followed by a near copy one time in five."""
+def planted(documents: Iterable[str], target_mb: float, plants: int, rng: random.Random) -> list[str]:
+    """Documents in their order up to `target_mb`, with `plants` of them followed by a near copy."""
+    corpus, size = [], 0
+    for text in documents:
+        if size >= target_mb * 1e6:
+            break
+        corpus.append(text)
+        size += len(text.encode())
+    for index in sorted(rng.sample(range(len(corpus)), min(plants, len(corpus))), reverse=True):
+        corpus.insert(index + 1, near_copy(corpus[index], rng))
+    return corpus
+
+
+def prose_corpus(target_mb: float) -> list[str]:
+    """Documents of 2-8 paragraphs drawn from Python's documentation (tiny_llama's corpus)."""
     rng = random.Random(0)
     paragraphs = [p for line in (REPO / "recipes" / "tiny_llama" / "corpus.jsonl").open()
                   for p in json.loads(line)["text"].split("\n\n") if len(p.split()) >= 8]
-    corpus, size = [], 0
-    while size < target_mb * 1e6:
-        text = "\n\n".join(rng.sample(paragraphs, rng.randint(2, 8)))
-        corpus.append(text)
-        if rng.random() < 0.2:
-            corpus.append(near_copy(text, rng))
-        size += len(text)
-    return corpus
+    documents = ("\n\n".join(rng.sample(paragraphs, rng.randint(2, 8))) for _ in iter(int, 1))
+    return planted(documents, target_mb, int(target_mb * 200), rng)
+
+
+def code_corpus(target_mb: float) -> list[str]:
+    """Source files of the installed packages (code no one here wrote), 1-50 KB each, in a random order."""
+    rng = random.Random(0)
+    root = Path(np.__file__).resolve().parent.parent
+    files = sorted(p for p in root.rglob("*.py") if 1_000 < p.stat().st_size < 50_000)
+    rng.shuffle(files)
+    documents = (p.read_text(errors="replace") for p in files)
+    return planted(documents, target_mb, int(target_mb * 12), rng)
+
+
+def chat_corpus(target_mb: float) -> list[str]:
+    """Conversations of 1-4 of tiny_llama_sft's exchanges, rendered as "role: content" turns."""
+    rng = random.Random(0)
+    chats = [json.loads(line)["messages"] for line in (REPO / "recipes" / "tiny_llama_sft" / "chat.jsonl").open()]
+    documents = ("\n".join(f"{turn['role']}: {turn['content']}" for chat in rng.sample(chats, rng.randint(1, 4))
+                           for turn in chat) for _ in iter(int, 1))
+    return planted(documents, target_mb, int(target_mb * 200), rng)
+
+
+CORPORA = {"prose": prose_corpus, "code": code_corpus, "chat": chat_corpus}
 
 
 def near_copy(text: str, rng: random.Random) -> str:
@@ -184,29 +218,64 @@ def true_pairs(texts: list[str]) -> set[tuple[int, int]]:
             if len(sets[i] & sets[j]) >= THRESHOLD * len(sets[i] | sets[j])}
 
 
-def dedup_table(target_mb: float, sample: int, repeats: int) -> None:
-    texts = planted_corpus(target_mb)
+def whole_process(command: list[str], texts: list[str], tmp: Path) -> float:
+    """Seconds of a fresh process deduplicating `texts` as a JSONL file, from start to exit."""
+    source, output = tmp / "in.jsonl", tmp / "out.jsonl"
+    if not source.exists():
+        source.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    output.unlink(missing_ok=True)
+    start = time.perf_counter()
+    subprocess.run([*command, str(source), str(output)], check=True, capture_output=True, cwd=REPO)
+    return time.perf_counter() - start
+
+
+WHOLE = {"ours": [sys.executable, "-m", "data_pipeline", "dedup"],
+         "datasketch": [sys.executable, str(REPO / "benchmarks" / "datasketch_dedup.py")]}
+MARGIN = {"ours": (ours_dedup, ours_pairs), "datasketch": (datasketch_dedup, datasketch_pairs)}
+
+
+def dedup_row(corpus: str, target_mb: float, sample: int, repeats: int) -> list[str]:
+    """One corpus: seconds in-process (warm, median of the runs after the first) and as a whole process (median),
+    for ours and datasketch taking turns; pair precision and recall on the first `sample` documents."""
+    texts = CORPORA[corpus](target_mb)
     megabytes = sum(len(t.encode()) for t in texts) / 1e6
+    margin, whole = {name: [] for name in MARGIN}, {name: [] for name in WHOLE}
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(repeats):
+            for name, (dedup, _) in MARGIN.items():
+                margin[name].append(timed(lambda: dedup(texts))[1])
+            for name, command in WHOLE.items():
+                whole[name].append(whole_process(command, texts, Path(tmp)))
     truth = true_pairs(texts[:sample])
-    print(f"\nNear-duplicate detection, {len(texts):,} documents, {megabytes:.1f} MB, one core; precision and recall "
-          f"on the first {sample:,} documents ({len(truth)} pairs with exact Jaccard >= {THRESHOLD})")
-    print("| method | seconds, first run | MB/s | seconds, later runs (median) | MB/s | documents removed | "
-          "pair precision | pair recall |")
-    print("|---|---|---|---|---|---|---|---|")
-    methods = {"ours (NumPy MinHash + LSH + verification)": (ours_dedup, ours_pairs),
-               "datasketch MinHash + MinHashLSH": (datasketch_dedup, datasketch_pairs)}
-    seconds = {name: [] for name in methods}
-    for _ in range(repeats):  # taking turns; the first run of ours also pays for touching fresh memory
-        for name, (dedup, _) in methods.items():
-            removed, elapsed = timed(lambda: dedup(texts))
-            seconds[name].append(elapsed)
-    for name, (dedup, pairs) in methods.items():
-        removed = dedup(texts)
+    cells = [corpus, f"{len(texts):,} docs, {megabytes:.1f} MB, {len(truth)} true pairs"]
+    seconds = {name: (statistics.median(margin[name][1:]), statistics.median(whole[name])) for name in MARGIN}
+    for name, (dedup, pairs) in MARGIN.items():
         found = pairs(texts[:sample])
-        precision = len(found & truth) / len(found) if found else 1.0
-        first, later = seconds[name][0], statistics.median(seconds[name][1:])
-        print(f"| {name} | {first:.2f} | {megabytes / first:.1f} | {later:.2f} | {megabytes / later:.1f} | "
-              f"{int(removed.sum()):,} | {precision:.3f} | {len(found & truth) / len(truth):.3f} |")
+        group = first_of_group(min(sample, len(texts)), np.array(sorted(found), dtype=np.int64).reshape(-1, 2))
+        grouped = sum(group[i] == group[j] for i, j in truth)
+        cells += [f"{seconds[name][0]:.2f} ({megabytes / seconds[name][0]:.1f})",
+                  f"{seconds[name][1]:.2f} ({megabytes / seconds[name][1]:.1f})", f"{int(dedup(texts).sum()):,}",
+                  f"{len(found & truth) / len(found) if found else 1.0:.3f} / "
+                  f"{grouped / len(truth) if truth else 1.0:.3f}"]
+    cells += [f"{seconds['datasketch'][0] / seconds['ours'][0]:.1f}x",
+              f"{seconds['datasketch'][1] / seconds['ours'][1]:.1f}x"]
+    return cells
+
+
+def dedup_table(target_mb: float, sample: int, repeats: int) -> None:
+    print(f"\nNear-duplicate detection vs datasketch (same word {NGRAM}-gram shingles, {NUM_PERM} permutations, "
+          f"threshold {THRESHOLD}), one core. Seconds (MB/s): in-process = MinHash + LSH + verification on texts in "
+          f"memory, warm, median of {repeats - 1}; whole process = a fresh `python -m data_pipeline dedup IN OUT` "
+          f"against a fresh benchmarks/datasketch_dedup.py, median of {repeats}. On the first {sample:,} documents, "
+          f"against exact Jaccard >= {THRESHOLD} of every pair: precision of the pairs each method reports, recall of "
+          f"the true pairs it puts in one group (ours pairs each document with its bucket's first, so a group of k "
+          f"copies is k - 1 pairs, not k(k-1)/2).")
+    print("| corpus | size | ours in-process | ours whole process | ours removed | ours P / R | "
+          "datasketch in-process | datasketch whole process | datasketch removed | datasketch P / R | "
+          "in-process speedup | whole-process speedup |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for corpus in CORPORA:
+        print("| " + " | ".join(dedup_row(corpus, target_mb, sample, repeats)) + " |", flush=True)
 
 
 def main() -> None:

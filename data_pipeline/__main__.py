@@ -19,19 +19,16 @@ import math
 import sys
 from pathlib import Path
 
-import datasets
 import numpy as np
+import orjson
 from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
 from data_pipeline import DataError
 from data_pipeline.config import SAMPLES_FILE, DedupConfig
-from data_pipeline.dedup import NearDuplicates, repeated_mask, text_hashes
+from data_pipeline.dedup import MinHasher, NearDuplicates, bytes_hashes, normalized_bytes, repeated_mask
 from data_pipeline.files import emptiness, json_lines, record_problem
-from data_pipeline.prepare import PREPARE_COMMAND, build_dataset, minhash_signatures, save_prepared
-from data_pipeline.work_folder import check_work_folder, work_folder
-from training.compat import check_versions
 from training.config.errors import exit_code, positive_int
 from training.state.output_guard import check_output, mark, overlap, write_atomically
 
@@ -66,6 +63,8 @@ DEDUP_COMMAND = "python -m data_pipeline dedup"
 def check_prepare_output(output: Path, inputs: list[Path], engine: str) -> None:
     """output_guard's rules, before any work. prepare has no --overwrite: an existing output is refused, not replaced.
     The datatrove job's work folder beside it is held to the same inputs."""
+    from data_pipeline.prepare import PREPARE_COMMAND
+    from data_pipeline.work_folder import check_work_folder, work_folder
     if (output.exists() or output.is_symlink()) and not overlap(output, inputs):
         raise DataError(f"{output} already exists; choose another --output or remove it")
     check_output(output, PREPARE_COMMAND, inputs, option="--output")
@@ -74,6 +73,10 @@ def check_prepare_output(output: Path, inputs: list[Path], engine: str) -> None:
 
 
 def prepare(args: argparse.Namespace) -> int:
+    """Imports datasets, transformers and torch here, not at the top of the module: `dedup` needs none of them, and
+    importing them was most of its time as a whole process (benchmarks/README.md)."""
+    from data_pipeline.prepare import build_dataset, save_prepared
+    from training.compat import check_versions
     from training.models.model import load_tokenizer
     from training.config.recipe import load_recipe, recipe_inputs
     recipe = load_recipe(args.recipe, args.overrides)
@@ -124,7 +127,7 @@ def read_jsonl(path: Path, text_field: str) -> tuple[list[bytes], list[str]]:
     if how := emptiness(str(path)):
         raise DataError(f"{path} is empty ({how}); pass a .jsonl file with one JSON object per line")
     lines, texts = [], []
-    for number, raw, record in json_lines(str(path)):
+    for number, raw, record in json_lines(str(path), orjson.loads):
         problem = record_problem(record, text_field, chat=False, setting="--text-field")
         if problem is None and text_field not in record:
             problem = f"no field '{text_field}' (fields present: {', '.join(record)}); pass --text-field"
@@ -144,6 +147,15 @@ def dedup_config(args: argparse.Namespace) -> DedupConfig:
                                   for e in error.errors())) from None
 
 
+def near_signatures(texts: list[str], encoded: list[bytes], config: DedupConfig, num_proc: int) -> np.ndarray:
+    """MinHash signatures in this process from the normalized texts, or through datasets.map with num_proc > 1."""
+    if num_proc == 1:
+        return MinHasher(config.num_perm, config.shingle, config.ngram).normalized_signatures(encoded)
+    import datasets
+    from data_pipeline.prepare import minhash_signatures
+    return minhash_signatures(datasets.Dataset.from_dict({"text": texts}), config, num_proc)
+
+
 def dedup(args: argparse.Namespace) -> int:
     if not args.input.is_file():
         raise DataError(f"{args.input}: {'a folder' if args.input.is_dir() else 'no such file'}; pass a .jsonl file, "
@@ -153,12 +165,12 @@ def dedup(args: argparse.Namespace) -> int:
     check_output(args.output, DEDUP_COMMAND, [args.input], args.overwrite, folder=False, option="OUT")
     config = dedup_config(args)
     lines, texts = read_jsonl(args.input, args.text_field)
-    exact = repeated_mask(text_hashes(texts))
+    encoded = normalized_bytes(texts)
+    exact = repeated_mask(bytes_hashes(encoded))
     near = np.zeros(len(texts), dtype=bool)
     unique = np.flatnonzero(~exact)
     if config.near and unique.size:
-        documents = datasets.Dataset.from_dict({"text": [texts[i] for i in unique]})
-        signatures = minhash_signatures(documents, config, args.num_proc)
+        signatures = near_signatures([texts[i] for i in unique], [encoded[i] for i in unique], config, args.num_proc)
         near[unique[NearDuplicates(config.threshold, config.num_perm).duplicate_mask(signatures)]] = True
     kept = ~(exact | near)
     args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import pyarrow as pa
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt,
                       ValidationInfo, model_validator)
 
@@ -71,6 +70,7 @@ def read_json(path: Path) -> Any:
 
 
 def read_arrow(path: Path) -> None:
+    import pyarrow as pa  # here, not at the top: `python -m data_pipeline dedup` reads no Arrow file
     with pa.memory_map(str(path)) as source:
         pa.ipc.open_stream(source).read_all()
 

@@ -8,11 +8,14 @@ Everything per shingle is whole-array NumPy over a batch of documents: no Python
 per hash function. benchmarks/data_pipeline.py compares it with datasketch.
 """
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import xxhash
 
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # odd constant of the polynomial hashes over bytes and words
+GOLDEN_INVERSE = np.uint64(pow(0x9E3779B97F4A7C15, -1, 2**64))  # odd, so invertible modulo 2^64
+BYTE_UNITS = np.arange(1, 257, dtype=np.uint64)  # a byte's unit in the hashes: its value + 1, so that 0 counts
 
 
 def normalize(text: str) -> str:
@@ -20,10 +23,19 @@ def normalize(text: str) -> str:
     return " ".join(text.lower().split())
 
 
+def normalized_bytes(texts: list[str]) -> list[bytes]:
+    """Each text normalized and UTF-8 encoded: what exact hashes and shingles are made of, computed once for both."""
+    return [normalize(t).encode() for t in texts]
+
+
+def bytes_hashes(encoded: list[bytes]) -> np.ndarray:
+    """A 64-bit hash of each normalized, encoded text."""
+    return np.fromiter(map(xxhash.xxh3_64_intdigest, encoded), dtype=np.uint64, count=len(encoded))
+
+
 def text_hashes(texts: list[str]) -> np.ndarray:
     """A 64-bit hash of each normalized text."""
-    return np.fromiter((xxhash.xxh3_64_intdigest(normalize(t).encode()) for t in texts), dtype=np.uint64,
-                       count=len(texts))
+    return bytes_hashes(normalized_bytes(texts))
 
 
 def repeated_mask(hashes: np.ndarray) -> np.ndarray:
@@ -67,17 +79,39 @@ def segment_hashes(units: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return hashes
 
 
-def word_units(data: np.ndarray, doc_of_byte: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """A mixed 64-bit hash per space-separated word of the byte stream, and each word's document."""
+@lru_cache(maxsize=1)
+def golden_powers(size: int) -> tuple[np.ndarray, np.ndarray]:
+    """GOLDEN^(i+1) for i < size, and GOLDEN^-i for i <= size: computed once per process (a cumulative product is
+    sequential, slower than the hashing it serves), 16 bytes per byte of the largest chunk."""
+    powers = np.cumprod(np.full(size, GOLDEN, dtype=np.uint64))
+    inverse = np.ones(size + 1, dtype=np.uint64)
+    np.cumprod(np.full(size, GOLDEN_INVERSE, dtype=np.uint64), out=inverse[1:])
+    return powers, inverse
+
+
+def word_hashes(data: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """segment_hashes of the byte runs data[start:end], from one prefix sum over the whole stream: there a run's
+    terms carry an extra factor GOLDEN^start, which its inverse modulo 2^64 removes. Fewer passes over per-byte
+    arrays than segment_hashes (no index within each run, no gather of powers), the same values."""
+    powers, inverse = golden_powers(1 << max(18, (len(data) - 1).bit_length()))
+    prefix = np.zeros(len(data) + 1, dtype=np.uint64)
+    np.cumsum(BYTE_UNITS[data] * powers[:len(data)], out=prefix[1:])
+    return (prefix[ends] - prefix[starts]) * inverse[starts]
+
+
+def word_units(data: np.ndarray, doc_bytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A mixed 64-bit hash per space-separated word of the byte stream (documents of `doc_bytes` bytes joined by
+    one space), and each word's document."""
     is_space = data == ord(" ")
     is_start = ~is_space
     is_start[1:] &= is_space[:-1]
     starts = np.flatnonzero(is_start)
     is_end = ~is_space
     is_end[:-1] &= is_space[1:]
-    lengths = np.flatnonzero(is_end) + 1 - starts
-    letters = data[~is_space].astype(np.uint64) + np.uint64(1)
-    return mix64(segment_hashes(letters, lengths)), doc_of_byte[starts]
+    ends = np.flatnonzero(is_end) + 1
+    doc_starts = np.cumsum(doc_bytes + 1) - (doc_bytes + 1)
+    words_per_doc = np.diff(np.searchsorted(starts, doc_starts), append=len(starts))
+    return mix64(word_hashes(data, starts, ends)), np.repeat(np.arange(len(doc_bytes), dtype=np.int32), words_per_doc)
 
 
 def shingles(units: np.ndarray, doc_of_unit: np.ndarray, n_docs: int, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -113,40 +147,45 @@ class MinHasher:
         a = rng.integers(0, 2**32, self.num_perm, dtype=np.uint32) | np.uint32(1)
         return a, rng.integers(0, 2**32, self.num_perm, dtype=np.uint32)
 
-    def shingle_hashes(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """32-bit shingle hashes of the batch, grouped by document, and how many each document has."""
-        encoded = [normalize(t).encode() for t in texts]
+    def shingle_hashes(self, encoded: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+        """32-bit shingle hashes of a batch of normalized, encoded texts, grouped by document, and how many each
+        document has."""
         data = np.frombuffer(b" ".join(encoded), dtype=np.uint8)
-        doc_bytes = np.fromiter((len(e) for e in encoded), dtype=np.int64, count=len(encoded))
-        doc_of_byte = np.repeat(np.arange(len(texts), dtype=np.int32), doc_bytes + 1)[:len(data)]
+        doc_bytes = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
         if self.shingle == "word":
-            units, doc_of_unit = word_units(data, doc_of_byte)
+            units, doc_of_unit = word_units(data, doc_bytes)
         else:
+            doc_of_byte = np.repeat(np.arange(len(encoded), dtype=np.int32), doc_bytes + 1)[:len(data)]
             keep = data != ord(" ")
             units, doc_of_unit = data[keep].astype(np.uint64) + np.uint64(1), doc_of_byte[keep]
-        hashes, counts = shingles(units, doc_of_unit, len(texts), self.ngram)
+        hashes, counts = shingles(units, doc_of_unit, len(encoded), self.ngram)
         return (hashes >> np.uint64(32)).astype(np.uint32), counts
 
-    def signatures(self, texts: list[str], chunk_chars: int = 1 << 20) -> np.ndarray:
-        """(documents, num_perm) uint32 signatures. Documents go through in chunks of about `chunk_chars`
-        characters, so that the per-byte arrays stay in cache and their memory is reused: touching fresh
+    def signatures(self, texts: list[str]) -> np.ndarray:
+        """(documents, num_perm) uint32 signatures of the texts."""
+        return self.normalized_signatures(normalized_bytes(texts))
+
+    def normalized_signatures(self, encoded: list[bytes], chunk_bytes: int = 1 << 18) -> np.ndarray:
+        """Signatures of texts already through `normalized_bytes`. Documents go through in chunks of about
+        `chunk_bytes`, so that the per-byte arrays stay in cache and their memory is reused: touching fresh
         memory for whole-batch arrays cost more than the hashing on the development machine."""
-        chars = np.cumsum([len(t) for t in texts])
-        bounds = np.unique(np.searchsorted(chars, np.arange(chunk_chars, chars[-1] if len(texts) else 0, chunk_chars)))
-        signatures = np.empty((len(texts), self.num_perm), dtype=np.uint32)
-        for start, stop in zip([0, *(bounds + 1).tolist()], [*(bounds + 1).tolist(), len(texts)]):
+        sizes = np.cumsum(np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)))
+        last = sizes[-1] if len(encoded) else 0
+        bounds = np.unique(np.searchsorted(sizes, np.arange(chunk_bytes, last, chunk_bytes)))
+        signatures = np.empty((len(encoded), self.num_perm), dtype=np.uint32)
+        for start, stop in zip([0, *(bounds + 1).tolist()], [*(bounds + 1).tolist(), len(encoded)]):
             if start < stop:
-                signatures[start:stop] = self.chunk_signatures(texts[start:stop])
+                signatures[start:stop] = self.chunk_signatures(encoded[start:stop])
         return signatures
 
-    def chunk_signatures(self, texts: list[str], max_cells: int = 1 << 22) -> np.ndarray:
-        hashes, counts = self.shingle_hashes(texts)
+    def chunk_signatures(self, encoded: list[bytes], max_cells: int = 1 << 22) -> np.ndarray:
+        hashes, counts = self.shingle_hashes(encoded)
         a, b = self.permutations()
         ends = np.cumsum(counts)
         starts = ends - counts
-        signatures = np.empty((len(texts), self.num_perm), dtype=np.uint32)
+        signatures = np.empty((len(encoded), self.num_perm), dtype=np.uint32)
         doc = 0
-        while doc < len(texts):
+        while doc < len(encoded):
             last = max(doc + 1, int(np.searchsorted(ends, starts[doc] + max_cells // self.num_perm, "right")))
             values = np.multiply.outer(a, hashes[starts[doc]:ends[last - 1]])  # (num_perm, shingles): rows contiguous
             values += b[:, None]

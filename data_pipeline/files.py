@@ -12,9 +12,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from data_pipeline import DataError
 
 TEXT_SUFFIXES = (".jsonl", ".json", ".csv", ".txt")  # files of UTF-8 lines
@@ -125,6 +122,8 @@ def check_lines(path: str, field: str, chat: bool, loads: Callable[[bytes], Any]
 
 def check_parquet_field(path: str, field: str, chat: bool) -> None:
     """A Parquet file's field is a column of text (or of lists, for chat), from its schema alone."""
+    import pyarrow as pa  # here, not at the top: `python -m data_pipeline dedup` reads no Parquet file
+    import pyarrow.parquet as pq
     try:
         schema = pq.read_schema(path)
     except (OSError, pa.ArrowInvalid) as error:

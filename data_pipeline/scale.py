@@ -103,7 +103,7 @@ def is_held_out(doc: Document, fraction: float, seed: int) -> bool:
 
 
 def shingle_hashes(hasher: MinHasher, text: str) -> np.ndarray:
-    hashes, _ = hasher.shingle_hashes([text])
+    hashes, _ = hasher.shingle_hashes([normalize(text).encode()])
     return hashes.astype(np.uint64).reshape(-1, 1)
 
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from data_pipeline.dedup import (MinHasher, NearDuplicates, candidate_pairs, exact_duplicate_mask, first_of_group,
-                                 lsh_bands, normalize)
+                                 lsh_bands, normalize, segment_hashes, word_hashes)
 from training.config.recipe import RECIPES_DIR
 
 
@@ -121,6 +121,17 @@ def test_signature_agreement_estimates_jaccard(documents):
         errors.append((a == b).mean() - jaccard(text, other))
     assert abs(np.mean(errors)) < 0.01
     assert np.std(errors) < 0.04  # at most sqrt(0.25 / 256) = 0.031 plus hash noise
+
+
+def test_word_hashes_from_prefix_sums_equal_segment_hashes():
+    """The prefix-sum shortcut of the word hashes gives the polynomial hash of each run on its own."""
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 256, 5000, dtype=np.uint8)
+    bounds = np.sort(rng.choice(np.arange(1, 5000), 400, replace=False))
+    starts, ends = bounds[::2], bounds[1::2]
+    np.testing.assert_array_equal(word_hashes(data, starts, ends),
+                                  segment_hashes(data[np.concatenate([np.arange(s, e) for s, e in zip(starts, ends)])]
+                                                 .astype(np.uint64) + np.uint64(1), ends - starts))
 
 
 def test_short_and_empty_documents_get_signatures():

@@ -62,6 +62,9 @@ def test_dedup_keeps_the_first_of_each_group_with_lines_unchanged(tmp_path):
     exact_only = run_module("dedup", str(source), str(tmp_path / "exact.jsonl"), "--no-near")
     assert [json.loads(line)["id"] for line in (tmp_path / "exact.jsonl").read_text().splitlines()] == [1, 2, 4, 5]
     assert "exact_duplicates_removed" in exact_only.stdout
+    # in worker processes (datasets.map), the same result
+    assert run_module("dedup", str(source), str(tmp_path / "two.jsonl"), "--num-proc", "2").returncode == 0
+    assert (tmp_path / "two.jsonl").read_text() == (tmp_path / "out.jsonl").read_text()
 
 
 @pytest.mark.parametrize("content, message", [

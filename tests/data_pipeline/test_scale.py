@@ -98,7 +98,7 @@ def kept_in_process(config) -> list[str]:
 
 
 def shingle_set(text: str) -> set:
-    hashes, _ = MinHasher(1, "word", 5).shingle_hashes([text])
+    hashes, _ = MinHasher(1, "word", 5).shingle_hashes([normalize(text).encode()])
     return set(hashes.tolist())
 
 
