@@ -1,7 +1,7 @@
 """Workarounds of lm-evaluation-harness behaviour (verified for lm-eval 0.4.13, requirements.txt)."""
 from typing import TYPE_CHECKING
 
-from training.compat import NO_ISSUE, Patch
+from training.compat import Patch
 
 if TYPE_CHECKING:
     from lm_eval.models.huggingface import HFLM
@@ -13,7 +13,8 @@ PATCHES = (
           "(gpus > 1 in HFLM.__init__), and then the rank within the node (local_process_index): under a launch of "
           "CPU processes (gloo), or of one GPU per node, each process scores every request, and over several nodes "
           "the ranks repeat. The launch's rank (process_index) and size are set on its private _rank and _world_size",
-          NO_ISSUE, "tests/training/compat/test_lm_eval.py::test_hflm_takes_the_launchs_rank_only_on_a_node_of_gpus",
+          "https://github.com/EleutherAI/lm-evaluation-harness/issues/1081",
+          "tests/training/compat/test_lm_eval.py::test_hflm_takes_the_launchs_rank_only_on_a_node_of_gpus",
           proofs=("tests/training/loop/test_benchmarks.py::"
                   "test_two_processes_share_the_requests_and_give_one_processs_scores",
                   "tests/training/loop/test_benchmarks.py::test_every_rank_of_a_run_scores_a_share_of_its_export")),
