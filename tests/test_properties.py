@@ -23,6 +23,7 @@ from tools import compare, compare_zero
 from training import __main__ as training_cli
 from training.config.recipe import Recipe
 import data_pipeline.__main__ as data_cli
+import data_pipeline.prepare
 
 EXAMPLES = int(os.environ.get("HYPOTHESIS_EXAMPLES", "60"))
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
@@ -145,7 +146,7 @@ SOURCES = st.sampled_from([[], ["data.sources=[{path: data/in.jsonl}]"], ["data.
 def test_prepare(workplace, monkeypatch, capsys, overrides, sources, output, engine):
     state, untouched = workplace
     before = state()
-    monkeypatch.setattr(data_cli, "build_dataset", stop_here)
+    monkeypatch.setattr(data_pipeline.prepare, "build_dataset", stop_here)  # prepare() imports it when it runs
     if engine:
         from data_pipeline import scale
         monkeypatch.setattr(scale, "run_job", stop_here)
