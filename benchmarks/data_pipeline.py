@@ -43,10 +43,11 @@ from trl import pack_dataset
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from data_pipeline.dedup import MinHasher, NearDuplicates, first_of_group, normalize  # noqa: E402
+from data_pipeline.dedup import MinHasher, NearDuplicates, first_of_group  # noqa: E402
 from data_pipeline.pack import pack_bfd, pack_concat  # noqa: E402
 from data_pipeline.prepare import rows_to_dataset  # noqa: E402
 from data_pipeline.tokenize import token_stream  # noqa: E402
+from datasketch_dedup import word_shingles  # noqa: E402 (this folder: the whole-process baseline's shingles)
 
 THRESHOLD, NUM_PERM, NGRAM = 0.8, 128, 5
 
@@ -174,18 +175,12 @@ def near_copy(text: str, rng: random.Random) -> str:
             return text.upper().replace(" ", "  ")
 
 
-def word_shingles(text: str) -> list[bytes]:
-    words = normalize(text).split()
-    grams = [" ".join(words[i:i + NGRAM]) for i in range(len(words) - NGRAM + 1)] or [" ".join(words)]
-    return [gram.encode() for gram in grams]
-
-
 def datasketch_dedup(texts: list[str]) -> np.ndarray:
     lsh = MinHashLSH(threshold=THRESHOLD, num_perm=NUM_PERM)
     duplicate = np.zeros(len(texts), dtype=bool)
     for i, text in enumerate(texts):
         signature = MinHash(num_perm=NUM_PERM, seed=1)
-        signature.update_batch(word_shingles(text))
+        signature.update_batch(word_shingles(text, NGRAM))
         if lsh.query(signature):
             duplicate[i] = True
         else:
@@ -198,7 +193,7 @@ def datasketch_pairs(texts: list[str]) -> set[tuple[int, int]]:
     signatures = []
     for i, text in enumerate(texts):
         signatures.append(MinHash(num_perm=NUM_PERM, seed=1))
-        signatures[-1].update_batch(word_shingles(text))
+        signatures[-1].update_batch(word_shingles(text, NGRAM))
         lsh.insert(i, signatures[-1])
     return {(min(i, j), max(i, j)) for i, s in enumerate(signatures) for j in lsh.query(s) if j != i}
 
@@ -213,7 +208,7 @@ def ours_pairs(texts: list[str]) -> set[tuple[int, int]]:
 
 
 def true_pairs(texts: list[str]) -> set[tuple[int, int]]:
-    sets = [set(word_shingles(t)) for t in texts]
+    sets = [set(word_shingles(t, NGRAM)) for t in texts]
     return {(i, j) for i, j in combinations(range(len(texts)), 2)
             if len(sets[i] & sets[j]) >= THRESHOLD * len(sets[i] | sets[j])}
 

@@ -42,7 +42,7 @@ from transformers import PreTrainedTokenizerBase
 
 from data_pipeline import DataError
 from data_pipeline.config import DataConfig, DataSource, matching_files
-from data_pipeline.dedup import MinHasher, lsh_bands, normalize
+from data_pipeline.dedup import MinHasher, lsh_bands, normalize, normalized_bytes
 from data_pipeline.files import check_lines, field_problem, is_json_lines
 from data_pipeline.filters import FilterChain, check_models, merge, summarize
 from data_pipeline.prepare import (LONG_DOCUMENT_STATS, decontaminate, drop_empty, fingerprint, mixture_rows, pack,
@@ -103,7 +103,7 @@ def is_held_out(doc: Document, fraction: float, seed: int) -> bool:
 
 
 def shingle_hashes(hasher: MinHasher, text: str) -> np.ndarray:
-    hashes, _ = hasher.shingle_hashes([normalize(text).encode()])
+    hashes, _ = hasher.shingle_hashes(normalized_bytes([text]))
     return hashes.astype(np.uint64).reshape(-1, 1)
 
 
