@@ -43,7 +43,7 @@ from trl import pack_dataset
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from data_pipeline.dedup import MinHasher, NearDuplicates, first_of_group  # noqa: E402
+from data_pipeline.dedup import MinHasher, NearDuplicates, first_of_group, normalized_bytes  # noqa: E402
 from data_pipeline.pack import pack_bfd, pack_concat  # noqa: E402
 from data_pipeline.prepare import rows_to_dataset  # noqa: E402
 from data_pipeline.tokenize import token_stream  # noqa: E402
@@ -198,12 +198,17 @@ def datasketch_pairs(texts: list[str]) -> set[tuple[int, int]]:
     return {(min(i, j), max(i, j)) for i, s in enumerate(signatures) for j in lsh.query(s) if j != i}
 
 
+OURS = NearDuplicates(THRESHOLD, MinHasher(NUM_PERM, "word", NGRAM))
+
+
 def ours_dedup(texts: list[str]) -> np.ndarray:
-    return NearDuplicates(THRESHOLD, NUM_PERM).duplicate_mask(MinHasher(NUM_PERM, "word", NGRAM).signatures(texts))
+    encoded = normalized_bytes(texts)
+    return OURS.duplicate_mask(OURS.hasher.normalized_signatures(encoded), lambda rows: [encoded[i] for i in rows])
 
 
 def ours_pairs(texts: list[str]) -> set[tuple[int, int]]:
-    pairs = NearDuplicates(THRESHOLD, NUM_PERM).pairs(MinHasher(NUM_PERM, "word", NGRAM).signatures(texts))
+    encoded = normalized_bytes(texts)
+    pairs = OURS.pairs(OURS.hasher.normalized_signatures(encoded), lambda rows: [encoded[i] for i in rows])
     return {tuple(pair) for pair in pairs.tolist()}
 
 

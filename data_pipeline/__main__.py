@@ -171,7 +171,9 @@ def dedup(args: argparse.Namespace) -> int:
     unique = np.flatnonzero(~exact)
     if config.near and unique.size:
         signatures = near_signatures([texts[i] for i in unique], [encoded[i] for i in unique], config, args.num_proc)
-        near[unique[NearDuplicates(config.threshold, config.num_perm).duplicate_mask(signatures)]] = True
+        hasher = MinHasher(config.num_perm, config.shingle, config.ngram)
+        near[unique[NearDuplicates(config.threshold, hasher).duplicate_mask(
+            signatures, lambda rows: [encoded[unique[i]] for i in rows])]] = True
     kept = ~(exact | near)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(args.output, b"".join(line for line, keep in zip(lines, kept) if keep))

@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from data_pipeline import DataError, processes
 from data_pipeline.config import PREPARE_AGAIN, DataConfig, DataSource, DedupConfig, check_prepared, matching_files
-from data_pipeline.dedup import MinHasher, NearDuplicates, repeated_mask, text_hashes
+from data_pipeline.dedup import EncodedAt, MinHasher, NearDuplicates, normalized_bytes, repeated_mask, text_hashes
 from data_pipeline.pack import fit_to_length, pack_bfd, pack_concat, pack_padded
 from data_pipeline.preference import load_pairs, pair_stats, tokenize_pairs
 from data_pipeline.sources import load_documents
@@ -87,6 +87,16 @@ def minhash_signatures(documents: datasets.Dataset, dedup: DedupConfig, num_proc
                         datasets.List(datasets.Value("uint32"), length=dedup.num_perm))
 
 
+def near_duplicates(dedup: DedupConfig) -> NearDuplicates:
+    return NearDuplicates(dedup.threshold, MinHasher(dedup.num_perm, dedup.shingle, dedup.ngram))
+
+
+def encoded_at(documents: datasets.Dataset) -> EncodedAt:
+    """The normalized texts of the documents at some positions, read from the data set when near-duplicate
+    verification asks for them: only the candidates', not a copy of the whole column."""
+    return lambda rows: normalized_bytes(documents["text"][rows])
+
+
 def keep(documents: datasets.Dataset, drop: np.ndarray) -> datasets.Dataset:
     return documents.select(np.flatnonzero(~drop)) if drop.any() else documents
 
@@ -99,7 +109,7 @@ def deduplicate(documents: datasets.Dataset, dedup: DedupConfig, num_proc: int, 
         documents = keep(documents, repeated)
     if dedup.near:
         signatures = minhash_signatures(documents, dedup, num_proc)
-        near = NearDuplicates(dedup.threshold, dedup.num_perm).duplicate_mask(signatures)
+        near = near_duplicates(dedup).duplicate_mask(signatures, encoded_at(documents))
         stats["near_duplicates_removed"] = int(near.sum())
         documents = keep(documents, near)
     return documents
@@ -127,8 +137,9 @@ def decontaminate(documents: datasets.Dataset, evaluation: datasets.Dataset, con
                   stats: dict) -> datasets.Dataset:
     """Drop the training documents that near-duplicate an evaluation document."""
     dedup = config.dedup
-    matches = NearDuplicates(dedup.threshold, dedup.num_perm).matching_mask(
-        minhash_signatures(evaluation, dedup, config.num_proc), minhash_signatures(documents, dedup, config.num_proc))
+    matches = near_duplicates(dedup).matching_mask(
+        minhash_signatures(evaluation, dedup, config.num_proc), encoded_at(evaluation),
+        minhash_signatures(documents, dedup, config.num_proc), encoded_at(documents))
     stats["decontaminated_removed"] = int(matches.sum())
     return keep(documents, matches)
 

@@ -4,8 +4,9 @@ import random
 import numpy as np
 import pytest
 
-from data_pipeline.dedup import (MinHasher, NearDuplicates, candidate_pairs, exact_duplicate_mask, first_of_group,
-                                 lsh_bands, normalize, segment_hashes, word_hashes)
+from data_pipeline.dedup import (EncodedAt, MinHasher, NearDuplicates, candidate_pairs, exact_duplicate_mask,
+                                 first_of_group, lsh_bands, normalize, normalized_bytes, segment_hashes, set_jaccard,
+                                 word_hashes)
 from training.config.recipe import RECIPES_DIR
 
 
@@ -17,6 +18,10 @@ def word_shingles(text: str, n: int = 5) -> set:
 def jaccard(a: str, b: str) -> float:
     x, y = word_shingles(a), word_shingles(b)
     return len(x & y) / len(x | y)
+
+
+def at(texts: list[str]) -> EncodedAt:
+    return lambda rows: normalized_bytes([texts[i] for i in rows])
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +74,9 @@ def test_exact_duplicates_keep_the_first_in_input_order():
 def test_the_corpus_own_near_duplicates_are_found():
     """The help() topics 'The "async for" statement' and its copy with another heading underline."""
     texts = [json.loads(line)["text"] for line in (RECIPES_DIR / "tiny_llama" / "corpus.jsonl").open()]
-    pairs = [(i, j) for i, j in NearDuplicates().pairs(MinHasher().signatures(texts)).tolist()]
+    pairs = [(i, j) for i, j in NearDuplicates().pairs(MinHasher().signatures(texts), at(texts)).tolist()]
     assert len(pairs) > 10
-    assert all(jaccard(texts[i], texts[j]) >= 0.6 for i, j in pairs)  # estimated >= 0.8; exact a little lower at worst
+    assert all(jaccard(texts[i], texts[j]) >= 0.8 for i, j in pairs)  # verified exactly (on 32-bit shingle hashes)
 
 
 def test_planted_near_duplicates_are_found_and_originals_kept(documents):
@@ -88,7 +93,7 @@ def test_planted_near_duplicates_are_found_and_originals_kept(documents):
     assert max(jaccard(a, b) for a, b in zip(documents[100:130], shuffled_words)) < 0.1
     corpus = originals + shuffled_words + documents[100:130] + planted
     signatures = MinHasher().signatures(corpus)
-    duplicate = NearDuplicates(threshold=0.8).duplicate_mask(signatures)
+    duplicate = NearDuplicates(threshold=0.8).duplicate_mask(signatures, at(corpus))
     n_kept = len(originals) + len(shuffled_words) + 30
     assert not duplicate[:n_kept].any()
     assert duplicate[n_kept:].all()
@@ -97,8 +102,9 @@ def test_planted_near_duplicates_are_found_and_originals_kept(documents):
 def test_character_shingles_find_the_same_plants(documents):
     rng = random.Random(1)
     corpus = documents[:50] + [edit(t, rng, 0.01) for t in documents[:50]]
-    signatures = MinHasher(shingle="char", ngram=5).signatures(corpus)
-    assert NearDuplicates(threshold=0.8).duplicate_mask(signatures).tolist() == [False] * 50 + [True] * 50
+    hasher = MinHasher(shingle="char", ngram=5)
+    near = NearDuplicates(threshold=0.8, hasher=hasher)
+    assert near.duplicate_mask(hasher.signatures(corpus), at(corpus)).tolist() == [False] * 50 + [True] * 50
 
 
 def test_signatures_are_deterministic_and_independent_of_batching(documents):
@@ -156,3 +162,51 @@ def test_candidates_pair_each_bucket_member_with_its_first():
 def test_groups_keep_their_lowest_index():
     labels = first_of_group(7, np.array([[5, 6], [2, 5], [3, 4]]))
     assert labels.tolist() == [0, 1, 2, 3, 3, 2, 2]
+
+
+def edited_pair(text: str, seed: int, similarity: tuple[float, float], agreeing: bool) -> str:
+    """The first edit of `text` (seeds from `seed` on) whose exact Jaccard similarity to it lies in `similarity`,
+    whose signature agrees with the original's on at least 0.8 of the positions exactly when `agreeing`, and that
+    LSH makes a candidate."""
+    for attempt in range(seed, seed + 500):
+        rng = random.Random(attempt)
+        other = edit(text, rng, rng.uniform(0.01, 0.04))
+        signatures = MinHasher().signatures([text, other])
+        if (similarity[0] <= jaccard(text, other) <= similarity[1]
+                and ((signatures[0] == signatures[1]).mean() >= 0.8) == agreeing
+                and NearDuplicates().candidates(signatures).tolist() == [[0, 1]]):
+            return other
+    raise AssertionError(f"no edit of the text from seed {seed} fits")
+
+
+def test_pairs_are_verified_by_exact_jaccard_not_signature_agreement(documents):
+    """A pair just above the threshold whose signatures agree on less than 0.8 of positions is kept; a pair just below
+    whose signatures agree on more is dropped."""
+    above = edited_pair(documents[0], 0, (0.81, 0.83), agreeing=False)
+    below = edited_pair(documents[1], 0, (0.77, 0.79), agreeing=True)
+    corpus = [documents[0], above, documents[1], below]
+    near = NearDuplicates(threshold=0.8)
+    assert near.candidates(MinHasher().signatures(corpus)).tolist() == [[0, 1], [2, 3]]
+    assert near.pairs(MinHasher().signatures(corpus), at(corpus)).tolist() == [[0, 1]]
+    assert near.duplicate_mask(MinHasher().signatures(corpus), at(corpus)).tolist() == [False, True, False, False]
+
+
+def test_decontamination_matches_by_exact_jaccard(documents):
+    above = edited_pair(documents[0], 0, (0.81, 0.83), agreeing=False)
+    below = edited_pair(documents[1], 0, (0.77, 0.79), agreeing=True)
+    references, corpus = [documents[2], documents[0], documents[1]], [below, documents[3], above]
+    hasher = MinHasher()
+    mask = NearDuplicates().matching_mask(hasher.signatures(references), at(references), hasher.signatures(corpus),
+                                          at(corpus))
+    assert mask.tolist() == [False, False, True]
+
+
+def test_set_jaccard_is_exact_over_chunks():
+    """Random sets with repeated hashes, pairs spread over several chunks: the same as Python's sets."""
+    rng = np.random.default_rng(0)
+    sets = [np.unique(rng.integers(0, 300, rng.integers(1, 200), dtype=np.uint32)) for _ in range(30)]
+    pairs = rng.integers(0, 30, (100, 2))
+    expected = [len(set(sets[i]) & set(sets[j])) / len(set(sets[i]) | set(sets[j])) for i, j in pairs]
+    keys = np.concatenate([np.uint64(i) << np.uint64(32) | s for i, s in enumerate(sets)])
+    counts = np.array([len(s) for s in sets])
+    np.testing.assert_allclose(set_jaccard(keys, counts, pairs, max_cells=500), expected)
