@@ -47,6 +47,7 @@ from data_pipeline.dedup import MinHasher, NearDuplicates, first_of_group, norma
 from data_pipeline.pack import pack_bfd, pack_concat  # noqa: E402
 from data_pipeline.prepare import rows_to_dataset  # noqa: E402
 from data_pipeline.tokenize import token_stream  # noqa: E402
+from corpora import source_files  # noqa: E402 (this folder)
 from datasketch_dedup import word_shingles  # noqa: E402 (this folder: the whole-process baseline's shingles)
 
 THRESHOLD, NUM_PERM, NGRAM = 0.8, 128, 5
@@ -143,11 +144,7 @@ def prose_corpus(target_mb: float) -> list[str]:
 def code_corpus(target_mb: float) -> list[str]:
     """Source files of the installed packages (code no one here wrote), 1-50 KB each, in a random order."""
     rng = random.Random(0)
-    root = Path(np.__file__).resolve().parent.parent
-    files = sorted(p for p in root.rglob("*.py") if 1_000 < p.stat().st_size < 50_000)
-    rng.shuffle(files)
-    documents = (p.read_text(errors="replace") for p in files)
-    return planted(documents, target_mb, int(target_mb * 12), rng)
+    return planted(source_files(rng), target_mb, int(target_mb * 12), rng)
 
 
 def chat_corpus(target_mb: float) -> list[str]:

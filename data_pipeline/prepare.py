@@ -24,6 +24,7 @@ from data_pipeline.pack import fit_to_length, pack_bfd, pack_concat, pack_padded
 from data_pipeline.preference import load_pairs, pair_stats, tokenize_pairs
 from data_pipeline.sources import load_documents
 from data_pipeline.tokenize import token_stream, tokenize_documents
+from training.compat.datasets import save_with_linked_split
 from training.state.output_guard import mark
 
 PREPARE_COMMAND = "python -m data_pipeline prepare"
@@ -269,14 +270,19 @@ def build_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tup
     return datasets.DatasetDict(splits), stats, removed
 
 
-def save_prepared(prepared: datasets.DatasetDict, stats: dict, removed: list[dict], path: Path) -> None:
+def save_prepared(prepared: datasets.DatasetDict, stats: dict, removed: list[dict], path: Path,
+                  train_parts: list[Path] = ()) -> None:
     """Write to a temporary folder and rename it into place, so that an interrupted or concurrent
     preparation never leaves a half-written folder that a later run would trust. The folder is marked as
     prepare's output (training/state/output_guard.py), the training cache's entries too. With quality filters, the
-    documents sampled from each filter's removals go beside the splits (filters.write_samples)."""
+    documents sampled from each filter's removals go beside the splits (filters.write_samples). `train_parts`: data
+    sets saved by the datatrove engine's tasks, which become the `train` split without a copy of their rows."""
     partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
     path.parent.mkdir(parents=True, exist_ok=True)
-    prepared.save_to_disk(str(partial))
+    if train_parts:
+        save_with_linked_split(prepared, partial, "train", list(train_parts))
+    else:
+        prepared.save_to_disk(str(partial))
     if "filters" in stats:
         from data_pipeline.filters import write_samples
         write_samples(removed, partial)

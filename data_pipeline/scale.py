@@ -9,8 +9,8 @@ prepared layout as prepare.py (`data.prepared` trains on it).
 
 Where the result can differ from the in-process path (docs/data_at_scale.md has the measurements):
 - Of a group of duplicates, one is kept, not necessarily the first.
-- Near duplicates are datatrove's LSH candidates (bands x rows chosen for the threshold) without the
-  in-process path's check that the two signatures agree on `threshold` of their positions.
+- Near duplicates are datatrove's LSH candidates (bands x rows chosen for the threshold; the signatures are the
+  in-process path's) without its check that the two documents' shingle sets are at least `threshold` similar.
 - `eval.fraction` holds out each document by a seeded hash of its text, not by a global permutation.
 - Each task mixes and packs its own documents; under `concat` each task's last partial row is dropped.
 """
@@ -50,7 +50,7 @@ from data_pipeline.prepare import (LONG_DOCUMENT_STATS, decontaminate, drop_empt
 from data_pipeline.sources import FEATURES, chat_document, load_documents, load_source, source_field
 from data_pipeline.tokenize import tokenize_documents
 from data_pipeline.work_folder import Layout, claim_work_folder, reopen_for_rerun, work_folder
-from training.compat.datatrove import ShinglesMinhashSignature, end_if_a_worker_dies, step_counts
+from training.compat.datatrove import BatchedMinhashSignature, end_if_a_worker_dies, step_counts
 
 READERS = {".jsonl": JsonlReader, ".json": JsonlReader, ".parquet": ParquetReader, ".csv": CSVReader}
 
@@ -102,15 +102,11 @@ def is_held_out(doc: Document, fraction: float, seed: int) -> bool:
     return xxhash.xxh3_64_intdigest(f"{seed}:{normalize(doc.text)}".encode()) < fraction * 2**64
 
 
-def shingle_hashes(hasher: MinHasher, text: str) -> np.ndarray:
-    hashes, _ = hasher.shingle_hashes(normalized_bytes([text]))
-    return hashes.astype(np.uint64).reshape(-1, 1)
-
-
-def recipe_shingles(config: DataConfig) -> Callable[[str], np.ndarray]:
-    """The shingles of the in-process path (dedup.shingle, dedup.ngram) for datatrove's MinHash signatures, so that
-    both engines estimate the same Jaccard similarity."""
-    return partial(shingle_hashes, MinHasher(1, config.dedup.shingle, config.dedup.ngram))
+def recipe_signatures(config: DataConfig) -> Callable[[list[str]], np.ndarray]:
+    """The in-process path's MinHash signatures (dedup.MinHasher over the recipe's shingles), for datatrove's buckets:
+    both engines sign each document alike."""
+    hasher = MinHasher(config.dedup.num_perm, config.dedup.shingle, config.dedup.ngram)
+    return lambda texts: hasher.normalized_signatures(normalized_bytes(texts))
 
 
 def minhash_config(config: DataConfig) -> MinhashConfig:
@@ -193,7 +189,8 @@ def pack_rows(tokenized: datasets.Dataset, rows: np.ndarray, config: DataConfig,
 
 class TokenizeAndPack(PipelineStep):
     """The last per-task stage: decontaminate, tokenize, mix and pack the task's documents as prepare.py
-    does, into datatrove/rows/train-RANK.parquet and its counts into train-RANK.json."""
+    does, into datatrove/rows/train-RANK (datasets.save_to_disk; assemble links those files into the output) and its
+    counts into train-RANK.json."""
     name = "🧱 tokenize, mix and pack"
     type = "🔢 - TOKENIZER"
 
@@ -208,7 +205,7 @@ class TokenizeAndPack(PipelineStep):
             folder = Path(self.work("rows"))
             folder.mkdir(parents=True, exist_ok=True)
             if packed is not None:
-                rows_to_dataset(packed, f"task-{rank}").to_parquet(str(folder / f"train-{rank:05d}.parquet"))
+                rows_to_dataset(packed, f"task-{rank}").save_to_disk(str(folder / f"train-{rank:05d}"))
             (folder / f"train-{rank:05d}.json").write_text(json.dumps(stats) + "\n")
             self.stat_update("documents", value=len(documents))
             self.stat_update("rows", value=stats["rows"])
@@ -258,8 +255,8 @@ def job_stats(config: DataConfig, work: Layout) -> dict:
 
 
 class Assemble(PipelineStep):
-    """The job's end (one task): every task's rows as one data set, the evaluation split packed, saved
-    where `data.prepared` reads it, with stats.json last."""
+    """The job's end (one task): the evaluation split packed and saved with the tasks' rows as the `train` split (their
+    Arrow files linked, not copied: compat.datasets), where `data.prepared` reads it, with stats.json last."""
     name = "📦 assemble the prepared data set"
     type = "💽 - WRITER"
 
@@ -278,15 +275,15 @@ class Assemble(PipelineStep):
                 raise DataError(f"the data holds {stats['tokens_in']} tokens after tokenization, less than one row of "
                                 f"data.seq_len={self.config.seq_len} in any task; add data, lower data.seq_len or "
                                 f"use fewer --tasks ({json.dumps(stats)})")
-            files = sorted(str(p) for p in Path(self.work("rows")).glob("train-*.parquet"))
-            splits = {"train": datasets.Dataset.from_parquet(files, cache_dir=self.work("cache"))}
+            splits = {}
             if self.config.eval.sources or self.config.eval.fraction:
                 evaluation = evaluation_documents(self.config, self.work)
                 stats["eval_documents"] = len(evaluation)
                 eval_rows, stats["eval"] = pack(tokenize_documents(evaluation, self.tokenizer), None, self.config,
                                                 pad_token_id(self.tokenizer))
                 splits["eval"] = rows_to_dataset(eval_rows, "eval")
-            save_prepared(datasets.DatasetDict(splits), stats, removed, self.output)
+            parts = sorted(path for path in Path(self.work("rows")).glob("train-*") if path.is_dir())
+            save_prepared(datasets.DatasetDict(splits), stats, removed, self.output, train_parts=parts)
 
 
 def stages(config: DataConfig, tokenizer: PreTrainedTokenizerBase, work: Layout, output: Path,
@@ -305,8 +302,8 @@ def stages(config: DataConfig, tokenizer: PreTrainedTokenizerBase, work: Layout,
                     tasks)]
     if config.dedup.near:
         result += [("minhash_signatures", [*deduplicated(config, work, "near"),
-                                           ShinglesMinhashSignature(work("minhash_signatures"), minhash,
-                                                                    recipe_shingles(config))], tasks),
+                                           BatchedMinhashSignature(work("minhash_signatures"), minhash,
+                                                                   recipe_signatures(config))], tasks),
                    ("minhash_buckets", [MinhashDedupBuckets(work("minhash_signatures"), work("minhash_buckets"),
                                                             config=minhash)], minhash.num_buckets),
                    ("minhash_clusters", [MinhashDedupCluster(work("minhash_buckets"), work("minhash_remove"), minhash)], 1)]
@@ -322,10 +319,14 @@ def stages(config: DataConfig, tokenizer: PreTrainedTokenizerBase, work: Layout,
 
 def executor(options: JobOptions, name: str, steps: list[PipelineStep], tasks: int, logs: str, depends,
              job_name: str):
-    """datatrove's executor of one stage, started after `depends`."""
+    """datatrove's executor of one stage, started after `depends`. The local pool forks its workers on Linux, so that
+    they start with the job's modules imported: under datatrove's default (forkserver) each worker of every stage
+    imported torch, transformers and datasets again, 3 s or more each (benchmarks/data_engines.py). macOS keeps
+    forkserver, where fork is unsafe."""
     workers = min(options.workers, tasks) if options.workers > 0 else -1
     if options.executor == "local":
-        return LocalPipelineExecutor(steps, tasks=tasks, workers=workers, logging_dir=logs, depends=depends)
+        return LocalPipelineExecutor(steps, tasks=tasks, workers=workers, logging_dir=logs, depends=depends,
+                                     start_method="fork" if sys.platform == "linux" else "forkserver")
     if options.executor == "slurm":
         return SlurmPipelineExecutor(steps, tasks=tasks, workers=workers, logging_dir=logs, depends=depends,
                                      time=options.slurm_time, partition=options.slurm_partition,

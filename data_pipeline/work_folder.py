@@ -64,7 +64,7 @@ def missing_files(work: Layout, held_out: bool) -> list[Path]:
         counts = Path(work("rows"), f"train-{rank}.json")
         needed += [counts, Path(work.logs("rows"), "stats", f"{rank}.json")]
         if counts.exists() and json.loads(counts.read_text()).get("rows", 0):
-            needed.append(counts.with_suffix(".parquet"))
+            needed.append(counts.with_suffix(""))  # the task's saved rows
     missing = [path for path in needed if not path.exists()]
     if held_out and assembled(work) and not any(Path(work("eval_documents")).glob("*.jsonl*")):
         missing.append(Path(work("eval_documents")))

@@ -261,19 +261,30 @@ def test_a_killed_job_reruns_only_unfinished_tasks_and_ends_as_an_uninterrupted_
 
 @pytest.mark.slow
 def test_a_job_whose_worker_is_killed_stops_and_its_rerun_finishes_it(corpus, job, tmp_path):
-    """SIGKILL one of the 2 pool workers during MinHash signatures (the OOM killer's way): the job ends with
-    exit 1 and the advice to rerun instead of waiting forever for the lost task; the rerun finishes it."""
+    """SIGKILL one of the 2 pool workers while it tokenizes and packs (the OOM killer's way): the job ends with exit 1
+    and the advice to rerun instead of waiting forever for the lost task; the rerun finishes it. The job's processes
+    are suspended as soon as both tasks have begun, so that the worker killed is one whose task is unfinished, and
+    stay so for a second, so that the job's watchdog (end_if_a_worker_dies, polling every 0.2 s) has seen them."""
     output = tmp_path / "prepared"
     process = start_job(output, corpus, workers=2)
-    stage = tmp_path / "prepared.datatrove/logs/minhash_signatures"
-    for task in (0, 1):  # each worker has begun its task (datatrove opens the task's log file)
-        wait_for(stage / f"logs/task_{task:05d}.log", process)
-    forkserver = next(p for p in psutil.Process(process.pid).children() if "forkserver" in " ".join(p.cmdline()))
-    forkserver.children()[0].kill()  # the pool's workers are the forkserver's children
+    stage = tmp_path / "prepared.datatrove/logs/rows"
+    logs = [stage / f"logs/task_{task:05d}.log" for task in (0, 1)]  # datatrove opens them as each task begins
+    while not all(log.exists() for log in logs):
+        assert process.poll() is None, process.stderr.read()[-3000:]
+        time.sleep(0.002)
+    children = psutil.Process(process.pid).children()  # the pool's workers (forked) and datatrove's manager
+    for child in children:
+        child.suspend()
+    time.sleep(1)
+    unfinished = [str(log) for task, log in enumerate(logs) if not (stage / f"completions/{task:05d}").exists()]
+    worker = next(child for child in children if any(file.path in unfinished for file in child.open_files()))
+    worker.kill()
+    for child in children:
+        if child != worker:
+            child.resume()
     assert process.wait(timeout=60) == 1
     assert "run the same command again" in process.stderr.read()
-    assert not (tmp_path / "prepared.datatrove/logs/minhash_signatures/completions/00001").exists() or \
-        not (tmp_path / "prepared.datatrove/logs/minhash_signatures/completions/00000").exists()
+    assert len(list((stage / "completions").glob("*"))) < 2
     rerun_matches_the_uninterrupted_job(output, corpus, job)
 
 

@@ -15,7 +15,7 @@ from importlib.machinery import ModuleSpec
 
 NO_ISSUE = "no upstream issue found"
 # each a module here, named as on PyPI (lm-eval as lm_eval, the name it is imported by)
-LIBRARIES = ("torch", "deepspeed", "transformers", "peft", "datatrove", "wandb", "lm_eval")
+LIBRARIES = ("torch", "deepspeed", "transformers", "peft", "datasets", "datatrove", "wandb", "lm_eval")
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""Workarounds of datatrove behaviour (verified for datatrove 0.10.1): an overridden internal method, the layout of its
-logging folder, a hang of its local executor, and the download its language filter insists on."""
+"""Workarounds of datatrove behaviour (verified for datatrove 0.10.1): its MinHash signature files written from batches, the
+layout of its logging folder, a hang of its local executor, and the download its language filter insists on."""
 import json
 import os
 import sys
@@ -10,21 +10,26 @@ from pathlib import Path
 
 import numpy as np
 import psutil
-from datatrove.pipeline.dedup import MinhashDedupSignature
+from datatrove.data import Document
+from datatrove.io import get_datafolder
+from datatrove.pipeline.base import PipelineStep
 from datatrove.pipeline.dedup.minhash import MinhashConfig
 from datatrove.pipeline.filters import LanguageFilter
 from datatrove.utils.lid import FT176LID
-from datatrove.utils.word_tokenizers import SpaCyTokenizer, WordTokenizer, load_word_tokenizer, strip_strings
+from datatrove.utils.typeshelper import StatHints
+from datatrove.utils.word_tokenizers import SpaCyTokenizer, load_word_tokenizer, strip_strings
 
 from training.compat import NO_ISSUE, Patch
 
 VERIFIED_FOR = "0.10.1"
 CANARIES = "tests/training/compat/test_datatrove.py::"
 PATCHES = (
-    Patch("ShinglesMinhashSignature", "datatrove", VERIFIED_FOR,
-          "MinhashDedupSignature.run hashes what its undocumented get_shingles(text) returns; it is overridden to "
-          "take the recipe's shingles, and a word tokenizer that loads nothing (not spaCy) is passed as language",
-          NO_ISSUE, CANARIES + "test_minhash_signatures_hash_what_get_shingles_returns",
+    Patch("BatchedMinhashSignature", "datatrove", VERIFIED_FOR,
+          "MinhashDedupSignature signs one document at a time (its own shingles and permutations, in Python per "
+          "document); this step writes the same files from signatures computed for a batch of documents at once: "
+          "bucket_BBB/RANK.minhash.sig, one record per document with a signature (rows hashes, then the document's "
+          "index in the task, little-endian), sorted by all fields, which MinhashDedupBuckets reads", NO_ISSUE,
+          CANARIES + "test_batched_signatures_write_the_files_datatrove_writes_for_the_same_signatures",
           proofs=("tests/data_pipeline/test_scale.py::"
                   "test_near_dedup_agrees_with_the_in_process_path_within_lsh_noise",)),
     Patch("step_counts", "datatrove", VERIFIED_FOR,
@@ -60,30 +65,50 @@ PATCHES = (
 )
 
 
-class NoWordTokenizer(WordTokenizer):
-    """Given as MinhashDedupSignature's language so that it loads no tokenizer; never called (get_shingles is
-    replaced)."""
+class BatchedMinhashSignature(PipelineStep):
+    """datatrove's MinHash signature stage (MinhashDedupSignature's output files) from `signatures(texts)`, a
+    (documents, bands x rows) uint32 array for a batch of texts, called on about `batch_bytes` of text at a time. A
+    document without a word (no shingles) gets no record, as in datatrove, but keeps its place in the numbering."""
+    type = "🫂 - DEDUP"
+    name = "🎯 MinHash signatures, batched"
 
-    def word_tokenize(self, text: str) -> list[str]:
-        return text.split()
+    def __init__(self, output_folder: str, config: MinhashConfig, signatures: Callable[[list[str]], np.ndarray],
+                 batch_bytes: int = 1 << 22):
+        super().__init__()
+        if config.hash_config.precision != 32:
+            raise ValueError("BatchedMinhashSignature writes 32-bit hashes: MinhashConfig(hash_config=HashConfig(32))")
+        self.output_folder, self.config = get_datafolder(output_folder), config
+        self.signatures, self.batch_bytes = signatures, batch_bytes
 
-    def sent_tokenize(self, text: str) -> list[str]:
-        return [text]
+    def batches(self, data: Iterator[Document]) -> Iterator[tuple[list[str], list[int]]]:
+        """(texts, their indices in the task) of the documents with a word, about batch_bytes of text each."""
+        texts, indices, size = [], [], 0
+        for index, doc in enumerate(data):
+            self.stat_update(StatHints.total)
+            if doc.text.strip():
+                texts.append(doc.text)
+                indices.append(index)
+                size += len(doc.text)
+            if size >= self.batch_bytes:
+                yield texts, indices
+                texts, indices, size = [], [], 0
+        if texts:
+            yield texts, indices
 
-    def span_tokenize(self, text: str) -> list[tuple[int, int]]:
-        return [(0, len(text))]
-
-
-class ShinglesMinhashSignature(MinhashDedupSignature):
-    """datatrove's MinHash signatures over the shingle hashes that `shingles(text)` gives, an array of shape
-    [shingles, 1] (uint64)."""
-
-    def __init__(self, output_folder: str, config: MinhashConfig, shingles: Callable[[str], np.ndarray]):
-        super().__init__(output_folder, config, language=NoWordTokenizer())
-        self.shingles = shingles
-
-    def get_shingles(self, text: str) -> np.ndarray:
-        return self.shingles(text)
+    def run(self, data: Iterator[Document], rank: int = 0, world_size: int = 1) -> None:
+        rows, parts = self.config.hashes_per_bucket, []
+        with self.track_time():
+            for texts, indices in self.batches(data):
+                signed = np.empty((len(texts), self.config.num_buckets * rows + 1), dtype="<u4")
+                signed[:, :-1] = self.signatures(texts)[:, :self.config.num_buckets * rows]
+                signed[:, -1] = indices
+                parts.append(signed)
+            signed = np.concatenate(parts) if parts else np.zeros((0, self.config.num_buckets * rows + 1), "<u4")
+            for bucket in range(self.config.num_buckets):
+                records = np.concatenate([signed[:, bucket * rows:(bucket + 1) * rows], signed[:, -1:]], axis=1)
+                records = records[np.lexsort(records.T[::-1])]  # by the first hash, then the next, ..., then the index
+                with self.output_folder.open(f"bucket_{bucket:03d}/{rank:05d}.minhash.sig", mode="wb") as file:
+                    file.write(records.tobytes())
 
 
 def step_counts(logs: str) -> list[dict]:

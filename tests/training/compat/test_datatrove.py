@@ -11,20 +11,42 @@ from datatrove.executor.base import PipelineExecutor
 from datatrove.pipeline.dedup import MinhashDedupSignature
 from datatrove.pipeline.dedup.minhash import MinhashConfig
 from datatrove.pipeline.filters import C4QualityFilter, GopherQualityFilter, LambdaFilter, LanguageFilter
+from datatrove.utils.hashing import HashConfig
 from datatrove.utils import lid
 from datatrove.utils.stats import PipelineStats
 from datatrove.utils.word_tokenizers import SpaCyTokenizer, load_word_tokenizer
 
 from data_pipeline.filters import PACKAGED_LID, language_model_file
 from tests.helpers.planted_corpus import FOREIGN, prose_documents
-from training.compat.datatrove import (LocalFileLanguageFilter, ShinglesMinhashSignature, language_filter, step_counts,
+from training.compat.datatrove import (BatchedMinhashSignature, LocalFileLanguageFilter, language_filter, step_counts,
                                        warm_word_tokenizers)
 
 
-def test_minhash_signatures_hash_what_get_shingles_returns(tmp_path):
-    assert "self.get_shingles(" in inspect.getsource(MinhashDedupSignature.run)
-    step = ShinglesMinhashSignature(str(tmp_path), MinhashConfig(), lambda text: np.array([[7]], dtype=np.uint64))
-    assert step.get_shingles("any text").tolist() == [[7]]
+def test_batched_signatures_write_the_files_datatrove_writes_for_the_same_signatures(tmp_path):
+    """datatrove's own signature step, handed the same signatures per document, writes the same bytes: the bucket files'
+    names, record layout, order and the numbering of documents (one without words gets no record)."""
+    texts = ["one doc", " \n ", "two", "three", "four", "five five", "six"]
+    config = MinhashConfig(num_buckets=3, hashes_per_bucket=4, hash_config=HashConfig(precision=32))
+    signatures = np.random.default_rng(0).integers(0, 2**32, (len(texts), 13), dtype=np.uint32)
+    signatures[4, :4] = signatures[2, :4]  # a shared band: the records sort on the document index after the hashes
+    signed = {text: row for text, row in zip(texts, signatures)}
+
+    class GivenSignatures(MinhashDedupSignature):
+        def get_shingles(self, text: str) -> np.ndarray:
+            return np.array([[texts.index(text)]] if text.strip() else [], dtype=np.uint64)
+
+        def get_signature(self, shingles: np.ndarray) -> list[list[int]]:
+            return [part.tolist() for part in np.split(signatures[int(shingles[0, 0])][:12], 3)]
+
+    documents = [Document(text, str(i)) for i, text in enumerate(texts)]
+    GivenSignatures(str(tmp_path / "datatrove"), config).run(iter(documents), rank=3)
+    ours = BatchedMinhashSignature(str(tmp_path / "ours"), config,
+                                   lambda batch: np.stack([signed[text] for text in batch]), batch_bytes=8)
+    ours.run(iter(documents), rank=3)
+    for bucket in range(3):
+        name = f"bucket_{bucket:03d}/00003.minhash.sig"
+        assert (tmp_path / "ours" / name).read_bytes() == (tmp_path / "datatrove" / name).read_bytes(), name
+    assert len((tmp_path / "ours" / "bucket_000/00003.minhash.sig").read_bytes()) == 6 * 5 * 4
 
 
 def test_task_stats_are_saved_where_step_counts_reads_them(tmp_path):
