@@ -27,7 +27,7 @@ from rich.table import Table
 
 from data_pipeline import DataError
 from data_pipeline.config import SAMPLES_FILE, DedupConfig
-from data_pipeline.dedup import MinHasher, NearDuplicates, bytes_hashes, normalized_bytes, repeated_mask
+from data_pipeline.dedup import NearDuplicates, bytes_hashes, normalized_bytes, repeated_mask
 from data_pipeline.files import emptiness, json_lines, record_problem
 from training.config.errors import exit_code, positive_int
 from training.state.output_guard import check_output, mark, overlap, write_atomically
@@ -150,7 +150,7 @@ def dedup_config(args: argparse.Namespace) -> DedupConfig:
 def near_signatures(texts: list[str], encoded: list[bytes], config: DedupConfig, num_proc: int) -> np.ndarray:
     """MinHash signatures in this process from the normalized texts, or through datasets.map with num_proc > 1."""
     if num_proc == 1:
-        return MinHasher(config.num_perm, config.shingle, config.ngram).normalized_signatures(encoded)
+        return config.hasher().normalized_signatures(encoded)
     import datasets
     from data_pipeline.prepare import minhash_signatures
     return minhash_signatures(datasets.Dataset.from_dict({"text": texts}), config, num_proc)
@@ -171,8 +171,7 @@ def dedup(args: argparse.Namespace) -> int:
     unique = np.flatnonzero(~exact)
     if config.near and unique.size:
         signatures = near_signatures([texts[i] for i in unique], [encoded[i] for i in unique], config, args.num_proc)
-        hasher = MinHasher(config.num_perm, config.shingle, config.ngram)
-        near[unique[NearDuplicates(config.threshold, hasher).duplicate_mask(
+        near[unique[NearDuplicates(config.threshold, config.hasher()).duplicate_mask(
             signatures, lambda rows: [encoded[unique[i]] for i in rows])]] = True
     kept = ~(exact | near)
     args.output.parent.mkdir(parents=True, exist_ok=True)

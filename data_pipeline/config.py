@@ -9,6 +9,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, NonNegativeI
                       ValidationInfo, model_validator)
 
 from data_pipeline import DataError
+from data_pipeline.dedup import MinHasher
 from data_pipeline.files import emptiness
 
 SAMPLES_FILE = "removed_samples.jsonl"  # beside a prepared data set: what each quality filter removed, sampled
@@ -140,6 +141,10 @@ class DedupConfig(StrictModel):
     num_perm: int = Field(128, ge=2, le=4096)  # hash functions per signature (the LSH bands split them)
     shingle: Literal["word", "char"] = "word"
     ngram: PositiveInt = 5
+
+    def hasher(self) -> MinHasher:
+        """The MinHash signatures these settings ask for."""
+        return MinHasher(self.num_perm, self.shingle, self.ngram)
 
 
 FILTER_TYPES = ("gopher_repetition", "gopher_quality", "c4", "fineweb_quality", "language", "length", "regex",

@@ -139,12 +139,16 @@ def shingles(units: np.ndarray, doc_of_unit: np.ndarray, n_docs: int, n: int) ->
     return mix64(grams), np.bincount(doc_of_gram, minlength=n_docs)
 
 
+def runs(sizes: np.ndarray, budget: int) -> list[tuple[int, int]]:
+    """(start, stop) of runs of consecutive items whose sizes add up to about `budget` (a larger item alone)."""
+    ends = np.cumsum(sizes)
+    bounds = (np.unique(np.searchsorted(ends, np.arange(budget, ends[-1] if len(ends) else 0, budget))) + 1).tolist()
+    return [(start, stop) for start, stop in zip([0, *bounds], [*bounds, len(sizes)]) if start < stop]
+
+
 def byte_chunks(encoded: list[bytes], chunk_bytes: int) -> list[tuple[int, int]]:
     """(start, stop) of runs of consecutive documents of about `chunk_bytes` bytes (a longer document alone)."""
-    sizes = np.cumsum(np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)))
-    last = sizes[-1] if len(encoded) else 0
-    bounds = (np.unique(np.searchsorted(sizes, np.arange(chunk_bytes, last, chunk_bytes))) + 1).tolist()
-    return [(start, stop) for start, stop in zip([0, *bounds], [*bounds, len(encoded)]) if start < stop]
+    return runs(np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)), chunk_bytes)
 
 
 @dataclass(frozen=True)
@@ -277,15 +281,13 @@ def set_jaccard(keys: np.ndarray, counts: np.ndarray, pairs: np.ndarray, max_cel
     chunks of about `max_cells` lookups, which bounds the memory when candidates are many."""
     starts = np.cumsum(counts) - counts
     lengths = counts[pairs[:, 1]]
-    ends = np.cumsum(lengths)
-    bounds = np.unique(np.searchsorted(ends, np.arange(max_cells, ends[-1] if len(ends) else 0, max_cells)) + 1)
     shared = np.zeros(len(pairs), dtype=np.int64)
-    for start, stop in zip([0, *bounds.tolist()], [*bounds.tolist(), len(pairs)]):
+    for start, stop in runs(lengths, max_cells):
         first, second, length = pairs[start:stop, 0], pairs[start:stop, 1], lengths[start:stop]
         hashes = keys[np.repeat(starts[second], length) + index_in_segment(length)] & np.uint64(0xFFFFFFFF)
         wanted = np.repeat(first.astype(np.uint64), length) << np.uint64(32) | hashes
         found = keys[np.minimum(np.searchsorted(keys, wanted), len(keys) - 1)] == wanted
-        shared[start:stop] = np.add.reduceat(found, np.cumsum(length) - length, dtype=np.int64) if len(length) else 0
+        shared[start:stop] = np.add.reduceat(found, np.cumsum(length) - length, dtype=np.int64)
     return shared / (counts[pairs].sum(axis=1) - shared)
 
 

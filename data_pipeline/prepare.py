@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from data_pipeline import DataError, processes
 from data_pipeline.config import PREPARE_AGAIN, DataConfig, DataSource, DedupConfig, check_prepared, matching_files
-from data_pipeline.dedup import EncodedAt, MinHasher, NearDuplicates, normalized_bytes, repeated_mask, text_hashes
+from data_pipeline.dedup import EncodedAt, NearDuplicates, normalized_bytes, repeated_mask, text_hashes
 from data_pipeline.pack import fit_to_length, pack_bfd, pack_concat, pack_padded
 from data_pipeline.preference import load_pairs, pair_stats, tokenize_pairs
 from data_pipeline.sources import load_documents
@@ -83,13 +83,12 @@ def column_array(dataset: datasets.Dataset, map_function, name: str, num_proc: i
 
 
 def minhash_signatures(documents: datasets.Dataset, dedup: DedupConfig, num_proc: int) -> np.ndarray:
-    hasher = MinHasher(dedup.num_perm, dedup.shingle, dedup.ngram)
-    return column_array(documents, hasher.signatures, "minhash", num_proc,
+    return column_array(documents, dedup.hasher().signatures, "minhash", num_proc,
                         datasets.List(datasets.Value("uint32"), length=dedup.num_perm))
 
 
 def near_duplicates(dedup: DedupConfig) -> NearDuplicates:
-    return NearDuplicates(dedup.threshold, MinHasher(dedup.num_perm, dedup.shingle, dedup.ngram))
+    return NearDuplicates(dedup.threshold, dedup.hasher())
 
 
 def encoded_at(documents: datasets.Dataset) -> EncodedAt:

@@ -42,7 +42,7 @@ from transformers import PreTrainedTokenizerBase
 
 from data_pipeline import DataError
 from data_pipeline.config import DataConfig, DataSource, matching_files
-from data_pipeline.dedup import MinHasher, lsh_bands, normalize, normalized_bytes
+from data_pipeline.dedup import lsh_bands, normalize, normalized_bytes
 from data_pipeline.files import check_lines, field_problem, is_json_lines
 from data_pipeline.filters import FilterChain, check_models, merge, summarize
 from data_pipeline.prepare import (LONG_DOCUMENT_STATS, decontaminate, drop_empty, fingerprint, mixture_rows, pack,
@@ -105,7 +105,7 @@ def is_held_out(doc: Document, fraction: float, seed: int) -> bool:
 def recipe_signatures(config: DataConfig) -> Callable[[list[str]], np.ndarray]:
     """The in-process path's MinHash signatures (dedup.MinHasher over the recipe's shingles), for datatrove's buckets:
     both engines sign each document alike."""
-    hasher = MinHasher(config.dedup.num_perm, config.dedup.shingle, config.dedup.ngram)
+    hasher = config.dedup.hasher()
     return lambda texts: hasher.normalized_signatures(normalized_bytes(texts))
 
 
