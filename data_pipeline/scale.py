@@ -31,7 +31,7 @@ from datatrove.data import Document
 from datatrove.executor import LocalPipelineExecutor, SlurmPipelineExecutor
 from datatrove.pipeline.base import PipelineStep
 from datatrove.pipeline.dedup import MinhashDedupCluster, MinhashDedupFilter
-from datatrove.pipeline.dedup.exact_dedup import ExactDedupConfig, ExactDedupFilter, ExactDedupSignature, ExactFindDedups
+from datatrove.pipeline.dedup.exact_dedup import ExactDedupConfig, ExactDedupFilter, ExactFindDedups
 from datatrove.pipeline.dedup.minhash import MinhashConfig, MinhashDedupBuckets
 from datatrove.pipeline.filters import LambdaFilter
 from datatrove.pipeline.readers import CSVReader, HuggingFaceDatasetReader, JsonlReader, ParquetReader
@@ -49,10 +49,12 @@ from data_pipeline.prepare import (LONG_DOCUMENT_STATS, decontaminate, drop_empt
                                    pad_token_id, rows_to_dataset, save_prepared)
 from data_pipeline.sources import FEATURES, chat_document, load_documents, load_source, source_field
 from data_pipeline.tokenize import tokenize_documents
-from data_pipeline.work_folder import Layout, claim_work_folder, reopen_for_rerun, work_folder
-from training.compat.datatrove import BatchedMinhashSignature, end_if_a_worker_dies, step_counts
+from data_pipeline.work_folder import Layout, claim_work_folder, job_fingerprint, reopen_for_rerun, work_folder
+from training.compat.datatrove import (BatchedMinhashSignature, ForwardingExactDedupSignature, end_if_a_worker_dies,
+                                       exact_duplicates_found, step_counts)
 
-READERS = {".jsonl": JsonlReader, ".json": JsonlReader, ".parquet": ParquetReader, ".csv": CSVReader}
+JSONL = partial(JsonlReader, add_file_path=False)  # no path in each document's metadata: nothing reads it
+READERS = {".jsonl": JSONL, ".json": JSONL, ".parquet": ParquetReader, ".csv": CSVReader}
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,9 @@ def reader(source: DataSource, index: int) -> PipelineStep:
 def normalized_text(doc: Document) -> bytes:
     """What exact deduplication compares, as dedup.text_hashes does (xxhash of the encoded text)."""
     return normalize(doc.text).encode()
+
+
+EXACT = ExactDedupConfig(content_getter=normalized_text)
 
 
 def is_held_out(doc: Document, fraction: float, seed: int) -> bool:
@@ -155,15 +160,18 @@ def read_and_drop_empty(config: DataConfig) -> list[PipelineStep]:
             LambdaFilter(lambda doc: bool(doc.text and doc.text.strip()))]
 
 
-def deduplicated(config: DataConfig, work: Layout, stop_before: str = "") -> list[PipelineStep]:
+def deduplicated(config: DataConfig, work: Layout, signing: bool = False) -> list[PipelineStep]:
     """The steps every reading stage starts with: read and drop empty documents (or, with quality filters, read what
-    the filter stage kept), and the deduplication filters whose duplicates are already known (those before
-    `stop_before`)."""
-    steps = [JsonlReader(work("filtered"))] if config.filters else read_and_drop_empty(config)
-    if config.dedup.exact and stop_before != "exact":
-        steps.append(ExactDedupFilter(work("exact_duplicates"), ExactDedupConfig(content_getter=normalized_text)))
-    if config.dedup.near and stop_before not in ("exact", "near"):
-        steps.append(MinhashDedupFilter(work("minhash_remove")))
+    the filter stage kept), then, unless the stage is `signing` for deduplication, the duplicates' removal. With near
+    dedup that is MinhashDedupFilter alone: an exact duplicate has its original's normalized text, so its MinHash
+    signature and every LSH band, and the signature stage signed both, so the cluster stage removed all but one."""
+    steps = [JSONL(work("filtered"))] if config.filters else read_and_drop_empty(config)
+    if signing:
+        return steps
+    if config.dedup.near:
+        return [*steps, MinhashDedupFilter(work("minhash_remove"))]
+    if config.dedup.exact:
+        return [*steps, ExactDedupFilter(work("exact_duplicates"), EXACT)]
     return steps
 
 
@@ -205,7 +213,8 @@ class TokenizeAndPack(PipelineStep):
             folder = Path(self.work("rows"))
             folder.mkdir(parents=True, exist_ok=True)
             if packed is not None:
-                rows_to_dataset(packed, f"task-{rank}").save_to_disk(str(folder / f"train-{rank:05d}"))
+                rows = rows_to_dataset(packed, f"{job_fingerprint(self.work)}-task-{rank}")
+                rows.save_to_disk(str(folder / f"train-{rank:05d}"))
             (folder / f"train-{rank:05d}.json").write_text(json.dumps(stats) + "\n")
             self.stat_update("documents", value=len(documents))
             self.stat_update("rows", value=stats["rows"])
@@ -232,12 +241,15 @@ def job_stats(config: DataConfig, work: Layout) -> dict:
     last one), the last stage's, and each task's counts."""
     counts = step_counts(work.logs("rows"))  # the rows stage starts with deduplicated()'s steps, in order
     dropped = {type(step): count.get("dropped", 0) for step, count in zip(deduplicated(config, work), counts)}
+    exact = dropped.get(ExactDedupFilter, 0)
+    if config.dedup.exact and config.dedup.near:  # MinhashDedupFilter removed both kinds (deduplicated)
+        exact = exact_duplicates_found(work("exact_duplicates"), EXACT.hash_config)
     readers = len(config.sources)
     read = step_counts(work.logs("filtered")) if config.filters else counts  # the sources' readers, then the empty filter
     stats = {"documents_in": sum(c.get("documents", 0) for c in read[:readers]),
              "empty_documents_removed": read[readers].get("dropped", 0),
-             "exact_duplicates_removed": dropped.get(ExactDedupFilter, 0),
-             "near_duplicates_removed": dropped.get(MinhashDedupFilter, 0)}
+             "exact_duplicates_removed": exact,
+             "near_duplicates_removed": dropped.get(MinhashDedupFilter, 0) - (exact if config.dedup.exact else 0)}
     tasks = [json.loads(p.read_text()) for p in sorted(Path(work("rows")).glob("train-*.json"))]
     for key in ("decontaminated_removed", "no_assistant_reply_skipped", "documents_out", "tokens_in", "tokens_out",
                 "tokens_dropped", "rows"):
@@ -281,7 +293,7 @@ class Assemble(PipelineStep):
                 stats["eval_documents"] = len(evaluation)
                 eval_rows, stats["eval"] = pack(tokenize_documents(evaluation, self.tokenizer), None, self.config,
                                                 pad_token_id(self.tokenizer))
-                splits["eval"] = rows_to_dataset(eval_rows, "eval")
+                splits["eval"] = rows_to_dataset(eval_rows, f"{job_fingerprint(self.work)}-eval")
             parts = sorted(path for path in Path(self.work("rows")).glob("train-*") if path.is_dir())
             save_prepared(datasets.DatasetDict(splits), stats, removed, self.output, train_parts=parts)
 
@@ -289,22 +301,23 @@ class Assemble(PipelineStep):
 def stages(config: DataConfig, tokenizer: PreTrainedTokenizerBase, work: Layout, output: Path,
            tasks: int) -> list[tuple[str, list[PipelineStep], int]]:
     """(name, steps, tasks) of each stage, in the order they must run."""
-    exact = ExactDedupConfig(content_getter=normalized_text)
     minhash = minhash_config(config)
     result = []
     if config.filters:
         result.append(("filtered", [*read_and_drop_empty(config), QualityFilters(config, tokenizer, work),
                                     JsonlWriter(work("filtered"))], tasks))
-    if config.dedup.exact:
-        signatures = ExactDedupSignature(work("exact_signatures"), exact, finder_workers=tasks)  # hash ranges
-        result += [("exact_signatures", [*deduplicated(config, work, "exact"), signatures], tasks),
-                   ("exact_duplicates", [ExactFindDedups(work("exact_signatures"), work("exact_duplicates"), exact)],
-                    tasks)]
+    signing = deduplicated(config, work, signing=True)
+    if config.dedup.exact:  # hash ranges: one finder per task
+        signing.append(ForwardingExactDedupSignature(work("exact_signatures"), EXACT, finder_workers=tasks))
     if config.dedup.near:
-        result += [("minhash_signatures", [*deduplicated(config, work, "near"),
-                                           BatchedMinhashSignature(work("minhash_signatures"), minhash,
-                                                                   recipe_signatures(config))], tasks),
-                   ("minhash_buckets", [MinhashDedupBuckets(work("minhash_signatures"), work("minhash_buckets"),
+        signing.append(BatchedMinhashSignature(work("minhash_signatures"), minhash, recipe_signatures(config)))
+    if config.dedup.exact or config.dedup.near:  # one read of the sources signs for both
+        result.append(("signatures", signing, tasks))
+    if config.dedup.exact:
+        result.append(("exact_duplicates", [ExactFindDedups(work("exact_signatures"), work("exact_duplicates"), EXACT)],
+                       tasks))
+    if config.dedup.near:
+        result += [("minhash_buckets", [MinhashDedupBuckets(work("minhash_signatures"), work("minhash_buckets"),
                                                             config=minhash)], minhash.num_buckets),
                    ("minhash_clusters", [MinhashDedupCluster(work("minhash_buckets"), work("minhash_remove"), minhash)], 1)]
     held_out = partial(is_held_out, fraction=config.eval.fraction, seed=config.seed)

@@ -55,6 +55,12 @@ def claim_work_folder(work: Layout, job: dict) -> None:
     marker.write_text(json.dumps(job, indent=2) + "\n")
 
 
+def job_fingerprint(work: Layout) -> str:
+    """The fingerprint claim_work_folder recorded (prepare.fingerprint of the data section, files and tokenizer): the
+    saved splits' `_fingerprint`s start with it, as the in-process path's do, so two jobs' outputs never share one."""
+    return json.loads(Path(work.root, "job.json").read_text())["fingerprint"]
+
+
 def missing_files(work: Layout, held_out: bool) -> list[Path]:
     """The files a rerun needs that finished tasks wrote and that are gone: each finished `rows` task's rows, counts
     and step counters, and, once assemble had finished (so there were some), the held-out evaluation documents."""

@@ -158,12 +158,17 @@ def assert_same_rows(got: datasets.DatasetDict, expected: datasets.DatasetDict, 
 
 
 @pytest.mark.slow
-def test_one_task_writes_the_in_process_rows_row_for_row(corpus, tmp_path):
+def test_one_task_writes_the_in_process_rows_row_for_row(corpus, job, tmp_path):
     output = tmp_path / "prepared"
     run_job(output, corpus["sources"], tasks=1, workers=1)
     config = recipe_data(corpus)
     expected, expected_stats, _ = build_dataset(config, load_tokenizer(load_recipe("tiny_llama").tokenizer_path, False))
-    assert_same_rows(datasets.load_from_disk(str(output)), expected, "train")
+    written = datasets.load_from_disk(str(output))
+    assert_same_rows(written, expected, "train")
+    key = json.loads((tmp_path / "prepared.datatrove/job.json").read_text())["fingerprint"]  # the job's, as in-process
+    task = json.loads((tmp_path / "prepared.datatrove/rows/train-00000/state.json").read_text())
+    assert task["_fingerprint"] == f"{key}-task-0"
+    assert written["train"]._fingerprint != datasets.load_from_disk(str(job))["train"]._fingerprint  # another job's
     stats = json.loads((output / "stats.json").read_text())
     for key in ("documents_in", "exact_duplicates_removed", "documents_out", "tokens_out", "rows"):
         assert stats[key] == expected_stats[key], key
@@ -347,8 +352,7 @@ def test_slurm_stages_are_chained_jobs_with_the_options(corpus, tmp_path):
         assert current.depends is previous and current.partition == "cpu" and current.cpus_per_task == 2
         previous = current
     assert [s[0] for s in stages(config, tokenizer, Layout(tmp_path), tmp_path, 64)] == [
-        "exact_signatures", "exact_duplicates", "minhash_signatures", "minhash_buckets", "minhash_clusters", "rows",
-        "assemble"]
+        "signatures", "exact_duplicates", "minhash_buckets", "minhash_clusters", "rows", "assemble"]
 
 
 @pytest.mark.parametrize("name, content, message", [

@@ -1,5 +1,6 @@
-"""Workarounds of datatrove behaviour (verified for datatrove 0.10.1): its MinHash signature files written from batches, the
-layout of its logging folder, a hang of its local executor, and the download its language filter insists on."""
+"""Workarounds of datatrove behaviour (verified for datatrove 0.10.1): its MinHash signature files written from batches,
+its exact signatures taken in the same read, the count of exact duplicates it found, the layout of its logging folder,
+a hang of its local executor, and the download its language filter insists on."""
 import json
 import os
 import sys
@@ -13,10 +14,12 @@ import psutil
 from datatrove.data import Document
 from datatrove.io import get_datafolder
 from datatrove.pipeline.base import PipelineStep
+from datatrove.pipeline.dedup.exact_dedup import ExactDedupSignature, get_sig_dtype
 from datatrove.pipeline.dedup.minhash import MinhashConfig
 from datatrove.pipeline.filters import LanguageFilter
+from datatrove.utils.hashing import HashConfig
 from datatrove.utils.lid import FT176LID
-from datatrove.utils.typeshelper import StatHints
+from datatrove.utils.typeshelper import ExtensionHelperSD, StatHints
 from datatrove.utils.word_tokenizers import SpaCyTokenizer, load_word_tokenizer, strip_strings
 
 from training.compat import NO_ISSUE, Patch
@@ -32,6 +35,21 @@ PATCHES = (
           CANARIES + "test_batched_signatures_write_the_files_datatrove_writes_for_the_same_signatures",
           proofs=("tests/data_pipeline/test_scale.py::"
                   "test_near_dedup_agrees_with_the_in_process_path_within_lsh_noise",)),
+    Patch("ForwardingExactDedupSignature", "datatrove", VERIFIED_FOR,
+          "ExactDedupSignature is the last step of its stage (it keeps the documents it hashes); this subclass hashes "
+          "each document with its get_hashes(doc, index), passes the document on, and writes the task's file with its "
+          "save_hashes(rank, hashes) once the stream ends, so the MinHash signatures are taken in the same stage, on "
+          "the same numbering of documents", NO_ISSUE,
+          CANARIES + "test_forwarded_exact_signatures_are_the_files_datatrove_writes",
+          proofs=("tests/data_pipeline/test_scale.py::"
+                  "test_exact_dedup_keeps_the_same_documents_as_the_in_process_path",)),
+    Patch("exact_duplicates_found", "datatrove", VERIFIED_FOR,
+          "ExactFindDedups writes each duplicate to remove as one record of the hash configuration's document-index "
+          "dtype (little-endian uint32) in FINDER/RANK.duplicates (ExtensionHelperSD.stage_2_duplicates) and counts "
+          "none of them in its stats", NO_ISSUE,
+          CANARIES + "test_exact_duplicates_found_counts_what_the_exact_filter_drops",
+          proofs=("tests/data_pipeline/test_scale.py::"
+                  "test_exact_dedup_keeps_the_same_documents_as_the_in_process_path",)),
     Patch("step_counts", "datatrove", VERIFIED_FOR,
           "each task's step counters are in logs/STAGE/stats/RANK.json, a list of steps with their `stats`",
           NO_ISSUE, CANARIES + "test_task_stats_are_saved_where_step_counts_reads_them",
@@ -109,6 +127,25 @@ class BatchedMinhashSignature(PipelineStep):
                 records = records[np.lexsort(records.T[::-1])]  # by the first hash, then the next, ..., then the index
                 with self.output_folder.open(f"bucket_{bucket:03d}/{rank:05d}.minhash.sig", mode="wb") as file:
                     file.write(records.tobytes())
+
+
+class ForwardingExactDedupSignature(ExactDedupSignature):
+    """ExactDedupSignature's files, with every document passed on to the next step (see PATCHES)."""
+
+    def run(self, data: Iterator[Document], rank: int = 0, world_size: int = 1) -> Iterator[Document]:
+        hashes = []
+        for index, doc in enumerate(data):
+            with self.track_time():
+                self.stat_update(StatHints.total)
+                hashes.extend(self.get_hashes(doc, index))
+            yield doc
+        self.save_hashes(rank, hashes)
+
+
+def exact_duplicates_found(folder: str, hash_config: HashConfig) -> int:
+    """How many documents ExactFindDedups marked for removal, over all tasks (see PATCHES)."""
+    record = np.dtype(get_sig_dtype(hash_config)[2]).itemsize
+    return sum(path.stat().st_size // record for path in Path(folder).glob(f"*/*{ExtensionHelperSD.stage_2_duplicates}"))
 
 
 def step_counts(logs: str) -> list[dict]:

@@ -9,6 +9,7 @@ from datatrove.data import Document
 from datatrove.executor import LocalPipelineExecutor
 from datatrove.executor.base import PipelineExecutor
 from datatrove.pipeline.dedup import MinhashDedupSignature
+from datatrove.pipeline.dedup.exact_dedup import ExactDedupConfig, ExactDedupFilter, ExactDedupSignature, ExactFindDedups
 from datatrove.pipeline.dedup.minhash import MinhashConfig
 from datatrove.pipeline.filters import C4QualityFilter, GopherQualityFilter, LambdaFilter, LanguageFilter
 from datatrove.utils.hashing import HashConfig
@@ -18,8 +19,8 @@ from datatrove.utils.word_tokenizers import SpaCyTokenizer, load_word_tokenizer
 
 from data_pipeline.filters import PACKAGED_LID, language_model_file
 from tests.helpers.planted_corpus import FOREIGN, prose_documents
-from training.compat.datatrove import (BatchedMinhashSignature, LocalFileLanguageFilter, language_filter, step_counts,
-                                       warm_word_tokenizers)
+from training.compat.datatrove import (BatchedMinhashSignature, ForwardingExactDedupSignature, LocalFileLanguageFilter,
+                                       exact_duplicates_found, language_filter, step_counts, warm_word_tokenizers)
 
 
 def test_batched_signatures_write_the_files_datatrove_writes_for_the_same_signatures(tmp_path):
@@ -47,6 +48,38 @@ def test_batched_signatures_write_the_files_datatrove_writes_for_the_same_signat
         name = f"bucket_{bucket:03d}/00003.minhash.sig"
         assert (tmp_path / "ours" / name).read_bytes() == (tmp_path / "datatrove" / name).read_bytes(), name
     assert len((tmp_path / "ours" / "bucket_000/00003.minhash.sig").read_bytes()) == 6 * 5 * 4
+
+
+EXACT_TEXTS = ["a", "b", "a", "c", "b", "a", "d"]  # three duplicates
+EXACT = ExactDedupConfig(content_getter=lambda doc: doc.text.encode())  # xxhash 4 hashes bytes only (datatrove#508)
+
+
+def test_forwarded_exact_signatures_are_the_files_datatrove_writes(tmp_path):
+    documents = [Document(text, str(i)) for i, text in enumerate(EXACT_TEXTS)]
+    for rank in range(2):
+        ExactDedupSignature(str(tmp_path / "datatrove"), EXACT, finder_workers=2).run(iter(documents), rank=rank)
+        passed = list(ForwardingExactDedupSignature(str(tmp_path / "ours"), EXACT, finder_workers=2).run(iter(documents), rank))
+        assert passed == documents
+    written = sorted(p.relative_to(tmp_path / "datatrove") for p in (tmp_path / "datatrove").rglob("*") if p.is_file())
+    assert len(written) == 4  # a file per task in each finder's folder
+    for name in written:
+        assert (tmp_path / "ours" / name).read_bytes() == (tmp_path / "datatrove" / name).read_bytes(), name
+
+
+def test_exact_duplicates_found_counts_what_the_exact_filter_drops(tmp_path):
+    """Two tasks with the same documents, two finders: every copy after the first of its text is a duplicate."""
+    documents = [Document(text, str(i)) for i, text in enumerate(EXACT_TEXTS)]
+    for rank in range(2):
+        ExactDedupSignature(str(tmp_path / "signatures"), EXACT, finder_workers=2).run(iter(documents), rank=rank)
+    for rank in range(2):
+        ExactFindDedups(str(tmp_path / "signatures"), str(tmp_path / "duplicates"), EXACT).run(rank=rank, world_size=2)
+    dropped = 0
+    for rank in range(2):
+        step = ExactDedupFilter(str(tmp_path / "duplicates"), EXACT)
+        kept = list(step.run(iter(documents), rank=rank, world_size=2))
+        dropped += len(documents) - len(kept)
+    assert dropped == 3 + len(set(EXACT_TEXTS)) + 3  # the second task's every document repeats the first's
+    assert exact_duplicates_found(str(tmp_path / "duplicates"), EXACT.hash_config) == dropped
 
 
 def test_task_stats_are_saved_where_step_counts_reads_them(tmp_path):
