@@ -61,7 +61,8 @@ PATCHES = (
           proofs=("tests/data_pipeline/test_scale.py::test_a_rerun_after_the_output_was_deleted_writes_it_again",)),
     Patch("end_if_a_worker_dies", "datatrove", VERIFIED_FOR,
           "LocalPipelineExecutor runs tasks with a process pool's imap_unordered, which replaces a worker that died "
-          "(OOM killer, a crash) and waits forever for its task", NO_ISSUE,
+          "(OOM killer, a crash) and waits forever for its task; a pool's direct children are its workers (and "
+          "datatrove's Manager process per stage), so one more than it holds is a replacement", NO_ISSUE,
           CANARIES + "test_the_local_executor_still_waits_on_a_pool",
           proofs=("tests/data_pipeline/test_scale.py::"
                   "test_a_job_whose_worker_is_killed_stops_and_its_rerun_finishes_it",)),
@@ -174,34 +175,48 @@ def completed_tasks(logs: str) -> list[str]:
     return sorted(path.name for path in Path(logs, "completions").glob("*"))
 
 
-def end_if_a_worker_dies(logs: Callable[[str], str], plan: list[tuple[str, int]], grace: float = 3.0) -> None:
-    """Runs in a thread of the job's process: when a process the job started during a stage is gone and that stage
-    (`plan`: name and tasks of each stage, `logs(name)` its logging folder) is still unfinished `grace` seconds
-    later, end the job, telling the user to run it again (finished tasks are skipped)."""
+def end_if_a_worker_dies(logs: Callable[[str], str], plan: list[tuple[str, int, int]], grace: float = 3.0) -> None:
+    """Runs in a thread of the job's process: when a process the job started during a stage is gone, or the stage's
+    pool started more workers than it holds (it replaces a worker that died, even one that died before this thread
+    saw it), and that stage is still unfinished `grace` seconds later, end the job, telling the user to run it again
+    (finished tasks are skipped). `plan`: name, tasks and pool size (0: no pool) of each stage, `logs(name)` its
+    logging folder. Each stage's own direct children are its pool's workers and datatrove's Manager process."""
+    tasks, pools = {name: count for name, count, _ in plan}, {name: pool for name, _, pool in plan}
+
     def running() -> str | None:
-        started = [name for name, _ in plan if stage_started(logs(name))]
+        started = [name for name, _, _ in plan if stage_started(logs(name))]
         return started[-1] if started else None
 
     def finished(name: str) -> bool:
-        return len(completed_tasks(logs(name))) >= dict(plan)[name]
+        return len(completed_tasks(logs(name))) >= tasks[name]
 
-    job, stage_of = psutil.Process(), {}
+    def end_if_unfinished(stage: str, what: str) -> None:
+        if finished(stage):
+            return
+        time.sleep(grace)
+        if not finished(stage):
+            print(f"error: {what} during stage {stage} (killed by the OOM killer or a signal?), and datatrove's local "
+                  f"pool would wait for its task forever; run the same command again: finished tasks are skipped",
+                  file=sys.stderr, flush=True)
+            for process in job.children(recursive=True):
+                process.kill()
+            os._exit(1)
+
+    job, stage_of, direct_of = psutil.Process(), {}, {}
     while True:
+        stage = running()
         alive = {process.pid for process in job.children(recursive=True)}
         for pid in alive - stage_of.keys():
-            stage_of[pid] = running()
+            stage_of[pid] = stage
+        for process in job.children():
+            direct_of.setdefault(process.pid, stage_of.get(process.pid, stage))
         for pid in stage_of.keys() - alive:
-            stage = stage_of.pop(pid)
-            if stage and not finished(stage):
-                time.sleep(grace)
-                if not finished(stage):
-                    print(f"error: a worker process of the datatrove job (pid {pid}) died during stage {stage} (killed "
-                          f"by the OOM killer or a signal?), and datatrove's local pool would wait for its task "
-                          f"forever; run the same command again: finished tasks are skipped", file=sys.stderr,
-                          flush=True)
-                    for process in job.children(recursive=True):
-                        process.kill()
-                    os._exit(1)
+            if in_stage := stage_of.pop(pid):
+                end_if_unfinished(in_stage, f"a worker process of the datatrove job (pid {pid}) died")
+        started = sum(1 for in_stage in direct_of.values() if in_stage == stage)
+        if stage and pools[stage] and started > pools[stage] + 1:
+            end_if_unfinished(stage, f"the datatrove job's pool replaced a worker process that died ({started - 1} "
+                                     f"workers started for a pool of {pools[stage]})")
         time.sleep(0.2)
 
 

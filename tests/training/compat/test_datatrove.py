@@ -2,6 +2,8 @@
 import inspect
 import io
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ from datatrove.utils.stats import PipelineStats
 from datatrove.utils.word_tokenizers import SpaCyTokenizer, load_word_tokenizer
 
 from data_pipeline.filters import PACKAGED_LID, language_model_file
+from tests.conftest import REPO
 from tests.helpers.planted_corpus import FOREIGN, prose_documents
 from training.compat.datatrove import (BatchedMinhashSignature, ForwardingExactDedupSignature, LocalFileLanguageFilter,
                                        exact_duplicates_found, language_filter, step_counts, warm_word_tokenizers)
@@ -100,9 +103,50 @@ def test_stages_mark_their_start_and_each_finished_task():
 
 
 def test_the_local_executor_still_waits_on_a_pool():
-    assert "pool.imap_unordered(" in inspect.getsource(LocalPipelineExecutor), \
+    source = inspect.getsource(LocalPipelineExecutor)
+    assert "pool.imap_unordered(" in source, \
         "datatrove's local executor runs its tasks otherwise now: check whether compat/datatrove.py " \
         "end_if_a_worker_dies can go"
+    # a stage's direct children: a Manager process, then a pool of `workers` processes (end_if_a_worker_dies counts them)
+    assert "multiprocess.Manager()" in source and "ctx.Pool(self.workers)" in source
+
+
+A_JOB_WHOSE_WORKER_DIES_UNSEEN = """
+import os, sys, threading, time
+from pathlib import Path
+from training.compat.datatrove import end_if_a_worker_dies
+
+logs = Path(sys.argv[1])
+(logs / "rows").mkdir(parents=True)
+(logs / "rows" / "executor.json").write_text("{}")  # the stage has started and no task has finished
+
+
+def child() -> int:
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(30)
+        os._exit(0)
+    return pid
+
+
+threading.Thread(target=end_if_a_worker_dies, args=(lambda name: str(logs / name), [("rows", 2, 2)], 0.3),
+                 daemon=True).start()
+started = [child() for _ in range(3)]  # datatrove's manager and the pool's 2 workers
+time.sleep(1)
+print("the pool as started is left alone", flush=True)
+replacement = child()  # all a worker that died between two of the watchdog's looks leaves to see: the pool's new one
+time.sleep(5)
+"""
+
+
+def test_a_worker_that_dies_unseen_is_found_by_its_replacement(tmp_path):
+    """end_if_a_worker_dies polls every 0.2 s; a worker killed between two looks is found because the pool replaced it."""
+    done = subprocess.run([sys.executable, "-c", A_JOB_WHOSE_WORKER_DIES_UNSEEN, str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert "the pool as started is left alone" in done.stdout, done.stderr[-2000:]
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "pool replaced a worker process that died (3 workers started for a pool of 2)" in done.stderr
+    assert "run the same command again" in done.stderr
 
 
 ODD_TEXTS = ["", "   ", "Ünïcödé wörds — and “quotes”…", "a\n\n\nb c.  d!",
