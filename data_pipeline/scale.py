@@ -388,7 +388,8 @@ def run_job(config: DataConfig, tokenizer: PreTrainedTokenizerBase, output: Path
     previous, plan = None, []
     for name, steps, tasks in stages(config, tokenizer, work, output, options.tasks):
         previous = executor(options, name, steps, tasks, work.logs(name), previous, job_name)
-        plan.append((name, tasks, previous.workers if previous.workers > 1 else 0))  # one worker: no pool
+        forked_pool = options.executor == "local" and previous.workers > 1 and previous.start_method == "fork"
+        plan.append((name, tasks, previous.workers if forked_pool else 0))  # forkserver adds processes of its own
     if options.executor == "local" and options.workers != 1:
         # datatrove's local pool waits forever for the task of a worker that died (training/compat/datatrove.py)
         threading.Thread(target=end_if_a_worker_dies, args=(work.logs, plan), daemon=True).start()

@@ -179,8 +179,8 @@ def end_if_a_worker_dies(logs: Callable[[str], str], plan: list[tuple[str, int, 
     """Runs in a thread of the job's process: when a process the job started during a stage is gone, or the stage's
     pool started more workers than it holds (it replaces a worker that died, even one that died before this thread
     saw it), and that stage is still unfinished `grace` seconds later, end the job, telling the user to run it again
-    (finished tasks are skipped). `plan`: name, tasks and pool size (0: no pool) of each stage, `logs(name)` its
-    logging folder. Each stage's own direct children are its pool's workers and datatrove's Manager process."""
+    (finished tasks are skipped). `plan`: name, tasks and pool size of each stage (0: no forked pool, whose workers
+    and datatrove's Manager process are then the stage's only direct children), `logs(name)` its logging folder."""
     tasks, pools = {name: count for name, count, _ in plan}, {name: pool for name, _, pool in plan}
 
     def running() -> str | None:
@@ -208,8 +208,8 @@ def end_if_a_worker_dies(logs: Callable[[str], str], plan: list[tuple[str, int, 
         alive = {process.pid for process in job.children(recursive=True)}
         for pid in alive - stage_of.keys():
             stage_of[pid] = stage
-        for process in job.children():
-            direct_of.setdefault(process.pid, stage_of.get(process.pid, stage))
+        for process in job.children():  # a psutil.Process is its pid and start time: a reused pid is another
+            direct_of.setdefault(process, stage_of.get(process.pid, stage))
         for pid in stage_of.keys() - alive:
             if in_stage := stage_of.pop(pid):
                 end_if_unfinished(in_stage, f"a worker process of the datatrove job (pid {pid}) died")
