@@ -56,8 +56,9 @@ def claim_work_folder(work: Layout, job: dict) -> None:
 
 
 def job_fingerprint(work: Layout) -> str:
-    """The fingerprint claim_work_folder recorded (prepare.fingerprint of the data section, files and tokenizer): the
-    saved splits' `_fingerprint`s start with it, as the in-process path's do, so two jobs' outputs never share one."""
+    """The fingerprint claim_work_folder recorded (prepare.fingerprint of the data section, files and tokenizer). The
+    tasks' rows and the eval split are saved with fingerprints that start with it, as the in-process path's splits
+    are, so two jobs' splits never share one (the linked train split's is a hash of its parts')."""
     return json.loads(Path(work.root, "job.json").read_text())["fingerprint"]
 
 

@@ -165,9 +165,9 @@ def test_one_task_writes_the_in_process_rows_row_for_row(corpus, job, tmp_path):
     expected, expected_stats, _ = build_dataset(config, load_tokenizer(load_recipe("tiny_llama").tokenizer_path, False))
     written = datasets.load_from_disk(str(output))
     assert_same_rows(written, expected, "train")
-    key = json.loads((tmp_path / "prepared.datatrove/job.json").read_text())["fingerprint"]  # the job's, as in-process
+    job_key = json.loads((tmp_path / "prepared.datatrove/job.json").read_text())["fingerprint"]  # as in-process
     task = json.loads((tmp_path / "prepared.datatrove/rows/train-00000/state.json").read_text())
-    assert task["_fingerprint"] == f"{key}-task-0"
+    assert task["_fingerprint"] == f"{job_key}-task-0"
     assert written["train"]._fingerprint != datasets.load_from_disk(str(job))["train"]._fingerprint  # another job's
     stats = json.loads((output / "stats.json").read_text())
     for key in ("documents_in", "exact_duplicates_removed", "documents_out", "tokens_out", "rows"):
