@@ -55,6 +55,9 @@ from training.compat.datatrove import (BatchedMinhashSignature, ForwardingExactD
 
 JSONL = partial(JsonlReader, add_file_path=False)  # no path in each document's metadata: nothing reads it
 READERS = {".jsonl": JSONL, ".json": JSONL, ".parquet": ParquetReader, ".csv": CSVReader}
+# Raised when the stages or the files they leave change: a job folder of another version is refused, not continued
+# (2: one read signs for both dedups, whose duplicates the MinHash filter alone removes, numbered on every document).
+STAGES_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -383,7 +386,8 @@ def run_job(config: DataConfig, tokenizer: PreTrainedTokenizerBase, output: Path
     check_sources(config)
     check_models([(f.type, f.parameters) for f in config.filters])
     work = Layout(work_folder(output))
-    claim_work_folder(work, {"fingerprint": fingerprint(config, tokenizer), "tasks": options.tasks})
+    claim_work_folder(work, {"fingerprint": fingerprint(config, tokenizer), "tasks": options.tasks,
+                             "stages": STAGES_VERSION})
     reopen_for_rerun(work, output, held_out=bool(config.eval.fraction))
     previous, plan = None, []
     for name, steps, tasks in stages(config, tokenizer, work, output, options.tasks):

@@ -8,7 +8,8 @@ from pathlib import Path
 from data_pipeline import DataError
 from training.state.output_guard import overlap
 
-JOB_KEYS = {"fingerprint": "data section, source files or tokenizer", "tasks": "--tasks"}
+JOB_KEYS = {"fingerprint": "data section, source files or tokenizer", "tasks": "--tasks",
+            "stages": "version of the stages (an earlier checkout of this repository)"}
 
 
 @dataclass(frozen=True)

@@ -321,6 +321,10 @@ def test_a_rerun_with_other_settings_is_refused(corpus, job, capsys):
     assert "--tasks" in capsys.readouterr().err
     assert main([*args, "data.seq_len=128", *JOB]) == 2
     assert "data section" in capsys.readouterr().err
+    earlier = {key: value for key, value in json.loads(before).items() if key != "stages"}  # as version 1 wrote it
+    (fresh.with_name("other.datatrove") / "job.json").write_text(json.dumps(earlier))
+    assert main([*args, *JOB]) == 2
+    assert "version of the stages" in capsys.readouterr().err
 
 
 def test_each_kind_of_source_gets_its_datatrove_reader(tmp_path):
