@@ -244,15 +244,15 @@ def job_stats(config: DataConfig, work: Layout) -> dict:
     last one), the last stage's, and each task's counts."""
     counts = step_counts(work.logs("rows"))  # the rows stage starts with deduplicated()'s steps, in order
     dropped = {type(step): count.get("dropped", 0) for step, count in zip(deduplicated(config, work), counts)}
-    exact = dropped.get(ExactDedupFilter, 0)
+    exact, near = dropped.get(ExactDedupFilter, 0), dropped.get(MinhashDedupFilter, 0)
     if config.dedup.exact and config.dedup.near:  # MinhashDedupFilter removed both kinds (deduplicated)
         exact = exact_duplicates_found(work("exact_duplicates"), EXACT.hash_config)
+        near -= exact
     readers = len(config.sources)
     read = step_counts(work.logs("filtered")) if config.filters else counts  # the sources' readers, then the empty filter
     stats = {"documents_in": sum(c.get("documents", 0) for c in read[:readers]),
              "empty_documents_removed": read[readers].get("dropped", 0),
-             "exact_duplicates_removed": exact,
-             "near_duplicates_removed": dropped.get(MinhashDedupFilter, 0) - (exact if config.dedup.exact else 0)}
+             "exact_duplicates_removed": exact, "near_duplicates_removed": near}
     tasks = [json.loads(p.read_text()) for p in sorted(Path(work("rows")).glob("train-*.json"))]
     for key in ("decontaminated_removed", "no_assistant_reply_skipped", "documents_out", "tokens_in", "tokens_out",
                 "tokens_dropped", "rows"):

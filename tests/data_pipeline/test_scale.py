@@ -170,7 +170,8 @@ def test_one_task_writes_the_in_process_rows_row_for_row(corpus, job, tmp_path):
     assert task["_fingerprint"] == f"{job_key}-task-0"
     assert written["train"]._fingerprint != datasets.load_from_disk(str(job))["train"]._fingerprint  # another job's
     stats = json.loads((output / "stats.json").read_text())
-    for key in ("documents_in", "exact_duplicates_removed", "documents_out", "tokens_out", "rows"):
+    for key in ("documents_in", "exact_duplicates_removed", "near_duplicates_removed", "documents_out", "tokens_out",
+                "rows"):
         assert stats[key] == expected_stats[key], key
 
 
