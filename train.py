@@ -32,8 +32,9 @@ from data_pipeline.stream import StreamingBatches
 from training.compat import check_versions
 from training.compat.deepspeed import loss_scale, withheld_step, zero0_grad_norm
 from training.config.auto_config import choose_ds_config
-from training.config.ds_config import accumulation_steps, load_ds_config, resolve_ds_config
+from training.config.ds_config import accumulation_steps, load_ds_config, resolve_ds_config, zero_setting
 from training.config.errors import ConfigError, positive_float, positive_int
+from training.config.micro_batch import choose_micro_batch
 from training.config.recipe import load_recipe, recipe_inputs
 from training.loop.benchmarks import benchmark_checkpoint, benchmark_run, check_benchmarks
 from training.loop.engine import loss_divisor, start_engine
@@ -60,7 +61,7 @@ from training.planning.report import print_plan
 from training.state.checkpoint import latest_tag, record_position, save_checkpoint
 from training.state.export import export_run
 from training.state.output_dir import check_output_dir, default_output_dir, start_output_dir
-from training.state.resume import plan_resume, resume_engine
+from training.state.resume import plan_resume, resume_engine, saved_micro_batch
 from training.state.universal import convert_on_rank_0
 
 stop_requested = threading.Event()  # set by SIGTERM: the run saves a checkpoint at the end of the step and exits
@@ -104,9 +105,11 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> RunPla
     tokenizer = load_tokenizer(recipe.tokenizer_path, recipe.model.trust_remote_code, cached_only=args.dry_run)
     check_recipe_against_model(recipe, model_config, len(tokenizer) if tokenizer else None)
     world_size = world_size or (args.num_gpus * args.num_nodes if args.num_gpus else distributed.world_size())
+    auto_config = recipe.deepspeed.config == "auto"
     machine = None
-    if recipe.deepspeed.config == "auto":
+    if auto_config or recipe.training.micro_batch_size == "auto":
         machine = planned_machine(args.num_gpus, args.num_nodes, args.gpu_mem, world_size)
+    if auto_config:
         precision = resolve_precision(recipe.precision, {}, for_gpus=args.num_gpus is not None)
         recipe = choose_ds_config(recipe, model_config, precision, machine,
                                   lambda chosen: refusal(chosen, model_config, world_size, args.num_gpus is not None))
@@ -116,14 +119,17 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> RunPla
     parallelism = recipe.parallelism
     tensor = parallelism.tensor_parallel
     dp_size = world_size // (parallelism.pipeline_stages * parallelism.sequence_parallel * tensor)
+    output_dir = args.output_dir or default_output_dir(recipe.name, args.resume)
+    recipe, micro_batch = choose_micro_batch(recipe, model_config, precision, zero_setting(raw_ds_config), machine,
+                                             dp_size, saved_micro_batch(output_dir) if args.resume else None)
     ds_config = with_tensor_parallel(resolve_ds_config(raw_ds_config, ds_config_path, recipe, model_config.hidden_size,
                                                        dp_size, precision), tensor)
     ds_config = with_expert_parallel(ds_config, parallelism.expert_parallel, model_config)
-    output_dir = args.output_dir or default_output_dir(recipe.name, args.resume)
     if not args.dry_run:
         check_output_dir(output_dir, args.resume, args.overwrite, [*recipe_inputs(recipe), ds_config_path])
     plan = RunPlan(recipe, model_config, tokenizer, precision, ds_config, ds_config_path, world_size,
-                   accumulation_steps(recipe.training, dp_size), output_dir, chosen_for=machine,
+                   accumulation_steps(recipe.training, dp_size), output_dir,
+                   chosen_for=machine if auto_config else None, micro_batch=micro_batch,
                    base_digest=weights_digest(recipe.model.name_or_path) if recipe.model.name_or_path else None)
     if args.resume:
         plan_resume(plan)
@@ -339,7 +345,7 @@ def run_state(plan: RunPlan, step: int, tokens_seen: int, data_position: int, tr
     position runs ahead of the step by the batches passed over), what wrote it, and its tracker runs' ids."""
     base = plan.recipe.model.name_or_path
     return {"step": step, "tokens_seen": tokens_seen, "data_position": data_position, "recipe": plan.recipe.name,
-            "trackers": trackers,
+            "trackers": trackers, "micro_batch_size": plan.recipe.training.micro_batch_size,
             **plan.layout().model_dump(), **({"base_model": {"name_or_path": base, "digest": plan.base_digest}} if base else {})}
 
 
@@ -354,8 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             print_plan(plan, planned_machine(args.num_gpus, args.num_nodes, args.gpu_mem, plan.world_size))
             return 0
-        if plan.chosen_for and distributed.local_rank() == 0:
-            print_plan(plan, plan.chosen_for)  # why this DeepSpeed config
+        if plan.planned_for and distributed.local_rank() == 0:
+            print_plan(plan, plan.planned_for)  # why this DeepSpeed config or micro-batch
     except Exception as error:  # noqa: BLE001 (report_once raises again what is not a user error)
         return distributed.report_once(error)
     return distributed.run_in_process_group(lambda: run(plan, args))

@@ -54,7 +54,9 @@ class Need:
 def choose_ds_config(recipe: Recipe, config: PretrainedConfig, precision: str, machine: Machine,
                      refusal: Callable[[Recipe], str | None]) -> Recipe:
     """The recipe with `deepspeed.config` (and `activation_checkpointing`) as chosen; a ConfigError naming
-    the shortfall and what would fit when nothing does. refusal(recipe): why the run's checks refuse it, or None."""
+    the shortfall and what would fit when nothing does. refusal(recipe): why the run's checks refuse it, or None.
+    With training.micro_batch_size=auto the plan is for micro-batch 1; the micro-batch is chosen under the config
+    after (training/config/micro_batch.py says why)."""
     if recipe.parallelism.pipeline_stages > 1:
         raise ConfigError("deepspeed.config=auto plans one model per rank; with pipeline stages choose zero0 or "
                           "zero1 yourself (--dry-run prints each stage's memory)")
@@ -65,8 +67,9 @@ def choose_ds_config(recipe: Recipe, config: PretrainedConfig, precision: str, m
                           f"over the GPUs of one node; choose parallelism.tensor_parallel of at most "
                           f"{machine.gpus_per_node}, or plan for nodes of {tensor} or more GPUs (--num-gpus {tensor})")
     shape = model_shape(config, recipe.lora)
+    planned = with_training(recipe, micro_batch_size=1) if recipe.training.micro_batch_size == "auto" else recipe
     refused = []
-    for need in memory_needs(recipe, shape, precision, machine):
+    for need in memory_needs(planned, shape, precision, machine):
         if fits(need.total, machine.memory_per_rank):
             chosen = with_setting(recipe, need)
             why = refusal(chosen)
@@ -75,7 +78,7 @@ def choose_ds_config(recipe: Recipe, config: PretrainedConfig, precision: str, m
             refused.append(f"  {chosen.deepspeed.config}{need.experts}: " + " ".join(why.split()))
     if refused:
         raise ConfigError("deepspeed.config=auto: what fits, the run's checks refuse:\n" + "\n".join(refused))
-    raise ConfigError(shortfall(recipe, shape, precision, machine))
+    raise ConfigError(shortfall(planned, shape, precision, machine))
 
 
 def memory_needs(recipe: Recipe, shape: ModelShape, precision: str, machine: Machine) -> list[Need]:

@@ -7,12 +7,13 @@ import difflib
 import math
 import re
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (AfterValidator, BaseModel, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat,
-                      PositiveInt, PrivateAttr, ValidationError, ValidationInfo, model_validator)
+                      PositiveInt, PrivateAttr, ValidationError, ValidationInfo, WrapValidator, model_validator)
 
 from data_pipeline.config import DataConfig, LocalPath, StrictModel, holds_pairs, matching_files
 from training.config.errors import ConfigError, read_text
@@ -80,9 +81,22 @@ class TokenizerSection(StrictModel):
     name_or_path: HubIdOrPath | None = None  # default: model.name_or_path
 
 
+def number_or_auto(value: Any, handler: Callable[[Any], Any]) -> int | str:
+    """training.micro_batch_size's one message for every wrong value (pydantic would give one per union member)."""
+    try:
+        return handler(value)
+    except ValidationError:
+        raise ValueError(f"a positive whole number of rows per rank, or auto (the largest micro-batch that fits the "
+                         f"memory plan, training/config/micro_batch.py); got {value!r}") from None
+
+
+MicroBatchSize = Annotated[PositiveInt | Literal["auto"], WrapValidator(number_or_auto)]
+
+
 class TrainingSection(StrictModel):
     objective: Literal["lm", "dpo"] = "lm"  # lm: next-token loss (pretraining, SFT); dpo: preference pairs (dpo:)
-    micro_batch_size: PositiveInt  # rows per rank per forward pass (dpo: pairs, packed into as few rows as fit)
+    micro_batch_size: MicroBatchSize  # rows per rank per forward pass (dpo: pairs, packed into as few rows as fit);
+    # auto: the largest that fits the memory plan, a number once the plan is made
     global_batch_size: PositiveInt  # rows per optimizer step = micro x accumulation x data-parallel ranks (dpo: pairs)
     max_steps: PositiveInt | None = None
     epochs: PositiveInt | None = None

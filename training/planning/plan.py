@@ -32,11 +32,17 @@ class RunPlan:
     output_dir: Path
     resume_universal: bool = False  # --resume from a checkpoint of another layout, through a universal checkpoint
     chosen_for: "Machine | None" = None  # deepspeed.config=auto: the machine the DeepSpeed config was chosen for
+    micro_batch: "MicroBatchChoice | None" = None  # training.micro_batch_size=auto: what was chosen, and why
     base_digest: str | None = None  # the weights at model.name_or_path (training.models.model.weights_digest)
 
     @property
     def zero_stage(self) -> int:
         return zero_stage(self.ds_config)
+
+    @property
+    def planned_for(self) -> "Machine | None":
+        """The machine an `auto` (DeepSpeed config, micro-batch) was chosen for: a run then prints its plan."""
+        return self.chosen_for or (self.micro_batch.machine if self.micro_batch else None)
 
     @property
     def zero_setting(self) -> str:
@@ -94,6 +100,17 @@ class Machine:
     nodes: int
     memory_per_rank: float  # bytes
     memory_source: str
+
+
+@dataclass(frozen=True)
+class MicroBatchChoice:
+    """training.micro_batch_size=auto (training/config/micro_batch.py): the micro-batch and its planned peak per rank,
+    and the next larger divisor of the rows per rank with its peak, which did not fit (None: there is none)."""
+    size: int
+    planned_bytes: float
+    larger: tuple[int, float] | None
+    machine: Machine
+    kept: bool = False  # --resume: the micro-batch the checkpoint was trained with, kept
 
 
 def planned_machine(num_gpus: int | None, num_nodes: int, gpu_mem: float | None, world_size: int) -> Machine:

@@ -59,6 +59,8 @@ def print_plan(plan: RunPlan, machine: Machine) -> None:
               f"{training.global_batch_size * recipe.data.seq_len:,} tokens per step"
               + (f"; each row split over {plan.sequence_parallel} ranks, {recipe.data.seq_len // plan.sequence_parallel:,} "
                  f"tokens each" if plan.sequence_parallel > 1 else ""))
+    if plan.micro_batch:
+        print_micro_batch_choice(plan)
     chosen = " chosen by deepspeed.config=auto: the least-sharded that fits" if plan.chosen_for else ""
     print(f"DeepSpeed: {plan.ds_config_path.name} (ZeRO-{plan.zero_stage}{chosen}), optimizer {recipe.optimizer.name}, "
           f"precision {plan.precision}, "
@@ -94,6 +96,24 @@ def print_preference_plan(plan: RunPlan) -> None:
                      "this layout (2N FLOPs per token: a third of an epoch's 6N training FLOPs, at most a training "
                      "step's memory: no gradients, no second model), stored with the run (16 bytes per pair)")
     print(f"DPO: loss {plan.recipe.dpo.loss}, beta {beta:g}; reference: {reference}")
+
+
+def print_micro_batch_choice(plan: RunPlan) -> None:
+    """Why training.micro_batch_size=auto took this micro-batch (training/config/micro_batch.py): its planned peak per
+    rank, and the next larger divisor's, which did not fit."""
+    choice, training = plan.micro_batch, plan.recipe.training
+    machine, unit = choice.machine, "pairs" if training.objective == "dpo" else "rows"
+    budget = (f"{format_bytes(choice.planned_bytes)} per rank within {format_bytes(HEADROOM * machine.memory_per_rank)} "
+              f"({HEADROOM:.0%} of {format_bytes(machine.memory_per_rank)}, {machine.memory_source})")
+    if choice.kept:
+        print(f"micro-batch: {choice.size}, the checkpoint's, kept by training.micro_batch_size=auto on --resume: "
+              f"{budget}")
+        return
+    rows = training.global_batch_size // plan.dp_size
+    larger = (f"{choice.larger[0]} would need {format_bytes(choice.larger[1])}" if choice.larger else
+              f"that is all {rows}: no accumulation")
+    print(f"micro-batch: {choice.size} chosen by training.micro_batch_size=auto, the largest divisor of the {rows} "
+          f"{unit} per rank and step that fits: {budget}; {larger}")
 
 
 def print_checkpoint_size(plan: RunPlan, shape: ModelShape) -> None:

@@ -2,12 +2,15 @@
 loaded. Whether it is damaged, does not fit this run (another model, tokenizer or LoRA base), or loads only through a
 universal checkpoint (another layout) is each said before anything is built, with its way out
 (training/state/checkpoint.py, training/state/universal.py)."""
+from pathlib import Path
+
 from deepspeed import DeepSpeedEngine
 
 from data_pipeline.loader import StepBatches
 from data_pipeline.stream import StreamingBatches
 from training.config.errors import ConfigError
-from training.state.checkpoint import check_files, check_resume, latest_tag, load_checkpoint, remove_unfinished_tags
+from training.state.checkpoint import (check_files, check_resume, latest_tag, load_checkpoint, read_run_state,
+                                       remove_unfinished_tags)
 from training.models.model import check_resumed_model
 from training.parallel.pipeline import layer_files
 from training.planning.plan import RunPlan
@@ -25,6 +28,15 @@ def plan_resume(plan: RunPlan) -> None:
         check_files(checkpoints, tag, layer_files(plan.model_config))
     if plan.resume_universal:
         plan.ds_config = with_universal_load(plan.ds_config)
+
+
+def saved_micro_batch(output_dir: Path) -> int | None:
+    """The micro-batch the latest checkpoint was trained with (training.micro_batch_size=auto keeps it); None when it
+    is not recorded or cannot be read (plan_resume then says why)."""
+    try:
+        return read_run_state(output_dir / "checkpoints").micro_batch_size
+    except ConfigError:
+        return None
 
 
 def resume_engine(engine: DeepSpeedEngine, batches: StepBatches | StreamingBatches, plan: RunPlan,

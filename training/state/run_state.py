@@ -3,7 +3,7 @@ position) and what wrote it: the layout its states belong to (training/parallel/
 level of the file) and, for a fine-tune, the base model. One schema for writing and reading, so that a damaged or
 hand-edited file is named with its fault instead of failing later.
 """
-from pydantic import BaseModel, ConfigDict, NonNegativeInt, ValidationError
+from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveInt, ValidationError
 
 from training.parallel.layout import Layout
 
@@ -24,6 +24,7 @@ class RunState(Layout):
     recipe: str = ""
     base_model: BaseModelIdentity | None = None
     trackers: dict[str, str] = {}  # logging.report_to's run ids (training/loop/trackers.py): a resume continues them
+    micro_batch_size: PositiveInt | None = None  # training.micro_batch_size=auto keeps it on --resume; None: not recorded
 
     def layout(self) -> Layout:
         return Layout(**{key: getattr(self, key) for key in Layout.model_fields})

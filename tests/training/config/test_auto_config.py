@@ -127,11 +127,18 @@ def test_the_expert_parallelism_tried_stays_in_a_node(gpus_per_node, experts, si
 
 
 def test_on_a_cpu_the_run_writes_the_config_it_chose(tmp_path, data_cache):
-    """Against this machine's RAM over its ranks: tiny_llama fits without sharding."""
+    """Against this machine's RAM over its ranks: tiny_llama fits without sharding, and the whole global batch of 16
+    rows in one micro-batch (training.micro_batch_size=auto, training/config/micro_batch.py), which the run's files
+    and its checkpoint record as a number."""
     out = tmp_path / "run"
     result = train_in_process(["--recipe", "tiny_llama", "--output-dir", str(out), SMALL_MODEL, data_cache,
-                               "deepspeed.config=auto", "training.max_steps=2"])
+                               "deepspeed.config=auto", "training.micro_batch_size=auto", "training.max_steps=2"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "zero0.json (ZeRO-0 chosen by deepspeed.config=auto" in result.stdout
-    assert json.loads((out / "ds_config.json").read_text())["zero_optimization"]["stage"] == 0
-    assert yaml.safe_load((out / "resolved_recipe.yaml").read_text())["deepspeed"]["config"] == "zero0"
+    assert "micro-batch: 16 chosen by training.micro_batch_size=auto" in result.stdout
+    ds_config = json.loads((out / "ds_config.json").read_text())
+    assert ds_config["zero_optimization"]["stage"] == 0
+    assert (ds_config["train_micro_batch_size_per_gpu"], ds_config["gradient_accumulation_steps"]) == (16, 1)
+    resolved = yaml.safe_load((out / "resolved_recipe.yaml").read_text())
+    assert (resolved["deepspeed"]["config"], resolved["training"]["micro_batch_size"]) == ("zero0", 16)
+    assert json.loads((out / "checkpoints/global_step2/run_state.json").read_text())["micro_batch_size"] == 16
