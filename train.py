@@ -32,12 +32,12 @@ from data_pipeline.stream import StreamingBatches
 from training.compat import check_versions
 from training.compat.deepspeed import loss_scale, withheld_step, zero0_grad_norm
 from training.config.auto_config import choose_ds_config
-from training.config.ds_config import accumulation_steps, load_ds_config, resolve_ds_config, zero_setting
+from training.config.ds_config import accumulation_steps, load_ds_config, resolve_ds_config, zero_setting, zero_stage
 from training.config.errors import ConfigError, positive_float, positive_int
 from training.config.micro_batch import choose_micro_batch
 from training.config.recipe import load_recipe, recipe_inputs
 from training.loop.benchmarks import benchmark_checkpoint, benchmark_run, check_benchmarks
-from training.loop.engine import loss_divisor, start_engine
+from training.loop.engine import start_engine
 from training.loop.evaluation import evaluate
 from training.loop.metrics import (FlopsMeter, MetricsLogger, Stopwatch, flops_meter, gpu_metrics, measured_model_states,
                                    peak_memory_bytes, record_model_states, run_totals, write_summary)
@@ -45,7 +45,9 @@ from training.loop.health import WeightWatch
 from training.loop.preference import PreferenceLoss, start_preference
 from training.loop.stability import StabilityGuard, finite, rewind
 from training.loop.trackers import Trackers, check_trackers
+from training.models.attention import resolve_attention
 from training.models.build import build_run_model
+from training.models.compile import resolve_compile
 from training.models.lora import lora_files
 from training.models.model import (check_checkpoint_folder, check_checkpoint_matches, check_recipe_against_model,
                                    load_model_config, load_tokenizer, weights_digest)
@@ -104,6 +106,7 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> RunPla
         check_checkpoint_matches(model_config, recipe.model)
     tokenizer = load_tokenizer(recipe.tokenizer_path, recipe.model.trust_remote_code, cached_only=args.dry_run)
     check_recipe_against_model(recipe, model_config, len(tokenizer) if tokenizer else None)
+    recipe = resolve_attention(recipe, model_config, for_gpus=args.num_gpus is not None)
     world_size = world_size or (args.num_gpus * args.num_nodes if args.num_gpus else distributed.world_size())
     auto_config = recipe.deepspeed.config == "auto"
     machine = None
@@ -115,6 +118,7 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> RunPla
                                   lambda chosen: refusal(chosen, model_config, world_size, args.num_gpus is not None))
     raw_ds_config, ds_config_path = load_ds_config(recipe)
     precision = resolve_precision(recipe.precision, raw_ds_config, for_gpus=args.num_gpus is not None)
+    recipe = resolve_compile(recipe, zero_stage(raw_ds_config), for_gpus=args.num_gpus is not None)
     check_layout(recipe, model_config, raw_ds_config, precision, world_size, args.num_gpus is not None)
     parallelism = recipe.parallelism
     tensor = parallelism.tensor_parallel
@@ -210,7 +214,7 @@ def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict], dp_
     for index, batch in enumerate(micro_batches):
         loss = preference(engine, batch, targets_per_micro_batch) if preference else \
             engine(**model_inputs(batch, engine.device, shard),
-                   num_items_in_batch=loss_divisor(engine, targets_per_micro_batch)).loss
+                   num_items_in_batch=targets_per_micro_batch).loss
         if guard and index == len(micro_batches) - 1:
             loss = guard.drop_if_bad((loss_sum + loss.detach()) / shares, loss)
         engine.backward(loss)
@@ -336,7 +340,8 @@ def step_record(engine: deepspeed.DeepSpeedEngine, step: int, lr: float, loss_sh
     aux = router.coefficient * routing["aux_loss"] if "aux_loss" in routing else 0.0
     loss = distributed.all_reduce(loss_share).item() - aux
     return {"step": step, "loss": loss, **routing, "lr": lr, "grad_norm": float(grad_norm),
-            "tokens_per_s": interval["tokens"] / seconds, "peak_mem_bytes": int(peak.item()),
+            "tokens_per_s": interval["tokens"] / seconds, "step_time_s": seconds / interval["steps"],
+            "peak_mem_bytes": int(peak.item()),
             **({"loss_scale": scale} if scale is not None else {}), **gpu_metrics(flops, interval["steps"], seconds)}
 
 
@@ -378,7 +383,7 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
         convert_on_rank_0(checkpoints, latest_tag(checkpoints))
 
     run_start = time.perf_counter()
-    model, mpu = build_run_model(plan)
+    model, mpu, kernels = build_run_model(plan)
     engine = start_engine(plan, model, mpu, total_steps)
     start = resume_engine(engine, batches, plan, total_steps) if args.resume else \
         {"step": 0, "tokens_seen": 0, "data_position": 0}
@@ -392,7 +397,7 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
     trackers = Trackers(plan, start.get("trackers", {}), dist.get_rank() == 0)  # a resumed run continues its own
     totals = train(engine, batches, evaluation, plan, start, total_steps, flops, trackers,
                    router_meter(engine.module, plan.accumulation_steps), preference)
-    totals["model_state_bytes"] = measured_model_states(held_tensors)
+    totals.update(model_state_bytes=measured_model_states(held_tensors), kernels=kernels)
     if totals["last_step"] < total_steps:
         trackers.finish(None)
         return stopped_early(plan, totals, total_steps)

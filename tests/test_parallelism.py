@@ -134,12 +134,13 @@ def test_a_killed_run_resumes_onto_the_uninterrupted_curve(runs, name, tmp_path,
     assert losses(out) == pytest.approx(losses(runs[name]), rel=1e-5)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
-def test_a_packed_row_keeps_its_documents_apart(model_type, tmp_path):
-    """A packed row through sdpa under SP=2 (its second document spans both ranks' slices) gives every document
-    the per-token losses it has alone, without sequence parallelism."""
+@pytest.mark.parametrize("model_type, attn_implementation", [("llama", "sdpa"), ("qwen2", "sdpa"),
+                                                               ("qwen2", "flex_attention")])
+def test_a_packed_row_keeps_its_documents_apart(model_type, attn_implementation, tmp_path):
+    """A packed row under SP=2 (its second document spans both ranks' slices) gives every document the per-token
+    losses it has alone, without sequence parallelism. qwen2's one key/value head is copied to both ranks."""
     out = tmp_path / "losses.pt"
-    command = launcher_command(2, "tests/helpers/sequence_parallel_row.py", [model_type, str(out)])
+    command = launcher_command(2, "tests/helpers/sequence_parallel_row.py", [model_type, attn_implementation, str(out)])
     result = subprocess.run(command, cwd=REPO, env=TRAIN_ENV, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     _, documents = packed_row()

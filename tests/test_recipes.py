@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 import train
 from data_pipeline.pack import pack_concat
 from tests.conftest import REPO, run_train, save_small_checkpoint
+from training.models.attention import attention_for
 from training.models.model import load_model_config
 from training.config.recipe import available_recipes, load_recipe
 
@@ -51,10 +52,11 @@ def model_config(name: str):
     return load_model_config(recipe.model)
 
 
-def cpu_attention(name: str) -> str:
-    """The recipe's attention, or sdpa where it names flash_attention_2 and the flash-attn package (CUDA only) is
-    missing: the packed-row test of flash_attention_2's own kernels needs a GPU."""
-    implementation = load_recipe(name).model.attn_implementation
+def cpu_attention(name: str, as_on_gpu: bool = False) -> str:
+    """The recipe's attention as it resolves on a CPU (as_on_gpu: on a GPU), or sdpa where it names
+    flash_attention_2 and the flash-attn package (CUDA only) is missing: the packed-row test of flash_attention_2's
+    own kernels needs a GPU."""
+    implementation = attention_for(load_recipe(name).model.attn_implementation, model_config(name), as_on_gpu)
     return "sdpa" if implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None \
         else implementation
 
@@ -83,15 +85,17 @@ def test_config_has_the_published_parameter_count(name):
     assert sum(p.numel() for p in model.parameters()) == PUBLISHED_PARAMETERS[name]
 
 
+@pytest.mark.parametrize("on_gpu", [False, True], ids=["cpu", "gpu"])
 @pytest.mark.parametrize("name", RECIPES)
-def test_packed_documents_do_not_attend_to_each_other(name):
-    """The recipe's model family (Llama, Mistral, Qwen2, GPT-2) on a packed row: every document gets the
-    per-token loss it has alone, because the position ids restart at each document."""
+def test_packed_documents_do_not_attend_to_each_other(name, on_gpu):
+    """The recipe's model family (Llama, Mistral, Qwen2, GPT-2) on a packed row, with the attention it runs on a
+    CPU (sdpa) and on a GPU (flex_attention for most, run here by FlexAttention's reference implementation): every
+    document gets the per-token loss it has alone, because the position ids restart at each document."""
     config = model_config(name)
     config.update(small_sizes(config) | {"use_cache": False})  # as training builds it (training/models/model.py)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,  # not the config's torch_dtype
-                                             attn_implementation=cpu_attention(name)).eval()
+                                             attn_implementation=cpu_attention(name, on_gpu)).eval()
     rng = np.random.default_rng(0)
     lengths = np.array([7, 12, 5, 9])
     documents = [rng.integers(4, 4096, size=n) for n in lengths]
@@ -102,7 +106,7 @@ def test_packed_documents_do_not_attend_to_each_other(name):
         logits = model(input_ids=input_ids[None], position_ids=position_ids[None]).logits[0]
         return F.cross_entropy(logits[:-1].float(), labels[1:], ignore_index=-100, reduction="none")
 
-    with torch.no_grad():
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
         packed = per_token_loss(row["input_ids"], row["position_ids"], row["labels"])
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         for document, start in zip(documents, starts):

@@ -1,8 +1,9 @@
 """Run one packed row through a model under Ulysses sequence parallelism (launched with 2 ranks) and save every
 token's loss, gathered from the ranks' slices: tests/test_parallelism.py compares them with each document
-run alone, without sequence parallelism.
+run alone, without sequence parallelism. On a CPU FlexAttention runs forward passes only (as here), with its
+reference implementation.
 
-    deepspeed --num_gpus 2 tests/helpers/sequence_parallel_row.py MODEL_TYPE OUT.pt
+    deepspeed --num_gpus 2 tests/helpers/sequence_parallel_row.py MODEL_TYPE ATTN_IMPLEMENTATION OUT.pt
 """
 import sys
 from pathlib import Path
@@ -20,14 +21,14 @@ from training.parallel.sequence_parallel import enable_sequence_parallel  # noqa
 from tests.helpers import end_process  # noqa: E402
 
 
-def main(model_type: str, out: Path) -> None:
+def main(model_type: str, attn_implementation: str, out: Path) -> None:
     distributed.init_distributed()
-    model = sharp_model(model_type)
+    model = sharp_model(model_type, attn_implementation)
     row, _ = packed_row()
     batch = {name: tensor[None] for name, tensor in row.items()}
     enable_sequence_parallel(model, dist.get_world_size(), micro_batch_size=1, seq_len=batch["input_ids"].shape[1])
     inputs = model_inputs(batch, torch.device("cpu"), (dist.get_rank(), dist.get_world_size()))
-    with torch.no_grad():
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):  # FlexAttention's reference implementation
         logits = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"]).logits[0]
     losses = F.cross_entropy(logits, inputs["shift_labels"][0], ignore_index=-100, reduction="none")
     slices = [torch.empty_like(losses) for _ in range(dist.get_world_size())]
@@ -38,6 +39,6 @@ def main(model_type: str, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    model_type, out = [arg for arg in sys.argv[1:] if not arg.startswith("--local_rank")]  # the launcher adds it
-    main(model_type, Path(out))
+    model_type, attn_implementation, out = [arg for arg in sys.argv[1:] if not arg.startswith("--local_rank")]
+    main(model_type, attn_implementation, Path(out))
     end_process()

@@ -58,9 +58,10 @@ PATCHES = (
                     "test_zero3_reduce_scatter_still_averages_over_every_rank",
                     "https://github.com/deepspeedai/DeepSpeed/issues/6841",
                     proofs=("tests/test_parallelism.py::test_model_parallel_runs_give_the_data_parallel_losses",)),
-    deepspeed_patch("use_sdpa_under_ulysses", "UlyssesSPAttentionHF wraps the attention function registered in "
-                    "transformers' ALL_ATTENTION_FUNCTIONS and drops the attention mask, so packed documents would "
-                    "attend across each other under sdpa: the registered sdpa is replaced process-wide",
+    deepspeed_patch("use_attention_under_ulysses", "UlyssesSPAttentionHF wraps the attention function registered "
+                    "in transformers' ALL_ATTENTION_FUNCTIONS and drops the attention mask (a FlexAttention BlockMask "
+                    "it rebuilds as plain causal), so packed documents would attend across each other under sdpa "
+                    "and flex_attention: the registered function is replaced process-wide",
                     "test_ulysses_wraps_the_registered_attention_and_drops_the_mask",
                     proofs=("tests/test_parallelism.py::test_a_packed_row_keeps_its_documents_apart",)),
     deepspeed_patch("use_fp16_block_loss_scaling", "fp16 at ZeRO-0 (torch autocast) gets a default torch GradScaler, "
@@ -165,9 +166,10 @@ def sum_sequence_slices(size: int) -> None:
     stage3.reduce_scatter_coalesced = reduce_scatter_summing_groups
 
 
-def use_sdpa_under_ulysses(attention: Callable) -> None:
-    """Have Ulysses' wrapper, which takes the function registered under "sdpa", run `attention` instead."""
-    ALL_ATTENTION_FUNCTIONS["sdpa"] = attention
+def use_attention_under_ulysses(name: str, attention: Callable) -> None:
+    """Have Ulysses' wrapper, which takes the function registered under `name` ("sdpa", "flex_attention"), run
+    `attention` instead."""
+    ALL_ATTENTION_FUNCTIONS[name] = attention
 
 
 # --- fp16 at ZeRO-0 and the gradient norm without ZeRO -------------------------------------------------------------

@@ -21,6 +21,12 @@ PATCHES = (
           "module replaces its class's forward for that module alone, hooks included (long_context's tiling)",
           NO_ISSUE, "tests/training/compat/test_torch.py::test_an_instance_forward_replaces_the_class_forward",
           proofs=("tests/training/models/test_long_context.py::test_tiles_give_the_models_loss_and_gradients",)),
+    Patch("is_fake", "torch", VERIFIED_FOR,
+          "torch.compile leaves FakeTensors (shapes without memory) for the garbage collector, and the data pointer "
+          "of a FakeTensor's storage reads as 0 with a warning that it will become an error: the census of held "
+          "tensors passes them over by their private class, torch._subclasses.fake_tensor.FakeTensor", NO_ISSUE,
+          "tests/training/compat/test_torch.py::test_a_fake_tensors_data_pointer_is_a_warned_zero",
+          proofs=("tests/training/loop/test_metrics.py::test_the_census_passes_over_compiles_fake_tensors",)),
     Patch("plain_optimizer_states", "torch", VERIFIED_FOR,
           "torch.load with a callable map_location, which DeepSpeed's ZeRO-0 checkpoint reader passes "
           "(state_dict_factory), cannot rebuild a tensor subclass (torchao's 8-bit optimizer states): the "
@@ -60,6 +66,13 @@ def rebuilt_optimizer_states(state_dict: dict) -> dict:
         return value.kind.__tensor_unflatten__(value.inner, value.context, value.size, value.stride)
     return {**state_dict, "state": {index: {key: rebuilt(value) for key, value in state.items()}
                                     for index, state in state_dict["state"].items()}}
+
+
+def is_fake(tensor: torch.Tensor) -> bool:
+    """A FakeTensor of torch.compile's tracing: a shape and dtype with no memory behind it."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor)
 
 
 def found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:

@@ -197,6 +197,19 @@ def precision_sections(precision: str, stage: int, grad_accum_dtype: str) -> dic
             "data_types.grad_accum_dtype": grad_accum_dtype}
 
 
+def choose_adamw_kernel(config: dict) -> None:
+    """AdamW's implementation, where the DeepSpeed config names none (`torch_adam`): torch's AdamW (DeepSpeed's
+    FusedAdam is JIT-built with a CUDA toolkit and has no CPU form), fused into one kernel per step on CUDA (`fused`;
+    on a CPU torch's multi-tensor foreach path). ZeRO-Offload steps on the CPU with DeepSpeed's CPU Adam, left as it
+    is; a config's own torch_adam or fused is kept."""
+    optimizer = config.get("optimizer", {})
+    if optimizer.get("type") != "AdamW" or zero_setting(config).endswith("_offload"):
+        return
+    params = optimizer.setdefault("params", {})
+    if params.setdefault("torch_adam", True):
+        params.setdefault("fused", get_accelerator().device_name() == "cuda")
+
+
 def resolve_ds_config(raw: dict, source: Path, recipe: Recipe, hidden_size: int, dp_size: int,
                       precision: str) -> dict:
     """A complete DeepSpeed config with no "auto" left, or a ConfigError listing every problem."""
@@ -231,6 +244,7 @@ def resolve_ds_config(raw: dict, source: Path, recipe: Recipe, hidden_size: int,
         elif current != value:
             problems.append(f"{key}={json.dumps(current)} in {source} contradicts {recipe_key}={json.dumps(value)} "
                             f"in {recipe.path}; make them equal or set the DeepSpeed value to \"auto\"")
+    choose_adamw_kernel(config)
     model_sizes = {  # the HF Trainer's formulas
         "zero_optimization.reduce_bucket_size": hidden_size * hidden_size,
         "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),

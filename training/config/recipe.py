@@ -66,7 +66,8 @@ class ModelSection(StrictModel):
     config: LocalPath | None = None  # architecture: a config.json or its folder
     name_or_path: HubIdOrPath | None = None  # checkpoint to start from: hub id or local folder
     config_overrides: FreeForm = {}  # e.g. {num_hidden_layers: 2} to shrink a model for a smoke test
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    # auto: flex_attention on CUDA (packed documents at flash speed), sdpa elsewhere (training/models/attention.py)
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2", "flex_attention"] = "auto"
     trust_remote_code: bool = False  # run Python code shipped with a hub checkpoint: only for checkpoints you trust
 
     @model_validator(mode="after")
@@ -272,7 +273,12 @@ class Recipe(StrictModel):
     precision: Literal["auto", "bf16", "fp16", "fp32", "fp8"] = "auto"
     fp8: Fp8Section = Fp8Section()
     activation_checkpointing: bool = False
-    compile: bool = False  # torch.compile the model through DeepSpeed (engine.compile): fuses FP8's casts, among others
+    # torch.compile each decoder layer (training/models/compile.py); auto: on where it is proven faster (CUDA,
+    # ZeRO 0-2, data parallel), off on CPU
+    compile: Literal["auto"] | bool = "auto"
+    # the LM head and cross-entropy in chunks of tokens, gradients taken as it goes: the [tokens, vocab] fp32 logits
+    # never exist whole (training/models/fused_loss.py); objective lm only
+    fused_loss: bool = True
     parallelism: ParallelismSection = ParallelismSection()
     lora: LoraSection = LoraSection()
     moe: MoeSection = MoeSection()

@@ -1,5 +1,5 @@
 """The DeepSpeed engine of a run: deepspeed.initialize with the recipe's optimizer, parameter groups and schedule, then
-what this repository changes in it (training/compat/) and DeepSpeed's torch.compile where the recipe asks."""
+what this repository changes in it (training/compat/)."""
 from contextlib import nullcontext
 
 import deepspeed
@@ -24,18 +24,4 @@ def start_engine(plan: RunPlan, model: torch.nn.Module, mpu: object | None, tota
     attach_shaped_optimizer(engine)
     if isinstance(engine, PipelineEngine) and not plan.zero_stage:
         report_grad_norm(engine, withhold_nonfinite=plan.recipe.stability.enabled)
-    if plan.recipe.compile:
-        engine.compile()  # DeepSpeed's torch.compile integration, with the accelerator's default backend
     return engine
-
-
-def loss_divisor(engine: deepspeed.DeepSpeedEngine, targets: float) -> float | torch.Tensor:
-    """A micro-batch's target count, as the model's num_items_in_batch: a Python float, which needs no copy to the
-    device, except under torch.compile. Dynamo specializes a graph on a float argument's value, so a new count
-    each step would recompile the model each step until its recompile limit (seen on an H200: steps 2-5 took
-    80 s); a 0-d tensor is traced instead, and copied from pinned memory without a host sync."""
-    if not engine.is_compiled:
-        return targets
-    value = torch.tensor(targets, dtype=torch.float32)
-    return value.to(engine.device) if engine.device.type == "cpu" else \
-        value.pin_memory().to(engine.device, non_blocking=True)

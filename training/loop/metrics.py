@@ -15,7 +15,9 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
+from training.compat.torch import is_fake
 from training.loop.trackers import Trackers, flat
+from training.models.build import describe_kernels
 from training.parallel import distributed
 from training.planning.flops import flops_per_token, peak_tflops
 from training.planning.plan import RunPlan
@@ -52,12 +54,12 @@ def held_tensor_bytes(optimizer: torch.optim.Optimizer) -> dict[str, int]:
     tensors += [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     storages = {}
     for tensor in tensors:
-        if tensor.device.type == "meta" or tensor.layout != torch.strided:
-            continue
+        if tensor.device.type == "meta" or tensor.layout != torch.strided or is_fake(tensor):
+            continue  # a fake tensor (torch.compile's, left for the collector) holds no memory
         try:
             storage = tensor.untyped_storage()
             storages[tensor.device.type, storage.data_ptr()] = storage.nbytes()
-        except RuntimeError:  # torch.compile's fake tensors, left for the collector, hold no memory
+        except RuntimeError:  # a storage already freed ("invalid python storage"), found before the collector ran
             continue
     held = {}
     for (device, _), size in storages.items():
@@ -155,6 +157,7 @@ def run_totals(records: list[dict], timed: dict, saves: list[dict], flops: Flops
     """summary.json's totals from the logged records, the timed intervals (tokens, steps, seconds after the first
     step) and the checkpoint saves."""
     return {"first_loss": records[0]["loss"], "final_loss": records[-1]["loss"],
+            "first_step_s": records[0]["step_time_s"],  # the first record is the first step's alone (warm-up, compile)
             "mean_tokens_per_s": timed["tokens"] / timed["seconds"] if timed["seconds"] else records[0]["tokens_per_s"],
             **(flops.metrics(timed["steps"], timed["seconds"]) if flops and timed["seconds"] else {}),
             "peak_mem_bytes": max(r["peak_mem_bytes"] for r in records),
@@ -309,6 +312,8 @@ def print_summary(summary: dict) -> None:
         *([("DPO reference pass", f"{summary['reference_pass_s']:.1f} s")] if "reference_pass_s" in summary else []),
         ("tokens seen", f"{summary['tokens_seen']:,}"),
         ("mean tokens/s (after step 1)", f"{summary['mean_tokens_per_s']:,.0f}"),
+        ("first step (warm-up, compile)", f"{summary['first_step_s']:.1f} s"),
+        *([("kernels", describe_kernels(summary["kernels"]))] if "kernels" in summary else []),
         *([("TFLOP/s per GPU (model / with recomputation)", f"{summary['tflops']:.1f} / "
             f"{summary['hardware_tflops']:.1f}")] if "tflops" in summary else []),
         *([("MFU", f"{summary['mfu']:.1%}")] if "mfu" in summary else []),

@@ -31,7 +31,8 @@ def check_fp8_hardware() -> None:
 
 
 def convert_linears_to_fp8(model: torch.nn.Module, section: Fp8Section, vocab_size: int) -> list[str]:
-    """Swap the model's linear layers for torchao's Float8Linear, in place, and return their names.
+    """Swap the model's linear layers for torchao's Float8Linear, in place, and return their names (the filter's
+    choice; fp8_linear_count counts what the model holds).
 
     Kept in BF16: the LM head (the layer with vocab_size outputs) unless fp8.lm_head, modules matching
     fp8.exclude, and layers whose sizes are not multiples of 16 (FP8 matmuls need them)."""
@@ -52,3 +53,11 @@ def convert_linears_to_fp8(model: torch.nn.Module, section: Fp8Section, vocab_si
     convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(section.recipe),
                                module_filter_fn=fp8_eligible)
     return converted
+
+
+def fp8_linear_count(model: torch.nn.Module) -> int:
+    """The model's linear layers that compute in FP8 (torchao's Float8Linear): what the summary reports, so that a
+    run whose conversion silently did nothing shows 0."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    return sum(isinstance(module, Float8Linear) for module in model.modules())

@@ -12,7 +12,8 @@ from transformers.integrations import HfDeepSpeedConfig
 from training.config.ds_config import zero_stage
 from training.config.errors import ConfigError
 from training.models.lora import nf4_quantization
-from training.planning.precision import DTYPES
+from training.models.attention import attention_for
+from training.planning.precision import DTYPES, device_type
 from training.config.recipe import ModelSection, Recipe
 
 
@@ -196,7 +197,8 @@ def build_model(recipe: Recipe, config: PretrainedConfig, ds_config: dict, preci
     `model.config` is built whole on every rank: under zero.Init transformers initializes the weights in
     another order, so ZeRO-3 would start from other random weights than the other stages."""
     torch.manual_seed(recipe.training.seed)
-    options = {"config": config, "attn_implementation": recipe.model.attn_implementation,
+    attention = attention_for(recipe.model.attn_implementation, config, on_gpu=device_type() == "cuda")
+    options = {"config": config, "attn_implementation": attention,
                "trust_remote_code": recipe.model.trust_remote_code}
     if recipe.model.name_or_path:
         stage = zero_stage(ds_config)

@@ -7,10 +7,11 @@ the model works on the slice. DeepSpeed reduces the gradients over all ranks and
 ranks only, so the group's slices add up to the row's gradient, as one rank would compute it.
 
 Packed rows: DeepSpeed's wrapper gathers the full `position_ids` and drops the attention mask, which transformers
-built for the slice. flash_attention_2 finds the documents from those position_ids by itself; sdpa would attend
-across them (plain causal), so under sdpa the attention here builds the document mask from the gathered
-position_ids with transformers' own `find_packed_sequence_indices`: the same mask as without sequence
-parallelism, a [seq, seq] mask per row when the row holds more than one document.
+built for the slice (a FlexAttention BlockMask it replaces with a plain causal one). flash_attention_2 finds the
+documents from those position_ids by itself; sdpa and flex_attention would attend across them, so under those the
+attention here builds the document mask from the gathered position_ids with transformers' own
+`find_packed_sequence_indices`: the same mask as without sequence parallelism (for sdpa a [seq, seq] mask per row
+when the row holds more than one document, for flex_attention a BlockMask, training/models/attention.py).
 
 ZeRO-3 (DeepSpeed 0.19.8): its all-reduce path divides the summed gradients by the data-parallel ranks, but its
 reduce-scatter path (the default, `reduce_scatter: true`) by all ranks, so under sequence parallelism the
@@ -24,13 +25,14 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import find_packed_sequence_indices
 
-from training.compat.deepspeed import sum_sequence_slices, use_sdpa_under_ulysses
+from training.compat.deepspeed import sum_sequence_slices, use_attention_under_ulysses
 from training.compat.transformers import attention_implementation
 from training.config.errors import ConfigError
 from training.config.recipe import Recipe
+from training.models.attention import document_flex
 from training.planning.shape import head_counts, rank_groups_problem
 
-SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2")
+SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2", "flex_attention")
 
 
 def check_sequence_parallel(recipe: Recipe, config: PretrainedConfig, world_size: int, zero_stage: int,
@@ -56,7 +58,8 @@ def check_sequence_parallel(recipe: Recipe, config: PretrainedConfig, world_size
                         f"pipeline engine cannot run Ulysses attention; use one of them (ZeRO-3 with sequence "
                         f"parallelism holds large models too)")
     if attn_implementation not in SUPPORTED_ATTENTION:
-        problems.append(f"model.attn_implementation={attn_implementation}: Ulysses runs {' or '.join(SUPPORTED_ATTENTION)} "
+        problems.append(f"model.attn_implementation={attn_implementation}: Ulysses runs sdpa, flash_attention_2 or "
+                        f"flex_attention "
                         f"(eager builds a [seq, seq] mask per head); set model.attn_implementation=sdpa")
     if precision in ("bf16", "fp8") and zero_stage == 1:
         problems.append(f"precision={precision} with ZeRO-1: DeepSpeed's BF16_Optimizer takes the sequence-parallel "
@@ -81,13 +84,14 @@ def document_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
 def enable_sequence_parallel(model: PreTrainedModel, size: int, micro_batch_size: int, seq_len: int):
     """Route the model's attention through DeepSpeed's Ulysses wrapper and return the `mpu` (DeepSpeed's
     sequence-parallel groups) for deepspeed.initialize (None for size 1: no groups, attention as it is). Under
-    sdpa the wrapped attention is `document_sdpa`."""
+    sdpa the wrapped attention is `document_sdpa`, under flex_attention `document_flex`."""
     if size == 1:
         return None
     sum_sequence_slices(size)
     implementation = attention_implementation(model.config)
-    if implementation == "sdpa":
-        use_sdpa_under_ulysses(document_sdpa)
+    documents_apart = {"sdpa": document_sdpa, "flex_attention": document_flex}.get(implementation)
+    if documents_apart:
+        use_attention_under_ulysses(implementation, documents_apart)
     return UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=model, core_attn_implementation=implementation, sequence_parallel_size=size,
         micro_batch_size=micro_batch_size, seq_length=seq_len, seq_length_is_variable=False)

@@ -13,11 +13,14 @@ modules and are checked against a measurement of the saved tensors (tests/traini
   GPT-2 (per layer, no dropout):             28*a*h + a*s + 4*heads + 4*a
   outside the layers: Llama family (2a + 4)*h + 2*a*head_dim + 4*V + 20, GPT-2 2*a*h + 4*V + 24 + 2a
 with a the activation dtype's bytes, h the hidden size, q/kv the query/key widths, i the MLP width, s the
-row length (the per-layer copy of the packed-document mask; flash_attention_2 has none) and V the vocabulary
-(the fp32 log-softmax of the loss). With checkpointing each layer keeps only its input (a*h) and one layer's
-activations are rebuilt at a time in the backward pass. The loss briefly holds the logits and their fp32
-copy too, (a + 4)*V per token, which is added to the peak. Gradient buffers of the activations, the CUDA
-context and allocator fragmentation are not: `fits` leaves 10% of the memory for them.
+row length (the per-layer copy of the packed-document mask; flash_attention_2 and flex_attention have none) and V
+the vocabulary (the fp32 log-softmax of the loss). With checkpointing each layer keeps only its input (a*h) and one
+layer's activations are rebuilt at a time in the backward pass. The loss briefly holds the logits and their fp32
+copy too, (a + 4)*V per token, which is added to the peak. The fused loss (fused_loss, on by default) saves no
+logits: its hidden states' gradient (a*h) takes the place of the head's saved input, and 4*V + 8 per token are gone;
+one chunk of C tokens is live at a time, C*(2a + 4)*V, with the head's weight gradient, (4 + a)*V*h. Gradient
+buffers of the activations, the CUDA context and allocator fragmentation are not: `fits` leaves 10% of the memory
+for them.
 
 Expert parallelism of N (training/parallel/expert_parallel.py, ZeRO-1 and 2 only) over R data-parallel ranks, with
 P parameters of which P_e are the experts' (all layers):
@@ -37,6 +40,7 @@ from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
 from training.config.recipe import Recipe
+from training.models.fused_loss import CHUNK_TOKENS, uses_fused_loss
 from training.parallel.expert_parallel import ZERO_STAGES as EXPERT_PARALLEL_STAGES
 from training.planning.optimizer_states import optimizer_state_bytes
 from training.planning.plan import Machine, RunPlan
@@ -166,7 +170,7 @@ def layer_bytes_per_token(shape: ModelShape, seq_len: int, dtype_bytes: int, att
     Under sequence parallelism a rank holds seq_len / N tokens of each row; attention then sees the whole row
     for heads / N (the same bytes), but sdpa's [seq, seq] mask is whole on every rank: N x as much per token."""
     a, h, s = dtype_bytes, shape.hidden_size, seq_len
-    mask = 0 if attn_implementation == "flash_attention_2" else a * s * sequence_parallel
+    mask = 0 if attn_implementation in ("flash_attention_2", "flex_attention") else a * s * sequence_parallel
     attention_softmax = 4 * shape.num_heads + mask  # sdpa keeps a log-sum-exp per head
     if attn_implementation == "eager":  # the probabilities (fp32, and their cast to a) instead
         attention_softmax = shape.num_heads * s * (4 + (a if a != 4 else 0))
@@ -223,14 +227,18 @@ class Activations:
 def activation_bytes(shape: ModelShape, tokens: int, seq_len: int, dtype_bytes: int, attn_implementation: str,
                      layers: int | None = None, with_head: bool = True, sequence_parallel: int = 1,
                      tiled_mlp: bool = False, logits_tile_tokens: int | None = None,
-                     offload_checkpoints: bool = False, expert_parallel: int = 1) -> Activations | None:
+                     offload_checkpoints: bool = False, expert_parallel: int = 1,
+                     fused_loss: bool = False) -> Activations | None:
     """Peak activation memory of one micro-batch of `tokens` tokens (on this rank: a 1/N slice of each row under
     sequence parallelism) through `layers` decoder layers (default: all) and, with_head, the embedding, head and
     loss; None for a model type without a rule.
 
     Tiling (training/models/long_context.py): a tiled MLP saves only its input, which the layer's norm output already
     counts, and one tile of hidden_size tokens per row is live at a time; tiled logits save nothing of the
-    vocabulary's width, and one tile's logits and their fp32 copy are live at a time. Offloaded checkpoints keep
+    vocabulary's width, and one tile's logits and their fp32 copy are live at a time. The fused loss
+    (training/models/fused_loss.py) saves the hidden states' gradient in place of the head's input and no logits;
+    one chunk's logits (in the run's dtype, in fp32, and their gradient in the run's dtype) and the head's weight
+    gradient (fp32, and its cast) are live at a time. Offloaded checkpoints keep
     the layers' saved inputs in host memory, all but the one brought back for the layer being recomputed. Under
     expert parallelism one MoE layer's all-to-all buffers are added to the peak."""
     a, h, vocab = dtype_bytes, shape.hidden_size, shape.vocab_size
@@ -247,6 +255,9 @@ def activation_bytes(shape: ModelShape, tokens: int, seq_len: int, dtype_bytes: 
     if with_head and logits_tile_tokens:
         outside -= (a + 8) * vocab
         transient = max(transient, min(tokens, logits_tile_tokens) * (a + 4) * vocab)
+    elif with_head and fused_loss:
+        outside -= (a + 8) * vocab + 8  # and the loss's int64 targets; the gradient a*h takes the head input's place
+        transient = max(transient, min(tokens, CHUNK_TOKENS) * (2 * a + 4) * vocab + (4 + a) * vocab * h)
     if layers:
         transient += tokens * all_to_all_bytes_per_token(shape, a, expert_parallel)
     on_device = 1 if offload_checkpoints and layers else layers
@@ -282,7 +293,9 @@ def activations(recipe: Recipe, precision: str, shape: ModelShape, **stage) -> A
                             sequence_parallel=parallelism.sequence_parallel, tiled_mlp=long_context.tiled_mlp,
                             logits_tile_tokens=long_context.logits_tile_tokens,
                             offload_checkpoints=long_context.offload_checkpoints,
-                            expert_parallel=parallelism.expert_parallel, **stage)
+                            expert_parallel=parallelism.expert_parallel,
+                            fused_loss=uses_fused_loss(recipe, router_loss=bool(shape.num_experts)
+                                                       and recipe.moe.aux_loss_coef != 0), **stage)
 
 
 def tensor_parallel_shard(shape: ModelShape, size: int) -> ModelShape:

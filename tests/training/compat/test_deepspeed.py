@@ -84,7 +84,10 @@ def test_ulysses_wraps_the_registered_attention_and_drops_the_mask():
     register = source(UlyssesSPAttentionHF.register_with_transformers)
     assert "ALL_ATTENTION_FUNCTIONS[core_attn_implementation]" in register
     assert "attention_mask = None" in register, \
-        "Ulysses keeps the attention mask now: compat use_sdpa_under_ulysses (document_sdpa) may go"
+        "Ulysses keeps the attention mask now: compat use_attention_under_ulysses (document_sdpa) may go"
+    rebuilt = source(UlyssesSPAttentionHF.forward)
+    assert "def causal_mask(batch_idx, head_idx, q_idx, kv_idx):" in rebuilt and "kwargs[\"position_ids\"]" in rebuilt, \
+        "Ulysses no longer rebuilds a plain causal BlockMask: check whether document_flex is still needed"
 
 
 # --- fp16 at ZeRO-0, the gradient norm without ZeRO, a withheld step -----------------------------------------------

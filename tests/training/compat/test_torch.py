@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from training.compat.torch import found_inf, plain_optimizer_states, rebuilt_optimizer_states, replace_forward
+from training.compat.torch import found_inf, is_fake, plain_optimizer_states, rebuilt_optimizer_states, replace_forward
 
 
 def test_grad_scaler_reports_found_inf_only_through_a_private_method():
@@ -35,3 +35,13 @@ def test_a_callable_map_location_cannot_load_a_tensor_subclass(tmp_path):
     loaded = rebuilt_optimizer_states(torch.load(path, map_location=lambda storage, location: storage,
                                                  weights_only=False))
     assert type(loaded["state"][0]["exp_avg"]) is OptimState8bit
+
+
+def test_a_fake_tensors_data_pointer_is_a_warned_zero():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        fake = torch.empty(1000)
+    assert is_fake(fake) and not is_fake(torch.empty(1000))
+    with pytest.warns(UserWarning, match="Accessing the data pointer of FakeTensor is deprecated"):
+        assert fake.untyped_storage().data_ptr() == 0, \
+            "a FakeTensor's data pointer is no longer 0: check whether compat is_fake is still needed"

@@ -32,6 +32,20 @@ def test_held_tensors_count_shared_storage_once():
     assert held_tensor_bytes(optimizer)["cpu"] - before == 8_000_000
 
 
+def test_the_census_passes_over_compiles_fake_tensors():
+    """torch.compile's FakeTensors hold no memory, and all read their storage's data pointer as 0 (which would count
+    one of them as a real storage); none is counted, and no warning is raised."""
+    import warnings
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))])
+    before = held_tensor_bytes(optimizer)["cpu"]
+    with FakeTensorMode():
+        fakes = [torch.empty(1_000_000), torch.empty(2_000_000)]  # noqa: F841 (held)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert held_tensor_bytes(optimizer)["cpu"] == before
+
+
 def test_flops_meter():
     meter = FlopsMeter(model_flops_per_step=3e12, hardware_flops_per_step=4e12, peak_tflops=100.0)
     assert meter.metrics(steps=10, seconds=2.0) == {"tflops": 15.0, "hardware_tflops": 20.0, "mfu": 0.15}

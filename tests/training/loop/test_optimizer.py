@@ -75,7 +75,8 @@ def resolved(*overrides: str) -> dict:
 
 def test_the_optimizer_section_follows_the_recipe():
     assert resolved()["optimizer"] == {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8,
-                                                                    "weight_decay": 0.1, "torch_adam": True}}
+                                                                    "weight_decay": 0.1, "torch_adam": True,
+                                                                    "fused": False}}  # on a CPU: torch's foreach
     lion = resolved("optimizer.name=lion", "training.lr=3e-4", "training.betas=[0.9, 0.99]")
     assert lion["optimizer"] == {"type": "Lion", "params": {"lr": 3e-4, "betas": [0.9, 0.99], "weight_decay": 0.1}}
     assert lion["zero_allow_untested_optimizer"] is True  # lion-pytorch's, a client optimizer
@@ -142,3 +143,49 @@ def test_lion_leaves_a_weight_without_a_gradient_where_it_is():
         optimizer.step()
     torch.testing.assert_close(unused.detach(), torch.full((4,), (1 - 1e-4) ** 3), rtol=0, atol=1e-7)  # decay only
     torch.testing.assert_close(used.detach(), torch.full((4,), (1 - 1e-4) ** 3 - 3e-3), rtol=0, atol=1e-6)
+
+
+def test_adamw_is_torchs_fused_kernel_on_cuda_where_the_config_names_none(monkeypatch):
+    from deepspeed.accelerator import get_accelerator
+    monkeypatch.setattr(get_accelerator(), "device_name", lambda *_: "cuda")
+    for setting in ("zero0", "zero1", "zero2", "zero3"):
+        params = resolved(f"deepspeed.config={setting}")["optimizer"]["params"]
+        assert (params["torch_adam"], params["fused"]) == (True, True), setting
+    for setting in ("zero2_offload", "zero3_offload"):  # DeepSpeed's CPU Adam steps there
+        assert {"torch_adam", "fused"}.isdisjoint(resolved(f"deepspeed.config={setting}")["optimizer"]["params"])
+    kept = resolved("deepspeed.overrides={optimizer: {params: {fused: false}}}")["optimizer"]["params"]
+    assert (kept["torch_adam"], kept["fused"]) == (True, False)
+    deepspeeds = resolved("deepspeed.overrides={optimizer: {params: {torch_adam: false}}}")["optimizer"]["params"]
+    assert deepspeeds["torch_adam"] is False and "fused" not in deepspeeds  # DeepSpeed's FusedAdam, as asked
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_fused_adamw_takes_the_unfused_steps(stage, one_rank):
+    """torch's fused AdamW (CUDA's default here; torch runs the same kernel's CPU form) under each ZeRO stage: 5 steps
+    of a tiny Llama give the foreach implementation's weights within 1e-6 (fp32)."""
+    import deepspeed
+
+    weights = {}
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, use_cache=False))
+        config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "zero_optimization": {"stage": stage},
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "torch_adam": True,
+                                                            "fused": fused}}}
+        engine, optimizer, *_ = deepspeed.initialize(model=model, config=config,
+                                                     model_parameters=weight_decay_groups(model, 0.1))
+        inner = getattr(optimizer, "optimizer", optimizer)
+        assert inner.defaults["fused"] is fused
+        ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+        for _ in range(5):
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            weights[fused] = [p.detach().clone() for p in engine.module.parameters()]
+        engine.destroy()
+    for foreach, fused in zip(weights[False], weights[True]):
+        torch.testing.assert_close(fused, foreach, rtol=1e-6, atol=1e-6)
+    torch.manual_seed(0)
+    start = LlamaForCausalLM(engine.module.config).parameters()
+    assert all((after - before).abs().max() > 1e-3 for before, after in zip(start, weights[True]))  # 5 real steps

@@ -21,7 +21,7 @@ from training.planning.shape import model_shape
     (["parallelism.sequence_parallel=2", "parallelism.pipeline_stages=2"], 4,
      "DeepSpeed's pipeline engine cannot run Ulysses attention"),
     (["parallelism.sequence_parallel=2", "model.attn_implementation=eager"], 2,
-     "model.attn_implementation=eager: Ulysses runs sdpa or flash_attention_2"),
+     "model.attn_implementation=eager: Ulysses runs sdpa, flash_attention_2 or flex_attention"),
     (["parallelism.sequence_parallel=2", "precision=bf16", "deepspeed.config=zero1"], 2,
      "precision=bf16 with ZeRO-1: DeepSpeed's BF16_Optimizer takes the sequence-parallel group"),
 ])
