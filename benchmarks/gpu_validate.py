@@ -9,8 +9,9 @@ with its process group, recorded as such, and the next one starts:
     tests       the GPU pytest files: packed rows on CUDA (fp32, bf16; sdpa, eager, flash where installed),
                 fp16 resume with its loss scale, FP8 against bf16 and FP8 ZeRO-3 export, QLoRA (where bitsandbytes
                 is installed). Without CUDA they skip, each with its reason.
-    throughput  benchmarks/gpu_throughput.py (1.24B Llama, seq 2048): tokens/s, TFLOP/s, MFU, FP8 speed-up, and
-                the plan's peak memory against the measured one, per run.
+    throughput  benchmarks/gpu_throughput.py (1.24B Llama, seq 2048) on THROUGHPUT_RUNS: tokens/s, TFLOP/s, MFU,
+                FP8 speed-up, the speed against the HF Trainer (same model, rows, batch and DeepSpeed config, eager
+                and compiled), and the plan's peak memory against the measured one, per run.
     stages      tools/compare_zero.py on tiny_llama in fp32, ZeRO 0, 1, 2, 3, 2+offload, 3+offload on one GPU:
                 its table and picture, and the invariant that every stage's loss curve equals ZeRO-0's within
                 1e-5 relative.
@@ -33,6 +34,9 @@ REPO = Path(__file__).resolve().parent.parent
 GPU_TESTS = ["tests/test_gpu_invariants.py", "tests/test_train_fp16_gpu.py", "tests/test_train_fp8_gpu.py",
              "tests/test_train_qlora_gpu.py"]
 STAGES = "0,1,2,3,2_offload,3_offload"
+# gpu_throughput.py's runs (--only): train.py and the HF Trainer side by side, eager and compiled; --throughput-runs
+# replaces the list
+THROUGHPUT_RUNS = ["bf16-noac-zero1", "hf-bf16-noac-zero1", "bf16-noac-zero1-compile", "hf-bf16-noac-zero1-compile"]
 STAGE_TOLERANCE = 1e-5  # relative, fp32
 
 
@@ -49,7 +53,7 @@ class Part:
 def parts(args: argparse.Namespace) -> list[Part]:
     out, python = args.output, sys.executable
     tiny = ["--allow-cpu", "--model-config", "recipes/tiny_llama/config.json", "--seq-len", "64", "--steps", "2",
-            "--micro-batch-size", "2", "--only", "bf16-noac-zero1"] if args.smoke else \
+            "--micro-batch-size", "2", "--only", "bf16-noac-zero1,hf-bf16-noac-zero1"] if args.smoke else \
         ["--only", args.throughput_runs, "--steps", str(args.throughput_steps), "--timeout", "300"]
     small = ["model.config_overrides={num_hidden_layers: 1, hidden_size: 32, intermediate_size: 64}"]
     return [
@@ -157,11 +161,11 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, runs on a CPU: checks the plumbing only")
     parser.add_argument("--parts", default="tests,throughput,stages", help="comma-separated, in this order")
     parser.add_argument("--budget", type=int, default=560, help="seconds for all parts together")
-    parser.add_argument("--tests-budget", type=int, default=300)
-    parser.add_argument("--throughput-budget", type=int, default=200)
-    parser.add_argument("--stages-budget", type=int, default=240)
-    parser.add_argument("--throughput-runs", default="noac-zero1,bf16-ac-zero1",
-                        help="gpu_throughput.py's --only (default: bf16 and fp8 without checkpointing, bf16 with it)")
+    parser.add_argument("--tests-budget", type=int, default=110)
+    parser.add_argument("--throughput-budget", type=int, default=330)
+    parser.add_argument("--stages-budget", type=int, default=120)
+    parser.add_argument("--throughput-runs", default=",".join(THROUGHPUT_RUNS),
+                        help=f"gpu_throughput.py's --only (default: {','.join(THROUGHPUT_RUNS)})")
     parser.add_argument("--throughput-steps", type=int, default=20)
     parser.add_argument("--stage-steps", type=int, default=20)
     args = parser.parse_args()

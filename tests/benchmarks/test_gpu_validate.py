@@ -25,8 +25,14 @@ def test_the_cpu_smoke_runs_every_part_and_reports_it(tmp_path):
         assert f"## {part}: passed" in report, report
     assert "0 failed" in report and "skipped test_resumed_fp16_run_continues_its_loss_scale[zero0]" in report
     assert "every stage equals ZeRO-0 within 1e-05 relative" in report
-    row, = csv.DictReader((out / "throughput" / "results.csv").open())
-    assert float(row["tokens_per_s"]) > 0 and float(row["planned_gib"]) > 0 and float(row["plan_ratio"]) > 0
+    ours, trainer = csv.DictReader((out / "throughput" / "results.csv").open())
+    assert float(ours["tokens_per_s"]) > 0 and float(ours["planned_gib"]) > 0 and float(ours["plan_ratio"]) > 0
+    # the HF Trainer's row arrives with its numbers, and train.py's row is divided by them
+    assert trainer["runner"] == "HF Trainer" and trainer["compile"] == "off" and trainer["error"] == ""
+    assert float(trainer["tokens_per_s"]) > 0 and float(trainer["first_step_s"]) > 0
+    assert float(ours["vs_hf_trainer"]) == float(ours["vs_hf_defaults"]) == pytest.approx(
+        float(ours["tokens_per_s"]) / float(trainer["tokens_per_s"]))
+    assert "| HF Trainer | bf16 | off | 1 | off |" in report
 
 
 def write_stages(folder, *rows: str) -> None:
