@@ -5,15 +5,19 @@ and expert, `experts/layerLL/expertEE`, as TensorBoard has them), each stability
 its step, the resolved recipe and DeepSpeed config as the run's config, and summary.json at the end. Its run id
 goes into every checkpoint's run state, so a resumed run continues the same tracker run.
 
-Offline: W&B writes under <output>/wandb when WANDB_MODE=offline (`wandb sync` uploads it later); MLflow writes
-a local file store, <output>/mlruns, unless MLFLOW_TRACKING_URI names a server. A tracker that cannot start is a
-user error (exit 2, before training); one that fails mid-run is a warning, once, and training goes on without it.
+Offline: W&B writes under <output>/wandb when WANDB_MODE=offline (`wandb sync` uploads it later), the whole file by
+the time Trackers.finish returns (W&B's own finish returns before its service writes it: training/compat/wandb.py);
+MLflow writes a local file store, <output>/mlruns, unless MLFLOW_TRACKING_URI names a server. A tracker that cannot
+start is a user error (exit 2, before training); one that fails mid-run is a warning, once, and training goes on
+without it.
 """
 import importlib.util
 import os
 import sys
 import time
+from pathlib import Path
 
+from training.compat.wandb import finished_run_records
 from training.config.errors import ConfigError
 from training.planning.plan import RunPlan
 
@@ -52,6 +56,7 @@ class WandbRun:
         self.run = wandb.init(project=logging.project or plan.recipe.name, name=logging.run_name or plan.output_dir.name,
                               id=run_id, resume="allow" if run_id else None, dir=str(plan.output_dir), config=config)
         self.id = self.run.id
+        self.offline_file = Path(self.run.settings.sync_file) if self.run.offline else None
 
     def log(self, scalars: dict, step: int) -> None:
         self.run.log(scalars, step=step)
@@ -60,6 +65,8 @@ class WandbRun:
         if summary is not None:
             self.run.summary.update(flat(summary))
         self.run.finish()
+        if self.offline_file:  # finish() returns before W&B's service has written the file
+            finished_run_records(self.offline_file)
 
 
 class MlflowRun:
