@@ -230,8 +230,8 @@ def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict], dp_
 
 
 def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: EvalBatches | None, plan: RunPlan,
-          start: dict, total_steps: int, flops: FlopsMeter | None, trackers: Trackers, router: RouterMeter | None = None,
-          preference: PreferenceLoss | None = None) -> dict:
+          start: dict, total_steps: int, flops: FlopsMeter | None, trackers: Trackers, clock: Stopwatch,
+          router: RouterMeter | None = None, preference: PreferenceLoss | None = None) -> dict:
     """The loop: batch, forward/backward/step, log every N steps, evaluate every E, checkpoint every M, and
     on SIGTERM checkpoint and stop. A step the stability guard drops is tried again on the next batch; a
     rewind goes back to the last checkpoint (training/loop/stability.py). Returns run totals. Only training is
@@ -244,7 +244,7 @@ def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: E
     watch = WeightWatch(engine) if plan.pipeline_stages == plan.tensor_parallel == 1 else None
     records, saves, tokens_seen, position = [], [], start["tokens_seen"], start["data_position"]
     interval, timed = {"tokens": 0, "steps": 0}, {"tokens": 0, "steps": 0, "seconds": 0.0}
-    clock, step, every, stopped = Stopwatch(), start_step, recipe.checkpointing.every_steps, None
+    step, every, stopped = start_step, recipe.checkpointing.every_steps, None
 
     def evaluate_at(s: int) -> bool:
         return evaluation is not None and (s == total_steps or bool(recipe.training.eval_every_steps and
@@ -392,10 +392,11 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
                                   evaluation, args.resume) if plan.recipe.data.preference else None
     signal.signal(signal.SIGTERM, lambda signum, frame: stop_requested.set())  # from here a SIGTERM saves, then stops
     held_tensors = {}
-    record_model_states(engine.optimizer, lambda: engine.global_steps, start["step"] + 1, held_tensors)
+    clock = Stopwatch()
+    record_model_states(engine.optimizer, lambda: engine.global_steps, start["step"] + 1, held_tensors, clock)
     flops = flops_meter(plan)
     trackers = Trackers(plan, start.get("trackers", {}), dist.get_rank() == 0)  # a resumed run continues its own
-    totals = train(engine, batches, evaluation, plan, start, total_steps, flops, trackers,
+    totals = train(engine, batches, evaluation, plan, start, total_steps, flops, trackers, clock,
                    router_meter(engine.module, plan.accumulation_steps), preference)
     totals.update(model_state_bytes=measured_model_states(held_tensors), kernels=kernels)
     if totals["last_step"] < total_steps:

@@ -19,12 +19,13 @@ def packed_row() -> tuple[dict[str, torch.Tensor], list[np.ndarray]]:
 
 
 def sharp_model(model_type: str = "llama", attn_implementation: str = "sdpa") -> torch.nn.Module:
-    """A tiny seeded model (GQA: llama 4 heads over 2 key/value heads, qwen2 over 1) whose queries are scaled up
-    so that attention is peaked, as in a trained model: attending across documents then changes the loss clearly."""
+    """A tiny seeded model (GQA: llama 4 heads over 2 key/value heads, qwen2 over 1; heads of 16, FlexAttention's
+    least on a GPU) whose queries are scaled up so that attention is peaked, as in a trained model: attending across
+    documents then changes the loss clearly."""
     torch.manual_seed(0)
     config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[
         model_type]
-    config = config_class(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    config = config_class(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2 if model_type == "llama" else 1,
                           max_position_embeddings=64, use_cache=False, attn_implementation=attn_implementation)
     model = model_class(config).eval()

@@ -8,8 +8,8 @@ native. On a GPU FlexAttention with the document block mask runs at the speed of
 
 `auto` (the default) takes flex_attention on CUDA and sdpa elsewhere: torch 2.13 has no FlexAttention backward on a
 CPU, and there sdpa with the dense mask is the fast path anyway. flex_attention has no attention dropout
-(transformers refuses it in training), so a model with attention_dropout > 0 keeps sdpa under auto, as does an
-architecture transformers runs without flex_attention (GPT-2).
+(transformers refuses it in training), so a model with attention_dropout > 0 keeps sdpa under auto, as do heads of
+fewer than 16 dimensions (the kernel's least) and an architecture transformers runs without flex_attention (GPT-2).
 """
 import copy
 from functools import cache
@@ -24,6 +24,9 @@ from training.config.recipe import Recipe
 from training.planning.precision import device_type
 
 
+MIN_FLEX_HEAD_DIM = 16  # torch's FlexAttention kernel refuses smaller heads
+
+
 def resolve_attention(recipe: Recipe, config: PretrainedConfig, for_gpus: bool = False) -> Recipe:
     """The recipe with model.attn_implementation decided for this machine (for_gpus: a dry run planning for GPUs)."""
     chosen = attention_for(recipe.model.attn_implementation, config, for_gpus or device_type() == "cuda")
@@ -32,8 +35,13 @@ def resolve_attention(recipe: Recipe, config: PretrainedConfig, for_gpus: bool =
 
 def attention_for(requested: str, config: PretrainedConfig, on_gpu: bool) -> str:
     dropout = getattr(config, "attention_dropout", 0.0) or 0.0
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if requested == "auto":
-        return "flex_attention" if on_gpu and not dropout and supports_flex(config) else "sdpa"
+        flex = on_gpu and not dropout and head_dim >= MIN_FLEX_HEAD_DIM and supports_flex(config)
+        return "flex_attention" if flex else "sdpa"
+    if requested == "flex_attention" and head_dim < MIN_FLEX_HEAD_DIM:
+        raise ConfigError(f"model.attn_implementation=flex_attention: FlexAttention's GPU kernel needs heads of at "
+                          f"least {MIN_FLEX_HEAD_DIM} dimensions, the model's have {head_dim}; use sdpa")
     if requested == "flex_attention" and dropout:
         raise ConfigError(f"model.attn_implementation=flex_attention: the model's attention_dropout is {dropout}, "
                           f"which FlexAttention does not apply in training; use sdpa, or set "

@@ -15,6 +15,8 @@ sequence parallelism, as given). Under ZeRO-3 the head is called as a module, so
 as for any layer. Without labels, or without gradients needed (evaluation), nothing changes but that no gradient
 is taken.
 """
+from functools import cache
+
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
@@ -24,7 +26,7 @@ from training.compat.torch import replace_forward
 from training.config.recipe import Recipe
 
 IGNORE = -100
-CHUNK_TOKENS = 1024  # per chunk: [1024, vocab] logits, 0.5 GB in fp32 for 128k; the matmuls stay efficient
+CHUNK_TOKENS = 2048  # per chunk: [2048, vocab] logits, 1 GB in fp32 for 128k; few chunks to add up
 
 
 def uses_fused_loss(recipe: Recipe, router_loss: bool) -> bool:
@@ -57,34 +59,43 @@ class LinearCrossEntropy(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], CHUNK_TOKENS):
             rows = slice(start, start + CHUNK_TOKENS)
-            chunk_loss, grad_logits = chunk_loss_and_grad(hidden[rows], weight, targets[rows])
+            chunk_loss, grad_logits = loss_and_logits_grad(hidden[rows] @ weight.T, targets[rows])
             loss += chunk_loss
-            grad_logits = grad_logits.to(hidden.dtype)
             if need_hidden:
                 grad_hidden[rows] = grad_logits @ weight
             if need_weight:
-                grad_weight += (grad_logits.T @ hidden[rows]).float()
+                grad_weight.add_(grad_logits.T @ hidden[rows])  # the chunks' sum in fp32, each product rounded once
         ctx.grad_hidden, ctx.grad_weight = grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
-        scaled = [None if grad is None else grad * grad_loss.to(grad.dtype) for grad in (ctx.grad_hidden, ctx.grad_weight)]
+        scaled = [None if grad is None else grad.mul_(grad_loss.to(grad.dtype)) for grad in (ctx.grad_hidden,
+                                                                                             ctx.grad_weight)]
         ctx.grad_hidden = ctx.grad_weight = None
         return *scaled, None
 
 
-def chunk_loss_and_grad(hidden: torch.Tensor, weight: torch.Tensor,
-                        targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk's summed token loss, and its gradient with respect to the chunk's fp32 logits."""
-    logits = (hidden @ weight.T).float()
-    log_sum_exp = torch.logsumexp(logits, dim=-1, keepdim=True)
+def loss_and_logits_grad(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's summed token loss (from the fp32 log-softmax, as transformers takes it) and its gradient with respect
+    to the logits, in the logits' dtype: on CUDA compiled into two passes over the logits, elsewhere eager."""
+    return (compiled_loss_and_logits_grad() if logits.is_cuda else token_loss_and_logits_grad)(logits, targets)
+
+
+def token_loss_and_logits_grad(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    logits32 = logits.float()
+    log_sum_exp = torch.logsumexp(logits32, dim=-1, keepdim=True)
     taken = targets != IGNORE
     safe_targets = torch.where(taken, targets, 0)[:, None]
-    loss = ((log_sum_exp - logits.gather(1, safe_targets)).squeeze(1) * taken).sum()
-    grad_logits = torch.exp_(logits.sub_(log_sum_exp))  # softmax, in place of the logits
-    grad_logits.scatter_add_(1, safe_targets, torch.full_like(safe_targets, -1, dtype=grad_logits.dtype))
-    return loss, grad_logits.mul_(taken[:, None])
+    loss = ((log_sum_exp - logits32.gather(1, safe_targets)).squeeze(1) * taken).sum()
+    softmax = torch.exp(logits32 - log_sum_exp)  # minus the one-hot target: the summed loss's gradient
+    grad = softmax.scatter_add(1, safe_targets, torch.full_like(safe_targets, -1, dtype=softmax.dtype))
+    return loss, (grad * taken[:, None]).to(logits.dtype)
+
+
+@cache
+def compiled_loss_and_logits_grad():
+    return torch.compile(token_loss_and_logits_grad, dynamic=False)
 
 
 def summed_token_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

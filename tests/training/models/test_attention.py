@@ -16,6 +16,7 @@ LLAMA = AutoConfig.from_pretrained("recipes/tiny_llama/config.json")
     ("auto", LLAMA, False, "sdpa"),  # no FlexAttention backward on a CPU
     ("auto", AutoConfig.for_model("llama", attention_dropout=0.1), True, "sdpa"),  # flex has no attention dropout
     ("auto", AutoConfig.for_model("gpt2"), True, "sdpa"),  # transformers has no flex path for GPT-2
+    ("auto", AutoConfig.for_model("llama", hidden_size=32, num_attention_heads=4), True, "sdpa"),  # heads of 8
     ("sdpa", LLAMA, True, "sdpa"),
     ("flex_attention", LLAMA, True, "flex_attention"),
 ])
@@ -26,6 +27,7 @@ def test_auto_takes_flex_attention_on_gpus(requested, config, on_gpu, chosen):
 @pytest.mark.parametrize("config, on_gpu, message", [
     (LLAMA, False, "needs a CUDA GPU: torch has no FlexAttention backward pass on a CPU"),
     (AutoConfig.for_model("llama", attention_dropout=0.1), True, "the model's attention_dropout is 0.1"),
+    (AutoConfig.for_model("llama", hidden_size=32, num_attention_heads=4), True, "the model's have 8"),
 ])
 def test_flex_attention_where_it_cannot_train_is_refused(config, on_gpu, message):
     with pytest.raises(ConfigError, match=message):

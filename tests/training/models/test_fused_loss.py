@@ -62,9 +62,9 @@ def test_the_fused_loss_gives_the_models_loss_and_gradients(build, frozen_head):
 
 def test_no_more_than_one_chunk_of_logits_exists(monkeypatch):
     widths = []
-    real = fused_loss.chunk_loss_and_grad
-    monkeypatch.setattr(fused_loss, "chunk_loss_and_grad",
-                        lambda hidden, weight, targets: (widths.append(hidden.shape[0]), real(hidden, weight, targets))[1])
+    real = fused_loss.loss_and_logits_grad
+    monkeypatch.setattr(fused_loss, "loss_and_logits_grad",
+                        lambda logits, targets: (widths.append(logits.shape[0]), real(logits, targets))[1])
     model = llama()
     fuse_head_and_loss(model)
     model(**batch()).loss.backward()
@@ -114,3 +114,12 @@ def test_the_fused_loss_applies_to_the_lm_objective_where_train_py_builds_the_lo
     assert not uses_fused_loss(load_recipe("tiny_llama_sft", ["lora.enabled=true", "lora.modules_to_save=[lm_head]"]),
                                router_loss=False)
     assert not uses_fused_loss(load_recipe("tiny_llama_dpo"), router_loss=False)
+
+
+def test_the_chunks_loss_and_gradient_trace_as_one_graph():
+    """What CUDA compiles into two passes over a chunk's logits: one graph, no break (dynamo's eager backend here)."""
+    logits, targets = torch.randn(24, VOCAB), torch.randint(0, VOCAB, (24,))
+    targets[:3] = -100
+    traced = torch.compile(fused_loss.token_loss_and_logits_grad, backend="eager", fullgraph=True)
+    for got, expected in zip(traced(logits, targets), fused_loss.token_loss_and_logits_grad(logits, targets)):
+        torch.testing.assert_close(got, expected)
