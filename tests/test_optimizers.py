@@ -13,9 +13,10 @@
   on each rank and equal the plan's count byte for byte.
 - train.py with each client optimizer (Lion, AdamW8bit, Adafactor; DeepSpeed saves and loads their states as
   they are handed): a ZeRO-2 run killed mid-way and resumed gives the ZeRO-1 run's per-step losses (1e-5
-  relative), so ZeRO 1 and 2 give the same curve and resume continues it. (Muon comes from the DeepSpeed config
-  like AdamW, whose resume tests/test_resume_anywhere.py and tests/test_train_finetune.py prove; Muon's passed
-  too, left out to keep CI within its time.)
+  relative), so ZeRO 1 and 2 give the same curve and resume continues it; both runs' measured model states (the
+  census of summary.json) are the plan's within 5%. (Muon comes from the DeepSpeed config like AdamW, whose resume
+  tests/test_resume_anywhere.py and tests/test_train_finetune.py prove; Muon's passed too, left out to keep CI
+  within its time.)
 """
 import json
 import math
@@ -24,9 +25,11 @@ import subprocess
 import pytest
 from transformers import AutoConfig
 
+import train
 from tests.conftest import REPO, SMALL_MODEL, TRAIN_ENV, run_train
 from tests.test_parallelism import losses
 from training.parallel.launch import launcher_command
+from training.planning.memory import planned_model_states
 from training.planning.optimizer_states import optimizer_state_bytes
 from training.planning.shape import model_shape
 
@@ -74,6 +77,13 @@ def test_memory_lean_optimizers_equal_the_library_on_zeros_parts(name):
     assert sum(zero1["state_bytes"]) < (0.5 if name == "adamw8bit" else 0.05) * adamw
 
 
+def assert_model_states_as_planned(out, args: list[str]) -> None:
+    """The run's measured model states (summary.json) are what the plan for the same command says, within 5%."""
+    measured = json.loads((out / "summary.json").read_text())["model_state_bytes"]["cpu"]
+    plan = train.make_plan(train.parse_args([*args, "--dry-run"]), world_size=2)
+    assert planned_model_states(plan).device_bytes == pytest.approx(measured, rel=0.05), out.name
+
+
 @pytest.mark.parametrize("name", ["lion", "adamw8bit", "adafactor"])
 def test_a_killed_zero2_run_resumes_onto_the_zero1_curve(name, tmp_path, data_cache):
     args = ["--recipe", "tiny_llama", SMALL_MODEL, data_cache, "precision=fp32", f"optimizer.name={name}",
@@ -92,3 +102,5 @@ def test_a_killed_zero2_run_resumes_onto_the_zero1_curve(name, tmp_path, data_ca
     assert len(curve) == STEPS and all(map(math.isfinite, curve))
     assert losses(out) == pytest.approx(curve, rel=1e-5)
     assert json.loads((out / "summary.json").read_text())["optimizer"] == name
+    assert_model_states_as_planned(tmp_path / "zero1", [*args, "deepspeed.config=zero1"])
+    assert_model_states_as_planned(out, [*args, "deepspeed.config=zero2"])

@@ -23,8 +23,9 @@ def one_thread_per_rank(monkeypatch):
 
 @pytest.mark.slow
 def test_compare_stages_on_tiny_llama(tmp_path, data_cache, monkeypatch, one_thread_per_rank):
-    """Losses agree across ZeRO 0-3, ZeRO-3 holds less model state per rank than ZeRO-0, and a stage that fails
-    (here ZeRO-1, made to fail as an out-of-memory run would) is a row with its error while the others run."""
+    """Losses agree across ZeRO 0-3, ZeRO-3 holds less model state per rank than ZeRO-0, each stage's measured model
+    states are its estimate within 5% (fp32, AdamW; ZeRO-1 in tests/test_optimizers.py), and a stage that fails (here
+    ZeRO-1, made to fail as an out-of-memory run would) is a row with its error while the others run."""
     launch = compare_zero.compare.run_cell
 
     def run_or_fail(args, cell, output_dir):
@@ -42,7 +43,8 @@ def test_compare_stages_on_tiny_llama(tmp_path, data_cache, monkeypatch, one_thr
     for stage in "023":
         assert float(rows[stage]["max_loss_diff"]) < 1e-4  # fp32: ZeRO stages reorder sums only
         assert float(rows[stage]["tokens_per_s"]) > 0 and float(rows[stage]["final_loss"]) > 0
-        assert float(rows[stage]["estimated_model_states_bytes"]) > 0
+        assert float(rows[stage]["estimated_model_states_bytes"]) == \
+            pytest.approx(float(rows[stage]["model_states_bytes"]), rel=0.05), stage
     assert float(rows["0"]["max_loss_diff"]) == 0.0
     assert float(rows["3"]["model_states_bytes"]) < 0.7 * float(rows["0"]["model_states_bytes"])
     assert float(rows["3"]["estimated_model_states_bytes"]) < float(rows["0"]["estimated_model_states_bytes"])

@@ -94,10 +94,12 @@ PATCHES = (
                             "tests/training/compat/test_deepspeed.py::"
                             "test_zero3_weights_keep_their_shape_for_the_weight_decay_groups")),
     deepspeed_patch("zero_cuts", "how ZeRO cuts the weights between ranks is not an API: the plan counts the memory-"
-                    "lean optimizers' states on the parts each rank holds, by stage_1_and_2's padding of each flat "
-                    "group to 2 x ranks and equal ranges, and ZeRO-3's ceil(size / ranks) per weight",
+                    "lean optimizers' states, and fp32 ZeRO's master copy and gradient buffer, on the parts each rank "
+                    "holds, by stage_1_and_2's padding of each flat group to 2 x ranks and equal ranges, and ZeRO-3's "
+                    "ceil(size / ranks) per weight",
                     "test_zero_cuts_are_deepspeeds_partitions",
-                    proofs=("tests/test_optimizers.py::test_memory_lean_optimizers_equal_the_library_on_zeros_parts",)),
+                    proofs=("tests/test_optimizers.py::test_memory_lean_optimizers_equal_the_library_on_zeros_parts",
+                            "tests/tools/test_compare_zero.py::test_compare_stages_on_tiny_llama")),
     deepspeed_patch("gathered_16bit_state_dict", "the whole 16-bit weights under ZeRO-3 and AutoTP come from the "
                     "private engine._consolidated_16bit_state_dict (save_16bit_model writes a file instead)",
                     "test_save_16bit_model_still_gathers_through_the_private_method",

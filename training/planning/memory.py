@@ -2,7 +2,9 @@
 checkpointing, and whether they fit.
 
 Model states use DeepSpeed's own estimators for ZeRO-2 and ZeRO-3 (with and without CPU offload) in mixed
-precision; ZeRO-0/1, and fp32 runs (the estimators assume 16-bit weights), use the ZeRO paper's arithmetic.
+precision; ZeRO-0/1, and fp32 runs (the estimators assume 16-bit weights), use the ZeRO paper's arithmetic, fp32 under
+ZeRO on DeepSpeed's layout of the weights (fp32_zero_states). DeepSpeed's own buffers (its gradient buckets, sized by
+the resolved config, and Muon's staged momentum) are added to each (with_deepspeed_buffers).
 
 Activations are the bytes autograd saves for the backward pass, per token, as transformers' Llama-family and
 GPT-2 modules save them with PyTorch's scaled-dot-product attention. The rules below were read off those
@@ -33,12 +35,17 @@ P parameters of which P_e are the experts' (all layers):
      AutoEP's layer saves what the MoE rule counts: tests/training/planning/test_expert_parallel_memory.py; the
      all-to-alls' send and receive buffers are saved by nothing, so they are added once, to the peak)
 """
+import json
+import math
 from dataclasses import dataclass, replace
 
 from deepspeed.runtime.utils import partition_balanced, partition_uniform
+from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
+from training.compat.deepspeed import zero_cuts
+from training.config.ds_config import ds_config_file, zero_setting, zero_stage
 from training.config.recipe import Recipe
 from training.models.fused_loss import CHUNK_TOKENS, uses_fused_loss
 from training.parallel.expert_parallel import ZERO_STAGES as EXPERT_PARALLEL_STAGES
@@ -67,14 +74,94 @@ def zero_arithmetic(params: float, stage: int, ranks: int, precision: str, state
     states (`state_bytes`: AdamW's momentum and variance, 8); under ZeRO also the fp32 copy of its gradient
     partition that DeepSpeed's optimizer steps from (4; measured on an H200: 20.0 bytes per parameter at bf16
     ZeRO-1 with AdamW). fp32 keeps 4 + 4 and, under ZeRO, that fp32 partition copy too (4; measured on CPU
-    ranks), at ZeRO-0 only the optimizer states. ZeRO-1 shards the optimizer states over the ranks, ZeRO-2 the
-    gradients too, ZeRO-3 the weights too. (ZeRO-0 bf16 runs as torch autocast over fp32 weights: 16 bytes with
-    AdamW.)"""
+    ranks), at ZeRO-0 only the optimizer states; at ZeRO-2 and 3 also the master weights (4): DeepSpeed clones
+    the weights' partition as its master copy in fp32 too. (At ZeRO-1 as well: there the end of the backward pass,
+    with the whole gradients and the master copy but no gradient copy yet, is what its 4 + 4 + 12/N count.)
+    ZeRO-1 shards the optimizer states over the ranks, ZeRO-2 the gradients too, ZeRO-3 the weights too. (ZeRO-0
+    bf16 runs as torch autocast over fp32 weights: 16 bytes with AdamW.) Where the weights' shapes are known, an
+    fp32 run is counted on DeepSpeed's layout instead (fp32_zero_states); DeepSpeed's own buffers are
+    with_deepspeed_buffers'."""
     mixed = is_mixed(precision)
     weights, grads = (2, 2) if mixed else (4, 4)
-    optimizer = state_bytes + (4 if mixed else 0) + (4 if stage else 0)
+    optimizer = state_bytes + (4 if mixed or stage >= 2 else 0) + (4 if stage else 0)
     shard = [(1, 1, 1), (1, 1, ranks), (1, ranks, ranks), (ranks, ranks, ranks)][stage]
     return params * (weights / shard[0] + grads / shard[1] + optimizer / shard[2])
+
+
+def fp32_zero_states(groups: tuple[tuple[tuple[int, ...], ...], ...], stage: int, ranks: int,
+                     state_bytes: float = 8.0) -> float:
+    """The busiest rank's bytes of weights + gradients + optimizer states in an fp32 run under DeepSpeed's ZeRO-1, 2
+    or 3 optimizer, from how it cuts the trained weights (their shapes per parameter group, zero_cuts), as its step
+    flattens a group's gradients:
+      weights            all of them at ZeRO-1/2; at ZeRO-3 the rank's piece of each (ceil(size / ranks))
+      master weights     the rank's partition of each group, cloned in fp32 (also when the weights are fp32)
+      gradients          ZeRO-1/2's contiguous buffer holds the whole of every weight the rank has a part of;
+                         ZeRO-3's flat buffer the rank's pieces
+      gradient copy      the flat fp32 gradient the optimizer steps from: one group's partition at a time
+      optimizer states   state_bytes per parameter, sharded
+    4 bytes each. train.py's census measures this as the first of two or more groups steps (docs/planning.md);
+    stepping a model's only group, ZeRO-1/2 have freed the buffer by then. At ZeRO-1 the end of the backward pass
+    may hold more, the whole gradients before they are reduced (in place of the buffer and the copy): the larger."""
+    sizes = [math.prod(shape) for group in groups for shape in group]
+    params, states = sum(sizes), state_bytes * sum(sizes) / ranks
+    if stage == 3:
+        partitions = [sum(math.ceil(math.prod(shape) / ranks) for shape in group) for group in groups]
+        return 4 * (3 * sum(partitions) + max(partitions)) + states
+    partitions = [2 * math.ceil(sum(map(math.prod, group)) / (2 * ranks)) for group in groups]
+    whole = max(sum(sizes[index] for index, _, _ in zero_cuts([list(map(math.prod, group)) for group in groups],
+                                                             stage, ranks, rank)) for rank in range(ranks))
+    held = 4 * (params + sum(partitions) + whole + max(partitions)) + states
+    return max(held, 4 * (2 * params + sum(partitions)) + states) if stage == 1 else held
+
+
+def gradient_bucket_bytes(ds_config: dict, precision: str) -> float:
+    """Per-rank bytes of DeepSpeed's gradient buckets (its ZeRO optimizers' "ipg" buffers) under a resolved config.
+
+    With contiguous_gradients (DeepSpeed's default) each bucket is reduce_bucket_size elements: ZeRO-1 and 2 make one
+    at every backward pass, two with overlap_comm, in the weights' dtype (at ZeRO-1 in the gradient-accumulation
+    dtype where it differs), and free them before the optimizer step; ZeRO-3 makes one for the whole run, in the
+    communication dtype. ZeRO-0 has none. Unset keys take DeepSpeed's defaults (reduce_bucket_size 5e8 elements,
+    overlap_comm on at ZeRO-3 only)."""
+    zero = DeepSpeedZeroConfig(**ds_config.get("zero_optimization", {}))
+    stage = int(zero.stage)
+    offloaded = zero.offload_optimizer is not None and zero.offload_optimizer.device != "none"
+    if stage == 0 or not (zero.contiguous_gradients or offloaded):  # ZeRO-Offload makes them contiguous anyway
+        return 0.0
+    weight_bytes = DTYPES[precision].itemsize
+    if stage == 3:
+        communication = ds_config.get("communication_data_type")
+        return zero.reduce_bucket_size * (DTYPES[communication].itemsize if communication else weight_bytes)
+    accumulation = ds_config.get("data_types", {}).get("grad_accum_dtype")
+    element = DTYPES[accumulation].itemsize if stage == 1 and accumulation else weight_bytes
+    return zero.reduce_bucket_size * element * (2 if zero.overlap_comm else 1)
+
+
+def shipped_ds_config(setting: str, hidden_size: int) -> dict:
+    """ds_configs/zero<setting>.json with its bucket size resolved as train.py resolves "auto" (hidden_size^2, the
+    HF Trainer's formula: training/config/ds_config.py): the config a row of the plan's table stands for."""
+    config = json.loads(ds_config_file(f"zero{setting}").read_text())
+    zero = config.get("zero_optimization", {})
+    if zero.get("reduce_bucket_size") == "auto":
+        zero["reduce_bucket_size"] = hidden_size * hidden_size
+    return config
+
+
+def muon_staging_bytes(optimizer: str, shape: ModelShape, stage: int, ranks: int) -> float:
+    """DeepSpeed's ZeRO-1/2 Muon writes each step's momentum into a staged copy of its momentum partition, which it
+    keeps and commits after the step (stage_1_and_2._muon_staging_momentum): 4 bytes per decoder-layer matrix weight,
+    sharded; 0 for other optimizers, stages and LoRA."""
+    if optimizer != "muon" or stage not in (1, 2) or shape.lora_parameters is not None:
+        return 0.0
+    return 4 * shape.layer_matrix_parameters / ranks
+
+
+def with_deepspeed_buffers(states: ModelStates, ds_config: dict, precision: str, optimizer: str, shape: ModelShape,
+                           ranks: int) -> ModelStates:
+    """`states` with what DeepSpeed's ZeRO optimizers hold beside weights, gradients and the optimizer's states,
+    on the device: the gradient buckets and Muon's staged momentum."""
+    stage = zero_stage(ds_config)
+    extra = gradient_bucket_bytes(ds_config, precision) + muon_staging_bytes(optimizer, shape, stage, ranks)
+    return replace(states, device_bytes=states.device_bytes + extra)
 
 
 def model_states(setting: str, shape: ModelShape, gpus_per_node: int, nodes: int, precision: str,
@@ -87,6 +174,10 @@ def model_states(setting: str, shape: ModelShape, gpus_per_node: int, nodes: int
     if stage < 2 or precision == "fp32":
         if offload:
             raise ValueError(f"no estimate for ZeRO-{setting} in {precision}")
+        trained = sum(math.prod(weight) for group in shape.trained_shapes for weight in group)
+        if precision == "fp32" and stage and trained == shape.parameters:  # the weights' shapes are these parameters'
+            return ModelStates(fp32_zero_states(shape.trained_shapes, stage, ranks, state_bytes), 0.0,
+                               "ZeRO arithmetic")
         return ModelStates(zero_arithmetic(shape.parameters, stage, ranks, precision, state_bytes), 0.0,
                            "ZeRO arithmetic")
     if stage == 2:
@@ -310,11 +401,13 @@ def tensor_parallel_shard(shape: ModelShape, size: int) -> ModelShape:
                    num_kv_heads=shape.num_kv_heads // size, intermediate_size=shape.intermediate_size // size)
 
 
-def states_per_setting(recipe: Recipe, precision: str, shape: ModelShape, machine: Machine) -> dict[str, ModelStates]:
+def states_per_setting(recipe: Recipe, precision: str, shape: ModelShape, machine: Machine,
+                       ds_config: dict | None = None) -> dict[str, ModelStates]:
     """Each ZeRO setting's model states per rank on `machine` (a rank's slice under tensor parallelism, ZeRO over
     the data-parallel ranks; with LoRA, the shape's lora_parameters on frozen weights; under expert parallelism only
     the settings it runs with, a rank's share of the experts); offload only in mixed precision (DeepSpeed's offload
-    keeps 16-bit weights on the GPU)."""
+    keeps 16-bit weights on the GPU). Each with the gradient buckets of the setting's shipped ds_configs file, or
+    of `ds_config` (the run's resolved config) for the setting it is."""
     tp, ep = recipe.parallelism.tensor_parallel, recipe.parallelism.expert_parallel
     settings = [setting for setting in ZERO_SETTINGS if not (precision == "fp32" and setting.endswith("_offload"))]
     if ep > 1:
@@ -323,21 +416,33 @@ def states_per_setting(recipe: Recipe, precision: str, shape: ModelShape, machin
     optimizer = {setting: optimizer_state_bytes(recipe.optimizer.name, shape, int(setting[0]), ranks)
                  for setting in settings}
     if shape.lora_parameters is not None:
-        return {setting: lora_model_states(setting, shape, shape.lora_parameters, machine.gpus_per_node, machine.nodes,
-                                           precision, optimizer[setting], recipe.lora.quantize == "nf4")
-                for setting in settings}
-    if ep > 1:
-        return {setting: expert_parallel_states(setting, shape, machine.gpus_per_node, machine.nodes, ep, precision,
-                                                optimizer[setting]) for setting in settings}
-    return {setting: model_states(setting, tensor_parallel_shard(shape, tp), machine.gpus_per_node // tp,
-                                  machine.nodes, precision, zero_init=recipe.model.name_or_path is not None,
-                                  state_bytes=optimizer[setting]) for setting in settings}
+        states = {setting: lora_model_states(setting, shape, shape.lora_parameters, machine.gpus_per_node,
+                                             machine.nodes, precision, optimizer[setting], recipe.lora.quantize == "nf4")
+                  for setting in settings}
+    elif ep > 1:
+        states = {setting: expert_parallel_states(setting, shape, machine.gpus_per_node, machine.nodes, ep, precision,
+                                                  optimizer[setting]) for setting in settings}
+    else:
+        states = {setting: model_states(setting, tensor_parallel_shard(shape, tp), machine.gpus_per_node // tp,
+                                        machine.nodes, precision, zero_init=recipe.model.name_or_path is not None,
+                                        state_bytes=optimizer[setting]) for setting in settings}
+    own = zero_setting(ds_config) if ds_config else None
+    return {setting: with_deepspeed_buffers(state, ds_config if setting == own else
+                                            shipped_ds_config(setting, shape.hidden_size), precision,
+                                            recipe.optimizer.name, shape, ranks) for setting, state in states.items()}
 
 
 def planned_model_states(plan: RunPlan) -> ModelStates:
     """The run's model-state estimate per rank: its ZeRO setting over its data-parallel ranks (one node), a rank's
-    share of the experts under expert parallelism, or with pipeline stages the largest stage's share. ValueError
-    where there is no estimate (offload in fp32)."""
+    share of the experts under expert parallelism, or with pipeline stages the largest stage's share; with the
+    gradient buckets of its resolved DeepSpeed config (and Muon's staged momentum). ValueError where there is no
+    estimate (offload in fp32)."""
+    return with_deepspeed_buffers(weights_gradients_and_states(plan), plan.ds_config, plan.precision,
+                                  plan.recipe.optimizer.name, plan.shape, plan.dp_size)
+
+
+def weights_gradients_and_states(plan: RunPlan) -> ModelStates:
+    """planned_model_states without DeepSpeed's own buffers (with_deepspeed_buffers)."""
     shape = plan.shape
     if shape.lora_parameters is not None:
         return lora_model_states(plan.zero_setting, shape, shape.lora_parameters, plan.world_size, 1,

@@ -145,7 +145,7 @@ def print_memory_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> Non
     table = Table()
     for column in ("ZeRO", "model states", "CPU per node", "estimated by", "+ activations", "+ act. (ckpt)", "fits"):
         table.add_column(column, justify="left" if column in ("ZeRO", "estimated by", "fits") else "right")
-    for setting, states in states_per_setting(plan.recipe, plan.precision, shape, machine).items():
+    for setting, states in states_per_setting(plan.recipe, plan.precision, shape, machine, plan.ds_config).items():
         marker = " (this run)" if setting == current else ""
         table.add_row(setting.replace("_", " + ") + marker, format_bytes(states.device_bytes),
                       format_bytes(states.host_bytes) if states.host_bytes else "-", states.source,

@@ -186,6 +186,35 @@ def test_muon_is_chosen_by_name_and_marked_on_the_parameter():
     assert muon_flags(model) == {"embed_tokens.weight": False, "proj.weight": True, "proj.bias": False}
 
 
+@pytest.mark.parametrize("zero_stage, overlap_comm", [(1, False), (2, True), (3, True)])
+def test_zero_keeps_the_buffers_the_memory_plan_counts(one_rank, zero_stage, overlap_comm):
+    """What training/planning/memory.py counts of DeepSpeed's own buffers (fp32_zero_states, gradient_bucket_bytes),
+    on one rank in fp32: the master weights are a copy, not the weights; ZeRO-1/2 make reduce_bucket_size-element
+    gradient buckets at the backward pass (two with overlap_comm) and free them before the step, ZeRO-3 keeps one for
+    the run; ZeRO-1/2's Muon stages its momentum in a buffer of its own."""
+    engine = tiny_engine(zero_stage, zero_optimization={"stage": zero_stage, "reduce_bucket_size": 40,
+                                                        "overlap_comm": overlap_comm})
+    optimizer, seen = engine.optimizer, []
+    storage = lambda tensor: tensor.untyped_storage().data_ptr()  # noqa: E731
+    if zero_stage == 3:
+        assert storage(optimizer.fp32_partitioned_groups_flat[0]) != storage(optimizer.fp16_partitioned_groups_flat[0])
+    else:
+        assert storage(optimizer.single_partition_of_fp32_groups[0]) != storage(optimizer.bit16_groups_flat[0])
+        reduce = optimizer.reduce_ipg_grads
+        optimizer.reduce_ipg_grads = lambda *args, **kwargs: (  # the buckets as the backward pass reduces them
+            seen.append([(b.numel(), b.dtype) for bucket in optimizer.ipg_buckets.values() for b in bucket.buffer]),
+            reduce(*args, **kwargs))[1]
+    backward(engine)
+    engine.step()
+    if zero_stage == 3:
+        assert [(bucket.buffer.numel(), bucket.buffer.dtype) for bucket in optimizer.ipg_buckets.values()] == \
+            [(40, torch.float32)]
+    else:
+        assert seen and all(buffers == [(40, torch.float32)] * (1 + overlap_comm) for buffers in seen)
+        assert all(not bucket.buffer for bucket in optimizer.ipg_buckets.values())  # freed before the step
+        assert "staged = torch.empty_like(committed)" in source(type(optimizer)._muon_staging_momentum)
+
+
 # --- checkpoint files ----------------------------------------------------------------------------------------------
 
 def test_pipeline_layer_files_are_named_layer_nn_model_states():

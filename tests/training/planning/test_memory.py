@@ -3,7 +3,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from training.config.ds_config import zero_setting
-from training.planning.memory import activation_bytes, layer_bytes_per_token, model_states, zero_arithmetic
+from training.planning.memory import (activation_bytes, fp32_zero_states, gradient_bucket_bytes,
+                                      layer_bytes_per_token, model_states, zero_arithmetic)
 from training.planning.shape import model_shape
 
 # Shapes unlike the ones the rules were read from: GQA, a head_dim that is not hidden/heads, odd widths.
@@ -90,7 +91,9 @@ def test_zero_arithmetic_shards_what_each_stage_shards():
     assert zero_arithmetic(params, 2, ranks, "bf16") == 2_000 + 18_000 / 4
     assert zero_arithmetic(params, 3, ranks, "bf16") == 20_000 / 4
     assert zero_arithmetic(params, 0, ranks, "fp32") == 16_000
-    assert zero_arithmetic(params, 3, ranks, "fp32") == 20_000 / 4  # the fp32 gradient partition, as in bf16
+    # fp32 ZeRO-2/3 also clone their partition of the weights as the master copy (4): DeepSpeed does in every precision
+    assert zero_arithmetic(params, 2, ranks, "fp32") == 4_000 + 20_000 / 4
+    assert zero_arithmetic(params, 3, ranks, "fp32") == 24_000 / 4
 
 
 def test_model_states_use_deepspeeds_estimators_for_zero_2_and_3():
@@ -160,3 +163,65 @@ def test_the_fused_loss_saves_gigabytes_on_a_large_vocabulary():
     plain, fused = (activation_bytes(shape, 4 * 2048, 2048, 2, "flex_attention", fused_loss=fused).without_checkpointing
                     for fused in (False, True))
     assert (plain - fused) / 2**30 == pytest.approx(7.34, abs=0.01)  # 9.79 GiB of logits less 0.98 + 1.47
+
+
+def test_fp32_zero_states_follow_deepspeeds_layout():
+    """Two groups, one of a 6 x 4 matrix and a 2 x 4 one (32 values), one of a vector of 6, on 2 ranks. ZeRO-1/2:
+    the groups pad to 32 and 8 (multiples of 2 x ranks), so each rank's partition is 16 + 4 master values; rank 0 holds
+    16 of the 6 x 4 matrix's values and 4 of the vector's, rank 1 the rest of both and the 2 x 4 matrix: its
+    contiguous gradient buffer takes those weights whole, 24 + 8 + 6 = 38 values (the busiest rank); the step's fp32
+    gradient copy is one group's, 16. ZeRO-3: pieces of 12 + 4 and 3 values, as weights, gradients and master copy,
+    the copy 16."""
+    groups, params = (((6, 4), (2, 4)), ((6,),)), 38
+    states = 8 * params / 2  # AdamW's, sharded
+    zero2 = 4 * (params + (16 + 4) + 38 + 16) + states
+    assert fp32_zero_states(groups, 2, 2) == zero2
+    assert fp32_zero_states(groups, 1, 2) == max(zero2, 4 * (2 * params + 20) + states)  # whole gradients, backward
+    assert fp32_zero_states(groups, 3, 2) == 4 * (3 * (12 + 4 + 3) + 16) + states
+    assert fp32_zero_states(groups, 2, 2, state_bytes=4) == zero2 - 4 * params / 2  # Lion's one momentum
+    assert fp32_zero_states((((6, 4),),), 2, 2) == 4 * (24 + 12 + 24 + 12) + 8 * 24 / 2  # one group: 12 each
+
+
+def zero(stage: int, **keys) -> dict:
+    return {"zero_optimization": {"stage": stage, **keys}, "data_types": {"grad_accum_dtype": "fp32"}}
+
+
+def test_gradient_buckets_take_the_resolved_configs_values():
+    """reduce_bucket_size elements per bucket: ZeRO-1/2 one, two with overlap_comm, in the weights' dtype (ZeRO-1: the
+    fp32 gradient-accumulation dtype); ZeRO-3 one, in the communication dtype; none without contiguous_gradients or
+    at ZeRO-0. Unset keys are DeepSpeed's defaults: 5e8 elements, overlap_comm at ZeRO-3 only."""
+    size = 1000
+    assert gradient_bucket_bytes(zero(0, reduce_bucket_size=size), "fp32") == 0
+    assert gradient_bucket_bytes(zero(1, reduce_bucket_size=size), "bf16") == size * 4
+    assert gradient_bucket_bytes(zero(2, reduce_bucket_size=size), "bf16") == size * 2
+    assert gradient_bucket_bytes(zero(2, reduce_bucket_size=size, overlap_comm=True), "fp32") == 2 * size * 4
+    assert gradient_bucket_bytes(zero(2, reduce_bucket_size=size, contiguous_gradients=False), "fp32") == 0
+    assert gradient_bucket_bytes(zero(3, reduce_bucket_size=size, overlap_comm=True), "bf16") == size * 2
+    assert gradient_bucket_bytes({**zero(3, reduce_bucket_size=size), "communication_data_type": "fp32"},
+                                 "bf16") == size * 4
+    assert gradient_bucket_bytes(zero(2), "fp32") == 5e8 * 4 and gradient_bucket_bytes(zero(3), "fp32") == 5e8 * 4
+
+
+def test_the_run_plans_the_buckets_of_its_own_config():
+    """ZeRO-2 with tiny_llama (hidden 256): the shipped zero2.json's "auto" is 256^2 elements, doubled by its
+    overlap_comm, in fp32; a recipe's deepspeed.overrides of the bucket size and overlap_comm change the run's plan,
+    and the table row of its setting, by exactly the buckets' difference."""
+    import train
+    from training.planning.memory import planned_model_states, states_per_setting
+    from training.planning.plan import Machine
+
+    def plan(*overrides):
+        args = train.parse_args(["--recipe", "tiny_llama", "--dry-run", "precision=fp32", "deepspeed.config=zero2",
+                                 *overrides])
+        return train.make_plan(args, world_size=2)
+
+    shipped, own = plan(), plan("deepspeed.overrides={zero_optimization: {reduce_bucket_size: 1000000, "
+                                "overlap_comm: false}}")
+    assert gradient_bucket_bytes(shipped.ds_config, "fp32") == 2 * 256**2 * 4
+    difference = 1_000_000 * 4 - 2 * 256**2 * 4
+    assert planned_model_states(own).device_bytes - planned_model_states(shipped).device_bytes == difference
+    machine = Machine(2, 1, 2**34, "test")
+    rows = {name: states_per_setting(p.recipe, "fp32", p.shape, machine, p.ds_config) for name, p in
+            (("shipped", shipped), ("own", own))}
+    assert rows["own"]["2"].device_bytes - rows["shipped"]["2"].device_bytes == difference
+    assert rows["own"]["3"] == rows["shipped"]["3"]  # another setting's row: its shipped file's buckets
