@@ -181,11 +181,11 @@ def planned_peak_bytes(args: argparse.Namespace, run: Run) -> float | None:
     try:
         plan = train.make_plan(train.parse_args(["--recipe", "tiny_llama", "--dry-run", *overrides(args, run)]),
                                world_size=args.num_gpus)
-        states = planned_model_states(plan).device_bytes
+        states = planned_model_states(plan)
     except ValueError:  # the plan's refusals (ConfigError) and settings it has no estimate for
         return None
     acts = activations(plan.recipe, plan.precision, plan.shape)
-    return states + acts.peak(run.checkpointing) if acts else None
+    return states.peak_with(acts.peak(run.checkpointing)) if acts else None
 
 
 def command(args: argparse.Namespace, run: Run, out: Path) -> list[str]:

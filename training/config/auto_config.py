@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from transformers import PretrainedConfig
 
 from training.config.errors import ConfigError
-from training.planning.memory import (EXPERT_PARALLEL_SETTINGS, HEADROOM, Activations, activations, fits,
-                                      states_per_setting)
+from training.planning.memory import (EXPERT_PARALLEL_SETTINGS, HEADROOM, Activations, ModelStates, activations,
+                                      fits, states_per_setting)
 from training.planning.plan import Machine
 from training.planning.report import format_bytes
 from training.config.recipe import Recipe
@@ -33,13 +33,13 @@ AUTO_ORDER = ("0", "1", "2", "3", "3_offload")  # least sharded first, named as 
 class Need:
     setting: str
     checkpointing: bool
-    states: float  # bytes per rank
-    activations: float
+    states: ModelStates  # per rank
+    activations: float  # bytes per rank
     expert_parallel: int = 1
 
     @property
     def total(self) -> float:
-        return self.states + self.activations
+        return self.states.peak_with(self.activations)
 
     @property
     def layout(self) -> str:
@@ -86,7 +86,7 @@ def memory_needs(recipe: Recipe, shape: ModelShape, precision: str, machine: Mac
     order = candidates(recipe, shape, machine)
     plans = {size: layout_bytes(with_parallelism(recipe, expert_parallel=size), shape, precision, machine)
              for size in {size for _, size in order}}
-    return [Need(setting, checkpointing, plans[size][0][setting].device_bytes, plans[size][1].peak(checkpointing), size)
+    return [Need(setting, checkpointing, plans[size][0][setting], plans[size][1].peak(checkpointing), size)
             for checkpointing in ([True] if recipe.activation_checkpointing else [False, True])
             for setting, size in order if setting in plans[size][0]]
 
@@ -135,8 +135,11 @@ def shortfall(recipe: Recipe, shape: ModelShape, precision: str, machine: Machin
     lines = [f"deepspeed.config=auto: nothing fits in {format_bytes(budget)} per rank ({HEADROOM:.0%} of "
              f"{format_bytes(machine.memory_per_rank)}, {machine.memory_source}); the smallest is "
              f"{smallest.layout}{' with activation checkpointing' if smallest.checkpointing else ''}"
-             f": {format_bytes(smallest.total)} ({format_bytes(smallest.states)} model states + "
-             f"{format_bytes(smallest.activations)} activations). What would fit:"]
+             f": {format_bytes(smallest.total)} ({format_bytes(smallest.states.device_bytes)} model states + "
+             f"{format_bytes(smallest.activations)} activations"
+             + (f", of which {format_bytes(smallest.states.device_bytes + smallest.activations - smallest.total)} of "
+                f"gradients are made as activations are freed" if smallest.total < smallest.states.device_bytes
+                + smallest.activations else "") + "). What would fit:"]
     for nodes in (2, 4, 8, 16, 32, 64):
         more = Machine(machine.gpus_per_node, machine.nodes * nodes, machine.memory_per_rank, machine.memory_source)
         if anything_fits(recipe, shape, precision, more):

@@ -77,7 +77,7 @@ def peak_per_rank(recipe: Recipe, shape: ModelShape, precision: str, setting: st
 
     def peak(size: int) -> float:
         acts = activations(with_training(recipe, micro_batch_size=size), precision, shape)
-        return states.device_bytes + acts.peak(recipe.activation_checkpointing)
+        return states.peak_with(acts.peak(recipe.activation_checkpointing))
     return peak
 
 
@@ -94,14 +94,14 @@ def nothing_fits(recipe: Recipe, shape: ModelShape, precision: str, setting: str
              f"{micro_batch_rows(one)} row(s) x {recipe.data.seq_len} tokens, activation checkpointing "
              f"{'on' if checkpointing else 'off'}). What would fit:"]
     sharded = next((other for other, other_states in states.items()
-                    if other != setting and fits(other_states.device_bytes + acts.peak(checkpointing), memory)), None)
+                    if other != setting and fits(other_states.peak_with(acts.peak(checkpointing)), memory)), None)
     if sharded:
         lines.append(f"  deepspeed.config=zero{sharded} (or auto: the least-sharded that fits)")
-    if not checkpointing and fits(states[setting].device_bytes + acts.with_checkpointing, memory):
+    if not checkpointing and fits(states[setting].peak_with(acts.with_checkpointing), memory):
         lines.append("  activation_checkpointing=true")
     seq_len = recipe.data.seq_len // 2
-    while seq_len >= 128 and not fits(states[setting].device_bytes + activations(
-            with_seq_len(one, seq_len), precision, shape).peak(checkpointing), memory):
+    while seq_len >= 128 and not fits(states[setting].peak_with(activations(
+            with_seq_len(one, seq_len), precision, shape).peak(checkpointing)), memory):
         seq_len //= 2
     if seq_len >= 128:
         lines.append(f"  data.seq_len={seq_len}")

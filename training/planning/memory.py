@@ -20,7 +20,10 @@ the vocabulary (the fp32 log-softmax of the loss). With checkpointing each layer
 layer's activations are rebuilt at a time in the backward pass. The loss briefly holds the logits and their fp32
 copy too, (a + 4)*V per token, which is added to the peak. The fused loss (fused_loss, on by default) saves no
 logits: its hidden states' gradient (a*h) takes the place of the head's saved input, and 4*V + 8 per token are gone;
-one chunk of C tokens is live at a time, C*(2a + 4)*V, with the head's weight gradient, (4 + a)*V*h. Gradient
+one chunk of C tokens is live at a time, its logits and their gradient (2a*V per token, in the kernel CUDA compiles
+for it; more on a CPU, where it runs eager), with the head's weight gradient, (4 + a)*V*h. A compiled layer (dense
+Llama family) saves a*i + 8h less (and Qwen3 4*(q + kv) less): the partitioner recomputes them. flex_attention keeps
+grouped keys and values at their own width (kv, not q: 2a*(q - kv) less than sdpa under the document mask). Gradient
 buffers of the activations, the CUDA context and allocator fragmentation are not: `fits` leaves 10% of the memory
 for them.
 
@@ -65,6 +68,14 @@ class ModelStates:
     device_bytes: float  # per rank (GPU)
     host_bytes: float  # per node (CPU memory with offload; DeepSpeed also counts its loading buffers)
     source: str  # which estimator
+    made_in_backward: float = 0.0  # of device_bytes: the whole gradients autograd makes in the backward pass
+
+    def peak_with(self, activation_bytes: float) -> float:
+        """Peak bytes per rank with a micro-batch's activations. Where the model states count whole gradients (ZeRO-0,
+        and ZeRO-1's 16-bit ones), autograd makes them in the backward pass as it frees the saved activations: at the
+        end of the forward pass they do not exist yet, and they outgrow the activations only where those are
+        smaller (measured on an H200, bf16 ZeRO-1: the peak within 1% of states - 16-bit gradients + activations)."""
+        return self.device_bytes + max(activation_bytes - self.made_in_backward, 0.0)
 
 
 def zero_arithmetic(params: float, stage: int, ranks: int, precision: str, state_bytes: float = 8.0) -> float:
@@ -179,7 +190,7 @@ def model_states(setting: str, shape: ModelShape, gpus_per_node: int, nodes: int
             return ModelStates(fp32_zero_states(shape.trained_shapes, stage, ranks, state_bytes), 0.0,
                                "ZeRO arithmetic")
         return ModelStates(zero_arithmetic(shape.parameters, stage, ranks, precision, state_bytes), 0.0,
-                           "ZeRO arithmetic")
+                           "ZeRO arithmetic", whole_gradient_bytes(shape.parameters, stage, precision))
     if stage == 2:
         host, device = estimate_zero2_model_states_mem_needs(shape.parameters, gpus_per_node, nodes, offload)
     else:
@@ -192,6 +203,14 @@ def model_states(setting: str, shape: ModelShape, gpus_per_node: int, nodes: int
     else:
         device -= fewer / ranks
     return ModelStates(float(device), float(host), "DeepSpeed estimator")
+
+
+def whole_gradient_bytes(params: float, stage: int, precision: str) -> float:
+    """The whole gradients zero_arithmetic counts: ZeRO-0's (fp32: torch autocast keeps fp32 weights) and, in mixed
+    precision, ZeRO-1's 16-bit ones; none where ZeRO-2 and 3 reduce them into partitions as the backward pass goes."""
+    if stage == 0:
+        return 4.0 * params
+    return 2.0 * params if stage == 1 and is_mixed(precision) else 0.0
 
 
 def expert_parallel_states(setting: str, shape: ModelShape, gpus_per_node: int, nodes: int, size: int,
@@ -256,10 +275,12 @@ def checkpoint_bytes(params: float, stage: int, ranks: int, precision: str, stat
 
 
 def layer_bytes_per_token(shape: ModelShape, seq_len: int, dtype_bytes: int, attn_implementation: str,
-                          sequence_parallel: int = 1) -> float | None:
+                          sequence_parallel: int = 1, compiled: bool = False) -> float | None:
     """Bytes one decoder layer saves for the backward pass per token on a rank (rules in the module docstring).
     Under sequence parallelism a rank holds seq_len / N tokens of each row; attention then sees the whole row
-    for heads / N (the same bytes), but sdpa's [seq, seq] mask is whole on every rank: N x as much per token."""
+    for heads / N (the same bytes), but sdpa's [seq, seq] mask is whole on every rank: N x as much per token.
+    A compiled dense Llama-family layer (training/models/compile.py) saves less: its partitioner recomputes the
+    SwiGLU product and the norms' fp32 copies in the backward pass."""
     a, h, s = dtype_bytes, shape.hidden_size, seq_len
     mask = 0 if attn_implementation in ("flash_attention_2", "flex_attention") else a * s * sequence_parallel
     attention_softmax = 4 * shape.num_heads + mask  # sdpa keeps a log-sum-exp per head
@@ -269,6 +290,11 @@ def layer_bytes_per_token(shape: ModelShape, seq_len: int, dtype_bytes: int, att
         per_layer = a * (4 * h + 4 * shape.q_dim) + 8 * h + 8 + attention_softmax + mlp_bytes_per_token(shape, a)
         if shape.model_type in ("qwen3", "qwen3_moe"):
             per_layer += (a + 4) * (shape.q_dim + shape.kv_dim) + 4 * (shape.num_heads + shape.num_kv_heads)
+        if attn_implementation == "flex_attention":  # native GQA: keys and values saved at their own width
+            per_layer -= 2 * a * (shape.q_dim - shape.kv_dim)
+        if compiled and not shape.num_experts:
+            per_layer -= a * shape.intermediate_size + 8 * h + (4 * (shape.q_dim + shape.kv_dim)
+                                                                if shape.model_type == "qwen3" else 0)
         return per_layer
     if shape.model_type == "gpt2" and shape.intermediate_size == 4 * h and attn_implementation != "eager":
         return 28 * a * h + 4 * a + attention_softmax
@@ -319,7 +345,7 @@ def activation_bytes(shape: ModelShape, tokens: int, seq_len: int, dtype_bytes: 
                      layers: int | None = None, with_head: bool = True, sequence_parallel: int = 1,
                      tiled_mlp: bool = False, logits_tile_tokens: int | None = None,
                      offload_checkpoints: bool = False, expert_parallel: int = 1,
-                     fused_loss: bool = False) -> Activations | None:
+                     fused_loss: bool = False, compiled: bool = False) -> Activations | None:
     """Peak activation memory of one micro-batch of `tokens` tokens (on this rank: a 1/N slice of each row under
     sequence parallelism) through `layers` decoder layers (default: all) and, with_head, the embedding, head and
     loss; None for a model type without a rule.
@@ -328,12 +354,12 @@ def activation_bytes(shape: ModelShape, tokens: int, seq_len: int, dtype_bytes: 
     counts, and one tile of hidden_size tokens per row is live at a time; tiled logits save nothing of the
     vocabulary's width, and one tile's logits and their fp32 copy are live at a time. The fused loss
     (training/models/fused_loss.py) saves the hidden states' gradient in place of the head's input and no logits;
-    one chunk's logits (in the run's dtype, in fp32, and their gradient in the run's dtype) and the head's weight
-    gradient (fp32, and its cast) are live at a time. Offloaded checkpoints keep
+    one chunk's logits and their gradient (in the run's dtype, CUDA's compiled kernel for the chunk) and the head's
+    weight gradient (fp32, and its cast) are live at a time. Offloaded checkpoints keep
     the layers' saved inputs in host memory, all but the one brought back for the layer being recomputed. Under
     expert parallelism one MoE layer's all-to-all buffers are added to the peak."""
     a, h, vocab = dtype_bytes, shape.hidden_size, shape.vocab_size
-    per_layer = layer_bytes_per_token(shape, seq_len, a, attn_implementation, sequence_parallel)
+    per_layer = layer_bytes_per_token(shape, seq_len, a, attn_implementation, sequence_parallel, compiled)
     if per_layer is None:
         return None
     layers = shape.num_layers if layers is None else layers
@@ -348,7 +374,7 @@ def activation_bytes(shape: ModelShape, tokens: int, seq_len: int, dtype_bytes: 
         transient = max(transient, min(tokens, logits_tile_tokens) * (a + 4) * vocab)
     elif with_head and fused_loss:
         outside -= (a + 8) * vocab + 8  # and the loss's int64 targets; the gradient a*h takes the head input's place
-        transient = max(transient, min(tokens, CHUNK_TOKENS) * (2 * a + 4) * vocab + (4 + a) * vocab * h)
+        transient = max(transient, min(tokens, CHUNK_TOKENS) * 2 * a * vocab + (4 + a) * vocab * h)
     if layers:
         transient += tokens * all_to_all_bytes_per_token(shape, a, expert_parallel)
     on_device = 1 if offload_checkpoints and layers else layers
@@ -386,7 +412,8 @@ def activations(recipe: Recipe, precision: str, shape: ModelShape, **stage) -> A
                             offload_checkpoints=long_context.offload_checkpoints,
                             expert_parallel=parallelism.expert_parallel,
                             fused_loss=uses_fused_loss(recipe, router_loss=bool(shape.num_experts)
-                                                       and recipe.moe.aux_loss_coef != 0), **stage)
+                                                       and recipe.moe.aux_loss_coef != 0),
+                            compiled=recipe.compile is True, **stage)  # auto, not yet decided: planned eager
 
 
 def tensor_parallel_shard(shape: ModelShape, size: int) -> ModelShape:
@@ -458,7 +485,7 @@ def weights_gradients_and_states(plan: RunPlan) -> ModelStates:
     bounds = stage_bounds(layers, plan.pipeline_stages, plan.recipe.parallelism.partition_method)
     largest = max(sum(layers[start:end]) for start, end in zip(bounds, bounds[1:]))
     return ModelStates(zero_arithmetic(largest, plan.zero_stage, plan.dp_size, plan.precision, state_bytes(plan)),
-                       0.0, "ZeRO arithmetic")
+                       0.0, "ZeRO arithmetic", whole_gradient_bytes(largest, plan.zero_stage, plan.precision))
 
 
 def state_bytes(plan: RunPlan) -> float:

@@ -6,9 +6,10 @@ from rich.console import Console
 from rich.table import Table
 
 from training.planning.flops import flops_per_token
-from training.planning.memory import (HEADROOM, LAUNCHER_GRACE_S, Activations, activations,
+from training.planning.memory import (HEADROOM, LAUNCHER_GRACE_S, Activations, ModelStates, activations,
                                       all_to_all_bytes_per_token, checkpoint_bytes, fits, micro_batch_rows,
-                                      stage_bounds, state_bytes, states_per_setting, zero_arithmetic)
+                                      stage_bounds, state_bytes, states_per_setting, whole_gradient_bytes,
+                                      zero_arithmetic)
 from training.planning.plan import Machine, RunPlan
 from training.planning.precision import DTYPES
 from training.planning.shape import ModelShape
@@ -18,12 +19,13 @@ def format_bytes(count: float) -> str:
     return f"{count / 2**30:,.2f} GiB" if count >= 2**30 else f"{count / 2**20:,.1f} MiB"
 
 
-def memory_cells(states: float, acts: Activations | None, memory: float, in_flight: int = 1) -> list[str]:
-    """The '+ activations', '+ act. (ckpt)' and 'fits' cells: model states plus the activations of the
+def memory_cells(states: ModelStates, acts: Activations | None, memory: float, in_flight: int = 1) -> list[str]:
+    """The '+ activations', '+ act. (ckpt)' and 'fits' cells: the peak of model states with the activations of the
     micro-batches in flight, without and with checkpointing ('?' for a model type without a rule)."""
     if acts is None:
         return ["?", "?", "?"]
-    without, with_checkpointing = (states + in_flight * acts.peak(checkpointing) for checkpointing in (False, True))
+    without, with_checkpointing = (states.peak_with(in_flight * acts.peak(checkpointing))
+                                   for checkpointing in (False, True))
     verdict = "yes" if fits(without, memory) else "with checkpointing" if fits(with_checkpointing, memory) else "no"
     return [format_bytes(without), format_bytes(with_checkpointing), verdict]
 
@@ -149,7 +151,7 @@ def print_memory_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> Non
         marker = " (this run)" if setting == current else ""
         table.add_row(setting.replace("_", " + ") + marker, format_bytes(states.device_bytes),
                       format_bytes(states.host_bytes) if states.host_bytes else "-", states.source,
-                      *memory_cells(states.device_bytes, acts, machine.memory_per_rank))
+                      *memory_cells(states, acts, machine.memory_per_rank))
     Console(width=140).print(table)
 
 
@@ -180,11 +182,12 @@ def print_pipeline_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> N
     for stage in range(stages):
         start, end = bounds[stage], bounds[stage + 1]
         params = sum(layers[start:end])
-        states = zero_arithmetic(params, plan.zero_stage, plan.dp_size, plan.precision, state_bytes(plan))
+        states = ModelStates(zero_arithmetic(params, plan.zero_stage, plan.dp_size, plan.precision, state_bytes(plan)),
+                             0.0, "ZeRO arithmetic", whole_gradient_bytes(params, plan.zero_stage, plan.precision))
         decoder_layers = sum(1 <= index <= shape.num_layers for index in range(start, end))
         acts = activations(plan.recipe, plan.precision, shape, layers=decoder_layers, with_head=stage == stages - 1)
         in_flight = min(stages - stage, plan.accumulation_steps)
-        table.add_row(str(stage), f"{start}-{end - 1}", f"{params:,}", format_bytes(states),
+        table.add_row(str(stage), f"{start}-{end - 1}", f"{params:,}", format_bytes(states.device_bytes),
                       *memory_cells(states, acts, machine.memory_per_rank, in_flight))
     Console(width=140).print(table)
 

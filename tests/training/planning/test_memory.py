@@ -41,7 +41,8 @@ def saved_activation_bytes(model: torch.nn.Module, input_ids: torch.Tensor, posi
     return sum(storages.values())
 
 
-def measure(model_type: str, dtype: torch.dtype, checkpointing: bool, tiling=None, fused_loss: bool = False):
+def measure(model_type: str, dtype: torch.dtype, checkpointing: bool, tiling=None, fused_loss: bool = False,
+            compiled: bool = False, documents: int = 2):
     layers_key = "n_layer" if model_type == "gpt2" else "num_hidden_layers"
     config = AutoConfig.for_model(model_type, **CONFIGS[model_type], **{layers_key: LAYERS})
     config.use_cache = False
@@ -55,8 +56,13 @@ def measure(model_type: str, dtype: torch.dtype, checkpointing: bool, tiling=Non
         fuse_head_and_loss(model)
     if checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if compiled:  # the min-cut partitioner inductor uses, without generating code
+        from training.models.compile import compile_layers
+        torch._dynamo.reset()
+        compile_layers(model, backend="aot_eager_decomp_partition")
     input_ids = torch.randint(0, config.vocab_size, (BATCH, SEQ_LEN))
-    position_ids = torch.cat([torch.arange(40), torch.arange(SEQ_LEN - 40)]).repeat(BATCH, 1)  # two documents
+    position_ids = (torch.cat([torch.arange(40), torch.arange(SEQ_LEN - 40)]) if documents == 2  # two documents
+                    else torch.arange(SEQ_LEN)).repeat(BATCH, 1)
     return model_shape(config), saved_activation_bytes(model, input_ids, position_ids)
 
 
@@ -151,7 +157,7 @@ def test_the_fused_loss_rule_matches_the_saved_tensors(model_type):
     shape, measured = measure(model_type, torch.bfloat16, checkpointing=False, fused_loss=True)
     tokens, a, vocab, hidden = BATCH * SEQ_LEN, 2, shape.vocab_size, shape.hidden_size
     estimate = activation_bytes(shape, tokens, SEQ_LEN, a, "sdpa", fused_loss=True).without_checkpointing
-    transient = min(tokens, CHUNK_TOKENS) * (2 * a + 4) * vocab + (4 + a) * vocab * hidden
+    transient = min(tokens, CHUNK_TOKENS) * 2 * a * vocab + (4 + a) * vocab * hidden
     held = tokens * a * hidden
     assert estimate - transient == pytest.approx(measured + held, rel=0.005)
 
@@ -163,6 +169,29 @@ def test_the_fused_loss_saves_gigabytes_on_a_large_vocabulary():
     plain, fused = (activation_bytes(shape, 4 * 2048, 2048, 2, "flex_attention", fused_loss=fused).without_checkpointing
                     for fused in (False, True))
     assert (plain - fused) / 2**30 == pytest.approx(7.34, abs=0.01)  # 9.79 GiB of logits less 0.98 + 1.47
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_layer_rule_matches_the_saved_tensors(model_type, dtype):
+    """Layers compiled as training/models/compile.py compiles them, through AOTAutograd's min-cut partitioner (what
+    inductor partitions with; dynamo's aot_eager_decomp_partition backend runs it without generating code)."""
+    shape, measured = measure(model_type, dtype, checkpointing=False, compiled=True)
+    tokens, size = BATCH * SEQ_LEN, dtype.itemsize
+    estimate = activation_bytes(shape, tokens, SEQ_LEN, size, "sdpa", compiled=True).without_checkpointing
+    logits_transient = tokens * (size + 4) * shape.vocab_size
+    assert estimate - logits_transient == pytest.approx(measured, rel=0.005)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen3"])
+def test_the_flex_attention_rule_matches_sdpas_saved_tensors_without_a_mask(model_type):
+    """FlexAttention has no backward pass on a CPU; it saves what sdpa saves where transformers needs no mask (rows
+    of one document): queries, keys and values with grouped heads at their own width, the output and a log-sum-exp
+    per head, and no mask."""
+    shape, measured = measure(model_type, torch.bfloat16, checkpointing=False, documents=1)
+    tokens = BATCH * SEQ_LEN
+    estimate = activation_bytes(shape, tokens, SEQ_LEN, 2, "flex_attention").without_checkpointing
+    assert estimate - tokens * 6 * shape.vocab_size == pytest.approx(measured, rel=0.005)
 
 
 def test_fp32_zero_states_follow_deepspeeds_layout():
@@ -225,3 +254,16 @@ def test_the_run_plans_the_buckets_of_its_own_config():
             (("shipped", shipped), ("own", own))}
     assert rows["own"]["2"].device_bytes - rows["shipped"]["2"].device_bytes == difference
     assert rows["own"]["3"] == rows["shipped"]["3"]  # another setting's row: its shipped file's buckets
+
+
+def test_whole_gradients_grow_as_the_activations_are_freed():
+    """At ZeRO-0 and (16-bit) ZeRO-1 autograd makes the whole gradients in the backward pass while the saved
+    activations are freed: the peak is the model states plus the activations beyond those gradients."""
+    from training.planning.memory import ModelStates, whole_gradient_bytes
+    assert [whole_gradient_bytes(1000, stage, "bf16") for stage in range(4)] == [4000, 2000, 0, 0]
+    assert [whole_gradient_bytes(1000, stage, "fp32") for stage in range(4)] == [4000, 0, 0, 0]
+    states = ModelStates(20_000, 0.0, "ZeRO arithmetic", made_in_backward=2000)
+    assert states.peak_with(5000) == 23_000 and states.peak_with(1500) == 20_000
+    shape = model_shape(AutoConfig.from_pretrained("recipes/tiny_llama/config.json"))
+    assert model_states("1", shape, 1, 1, "bf16", zero_init=False).made_in_backward == 2 * shape.parameters
+    assert model_states("2", shape, 8, 1, "bf16", zero_init=False).made_in_backward == 0
