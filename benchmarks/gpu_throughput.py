@@ -184,7 +184,7 @@ def planned_peak_bytes(args: argparse.Namespace, run: Run) -> float | None:
         states = planned_model_states(plan)
     except ValueError:  # the plan's refusals (ConfigError) and settings it has no estimate for
         return None
-    acts = activations(plan.recipe, plan.precision, plan.shape)
+    acts = activations(plan.recipe, plan.precision, plan.shape, plan.zero_setting)
     return states.peak_with(acts.peak(run.checkpointing)) if acts else None
 
 

@@ -71,12 +71,12 @@ def peak_per_rank(recipe: Recipe, shape: ModelShape, precision: str, setting: st
     if states is None:
         raise ConfigError(f"training.micro_batch_size=auto: the memory plan has no estimate for ZeRO-{setting} in "
                           f"{precision}; set training.micro_batch_size to a number")
-    if activations(with_training(recipe, micro_batch_size=1), precision, shape) is None:
+    if activations(with_training(recipe, micro_batch_size=1), precision, shape, setting) is None:
         raise ConfigError(f"training.micro_batch_size=auto: the memory plan has no activation rule for model type "
                           f"{shape.model_type}; set training.micro_batch_size to a number")
 
     def peak(size: int) -> float:
-        acts = activations(with_training(recipe, micro_batch_size=size), precision, shape)
+        acts = activations(with_training(recipe, micro_batch_size=size), precision, shape, setting)
         return states.peak_with(acts.peak(recipe.activation_checkpointing))
     return peak
 
@@ -86,22 +86,22 @@ def nothing_fits(recipe: Recipe, shape: ModelShape, precision: str, setting: str
     """Why micro-batch 1 does not fit, with its numbers, and which change alone would make it fit."""
     one, memory = with_training(recipe, micro_batch_size=1), machine.memory_per_rank
     checkpointing = recipe.activation_checkpointing
-    states, acts = states_per_setting(recipe, precision, shape, machine), activations(one, precision, shape)
+    states, acts = states_per_setting(recipe, precision, shape, machine), activations(one, precision, shape, setting)
     lines = [f"training.micro_batch_size=auto: even micro-batch 1 does not fit in {format_bytes(HEADROOM * memory)} "
              f"per rank ({HEADROOM:.0%} of {format_bytes(memory)}, {machine.memory_source}): the plan is "
              f"{format_bytes(planned)} ({format_bytes(states[setting].device_bytes)} model states at "
              f"ZeRO-{setting.replace('_', ' + ')} + {format_bytes(acts.peak(checkpointing))} activations of "
              f"{micro_batch_rows(one)} row(s) x {recipe.data.seq_len} tokens, activation checkpointing "
              f"{'on' if checkpointing else 'off'}). What would fit:"]
-    sharded = next((other for other, other_states in states.items()
-                    if other != setting and fits(other_states.peak_with(acts.peak(checkpointing)), memory)), None)
+    sharded = next((other for other, other_states in states.items() if other != setting and fits(
+        other_states.peak_with(activations(one, precision, shape, other).peak(checkpointing)), memory)), None)
     if sharded:
         lines.append(f"  deepspeed.config=zero{sharded} (or auto: the least-sharded that fits)")
     if not checkpointing and fits(states[setting].peak_with(acts.with_checkpointing), memory):
         lines.append("  activation_checkpointing=true")
     seq_len = recipe.data.seq_len // 2
     while seq_len >= 128 and not fits(states[setting].peak_with(activations(
-            with_seq_len(one, seq_len), precision, shape).peak(checkpointing)), memory):
+            with_seq_len(one, seq_len), precision, shape, setting).peak(checkpointing)), memory):
         seq_len //= 2
     if seq_len >= 128:
         lines.append(f"  data.seq_len={seq_len}")

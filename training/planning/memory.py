@@ -400,9 +400,13 @@ def micro_batch_rows(recipe: Recipe) -> int:
     return recipe.training.micro_batch_size * (2 if recipe.training.objective == "dpo" else 1)
 
 
-def activations(recipe: Recipe, precision: str, shape: ModelShape, **stage) -> Activations | None:
+def activations(recipe: Recipe, precision: str, shape: ModelShape, setting: str | None = None,
+                **stage) -> Activations | None:
     """One micro-batch's activations on a rank: its slice of the rows under sequence parallelism, its share of
-    the heads and the MLP width under tensor parallelism, the all-to-all buffers under expert parallelism."""
+    the heads and the MLP width under tensor parallelism, the all-to-all buffers under expert parallelism. The
+    layers count as compiled where the recipe compiles them (compile, as the plan resolved it) and the ZeRO
+    `setting` (default: the recipe's own) is 0-2: under ZeRO-3, where compile: auto leaves them eager and DeepSpeed's
+    hooks break a compiled layer's graph, they are planned eager."""
     seq_len, long_context, parallelism = recipe.data.seq_len, recipe.long_context, recipe.parallelism
     shape = tensor_parallel_shard(shape, parallelism.tensor_parallel)
     return activation_bytes(shape, micro_batch_rows(recipe) * seq_len // parallelism.sequence_parallel, seq_len,
@@ -413,7 +417,7 @@ def activations(recipe: Recipe, precision: str, shape: ModelShape, **stage) -> A
                             expert_parallel=parallelism.expert_parallel,
                             fused_loss=uses_fused_loss(recipe, router_loss=bool(shape.num_experts)
                                                        and recipe.moe.aux_loss_coef != 0),
-                            compiled=recipe.compile is True, **stage)  # auto, not yet decided: planned eager
+                            compiled=recipe.compile is True and (setting is None or int(setting[0]) < 3), **stage)
 
 
 def tensor_parallel_shard(shape: ModelShape, size: int) -> ModelShape:

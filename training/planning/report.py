@@ -129,8 +129,8 @@ def print_checkpoint_size(plan: RunPlan, shape: ModelShape) -> None:
 
 def print_memory_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> None:
     """Model states per ZeRO setting over the data-parallel ranks, plus one micro-batch's activations."""
-    acts = activations(plan.recipe, plan.precision, shape)
     current = plan.zero_setting
+    acts = activations(plan.recipe, plan.precision, shape, current)
     print(f"memory per rank, {machine.gpus_per_node} GPU(s) x {machine.nodes} node(s), micro-batch "
           f"{micro_batch_rows(plan.recipe)} x {plan.recipe.data.seq_len // plan.sequence_parallel} tokens "
           f"on each rank; fits = within "
@@ -142,6 +142,11 @@ def print_memory_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> Non
                  f"{format_bytes(acts.host * machine.gpus_per_node)} per node)" if acts.host else ""))
     else:
         print(f"activations: no estimate for model type {shape.model_type}")
+    eager = activations(plan.recipe, plan.precision, shape, "3")
+    if acts and eager and eager != acts:
+        print(f"  with the layers compiled (compile), at ZeRO 0-2; the ZeRO-3 rows count them eager, as compile: auto "
+              f"runs them there: {format_bytes(eager.without_checkpointing)} without checkpointing, "
+              f"{format_bytes(eager.with_checkpointing)} with")
     if plan.expert_parallel > 1:
         print_expert_parallel_memory(plan, shape, machine)
     table = Table()
@@ -151,7 +156,8 @@ def print_memory_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> Non
         marker = " (this run)" if setting == current else ""
         table.add_row(setting.replace("_", " + ") + marker, format_bytes(states.device_bytes),
                       format_bytes(states.host_bytes) if states.host_bytes else "-", states.source,
-                      *memory_cells(states, acts, machine.memory_per_rank))
+                      *memory_cells(states, activations(plan.recipe, plan.precision, shape, setting),
+                                    machine.memory_per_rank))
     Console(width=140).print(table)
 
 

@@ -171,8 +171,8 @@ def test_the_fused_loss_saves_gigabytes_on_a_large_vocabulary():
     assert (plain - fused) / 2**30 == pytest.approx(7.34, abs=0.01)  # 9.79 GiB of logits less 0.98 + 1.47
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen3"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("model_type, dtype", [("llama", torch.bfloat16), ("mistral", torch.bfloat16),
+                                               ("qwen3", torch.bfloat16), ("llama", torch.float32)])
 def test_the_compiled_layer_rule_matches_the_saved_tensors(model_type, dtype):
     """Layers compiled as training/models/compile.py compiles them, through AOTAutograd's min-cut partitioner (what
     inductor partitions with; dynamo's aot_eager_decomp_partition backend runs it without generating code)."""
