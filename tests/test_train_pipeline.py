@@ -3,7 +3,9 @@ data-parallel ranks): the same global batches, so the same losses.
 
 Tolerance, fp32: 1e-5 on losses near 8 over 6 steps. The stages compute the same layers on the same
 batch; only the order of the final additions differs (measured: 1e-6 at most, weights after 4 steps
-bitwise equal).
+bitwise equal). The stages compute the plain loss (the fused loss is off under pipeline parallelism), so the
+data-parallel runs here do too (fused_loss=false): the weights compare at 1e-6 only if both sides add the
+gradients up the same way; the fused loss's own equality with the plain one is tests/training/models/test_fused_loss.py's.
 """
 import json
 import re
@@ -23,7 +25,7 @@ pytestmark = pytest.mark.slow
 TIED = SMALL_MODEL.replace("head_dim: 16}", "head_dim: 16, tie_word_embeddings: true}")
 COMMON = ["--recipe", "tiny_llama", "precision=fp32", "deepspeed.config=zero1", "training.max_steps=6",
           "training.schedule=constant", "training.warmup_steps=0", "logging.every_steps=1", "data.eval.fraction=0.05",
-          "training.eval_every_steps=3"]
+          "training.eval_every_steps=3", "fused_loss=false"]
 
 
 def losses(out) -> list[float]:

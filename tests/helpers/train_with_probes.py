@@ -17,7 +17,8 @@
     the next rank's experts.
 --insert-poisoned-batches KIND:POSITIONS[:RANK]: poisoned batches are inserted into the data at those data
     positions (comma-separated), pushing the data's own batches back: `nonfinite` makes the model's embedding
-    output infinite, `spike` multiplies its logits by 30 (a finite loss spike), on RANK only or on every rank.
+    output infinite, `spike` multiplies its logits by 30 (a finite loss spike: the LM head's input, as the fused loss
+    takes it too), on RANK only or on every rank.
     Without the poisoned batches, a run reads exactly the data of a run without this probe.
 """
 import json
@@ -118,15 +119,22 @@ def insert_poisoned_batches(spec: str) -> None:
         state["poisoned"] = position in poisoned
         return read(batches, position - sum(p < position for p in poisoned))
 
-    def poison(module, inputs, output):
-        on_this_rank = not rank or dist.get_rank() == int(rank[0])
-        return output * factor if state["poisoned"] and on_this_rank else output
+    def poisoned_here() -> bool:
+        return state["poisoned"] and (not rank or dist.get_rank() == int(rank[0]))
+
+    def poison_output(module, inputs, output):
+        return output * factor if poisoned_here() else output
+
+    def poison_head_input(module, inputs):  # the logits times factor, also where the head computes the fused loss
+        return (inputs[0] * factor, *inputs[1:]) if poisoned_here() else inputs
 
     run = train.train
 
     def train_with_hook(engine, *args, **kwargs):
-        layer = engine.module.get_input_embeddings() if kind == "nonfinite" else engine.module.get_output_embeddings()
-        layer.register_forward_hook(poison)
+        if kind == "nonfinite":
+            engine.module.get_input_embeddings().register_forward_hook(poison_output)
+        else:
+            engine.module.get_output_embeddings().register_forward_pre_hook(poison_head_input)
         return run(engine, *args, **kwargs)
 
     train.StepBatches.micro_batches = read_with_poison
