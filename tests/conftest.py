@@ -13,6 +13,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from tests import warm_ranks as pool  # noqa: E402
+from tests.warm_ranks import PROCESS_PROBES, SCRIPTS as WARM_SCRIPTS, warm_ranks  # noqa: E402
 from training.parallel.launch import launcher_command  # noqa: E402
 
 # A 2-layer, 64-wide shrink of tiny_llama: the same code path in seconds.
@@ -29,10 +31,15 @@ def train_command(args: list[str], ranks: int | None = None, script: str = "trai
 TRAIN_ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
-def run_train(args: list[str], ranks: int | None = None, timeout: int = 600,
-              script: str = "train.py") -> subprocess.CompletedProcess:
-    return subprocess.run(train_command(args, ranks, script), cwd=REPO, env=TRAIN_ENV, capture_output=True,
-                          text=True, timeout=timeout)
+def run_train(args: list[str], ranks: int | None = None, timeout: int = 600, script: str = "train.py",
+              launch: bool = False) -> subprocess.CompletedProcess:
+    """`train_command(args, ranks, script)`'s exit code and output. It runs on the session's warm ranks
+    (tests/warm_ranks.py), unless `launch` or a probe of the process life (a kill, a crash on one rank) asks for a
+    real launch."""
+    if launch or script not in WARM_SCRIPTS or any(probe in args for probe in PROCESS_PROBES):
+        return subprocess.run(train_command(args, ranks, script), cwd=REPO, env=TRAIN_ENV, capture_output=True,
+                              text=True, timeout=timeout)
+    return warm_ranks(TRAIN_ENV).run(script, args, ranks, timeout)
 
 
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # a process group sets them
@@ -156,6 +163,11 @@ def pytest_configure(config: pytest.Config) -> None:
         return run(executor)
 
     LocalPipelineExecutor.run = guarded_run
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if pool.pool is not None:
+        pool.pool.close()
 
 
 @pytest.fixture(autouse=True)

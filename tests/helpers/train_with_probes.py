@@ -187,8 +187,10 @@ PROBES = {"--kill-after-deepspeed-save": lambda value: kill_after_deepspeed_save
           "--insert-poisoned-batches": insert_poisoned_batches}
 
 
-if __name__ == "__main__":
-    args = sys.argv[1:]
+def main(argv: list[str]) -> int:
+    """Install the probes that argv asks for, then train.py's main with the rest (the warm ranks of
+    tests/warm_ranks.py call it, and undo the probes after the run)."""
+    args = list(argv)
     for option, install in PROBES.items():
         if option in args:
             at = args.index(option)
@@ -202,7 +204,11 @@ if __name__ == "__main__":
     if "--record-logits" in args:
         args.remove("--record-logits")
         record_logits()
-    code = train.main(args)
+    return train.main(args)
+
+
+if __name__ == "__main__":
+    code = main(sys.argv[1:])
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # as train.py ends
