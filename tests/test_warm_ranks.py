@@ -34,7 +34,8 @@ def test_a_run_after_other_runs_in_the_pool_computes_what_a_fresh_launch_compute
     for kind in ("probed", "plain"):
         warm, launched = records(tmp_path / f"{kind}_warm"), records(tmp_path / f"{kind}_launched")
         assert len(warm) == 3 and warm == launched
-    assert records(tmp_path / "sp_warm") == pytest.approx(records(tmp_path / "plain_warm"), rel=1e-5)
+    flat = [[value for record in records(tmp_path / f"{kind}_warm") for value in record] for kind in ("sp", "plain")]
+    assert flat[0] == pytest.approx(flat[1], rel=1e-5)  # tests/test_parallelism.py's tolerance for SP
     assert (tmp_path / "probed_warm" / "engine_logits.pt").exists()
     assert not (tmp_path / "plain_warm" / "engine_logits.pt").exists()
 
