@@ -98,6 +98,9 @@ class Baseline:
         if dist.is_initialized():  # a run that left its group (a failure before the teardown)
             dist.destroy_process_group()
         torch._dynamo.reset()
+        # torch's autograd engine keeps the last backward's graph task (ZeRO-3's final callback, holding its
+        # partitions: 12 MB on the small model) until the next backward: one on a scalar lets it go
+        torch.ones(1, requires_grad=True).sum().backward()
         gc.collect()  # the run's engines and tensors: the next run's census counts no leftovers
         for owner, kept in self.namespaces.values():
             if type(owner) in (list, set):  # a module's list of live objects (DeepSpeed's hooked modules), a set
@@ -225,8 +228,7 @@ def serve(reply_fd: int) -> None:
             code = run_job(json.loads(line))
         finally:
             baseline.restore()
-        # what torch's C++ side still holds of a run (ZeRO-3's partitions after its hooks) or a failed run: a fresh
-        # process takes over
+        # what a failed run, or anything the restore does not reach, left alive: a fresh process takes over
         retire = code != 0 or tensor_bytes() - held > LEFTOVER_BYTES
         os.write(reply_fd, (json.dumps({"code": code, "retire": retire}) + "\n").encode())
         if retire:
