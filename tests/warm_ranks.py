@@ -8,8 +8,9 @@ MASTER_PORT each time, so a new gloo group); the worker runs the script's main(a
 state its imports left. What the launcher does around the ranks, the pool does too: each rank's output is collected
 (rank 0's first), and the first rank to end with a non-zero code ends the others and gives the run its exit code.
 
-A worker that dies (a failure on one rank ends every rank with os._exit, as in a real run) or is ended is replaced by
-a fresh one. Runs whose subject is the launch or the process life (a kill, a crash on one rank, signals, the
+A worker that dies (a failure on one rank ends every rank with os._exit, as in a real run), is ended, or retires (its
+run failed, or left tensors alive that the restore could not free) is replaced by a fresh one, started as soon as
+the run ends. Runs whose subject is the launch or the process life (a kill, a crash on one rank, signals, the
 launcher's own output) go through a real launch: `run_train(..., launch=True)`, or a probe in PROCESS_PROBES.
 """
 import json
