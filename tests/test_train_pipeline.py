@@ -5,7 +5,8 @@ Tolerance, fp32: 1e-5 on losses near 8 over 6 steps. The stages compute the same
 batch; only the order of the final additions differs (measured: 1e-6 at most, weights after 4 steps
 bitwise equal). The stages compute the plain loss (the fused loss is off under pipeline parallelism), so the
 data-parallel runs here do too (fused_loss=false): the weights compare at 1e-6 only if both sides add the
-gradients up the same way; the fused loss's own equality with the plain one is tests/training/models/test_fused_loss.py's.
+gradients up the same way. The fused loss's own equality with the plain one is proved in
+tests/training/models/test_fused_loss.py.
 """
 import json
 import re

@@ -17,8 +17,8 @@
     the next rank's experts.
 --insert-poisoned-batches KIND:POSITIONS[:RANK]: poisoned batches are inserted into the data at those data
     positions (comma-separated), pushing the data's own batches back: `nonfinite` makes the model's embedding
-    output infinite, `spike` multiplies its logits by 30 (a finite loss spike: the LM head's input, as the fused loss
-    takes it too), on RANK only or on every rank.
+    output infinite, `spike` multiplies the LM head's input by 30, so its logits (a finite loss spike, also under the
+    fused loss, whose head returns the loss), on RANK only or on every rank.
     Without the poisoned batches, a run reads exactly the data of a run without this probe.
 """
 import json
