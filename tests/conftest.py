@@ -4,6 +4,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
@@ -36,10 +38,22 @@ def run_train(args: list[str], ranks: int | None = None, timeout: int = 600, scr
     """`train_command(args, ranks, script)`'s exit code and output. It runs on the session's warm ranks
     (tests/warm_ranks.py), unless `launch` or a probe of the process life (a kill, a crash on one rank) asks for a
     real launch."""
-    if launch or script not in WARM_SCRIPTS or any(probe in args for probe in PROCESS_PROBES):
-        return subprocess.run(train_command(args, ranks, script), cwd=REPO, env=TRAIN_ENV, capture_output=True,
-                              text=True, timeout=timeout)
-    return warm_ranks(TRAIN_ENV).run(script, args, ranks, timeout)
+    warm = not (launch or script not in WARM_SCRIPTS or any(probe in args for probe in PROCESS_PROBES))
+    start = time.monotonic()
+    if warm:
+        result = warm_ranks(TRAIN_ENV).run(script, args, ranks, timeout)
+    else:
+        result = subprocess.run(train_command(args, ranks, script), cwd=REPO, env=TRAIN_ENV, capture_output=True,
+                                text=True, timeout=timeout)
+    log_run({"test": running[-1].nodeid if running else None, "script": script, "args": args, "ranks": ranks,
+             "warm": warm, "seconds": round(time.monotonic() - start, 1), "code": result.returncode})
+    return result
+
+
+def log_run(record: dict) -> None:
+    """test-results/runs.jsonl: every training a test starts, for finding where the time goes and runs repeated."""
+    with open(REPO / "test-results" / "runs.jsonl", "a") as log:
+        log.write(json.dumps(record) + "\n")
 
 
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # a process group sets them
@@ -139,10 +153,14 @@ def refuse_unmarked_launch(what: str, command) -> None:
     pytest.fail(refused[-1], pytrace=False)
 
 
+launches: Counter[str] = Counter()  # the session's real launches by what they start (warm ranks apart)
+
+
 class GuardedPopen(subprocess.Popen):
     def __init__(self, args, *more, **options):
         if what := launch_in(args):
             refuse_unmarked_launch(what, args)
+            launches["a warm rank" if pool.WORKER in map(str, args) else what] += 1
         super().__init__(args, *more, **options)
 
 
@@ -150,8 +168,10 @@ def pytest_configure(config: pytest.Config) -> None:
     """The fast tier (-m "not slow") stays fast: a test not marked slow that starts train.py, the deepspeed or
     accelerate launcher or a datatrove job (a process, or datatrove's local executor in-process), in its body or in
     a fixture of any scope, fails, naming itself. Installed for the whole session, so module and session fixtures are
-    watched too."""
+    watched too. test-results/runs.jsonl starts empty (log_run)."""
     subprocess.Popen = GuardedPopen
+    (REPO / "test-results").mkdir(exist_ok=True)
+    (REPO / "test-results" / "runs.jsonl").write_text("")
     try:
         from datatrove.executor.local import LocalPipelineExecutor
     except ImportError:
@@ -166,8 +186,18 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Closes the warm ranks; test-results/launches.json keeps the session's launches and warm runs (docs/testing.md
+    quotes them)."""
     if pool.pool is not None:
         pool.pool.close()
+    record = {"launches": dict(launches), "warm_runs": pool.pool.runs if pool.pool is not None else 0}
+    (REPO / "test-results" / "launches.json").write_text(json.dumps(record, indent=1))
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    real = sum(count for what, count in launches.items() if what != "a warm rank")
+    warm_runs = pool.pool.runs if pool.pool is not None else 0
+    terminalreporter.write_line(f"launches: {real} real ({dict(launches)}), {warm_runs} runs on warm ranks")
 
 
 @pytest.fixture(autouse=True)

@@ -1,8 +1,11 @@
 """The --dry-run plans quoted in README.md, docs/ and the recipe READMEs are what their commands print now."""
+import pytest
+
 from tests.conftest import REPO
 from tools.refresh_plans import markdown_files, refreshed, refreshed_plan, stored_plans
 
 
+@pytest.mark.slow
 def test_quoted_plans_are_what_their_commands_print(monkeypatch):
     monkeypatch.chdir(REPO)
     monkeypatch.delenv("WORLD_SIZE", raising=False)

@@ -11,14 +11,12 @@
 """
 import json
 import math
-import subprocess
 
 import pytest
 import torch
 
-from tests.conftest import REPO, TRAIN_ENV, run_train, save_small_checkpoint
+from tests.conftest import run_train, save_small_checkpoint
 from tests.test_parallelism import losses
-from training.parallel.launch import launcher_command
 
 pytestmark = pytest.mark.slow
 STEPS, KILLED_AT = 6, 4
@@ -32,8 +30,7 @@ def base(tmp_path_factory):
 
 
 def test_zero3_steps_and_exports_equal_plain_peft(base, tmp_path):
-    result = subprocess.run(launcher_command(2, "tests/helpers/lora_steps.py", [str(base), str(tmp_path), "zero3"]),
-                            cwd=REPO, env=TRAIN_ENV, capture_output=True, text=True, timeout=600)
+    result = run_train([str(base), str(tmp_path), "zero3"], ranks=2, script="tests/helpers/lora_steps.py")
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(next(line for line in result.stdout.splitlines() if line.startswith('{"losses"')))
     assert report["losses"] == pytest.approx(report["reference_losses"], abs=1e-5)

@@ -20,15 +20,13 @@
 """
 import json
 import math
-import subprocess
 
 import pytest
 from transformers import AutoConfig
 
 import train
-from tests.conftest import REPO, SMALL_MODEL, TRAIN_ENV, run_train
+from tests.conftest import SMALL_MODEL, run_train
 from tests.test_parallelism import losses
-from training.parallel.launch import launcher_command
 from training.planning.memory import planned_model_states
 from training.planning.optimizer_states import optimizer_state_bytes
 from training.planning.shape import model_shape
@@ -44,8 +42,7 @@ STEPS, KILLED_AT = 6, 4
 
 @pytest.mark.parametrize("name, ds_config", [("adamw", "zero1"), ("lion", "zero2"), ("muon", "zero2")])
 def test_first_steps_equal_the_reference_update(name, ds_config):
-    result = subprocess.run(launcher_command(2, "tests/helpers/optimizer_steps.py", [name, ds_config]), cwd=REPO,
-                            env=TRAIN_ENV, capture_output=True, text=True, timeout=600)
+    result = run_train([name, ds_config], ranks=2, script="tests/helpers/optimizer_steps.py")
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(next(line for line in result.stdout.splitlines() if line.startswith('{"config"')))
     assert report["smallest_relative_update"] > 1e-4  # every weight moved
@@ -60,8 +57,7 @@ def test_first_steps_equal_the_reference_update(name, ds_config):
 @pytest.mark.parametrize("name", ["adamw8bit", "adafactor"])
 def test_memory_lean_optimizers_equal_the_library_on_zeros_parts(name):
     configs = ["zero0", "zero1", "zero2", "zero3"]
-    result = subprocess.run(launcher_command(2, "tests/helpers/optimizer_steps.py", [name, *configs]), cwd=REPO,
-                            env=TRAIN_ENV, capture_output=True, text=True, timeout=600)
+    result = run_train([name, *configs], ranks=2, script="tests/helpers/optimizer_steps.py")
     assert result.returncode == 0, result.stderr[-3000:]
     reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"config"')]
     assert [report["config"] for report in reports] == configs

@@ -13,7 +13,6 @@ attention moves the losses of tiny_llama's packed rows by 5e-5 and a sharp model
 """
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -22,10 +21,9 @@ from transformers import AutoModelForCausalLM
 
 from data_pipeline.loader import EvalBatches
 from data_pipeline.prepare import prepare_dataset
-from tests.conftest import REPO, SMALL_MODEL, TRAIN_ENV, run_train
+from tests.conftest import REPO, SMALL_MODEL, run_train
 from tests.data_pipeline.test_packed_attention import assert_documents_kept_apart, losses_alone, packed_row, sharp_model
 from training.__main__ import main as training_cli
-from training.parallel.launch import launcher_command
 from training.models.model import load_tokenizer
 from training.config.recipe import load_recipe
 
@@ -140,8 +138,8 @@ def test_a_packed_row_keeps_its_documents_apart(model_type, attn_implementation,
     """A packed row under SP=2 (its second document spans both ranks' slices) gives every document the per-token
     losses it has alone, without sequence parallelism. qwen2's one key/value head is copied to both ranks."""
     out = tmp_path / "losses.pt"
-    command = launcher_command(2, "tests/helpers/sequence_parallel_row.py", [model_type, attn_implementation, str(out)])
-    result = subprocess.run(command, cwd=REPO, env=TRAIN_ENV, capture_output=True, text=True, timeout=300)
+    result = run_train([model_type, attn_implementation, str(out)], ranks=2, timeout=300,
+                       script="tests/helpers/sequence_parallel_row.py")
     assert result.returncode == 0, result.stderr[-3000:]
     _, documents = packed_row()
     assert_documents_kept_apart(torch.load(out)[:-1], losses_alone(sharp_model(model_type), documents))

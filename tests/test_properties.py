@@ -97,6 +97,7 @@ def workplace(tmp_path, monkeypatch, earlier_run):
     return lambda: tree_state(tmp_path, *WATCHED), untouched
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(overrides=OVERRIDES, options=st.lists(st.sampled_from(["--dry-run", "--resume", "--overwrite"]), unique=True),
        numbers=st.lists(st.tuples(st.sampled_from(["--num-gpus", "--num-nodes", "--gpu-mem"]), NUMBERS), max_size=2),
@@ -123,6 +124,7 @@ LINES = st.lists(st.one_of(st.builds(lambda t: json.dumps({"text": t}), st.text(
                            st.sampled_from(['{"text": 1}', '{"body": "x"}', "[1]", '"s"', "", "{"])), max_size=6)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(paths=st.tuples(st.one_of(st.just("in.jsonl"), PATHS), PATHS), lines=LINES,
        options=st.lists(st.tuples(st.sampled_from(["--num-perm", "--ngram", "--num-proc", "--threshold"]), NUMBERS),
@@ -140,6 +142,7 @@ SOURCES = st.sampled_from([[], ["data.sources=[{path: data/in.jsonl}]"], ["data.
                             [f"tokenizer.name_or_path={REPO / 'recipes/tiny_llama/tokenizer'}"]])
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(overrides=OVERRIDES, sources=SOURCES, output=PATHS,
        engine=st.sampled_from([[], ["--engine", "datatrove"]]))
@@ -155,6 +158,7 @@ def test_prepare(workplace, monkeypatch, capsys, overrides, sources, output, eng
     untouched(before)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(checkpoint=PATHS, output=PATHS, options=st.lists(st.sampled_from(["--overwrite", "--dtype=bf16"]), unique=True))
 def test_export(workplace, capsys, checkpoint, output, options):
@@ -180,6 +184,7 @@ VARIED = st.lists(st.builds(lambda key, values: f"{key}={','.join(values)}",
                                                       "", "[1,2]"]), max_size=3)), min_size=1, max_size=3)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(overrides=OVERRIDES, varied=VARIED, output=st.one_of(st.none(), PATHS),
        flags=st.lists(st.sampled_from(["--overwrite"]), max_size=1),
@@ -195,6 +200,7 @@ def test_compare(workplace, monkeypatch, capsys, overrides, varied, output, flag
     untouched(before)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(overrides=OVERRIDES, numbers=st.lists(st.tuples(st.sampled_from(["--num-gpus", "--steps"]), NUMBERS), max_size=2),
        stages=st.sampled_from([[], ["--stages", "0,1"], ["--stages", "4"], ["--stages", ""]]), output=PATHS)

@@ -96,6 +96,7 @@ def one_of_each_family(names: list[str]) -> list[str]:
 FAMILIES = one_of_each_family(RECIPES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, on_gpu", [*((name, False) for name in RECIPES), *((name, True) for name in FAMILIES)],
                          ids=lambda value: {False: "cpu", True: "gpu"}.get(value, value) if isinstance(value, bool)
                          else value)
@@ -127,6 +128,7 @@ def test_packed_documents_do_not_attend_to_each_other(name, on_gpu):
             torch.testing.assert_close(packed[start:start + len(ids) - 1], alone, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", RECIPES)
 def test_full_size_plan_fits_the_target_gpus(name, capsys, tmp_path):
     """--dry-run of the recipe as shipped, for its target GPUs, offline: the shipped config.json plans the

@@ -126,6 +126,7 @@ def test_what_if_options_misused(args, expected, capsys):
     assert expected in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_single_process_run_writes_the_documented_outputs(tmp_path, data_cache):
     out = tmp_path / "run"
     result = train_in_process(["--recipe", "tiny_llama", "--output-dir", str(out), SMALL_MODEL, data_cache,
@@ -192,6 +193,7 @@ def test_the_launcher_passes_on_exit_code_2_and_the_message_once(tmp_path):
         assert result.returncode == 2 and output.count("error: unknown recipe 'tiny_lama'") == 1, output[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("data", [[], ["data.streaming=true", "data.shuffle_buffer=0", "data.dedup.exact=false"]],
                          ids=["prepared", "streaming"])
 def test_resume_continues_the_uninterrupted_loss_curve(tmp_path, data_cache, data):

@@ -11,15 +11,13 @@ tests/training/models/test_fused_loss.py.
 import json
 import re
 import shutil
-import subprocess
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from tests.conftest import REPO, SMALL_MODEL, TRAIN_ENV, run_train, save_small_checkpoint
-from training.parallel.launch import launcher_command
+from tests.conftest import SMALL_MODEL, run_train, save_small_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -142,8 +140,7 @@ def test_pipeline_resume_continues_the_curve(runs, tmp_path, data_cache):
                                              ("qwen3", True)])
 def test_each_family_as_a_pipeline_gives_the_models_loss(model_type, tied):
     """Same weights, same packed batch (two documents a row): the 2-stage pipeline's loss is the model's."""
-    result = subprocess.run(launcher_command(2, "tests/helpers/pipeline_loss.py", [model_type, *(["tied"] if tied else [])]),
-                            cwd=REPO, env=TRAIN_ENV, capture_output=True, text=True, timeout=600)
+    result = run_train([model_type, *(["tied"] if tied else [])], ranks=2, script="tests/helpers/pipeline_loss.py")
     assert result.returncode == 0, result.stderr[-3000:]
     values = json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
     assert values["pipeline"] == pytest.approx(values["transformers"], abs=1e-5)

@@ -9,8 +9,8 @@ state its imports left. What the launcher does around the ranks, the pool does t
 (rank 0's first), and the first rank to end with a non-zero code ends the others and gives the run its exit code.
 
 A worker that dies (a failure on one rank ends every rank with os._exit, as in a real run), is ended, or retires (its
-run failed, or left tensors alive that the restore could not free) is replaced by a fresh one, started as soon as
-the run ends. Runs whose subject is the launch or the process life (a kill, a crash on one rank, signals, the
+run failed, or left tensors alive that the restore could not free) is replaced, with the rest of its set, by fresh
+ones, started as soon as the run ends. Runs whose subject is the launch or the process life (a kill, a crash on one rank, signals, the
 launcher's own output) go through a real launch: `run_train(..., launch=True)`, or a probe in PROCESS_PROBES.
 """
 import json
@@ -26,7 +26,8 @@ from training.parallel.distributed import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = "tests/helpers/warm_rank.py"
-SCRIPTS = ("train.py", "tests/helpers/train_with_probes.py")  # those a worker can run (warm_rank.SCRIPTS)
+SCRIPTS = ("train.py", *(f"tests/helpers/{name}.py" for name in  # those a worker can run (warm_rank.SCRIPTS)
+                          ("train_with_probes", "lora_steps", "optimizer_steps", "pipeline_loss", "sequence_parallel_row")))
 PROCESS_PROBES = ("--kill-after-deepspeed-save", "--fail-on-rank")  # a kill -9, a crash on one rank: real launches
 START_TIMEOUT_S = 300.0
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "MASTER_ADDR",
@@ -92,15 +93,17 @@ class WarmRanks:
         self.runs = 0
 
     def workers(self, size: int) -> list[Worker]:
-        """The set of `size` ranks, dead ones replaced."""
-        workers = self.sets.setdefault(size, [])
-        for rank in range(size):
-            if rank == len(workers) or not workers[rank].alive():
-                if rank < len(workers):
-                    workers[rank].end()
-                worker = Worker(self.env, self.folder / f"worker_{size}_{rank}.log")
-                workers[rank:rank + 1] = [worker]
-                self.started += 1
+        """The set of `size` ranks; all of it new if any rank has ended. A set's ranks start together: DeepSpeed's
+        shared-memory all-reduce on a CPU binds each process to the MASTER_PORT of its first group for good (its C++
+        `initialize` returns at once when called again, deepspeed/ops/csrc/cpu/comm/shm_interface.cpp), so a new rank
+        beside old ones would wait on buffers they never write."""
+        workers = self.sets.get(size, [])
+        if len(workers) < size or not all(worker.alive() for worker in workers):
+            for worker in workers:
+                worker.end()
+            workers = self.sets[size] = [Worker(self.env, self.folder / f"worker_{size}_{rank}.log")
+                                         for rank in range(size)]
+            self.started += size
         return workers
 
     def run(self, script: str, args: list[str], ranks: int | None, timeout: float) -> subprocess.CompletedProcess:

@@ -53,6 +53,7 @@ def test_a_stage_whose_losses_depart_from_zero0_is_named(tmp_path):
     assert "did not finish" in gpu_validate.stage_curves(tmp_path / "missing")
 
 
+@pytest.mark.slow
 def test_a_part_past_its_budget_is_stopped_and_recorded(tmp_path):
     part = gpu_validate.Part("tests", 1, [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"])
     gpu_validate.run_part(part, 1.0, tmp_path / "tests.log")

@@ -79,6 +79,7 @@ def test_the_corpus_own_near_duplicates_are_found():
     assert all(jaccard(texts[i], texts[j]) >= 0.8 for i, j in pairs)  # verified exactly (on 32-bit shingle hashes)
 
 
+@pytest.mark.slow
 def test_planted_near_duplicates_are_found_and_originals_kept(documents):
     rng = random.Random(0)
     originals = documents[:100]

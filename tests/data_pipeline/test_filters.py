@@ -47,6 +47,7 @@ def removed(kind: str, texts: list[str], **parameters) -> np.ndarray:
     return np.asarray(chain(texts, [True] * len(texts))["removed_by"]) >= 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS.values())
 def test_each_filter_removes_its_planted_junk_and_keeps_the_prose(corpus, kind):
     gone = removed(kind, corpus["texts"])
@@ -55,6 +56,7 @@ def test_each_filter_removes_its_planted_junk_and_keeps_the_prose(corpus, kind):
     assert 1 - gone[corpus["kinds"] == "prose"].mean() >= KEPT.get(kind, 0.99), "prose kept"
 
 
+@pytest.mark.slow
 def test_the_warm_tokenizers_change_no_verdict(corpus):
     """FineWeb's chain decides the same with spaCy kept warm (training/compat/datatrove.py) as datatrove alone does."""
     kinds = ["length", "gopher_repetition", "gopher_quality", "c4", "fineweb_quality"]

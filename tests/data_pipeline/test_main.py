@@ -14,6 +14,7 @@ def run_module(*args: str) -> subprocess.CompletedProcess:
     return main_in_process(main, list(args))
 
 
+@pytest.mark.slow
 def test_prepare_writes_the_splits_and_stats_that_train_py_reads(tmp_path):
     output = tmp_path / "prepared"
     result = run_module("prepare", "--recipe", "tiny_llama", "--output", str(output), "data.dedup.near=true",

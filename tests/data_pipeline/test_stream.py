@@ -109,6 +109,7 @@ def test_streaming_needs_max_steps():
 FILTERS = [{"type": "c4"}, {"type": "gopher_repetition"}]
 
 
+@pytest.mark.slow
 def test_a_filtered_stream_reads_the_documents_the_filters_keep_and_resumes_exactly():
     """The stream's documents are those (with C4's edits) the in-process path keeps; resume continues exactly."""
     from data_pipeline.prepare import filter_documents

@@ -28,7 +28,7 @@ from training.models.model import build_model, load_model_config  # noqa: E402
 from training.loop.optimizer import lr_schedule  # noqa: E402
 from training.planning.shape import weight_decay_groups  # noqa: E402
 from training.config.recipe import load_recipe  # noqa: E402
-from tests.helpers import end_process  # noqa: E402
+from tests.helpers import end_process, ranks_main  # noqa: E402
 
 STEPS, ROWS, SEQ_LEN, VOCAB = 3, 2, 32, 256
 
@@ -37,8 +37,7 @@ def batch(rank: int, step: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (ROWS, SEQ_LEN), generator=torch.Generator().manual_seed(1000 * step + rank))
 
 
-def main(base: str, out: str, ds_config_name: str) -> None:
-    distributed.init_distributed()
+def compare(base: str, out: str, ds_config_name: str) -> None:
     ranks, rank = dist.get_world_size(), dist.get_rank()
     recipe = load_recipe("tiny_llama_sft", [f"model.name_or_path={base}", f"deepspeed.config={ds_config_name}",
                                             "lora.enabled=true", "lora.rank=4", "lora.dropout=0.0",
@@ -96,6 +95,7 @@ def main(base: str, out: str, ds_config_name: str) -> None:
                       "adapter_bytes": (Path(out) / "adapter" / "adapter_model.safetensors").stat().st_size}))
 
 
+main = ranks_main(compare)
+
 if __name__ == "__main__":
-    main(*[arg for arg in sys.argv[1:] if not arg.startswith("--local_rank")])
-    end_process()
+    end_process(main(sys.argv[1:]))

@@ -27,7 +27,6 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from training.parallel import distributed  # noqa: E402
 from training.config.ds_config import load_ds_config, resolve_ds_config  # noqa: E402
 from training.loop.optimizer import client_optimizer, lr_schedule  # noqa: E402
 from training.loop.shaped_optimizer import attach_shaped_optimizer  # noqa: E402
@@ -36,7 +35,7 @@ from training.planning.optimizer_states import SHAPED, rank_shares, rank_state_b
 from training.planning.shape import model_shape, weight_decay_groups  # noqa: E402
 from training.config.recipe import load_recipe  # noqa: E402
 from training.planning.shape import decoder_layers  # noqa: E402
-from tests.helpers import end_process  # noqa: E402
+from tests.helpers import end_process, ranks_main  # noqa: E402
 
 STEPS, ROWS, SEQ_LEN, VOCAB = 3, 2, 32, 256
 LR = {"adamw": 1e-3, "adamw8bit": 1e-3, "adafactor": 1e-3, "lion": 3e-4, "muon": 1e-3}
@@ -202,18 +201,18 @@ def start_engine(model: torch.nn.Module, ds_config: dict, recipe) -> deepspeed.D
     return engine
 
 
-def main(name: str, *ds_configs: str) -> None:
+def compare(name: str, *ds_configs: str) -> None:
     # DeepSpeed's Muon runs Newton-Schulz in fp16 or bf16 by design (2e-3 to 4e-2 of the update off the fp32
     # iteration, measured): the comparison runs it in fp32, where its Gram-matrix form and the quintic
     # iteration below agree to 4e-6 of the update
     original_muon.ns_compute_dtype = lambda ns_method="gram": torch.float32
-    distributed.init_distributed()
     config = AutoConfig.for_model("llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_cache=False)
     for ds_config_name in ds_configs:
         run(name, ds_config_name, config)
 
 
+main = ranks_main(compare)
+
 if __name__ == "__main__":
-    main(*[arg for arg in sys.argv[1:] if not arg.startswith("--local_rank")])
-    end_process()
+    end_process(main(sys.argv[1:]))

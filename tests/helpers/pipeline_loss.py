@@ -16,15 +16,14 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from training.parallel import distributed  # noqa: E402
 from training.parallel.pipeline import TokenMeanLoss, build_pipeline  # noqa: E402
-from tests.helpers import end_process  # noqa: E402
+from tests.helpers import end_process, ranks_main  # noqa: E402
 
 SEED, VOCAB = 1234, 512
 
 
-def main(model_type: str, tied: bool) -> None:
-    distributed.init_distributed()
+def compare(model_type: str, *flags: str) -> None:
+    tied = "tied" in flags
     config = AutoConfig.for_model(model_type, vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_cache=False,
                                   tie_word_embeddings=tied, max_position_embeddings=128)
@@ -52,7 +51,7 @@ def main(model_type: str, tied: bool) -> None:
         print(json.dumps({"pipeline": pipelined, "transformers": expected}))
 
 
+main = ranks_main(compare)
+
 if __name__ == "__main__":
-    arguments = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
-    main(arguments[0], "tied" in arguments)
-    end_process()
+    end_process(main(sys.argv[1:]))

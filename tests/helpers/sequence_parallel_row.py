@@ -16,13 +16,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from data_pipeline.loader import model_inputs  # noqa: E402
 from tests.data_pipeline.test_packed_attention import packed_row, sharp_model  # noqa: E402
-from training.parallel import distributed  # noqa: E402
 from training.parallel.sequence_parallel import enable_sequence_parallel  # noqa: E402
-from tests.helpers import end_process  # noqa: E402
+from tests.helpers import end_process, ranks_main  # noqa: E402
 
 
-def main(model_type: str, attn_implementation: str, out: Path) -> None:
-    distributed.init_distributed()
+def compare(model_type: str, attn_implementation: str, out: str) -> None:
     model = sharp_model(model_type, attn_implementation)
     row, _ = packed_row()
     batch = {name: tensor[None] for name, tensor in row.items()}
@@ -38,7 +36,7 @@ def main(model_type: str, attn_implementation: str, out: Path) -> None:
     dist.barrier()
 
 
+main = ranks_main(compare)
+
 if __name__ == "__main__":
-    model_type, attn_implementation, out = [arg for arg in sys.argv[1:] if not arg.startswith("--local_rank")]
-    main(model_type, attn_implementation, Path(out))
-    end_process()
+    end_process(main(sys.argv[1:]))

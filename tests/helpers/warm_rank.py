@@ -33,13 +33,15 @@ import deepspeed.comm  # noqa: E402
 from deepspeed import DeepSpeedEngine  # noqa: E402
 
 import train  # noqa: E402
-from tests.helpers import train_with_probes  # noqa: E402
+from tests.helpers import (lora_steps, optimizer_steps, pipeline_loss, sequence_parallel_row,  # noqa: E402
+                           train_with_probes)
 
-SCRIPTS = {"train.py": train.main, "tests/helpers/train_with_probes.py": train_with_probes.main}
+SCRIPTS = {"train.py": train.main, **{f"tests/helpers/{Path(helper.__file__).name}": helper.main for helper in
+           (train_with_probes, lora_steps, optimizer_steps, pipeline_loss, sequence_parallel_row)}}
 # the libraries a run may patch or fill (the product's compat patches, the probes, DeepSpeed's and transformers'
 # registries and caches): their modules, the classes they define and their module-level dicts and objects
-WATCHED = ("train", "training", "data_pipeline", "benchmarks", "tests", "deepspeed", "transformers", "peft", "accelerate", "datasets", "torchao",
-           "lm_eval")
+WATCHED = ("train", "training", "data_pipeline", "benchmarks", "tests", "deepspeed", "transformers", "peft", "accelerate",
+           "datasets", "torchao", "lm_eval")
 # what a run imports only when it needs it, imported before the baseline is taken, so that it is watched too
 LATER_IMPORTS = ("torchao.float8", "torchao.optim", "lm_eval.models.huggingface", "lm_eval.tasks", "accelerate",
                  "deepspeed.checkpoint.ds_to_universal", "torch.utils.tensorboard")
@@ -200,15 +202,27 @@ def run_job(job: dict) -> int:
             os.close(saved[1])
 
 
-def tensor_bytes() -> int:
-    """Bytes of the tensors this process holds (each storage once), as the product's census counts them."""
+def tensor_storages() -> dict[int, tuple[int, str]]:
+    """The storages of the tensors this process holds, as the product's census counts them: bytes and a tensor's
+    shape and dtype, by address."""
     storages = {}
     for tensor in [obj for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor)]:
         try:
-            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes(), f"{tuple(tensor.shape)} {tensor.dtype}"
         except (RuntimeError, NotImplementedError):  # a meta or fake tensor, a freed storage
             continue
-    return sum(storages.values())
+    return storages
+
+
+def leftovers(held: dict[int, tuple[int, str]]) -> int:
+    """Bytes of the tensors alive now that were not when the worker was ready; the largest are logged when they
+    retire the worker."""
+    new = sorted((value for address, value in tensor_storages().items() if address not in held), reverse=True)
+    total = sum(nbytes for nbytes, _ in new)
+    if total > LEFTOVER_BYTES:
+        print(f"retiring: the run left {total} bytes of tensors, the largest {new[:5]}", file=sys.stderr, flush=True)
+    return total
 
 
 LEFTOVER_BYTES = 1 << 20  # tensors a run left alive beyond these: the worker retires (the next census would count them)
@@ -221,7 +235,7 @@ def serve(reply_fd: int) -> None:
         except ImportError:  # an optional library this environment lacks: no run here uses it
             pass
     baseline = Baseline()
-    held = tensor_bytes()
+    held = tensor_storages()
     os.write(reply_fd, b'{"ready": true}\n')
     for line in sys.stdin:
         try:
@@ -229,7 +243,7 @@ def serve(reply_fd: int) -> None:
         finally:
             baseline.restore()
         # what a failed run, or anything the restore does not reach, left alive: a fresh process takes over
-        retire = code != 0 or tensor_bytes() - held > LEFTOVER_BYTES
+        retire = code != 0 or leftovers(held) > LEFTOVER_BYTES
         os.write(reply_fd, (json.dumps({"code": code, "retire": retire}) + "\n").encode())
         if retire:
             return

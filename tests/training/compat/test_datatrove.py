@@ -139,6 +139,7 @@ time.sleep(5)
 """
 
 
+@pytest.mark.slow
 def test_a_worker_that_dies_unseen_is_found_by_its_replacement(tmp_path):
     """end_if_a_worker_dies polls every 0.2 s; a worker killed between two looks is found because the pool replaced it."""
     done = subprocess.run([sys.executable, "-c", A_JOB_WHOSE_WORKER_DIES_UNSEEN, str(tmp_path)], cwd=REPO,

@@ -134,6 +134,7 @@ def test_zero1_parameters_map_to_their_fp32_fragments(one_rank):
     assert all(torch.equal(share.view(p.shape), p.float()) for (_, _, share), p in zip(shares, parameters))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zero_stage", [1, 3])
 def test_zero_cuts_are_deepspeeds_partitions(one_rank, zero_stage):
     """On one rank what can be seen of the cut: ZeRO-1's flat group padded to an even length, ZeRO-3's weights whole;
@@ -302,7 +303,15 @@ def test_autotp_replaces_the_engines_mpu_with_its_own_groups():
 
 def test_zero_muon_reports_the_norm_of_its_updates(one_rank):
     """Muon with gradient clipping under ZeRO: the norm ZeRO's Muon takes (and would clip by) is its orthogonalized
-    updates', not the gradients'."""
+    updates', not the gradients'. Eager: DeepSpeed compiles Muon's Newton-Schulz step, a minute of inductor on a CPU
+    for the same numbers."""
+    with torch._dynamo.config.patch(disable=True):
+        muon_norm_ratio = updates_over_gradients_norm()
+    assert abs(muon_norm_ratio - 1) > 0.5, \
+        "ZeRO's Muon reports the gradients' norm now: the refusal of training.grad_clip with Muon can be lifted"
+
+
+def updates_over_gradients_norm() -> float:
     engine = tiny_engine(1, optimizer="Muon", gradient_clipping=0.0)
     copy = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
     copy.load_state_dict(engine.module.state_dict())
@@ -310,8 +319,7 @@ def test_zero_muon_reports_the_norm_of_its_updates(one_rank):
     gradients = torch.nn.utils.get_total_norm([p.grad for p in copy.parameters()])
     backward(engine)
     engine.step()
-    assert abs(float(engine.get_global_grad_norm()) / float(gradients) - 1) > 0.5, \
-        "ZeRO's Muon reports the gradients' norm now: the refusal of training.grad_clip with Muon can be lifted"
+    return float(engine.get_global_grad_norm()) / float(gradients)
 
 
 def test_autoep_still_treats_the_output_capture_registry_as_a_dict():

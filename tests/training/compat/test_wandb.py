@@ -27,6 +27,7 @@ def run_file(tmp_path_factory):
     return file
 
 
+@pytest.mark.slow
 def test_an_offline_run_file_reads_back(run_file):
     read = read_offline_run(run_file)  # right after finish(): the service may still be writing it
     assert (read["id"], read["project"], read["name"]) == ("canary1", "canary", "one")

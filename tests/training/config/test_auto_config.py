@@ -126,6 +126,7 @@ def test_the_expert_parallelism_tried_stays_in_a_node(gpus_per_node, experts, si
     assert expert_parallel_size(replace(shape, num_experts=experts), machine) == size
 
 
+@pytest.mark.slow
 def test_on_a_cpu_the_run_writes_the_config_it_chose(tmp_path, data_cache):
     """Against this machine's RAM over its ranks: tiny_llama fits without sharding, and the whole global batch of 16
     rows in one micro-batch (training.micro_batch_size=auto, training/config/micro_batch.py), which the run's files

@@ -37,6 +37,7 @@ def planned(recipe: Recipe, setting: str, machine: Machine, size: int, shape: Mo
         activations(sized, "bf16", shape).peak(recipe.activation_checkpointing))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks, setting, checkpointing", [(1, "1", False), (4, "2", False), (8, "3", True)])
 def test_the_largest_divisor_that_fits_for_any_memory(ranks, setting, checkpointing):
     recipe = llama_1b(f"activation_checkpointing={checkpointing}")

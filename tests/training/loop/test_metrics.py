@@ -1,10 +1,12 @@
 import gc
 
+import pytest
 import torch
 
 from training.loop.metrics import FlopsMeter, MetricsLogger, held_tensor_bytes, record_model_states
 
 
+@pytest.mark.slow
 def test_model_states_are_measured_when_the_second_step_starts():
     gc.collect()
     before = held_tensor_bytes(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))]))["cpu"]  # other tests' tensors

@@ -159,6 +159,7 @@ def test_adamw_is_torchs_fused_kernel_on_cuda_where_the_config_names_none(monkey
     assert deepspeeds["torch_adam"] is False and "fused" not in deepspeeds  # DeepSpeed's FusedAdam, as asked
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_the_fused_adamw_takes_the_unfused_steps(stage, one_rank):
     """torch's fused AdamW (CUDA's default here; torch runs the same kernel's CPU form) under each ZeRO stage: 5 steps

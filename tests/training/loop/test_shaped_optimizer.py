@@ -47,6 +47,7 @@ def client_of(engine: deepspeed.DeepSpeedEngine) -> torch.optim.Optimizer:
     return getattr(engine.optimizer, "optimizer", engine.optimizer)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["adamw8bit", "adafactor"])
 @pytest.mark.parametrize("ds_config_name", ["zero0", "zero2", "zero3"])
 def test_steps_equal_the_library_optimizer_and_the_states_the_plan(one_rank, name, ds_config_name):
@@ -84,6 +85,7 @@ def test_adafactor_factors_each_matrix_under_zero():
     assert state_bytes(optimizer) == 4 * (64 + 32) + 4 * 64 * 32
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["adamw8bit", "adafactor"])
 @pytest.mark.parametrize("ds_config_name", ["zero0", "zero2", "zero3"])
 def test_a_checkpoint_loads_back_at_every_zero_stage(one_rank, tmp_path, name, ds_config_name):

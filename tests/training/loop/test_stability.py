@@ -158,6 +158,7 @@ def test_a_history_longer_than_its_window_is_refused(tmp_path):
         load_recipe("tiny_llama", ["stability.policy=rewind", "checkpointing.every_steps=null"])
 
 
+@pytest.mark.slow
 def test_the_shipped_settings_let_a_real_training_curve_through(tmp_path):
     """The false-alarm check: tiny_llama's stability settings judge every step of a real training run (a 2-layer
     shrink of tiny_llama, the recipe's optimizer settings and schedule, on its bundled corpus, in plain PyTorch) and

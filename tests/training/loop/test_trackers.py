@@ -45,6 +45,7 @@ def tracked_run(tmp_path_factory, data_cache):
     return out
 
 
+@pytest.mark.slow
 def test_wandb_and_mlflow_get_what_metrics_jsonl_gets(tracked_run, tmp_path):
     records = step_records(tracked_run)
     assert [r["step"] for r in records] == [1, 2, 3, 4]

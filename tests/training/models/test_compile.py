@@ -39,6 +39,7 @@ def model(checkpointing: bool, lora: bool) -> torch.nn.Module:
     return llama.train()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpointing, lora", [(False, False), (True, False), (False, True)],
                          ids=["plain", "checkpointing", "lora"])
 def test_each_layer_compiles_to_one_graph_traced_once_for_every_layer_and_step(checkpointing, lora):

@@ -70,6 +70,7 @@ def test_linear_layers_become_fp8_and_the_lm_head_stays_bf16():
     assert "model.layers.1.mlp.down_proj.weight" in model.state_dict()  # same names: checkpoints and export unchanged
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
 def test_fp8_model_loss_and_gradients_track_bf16(scaling):
     reference, model = tiny_model(), tiny_model()

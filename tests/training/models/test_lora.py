@@ -27,6 +27,7 @@ def plan(base, *overrides, num_gpus: int | None = None):
     return train.make_plan(train.parse_args(args + (["--num-gpus", str(num_gpus)] if num_gpus else [])))
 
 
+@pytest.mark.slow
 def test_llama2_7b_adapter_count_is_peft_s():
     """Llama-2-7B with rank-16 adapters on every linear layer: peft's own count, 39,976,960 trainable parameters."""
     recipe = load_recipe("llama2_7b", ["lora.enabled=true", "model.name_or_path=meta-llama/Llama-2-7b-hf"])

@@ -171,6 +171,7 @@ def test_the_fused_loss_saves_gigabytes_on_a_large_vocabulary():
     assert (plain - fused) / 2**30 == pytest.approx(7.34, abs=0.01)  # 9.79 GiB of logits less 0.98 + 1.47
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type, dtype", [("llama", torch.bfloat16), ("mistral", torch.bfloat16),
                                                ("qwen3", torch.bfloat16), ("llama", torch.float32)])
 def test_the_compiled_layer_rule_matches_the_saved_tensors(model_type, dtype):

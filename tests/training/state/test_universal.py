@@ -83,6 +83,7 @@ def test_the_converter_is_not_started_on_a_memory_lean_optimizers_checkpoint(tmp
     assert not (tmp_path / "checkpoints" / "universal").exists()
 
 
+@pytest.mark.slow
 def test_a_checkpoint_the_converter_cannot_read_exits_2_and_leaves_nothing(tmp_path, capsys):
     from training.__main__ import main
     tag = tmp_path / "checkpoints" / "global_step4"
