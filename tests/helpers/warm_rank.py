@@ -77,7 +77,7 @@ class Baseline:
                 if type(value) in (dict, list, set):
                     self.keep(value, value)
         cached = type(functools.cache(len))
-        self.caches = [cache for cache in gc.get_objects() if isinstance(cache, cached)
+        self.caches = [cache for cache in gc.get_objects() if issubclass(type(cache), cached)
                        and (getattr(cache, "__module__", None) or "").split(".")[0] in WATCHED]
         self.environ = dict(os.environ)
         self.path, self.cwd = list(sys.path), os.getcwd()
@@ -166,7 +166,7 @@ def destroying_engines_first(teardown: Callable[[], None]) -> Callable[[], None]
     make a cycle through torch's autograd that gc cannot free (a process's exit frees it), and DeepSpeed's destroy()
     needs the group."""
     def teardown_after_engines(*args, **kwargs):
-        for engine in [engine for engine in gc.get_objects() if isinstance(engine, DeepSpeedEngine)]:
+        for engine in [obj for obj in gc.get_objects() if issubclass(type(obj), DeepSpeedEngine)]:  # not a dead proxy
             engine.destroy()
         return teardown(*args, **kwargs)
 
