@@ -168,6 +168,7 @@ def test_export(workplace, capsys, checkpoint, output, options):
     untouched(before)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(checkpoint=PATHS)
 def test_convert(workplace, capsys, checkpoint):

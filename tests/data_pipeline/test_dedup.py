@@ -100,6 +100,7 @@ def test_planted_near_duplicates_are_found_and_originals_kept(documents):
     assert duplicate[n_kept:].all()
 
 
+@pytest.mark.slow
 def test_character_shingles_find_the_same_plants(documents):
     rng = random.Random(1)
     corpus = documents[:50] + [edit(t, rng, 0.01) for t in documents[:50]]

@@ -79,6 +79,7 @@ def prepared(corpus, tmp_path_factory) -> dict:
     return {"output": output, "chain": chain, "stats": stats, "samples": samples}
 
 
+@pytest.mark.slow
 def test_prepare_counts_the_documents_and_tokens_each_filter_removed(corpus, prepared):
     stats, texts = prepared["stats"], corpus["texts"]
     assert [f["type"] for f in stats["filters"]] == list(prepared["chain"])

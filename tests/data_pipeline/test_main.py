@@ -38,6 +38,7 @@ def test_prepare_writes_the_splits_and_stats_that_train_py_reads(tmp_path):
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["data"] == stats
 
 
+@pytest.mark.slow
 def test_prepared_rows_must_match_seq_len(tmp_path):
     output = tmp_path / "prepared"
     assert run_module("prepare", "--recipe", "tiny_llama", "--output", str(output), "data.seq_len=128",

@@ -301,6 +301,7 @@ def test_autotp_replaces_the_engines_mpu_with_its_own_groups():
     assert "self.mpu = groups" in source(deepspeed.DeepSpeedEngine._configure_tensor_parallel_states)
 
 
+@pytest.mark.slow  # seconds alone, but a minute once in a whole fast-tier run (not yet understood)
 def test_zero_muon_reports_the_norm_of_its_updates(one_rank):
     """Muon with gradient clipping under ZeRO: the norm ZeRO's Muon takes (and would clip by) is its orthogonalized
     updates', not the gradients'. Eager: DeepSpeed compiles Muon's Newton-Schulz step, a minute of inductor on a CPU

@@ -37,6 +37,7 @@ def test_an_offline_run_file_reads_back(run_file):
     assert read["summary"]["final_loss"] == 0.25
 
 
+@pytest.mark.slow
 def test_a_finished_run_file_ends_with_its_exit_record(run_file):
     """What finished_run_records waits for: the exit record, written last and once (wandb-core 0.31)."""
     kinds = [record.WhichOneof("record_type") for record in finished_run_records(run_file)]

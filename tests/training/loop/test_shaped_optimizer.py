@@ -110,6 +110,7 @@ def test_a_checkpoint_loads_back_at_every_zero_stage(one_rank, tmp_path, name, d
             assert torch.equal(weight, loaded_weight), name_
 
 
+@pytest.mark.slow
 def test_8bit_moments_move_rarely_seen_embedding_rows_far_beyond_the_rate():
     """Why AdamW8bit keeps fp32 moments on embeddings: in a quantized block beside rows with large gradients, a
     row with small ones keeps a first moment while its second rounds to zero, and moves by up to lr / eps."""

@@ -69,6 +69,7 @@ def test_wandb_and_mlflow_get_what_metrics_jsonl_gets(tracked_run, tmp_path):
     assert json.loads(open(recipe).read())["logging"]["project"] == "tests"
 
 
+@pytest.mark.slow
 def test_the_trackers_get_the_recipe_the_ds_config_and_the_run_ids_resume_from(tracked_run):
     _, _, runs = wandb_history(tracked_run)
     assert runs[0]["config"]["recipe"]["logging"]["report_to"] == ["tensorboard", "wandb", "mlflow"]
