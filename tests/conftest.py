@@ -190,14 +190,18 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     quotes them)."""
     if pool.pool is not None:
         pool.pool.close()
-    record = {"launches": dict(launches), "warm_runs": pool.pool.runs if pool.pool is not None else 0}
-    (REPO / "test-results" / "launches.json").write_text(json.dumps(record, indent=1))
+    (REPO / "test-results" / "launches.json").write_text(json.dumps(launch_record(), indent=1))
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    real = sum(count for what, count in launches.items() if what != "a warm rank")
-    warm_runs = pool.pool.runs if pool.pool is not None else 0
-    terminalreporter.write_line(f"launches: {real} real ({dict(launches)}), {warm_runs} runs on warm ranks")
+    record = launch_record()
+    real = sum(count for what, count in record["launches"].items() if what != "a warm rank")
+    terminalreporter.write_line(f"launches: {real} real ({record['launches']}), {record['warm_runs']} runs on warm "
+                                "ranks")
+
+
+def launch_record() -> dict:
+    return {"launches": dict(launches), "warm_runs": pool.pool.runs if pool.pool is not None else 0}
 
 
 @pytest.fixture(autouse=True)

@@ -10,8 +10,9 @@ state its imports left. What the launcher does around the ranks, the pool does t
 
 A worker that dies (a failure on one rank ends every rank with os._exit, as in a real run), is ended, or retires (its
 run failed, or left tensors alive that the restore could not free) is replaced, with the rest of its set, by fresh
-ones, started as soon as the run ends. Runs whose subject is the launch or the process life (a kill, a crash on one rank, signals, the
-launcher's own output) go through a real launch: `run_train(..., launch=True)`, or a probe in PROCESS_PROBES.
+ones, started as soon as the run ends. Runs whose subject is the launch or the process life (a kill, a crash on one
+rank, signals, the launcher's own output) go through a real launch: `run_train(..., launch=True)`, or a probe in
+PROCESS_PROBES.
 """
 import json
 import os
@@ -26,8 +27,9 @@ from training.parallel.distributed import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = "tests/helpers/warm_rank.py"
-SCRIPTS = ("train.py", *(f"tests/helpers/{name}.py" for name in  # those a worker can run (warm_rank.SCRIPTS)
-                          ("train_with_probes", "lora_steps", "optimizer_steps", "pipeline_loss", "sequence_parallel_row")))
+SCRIPTS = ("train.py", *(f"tests/helpers/{name}.py" for name in  # those a worker can run: their main(argv)
+                          ("train_with_probes", "lora_steps", "optimizer_steps", "pipeline_loss",
+                           "sequence_parallel_row")))
 PROCESS_PROBES = ("--kill-after-deepspeed-save", "--fail-on-rank")  # a kill -9, a crash on one rank: real launches
 START_TIMEOUT_S = 300.0
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "MASTER_ADDR",
@@ -89,7 +91,6 @@ class WarmRanks:
     def __init__(self, folder: Path, env: dict[str, str]):
         self.folder, self.env = folder, {k: v for k, v in env.items() if k not in RANK_VARIABLES}
         self.sets: dict[int, list[Worker]] = {}
-        self.started = 0
         self.runs = 0
 
     def workers(self, size: int) -> list[Worker]:
@@ -103,7 +104,6 @@ class WarmRanks:
                 worker.end()
             workers = self.sets[size] = [Worker(self.env, self.folder / f"worker_{size}_{rank}.log")
                                          for rank in range(size)]
-            self.started += size
         return workers
 
     def run(self, script: str, args: list[str], ranks: int | None, timeout: float) -> subprocess.CompletedProcess:

@@ -33,11 +33,10 @@ import deepspeed.comm  # noqa: E402
 from deepspeed import DeepSpeedEngine  # noqa: E402
 
 import train  # noqa: E402
-from tests.helpers import (lora_steps, optimizer_steps, pipeline_loss, sequence_parallel_row,  # noqa: E402
-                           train_with_probes)
+from tests import warm_ranks  # noqa: E402
 
-SCRIPTS = {"train.py": train.main, **{f"tests/helpers/{Path(helper.__file__).name}": helper.main for helper in
-           (train_with_probes, lora_steps, optimizer_steps, pipeline_loss, sequence_parallel_row)}}
+SCRIPTS = {script: importlib.import_module(script.removesuffix(".py").replace("/", ".")).main
+           for script in warm_ranks.SCRIPTS}
 # the libraries a run may patch or fill (the product's compat patches, the probes, DeepSpeed's and transformers'
 # registries and caches): their modules, the classes they define and their module-level dicts and objects
 WATCHED = ("train", "training", "data_pipeline", "benchmarks", "tests", "deepspeed", "transformers", "peft", "accelerate",
