@@ -160,7 +160,7 @@ class GuardedPopen(subprocess.Popen):
     def __init__(self, args, *more, **options):
         if what := launch_in(args):
             refuse_unmarked_launch(what, args)
-            launches["a warm rank" if pool.WORKER in map(str, args) else what] += 1
+            launches["the warm ranks" if pool.WORKER in map(str, args) else what] += 1
         super().__init__(args, *more, **options)
 
 
@@ -195,7 +195,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 def pytest_terminal_summary(terminalreporter) -> None:
     record = launch_record()
-    real = sum(count for what, count in record["launches"].items() if what != "a warm rank")
+    real = sum(count for what, count in record["launches"].items() if what != "the warm ranks")
     terminalreporter.write_line(f"launches: {real} real ({record['launches']}), {record['warm_runs']} runs on warm "
                                 "ranks")
 

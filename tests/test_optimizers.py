@@ -85,16 +85,14 @@ def test_a_killed_zero2_run_resumes_onto_the_zero1_curve(name, tmp_path, data_ca
     args = ["--recipe", "tiny_llama", SMALL_MODEL, data_cache, "precision=fp32", f"optimizer.name={name}",
             f"training.max_steps={STEPS}", "checkpointing.every_steps=2", "logging.every_steps=1",
             *(["training.lr=3e-4"] if name == "lion" else ["training.grad_clip=0"])]
-    # launched, not on warm ranks: the measured model states are every tensor of the process, as in a user's run
-    reference = run_train(["--output-dir", str(tmp_path / "zero1"), *args, "deepspeed.config=zero1"], ranks=2,
-                          launch=True)
+    reference = run_train(["--output-dir", str(tmp_path / "zero1"), *args, "deepspeed.config=zero1"], ranks=2)
     assert reference.returncode == 0, reference.stderr[-3000:]
     out = tmp_path / "zero2"
     zero2 = ["--output-dir", str(out), *args, "deepspeed.config=zero2"]
     killed = run_train(["--kill-after-deepspeed-save", str(KILLED_AT), *zero2], ranks=2,
                        script="tests/helpers/train_with_probes.py")
     assert killed.returncode != 0 and (out / "checkpoints" / "latest").read_text() == f"global_step{KILLED_AT - 2}"
-    resumed = run_train([*zero2, "--resume"], ranks=2, launch=True)
+    resumed = run_train([*zero2, "--resume"], ranks=2)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     curve = losses(tmp_path / "zero1")
     assert len(curve) == STEPS and all(map(math.isfinite, curve))

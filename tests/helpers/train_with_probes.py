@@ -188,8 +188,8 @@ PROBES = {"--kill-after-deepspeed-save": lambda value: kill_after_deepspeed_save
 
 
 def main(argv: list[str]) -> int:
-    """Install the probes that argv asks for, then train.py's main with the rest (the warm ranks of
-    tests/warm_ranks.py call it, and undo the probes after the run)."""
+    """Install the probes that argv asks for, then train.py's main with the rest (a rank forked by the warm ranks of
+    tests/warm_ranks.py calls it too)."""
     args = list(argv)
     for option, install in PROBES.items():
         if option in args:
