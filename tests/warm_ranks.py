@@ -9,8 +9,10 @@ job: no run sees what another changed. What the launcher does around the ranks, 
 output is collected (rank 0's first), and the first rank to end with a non-zero code ends the others and gives the
 run its exit code.
 
-Runs whose subject is the launch or the process life (a kill, a crash on one rank, signals, the launcher's own
-output) go through a real launch: `run_train(..., launch=True)`, or a probe in PROCESS_PROBES.
+A rank killed by a probe (`--kill-after-deepspeed-save`) is a process SIGKILLed as under the launcher, and the pool
+ends the others as the launcher does. Runs whose subject is the launch itself (a crash on one rank, signals, the
+launcher's own output, a kill's effect on the launched run) go through a real launch: `run_train(..., launch=True)`,
+or a probe in PROCESS_PROBES.
 """
 import json
 import os

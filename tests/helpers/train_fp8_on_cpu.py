@@ -11,11 +11,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import training.planning.precision  # noqa: E402
+import train  # noqa: E402
 from tests.helpers import end_process  # noqa: E402
 
-training.planning.precision.check_fp8_hardware = lambda: None  # as on an H100
 
-import train  # noqa: E402
+def main(argv: list[str]) -> int:
+    """train.py's main on a CPU that passes for an FP8 GPU (the warm ranks of tests/warm_ranks.py call it too)."""
+    training.planning.precision.check_fp8_hardware = lambda: None  # as on an H100
+    return train.main(argv)
+
 
 if __name__ == "__main__":
-    end_process(train.main())
+    end_process(main(sys.argv[1:]))

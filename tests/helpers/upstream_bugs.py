@@ -61,14 +61,15 @@ def bf16_zero1_step_error() -> str | None:
     return None
 
 
-def main() -> None:
+def main(argv: list[str]) -> int:
+    """The report of this rank, as JSON on stdout (the warm ranks of tests/warm_ranks.py call it too)."""
     distributed.init_distributed()
     ulysses_mpu.initialize_sequence_parallel(sequence_parallel_size=2)
     report = {"rank": distributed.rank(), "autotp_keeps_the_sequence_groups": autotp_keeps_the_sequence_groups()}
     report["bf16_zero1_step_error"] = bf16_zero1_step_error()  # last: the failed rank leaves its peer's group broken
     print(json.dumps(report), flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
-    end_process()
+    end_process(main(sys.argv[1:]))

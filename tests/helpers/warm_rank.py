@@ -14,6 +14,7 @@ deepspeed/ops/csrc/cpu/comm/shm_interface.cpp, which binds a process to its firs
 
 Forking is safe because the parent computes nothing: torch's and OpenMP's thread pools start in the children.
 """
+import gc
 import importlib
 import json
 import os
@@ -81,6 +82,7 @@ def serve(reply_fd: int) -> None:
             importlib.import_module(name)
         except ImportError:  # an optional library this environment lacks: no run here uses it
             pass
+    gc.freeze()  # the imports' objects: no rank's collections walk (and so copy) their pages
     os.write(reply_fd, b'{"ready": true}\n')
     for line in sys.stdin:
         ranks = start(json.loads(line), reply_fd)
@@ -94,3 +96,4 @@ def serve(reply_fd: int) -> None:
 
 if __name__ == "__main__":
     serve(int(sys.argv[1]))
+    os._exit(0)  # no interpreter teardown: seconds for what the imports built
