@@ -19,6 +19,10 @@ from tests import warm_ranks as pool  # noqa: E402
 from tests.warm_ranks import PROCESS_PROBES, SCRIPTS as WARM_SCRIPTS, warm_ranks  # noqa: E402
 from training.parallel.launch import launcher_command  # noqa: E402
 
+# The pytest session that owns test-results/ (xdist's workers and a pytest that a test starts inherit it): only it
+# empties runs.jsonl and writes launches.json
+RESULTS_OWNER = os.environ.setdefault("TESTS_RESULTS_OWNER", str(os.getpid()))
+
 # A 2-layer, 64-wide shrink of tiny_llama: the same code path in seconds.
 SMALL_MODEL = ("model.config_overrides={num_hidden_layers: 2, hidden_size: 64, intermediate_size: 128, "
                "num_attention_heads: 4, num_key_value_heads: 2, head_dim: 16}")
@@ -174,7 +178,7 @@ def pytest_configure(config: pytest.Config) -> None:
     watched too. test-results/runs.jsonl starts empty (log_run)."""
     subprocess.Popen = GuardedPopen
     (REPO / "test-results").mkdir(exist_ok=True)
-    if not hasattr(config, "workerinput"):  # the controller of xdist's workers, or the only process
+    if RESULTS_OWNER == str(os.getpid()):
         (REPO / "test-results" / "runs.jsonl").write_text("")
     try:
         from datatrove.executor.local import LocalPipelineExecutor
@@ -196,7 +200,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         pool.pool.close()
     if hasattr(session.config, "workeroutput"):
         session.config.workeroutput["launches"] = launch_record()
-    else:
+    elif RESULTS_OWNER == str(os.getpid()):
         (REPO / "test-results" / "launches.json").write_text(json.dumps(launch_record(), indent=1))
 
 

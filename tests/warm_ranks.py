@@ -28,10 +28,10 @@ from training.parallel.distributed import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = "tests/helpers/warm_rank.py"
-SCRIPTS = ("train.py", *(f"tests/helpers/{name}.py" for name in  # those a worker can run: their main(argv)
-                          ("train_with_probes", "lora_steps", "optimizer_steps", "pipeline_loss",
-                           "sequence_parallel_row")))
-PROCESS_PROBES = ("--kill-after-deepspeed-save", "--fail-on-rank")  # a kill -9, a crash on one rank: real launches
+SCRIPTS = ("train.py", *(f"tests/helpers/{name}.py" for name in  # those the ranks can run: their main(argv)
+                          ("train_with_probes", "train_fp8_on_cpu", "lora_steps", "optimizer_steps", "pipeline_loss",
+                           "sequence_parallel_row", "upstream_bugs")))
+PROCESS_PROBES = ("--fail-on-rank",)  # a crash on one rank: how the launcher ends the others is the subject
 START_TIMEOUT_S = 300.0
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "MASTER_ADDR",
                   "MASTER_PORT")
