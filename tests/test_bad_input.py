@@ -214,15 +214,15 @@ def test_export_overwrite_replaces_only_an_earlier_export(tmp_path, data_cache, 
     mine.mkdir()
     (mine / "config.json").write_text("{}")  # a folder the user made, looking like a model
     with tree_guard():
-        assert_refused(start_command("-m", "training", "export", checkpoints, str(mine), "--overwrite"),
+        assert_refused(run_command("-m", "training", "export", checkpoints, str(mine), "--overwrite"),
                        "--overwrite replaces only an earlier output of python -m training export")
         for inside_the_input in (tmp_path / "run", tmp_path / "run" / "checkpoints" / "out"):
-            assert_refused(start_command("-m", "training", "export", checkpoints, str(inside_the_input), "--overwrite"),
+            assert_refused(run_command("-m", "training", "export", checkpoints, str(inside_the_input), "--overwrite"),
                            "which this command reads: an output never")
-    assert start_command("-m", "training", "export", checkpoints, str(out)).returncode == 0
+    assert run_command("-m", "training", "export", checkpoints, str(out)).returncode == 0
     (out / "stale.txt").write_text("from before")
     with tree_guard(out):
-        result = start_command("-m", "training", "export", checkpoints, str(out), "--overwrite")
+        result = run_command("-m", "training", "export", checkpoints, str(out), "--overwrite")
     assert result.returncode == 0, result.stderr[-3000:]
     assert not (out / "stale.txt").exists() and (out / "model.safetensors").is_file()
     assert not list(tmp_path.glob(".export.partial*"))
