@@ -213,8 +213,8 @@ def test_export_overwrite_replaces_only_an_earlier_export(tmp_path, data_cache, 
     checkpoints, out, mine = str(tmp_path / "run" / "checkpoints"), tmp_path / "export", tmp_path / "mine"
     mine.mkdir()
     (mine / "config.json").write_text("{}")  # a folder the user made, looking like a model
-    with tree_guard():
-        assert_refused(run_command("-m", "training", "export", checkpoints, str(mine), "--overwrite"),
+    with tree_guard():  # the first as a process of its own (the command as typed), the others in-process
+        assert_refused(start_command("-m", "training", "export", checkpoints, str(mine), "--overwrite"),
                        "--overwrite replaces only an earlier output of python -m training export")
         for inside_the_input in (tmp_path / "run", tmp_path / "run" / "checkpoints" / "out"):
             assert_refused(run_command("-m", "training", "export", checkpoints, str(inside_the_input), "--overwrite"),
