@@ -47,14 +47,28 @@ def run_train(args: list[str], ranks: int | None = None, timeout: int = 600, scr
     real launch."""
     warm = not (launch or script not in WARM_SCRIPTS or any(probe in args for probe in PROCESS_PROBES))
     start = time.monotonic()
-    if warm:
-        result = warm_ranks(TRAIN_ENV).run(script, args, ranks, timeout)
-    else:
-        result = subprocess.run(train_command(args, ranks, script), cwd=REPO, env=TRAIN_ENV, capture_output=True,
-                                text=True, timeout=timeout)
+    try:
+        if warm:
+            result = warm_ranks(TRAIN_ENV).run(script, args, ranks, timeout)
+        else:
+            deepspeed_ops_built()
+            result = subprocess.run(train_command(args, ranks, script), cwd=REPO, env=TRAIN_ENV,
+                                    capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as timeout_expired:
+        if locks := pool.build_locks():
+            raise RuntimeError(f"{timeout_expired}; these build locks of torch's JIT ops are present: {locks}. One "
+                               "that a killed process left makes every load of its op wait forever: remove it "
+                               "once no build runs") from timeout_expired
+        raise
     log_run({"test": running[-1].nodeid if running else None, "script": script, "args": args, "ranks": ranks,
              "warm": warm, "seconds": round(time.monotonic() - start, 1), "code": result.returncode})
     return result
+
+
+def deepspeed_ops_built() -> None:
+    """DeepSpeed's CPU ops built before a launched run's ranks load them: the warm ranks' parent builds them, a
+    process no test kills (why: tests/helpers/warm_rank.py)."""
+    warm_ranks(TRAIN_ENV).start()
 
 
 def log_run(record: dict) -> None:

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.conftest import REPO, SMALL_MODEL, TRAIN_ENV, run_train, snapshot
+from tests.conftest import REPO, SMALL_MODEL, TRAIN_ENV, deepspeed_ops_built, run_train, snapshot
 
 pytestmark = pytest.mark.slow
 
@@ -75,6 +75,7 @@ def srun_ranks(args: list[str]) -> list[subprocess.Popen]:
     env = dict(TRAIN_ENV, SLURM_STEP_NUM_TASKS="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         env.pop(key, None)
+    deepspeed_ops_built()
     ranks = []
     for rank in range(2):
         ranks.append(subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, text=True,

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from data_pipeline.loader import EvalBatches, StepBatches
 from data_pipeline.prepare import prepare_dataset
-from tests.conftest import REPO, TRAIN_ENV, run_train, save_small_checkpoint, train_command
+from tests.conftest import REPO, TRAIN_ENV, deepspeed_ops_built, run_train, save_small_checkpoint, train_command
 from training.config.recipe import load_recipe
 
 pytestmark = pytest.mark.slow
@@ -133,6 +133,7 @@ def test_eval_loss_is_the_token_mean_over_the_held_out_rows(finetuned, sft_args)
 
 
 def start(args: list[str]) -> subprocess.Popen:
+    deepspeed_ops_built()
     return subprocess.Popen(train_command(args, ranks=2), cwd=REPO, env=TRAIN_ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 

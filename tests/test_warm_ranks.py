@@ -2,10 +2,12 @@
 DeepSpeed and transformers (Ulysses' attention wrapper and ZeRO-3's summing reduce-scatter under sequence
 parallelism, the probes' patches of train.py and DeepSpeedEngine) computes bit for bit what a launch computes."""
 import json
+import shutil
 
 import pytest
 
-from tests.conftest import SMALL_MODEL, run_train
+from tests.conftest import SMALL_MODEL, TRAIN_ENV, deepspeed_ops_built, run_train
+from tests.warm_ranks import WarmRanks, extensions_dir
 
 
 def records(out) -> list[tuple]:
@@ -33,3 +35,28 @@ def test_a_run_after_other_runs_in_the_pool_computes_what_a_fresh_launch_compute
     assert flat[0] == pytest.approx(flat[1], rel=1e-5)  # tests/test_parallelism.py's tolerance for SP
     assert (tmp_path / "probed_warm" / "engine_logits.pt").exists()
     assert not (tmp_path / "plain_warm" / "engine_logits.pt").exists()
+
+
+@pytest.mark.slow
+def test_a_run_goes_through_the_lock_files_a_killed_build_leaves(tmp_path, data_cache):
+    """torch holds an op's `lock` file while it checks or builds the op, and every later load waits for the file to
+    go: a rank SIGKILLed in that window (a failing peer, a timeout) left it on a clean machine, and every later run
+    of that CI session waited until the 90-minute cut. The pool's parent loads the ops before it forks, so its
+    ranks never look at the locks."""
+    deepspeed_ops_built()
+    ops = {"deepspeed_shm_comm", "cpu_adam", "fused_adam"}
+    assert ops <= {path.parent.name for path in extensions_dir().glob("*/*.so")}, "torch builds its ops elsewhere"
+    copy = tmp_path / "torch_extensions"
+    shutil.copytree(extensions_dir(), copy)
+    pool = WarmRanks(tmp_path, dict(TRAIN_ENV, TORCH_EXTENSIONS_DIR=str(copy)))
+    try:
+        pool.start()
+        for op in ops:
+            (copy / op / "lock").touch()  # as a rank killed while loading it leaves it
+        result = pool.run("train.py", ["--recipe", "tiny_llama", SMALL_MODEL, data_cache, "training.max_steps=1",
+                                       "deepspeed.config=zero2_offload", "--output-dir", str(tmp_path / "out")],
+                          ranks=2, timeout=120)
+    finally:
+        pool.close()
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "peak memory per rank" in result.stdout

@@ -32,7 +32,7 @@ SCRIPTS = ("train.py", *(f"tests/helpers/{name}.py" for name in  # those the ran
                           ("train_with_probes", "train_fp8_on_cpu", "lora_steps", "optimizer_steps", "pipeline_loss",
                            "sequence_parallel_row", "upstream_bugs")))
 PROCESS_PROBES = ("--fail-on-rank",)  # a crash on one rank: how the launcher ends the others is the subject
-START_TIMEOUT_S = 300.0
+START_TIMEOUT_S = 1800.0  # imports, and on a clean machine the build of DeepSpeed's CPU ops (minutes)
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "MASTER_ADDR",
                   "MASTER_PORT")
 
@@ -43,23 +43,26 @@ class WarmRanks:
     def __init__(self, folder: Path, env: dict[str, str]):
         self.folder, self.env = folder, {k: v for k, v in env.items() if k not in RANK_VARIABLES}
         self.process: subprocess.Popen | None = None
-        self.replies, self.pending = -1, b""
+        self.replies, self.pending, self.ready = -1, b"", False
         self.runs = 0
 
     def start(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            return
-        self.close()
-        read, write = os.pipe()
-        with open(self.folder / "warm_ranks.log", "ab") as log:
-            self.process = subprocess.Popen([sys.executable, WORKER, str(write)], cwd=REPO, env=self.env,
-                                            stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
-                                            pass_fds=(write,))
-        os.close(write)
-        self.replies, self.pending = read, b""
-        if self.reply(time.monotonic() + START_TIMEOUT_S) is None:
-            raise RuntimeError(f"the warm ranks died while starting (exit {self.process.returncode}): see "
-                               f"{self.folder / 'warm_ranks.log'}")
+        """The process started and ready. Past START_TIMEOUT_S it raises TimeoutError and is left running: killing
+        it might leave an op's build lock behind (tests/helpers/warm_rank.py); the next call waits again."""
+        if self.process is None or self.process.poll() is not None:
+            self.close()
+            read, write = os.pipe()
+            with open(self.folder / "warm_ranks.log", "ab") as log:
+                self.process = subprocess.Popen([sys.executable, WORKER, str(write)], cwd=REPO, env=self.env,
+                                                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                                                pass_fds=(write,))
+            os.close(write)
+            self.replies, self.pending, self.ready = read, b"", False
+        if not self.ready:
+            if self.reply(time.monotonic() + START_TIMEOUT_S) is None:
+                raise RuntimeError(f"the warm ranks died while starting (exit {self.process.returncode}): see "
+                                   f"{self.folder / 'warm_ranks.log'}")
+            self.ready = True
 
     def reply(self, deadline: float) -> dict | None:
         """The process's next reply; None once it has died. TimeoutError past the deadline."""
@@ -91,12 +94,13 @@ class WarmRanks:
                          "stdout": str(files[0]), "stderr": str(files[1])})
         self.process.stdin.write((json.dumps({"script": script, "ranks": jobs}) + "\n").encode())
         self.process.stdin.flush()
-        code = self.collect(time.monotonic() + timeout, [script, *args], outputs)
+        code = self.collect(timeout, [script, *args], outputs)
         stdout, stderr = ("".join(files[i].read_text(errors="replace") for files in outputs) for i in (0, 1))
         return subprocess.CompletedProcess([script, *args], code, stdout, stderr)
 
-    def collect(self, deadline: float, command: list[str], outputs: list) -> int:
+    def collect(self, timeout: float, command: list[str], outputs: list) -> int:
         """The run's exit code, as the launcher gives it: the first non-zero exit ends the other ranks."""
+        deadline = time.monotonic() + timeout
         pids = self.reply(deadline)["pids"]
         running, code, timed_out = set(range(len(pids))), 0, False
         while running:
@@ -114,7 +118,7 @@ class WarmRanks:
                 self.end_ranks(pids, running)  # the launcher ends the others
         if timed_out:
             output = "".join(files[0].read_text(errors="replace") for files in outputs)
-            raise subprocess.TimeoutExpired(command, 0, output=output)
+            raise subprocess.TimeoutExpired(command, timeout, output=output)
         return code
 
     @staticmethod
@@ -136,6 +140,20 @@ class WarmRanks:
                     self.process.wait()
             os.close(self.replies)
             self.process, self.replies = None, -1
+
+
+def extensions_dir() -> Path:
+    """Where torch builds this interpreter's JIT ops on a CPU: the rule of torch 2.13's
+    cpp_extension._get_build_directory (tests/test_warm_ranks.py fails if the ops are not found there)."""
+    from torch.utils.cpp_extension import get_default_build_root
+    if root := os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(root)
+    return Path(get_default_build_root()) / f"py{sys.version_info.major}{sys.version_info.minor}{sys.abiflags}_cpu"
+
+
+def build_locks() -> list[str]:
+    """The lock files of torch's JIT op builds now present (tests/helpers/warm_rank.py says why they matter)."""
+    return sorted(str(lock) for lock in extensions_dir().glob("*/lock"))
 
 
 pool: WarmRanks | None = None

@@ -13,6 +13,13 @@ changed (patches, registries, caches, DeepSpeed's process groups, the shared-mem
 deepspeed/ops/csrc/cpu/comm/shm_interface.cpp, which binds a process to its first MASTER_PORT for good).
 
 Forking is safe because the parent computes nothing: torch's and OpenMP's thread pools start in the children.
+
+The parent also loads DeepSpeed's CPU ops (OPS) before its first fork, building them on a machine that has none
+yet: a rank then finds them loaded and never takes the build's lock file. torch's JIT build (cpp_extension) holds a
+`lock` file while it checks or builds an op, and every later load waits for that file to go: a rank SIGKILLed in
+that window (the pool ends the other ranks when one fails, a test's timeout ends them all) leaves the file behind,
+and every later run of the session then waits forever. On a clean machine the first runs build the ops, so that
+window was minutes long.
 """
 import gc
 import importlib
@@ -34,6 +41,8 @@ LATER_IMPORTS = ("torchao.float8", "torchao.optim", "lm_eval.models.huggingface"
                  "deepspeed.checkpoint.ds_to_universal", "torch.utils.tensorboard", "peft",
                  "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
                  "transformers.models.gpt2.modeling_gpt2", "transformers.models.mixtral.modeling_mixtral")
+# the ops the suite's runs load on the CPU accelerator: shared-memory all-reduce, ZeRO-Offload's and plain Adam
+OPS = ("ShareMemCommBuilder", "CPUAdamBuilder", "FusedAdamBuilder")
 
 
 def run_rank(script: str, rank: dict) -> int:
@@ -76,12 +85,23 @@ def start(job: dict, reply_fd: int) -> dict[int, int]:
     return ranks
 
 
+def load_ops() -> None:
+    """OPS loaded in this process (built first where no earlier build is cached), so that no rank builds one."""
+    from deepspeed.accelerator import get_accelerator
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu":  # a GPU's ops are built by the runs that need them
+        return
+    for name in OPS:
+        accelerator.create_op_builder(name).load()
+
+
 def serve(reply_fd: int) -> None:
     for name in LATER_IMPORTS:
         try:
             importlib.import_module(name)
         except ImportError:  # an optional library this environment lacks: no run here uses it
             pass
+    load_ops()
     gc.freeze()  # the imports' objects: no rank's collections walk (and so copy) their pages
     os.write(reply_fd, b'{"ready": true}\n')
     for line in sys.stdin:
