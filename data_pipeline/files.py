@@ -109,15 +109,20 @@ def check_lines(path: str, field: str, chat: bool, loads: Callable[[bytes], Any]
             if problem := record_problem(record, field, chat):
                 raise DataError(f"{path}:{number}: {problem}")
     elif path.endswith(TEXT_SUFFIXES):
-        with open(path, "rb") as file:
-            for number, raw in enumerate(file, start=1):
-                utf8_line(raw, path, number)
+        check_utf8(path)
         if path.endswith(".json"):  # one JSON array
             try:
                 json.loads(Path(path).read_text(encoding="utf-8"))
             except json.JSONDecodeError as error:
                 raise DataError(f"{path}:{error.lineno}: not valid JSON ({error.msg} at column {error.colno}); fix "
                                 f"it, or write the file as JSON lines") from None
+
+
+def check_utf8(path: str) -> None:
+    """A DataError naming the file's first line that is not UTF-8."""
+    with open(path, "rb") as file:
+        for number, raw in enumerate(file, start=1):
+            utf8_line(raw, path, number)
 
 
 def check_parquet_field(path: str, field: str, chat: bool) -> None:

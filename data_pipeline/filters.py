@@ -22,7 +22,7 @@ from datatrove.pipeline.filters import (C4QualityFilter, FineWebQualityFilter, G
                                         GopherRepetitionFilter, RegexFilter)
 from datatrove.pipeline.filters.base_filter import BaseFilter, get_filter_result
 from datatrove.utils.lid import FT176LID
-from pydantic import BaseModel, Field, PositiveInt, ValidationError, create_model, field_validator
+from pydantic import BaseModel, Field, PositiveInt, ValidationError, create_model, field_validator, model_validator
 from transformers import PreTrainedTokenizerBase
 
 from data_pipeline import DataError
@@ -50,6 +50,13 @@ class Length(StrictModel):
     """Gopher's document length bound on its own: words that are not only punctuation, by datatrove's tokenizer."""
     min_words: PositiveInt | None = 50
     max_words: PositiveInt | None = 100_000
+
+    @model_validator(mode="after")
+    def keeps_some_length(self) -> "Length":
+        if self.min_words is not None and self.max_words is not None and self.min_words > self.max_words:
+            raise ValueError(f"min_words {self.min_words} is above max_words {self.max_words}: no document could pass; "
+                             f"swap them, or drop one bound")
+        return self
 
 
 class Language(StrictModel):
@@ -94,7 +101,19 @@ def check_parameters(kind: str, parameters: dict) -> dict:
         raise ValueError(f"{problems} (the {kind} filter takes {', '.join(schema.model_fields)})") from None
     if kind == "classifier" and Path(checked["model"]).is_dir():
         check_labels(checked["model"], checked["label"])
+    elif kind == "classifier" and not is_hub_id(checked["model"]):
+        raise ValueError(f"model: no folder {checked['model']} on this machine (and not a hub id such as "
+                         f"HuggingFaceFW/fineweb-edu-classifier); give the folder a classifier was saved to")
     return checked
+
+
+def is_hub_id(name: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
 
 
 def check_labels(model: str, label: str | None) -> None:

@@ -19,7 +19,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from data_pipeline import DataError, processes
-from data_pipeline.config import DataSource
+from data_pipeline.config import DataSource, matching_files
+from data_pipeline.files import TEXT_SUFFIXES, check_utf8
 from data_pipeline.pack import IGNORE_INDEX, best_fit_decreasing, place_documents
 from data_pipeline.sources import read_source
 
@@ -84,11 +85,18 @@ def load_pairs(sources: list[DataSource]) -> datasets.Dataset:
             raise DataError(f"{source.name}: no field '{missing[0]}' (fields present: {', '.join(table.column_names)}); "
                             f"set chosen_field and rejected_field in the recipe's data source")
         fields = [f for f in (source.prompt_field, source.chosen_field, source.rejected_field) if f in table.column_names]
-        loaded.append(table.map(lambda *values: pair_documents(dict(zip(fields, values[:-1])), source, index,
-                                                               values[-1][0]),  # the batch's row indices last
-                                batched=True, with_indices=True, input_columns=fields,
-                                remove_columns=table.column_names, features=PAIR_DOCUMENTS,
-                                desc=f"reading pairs of {source.name}"))
+        try:
+            loaded.append(table.map(lambda *values: pair_documents(dict(zip(fields, values[:-1])), source, index,
+                                                                   values[-1][0]),  # the batch's row indices last
+                                    batched=True, with_indices=True, input_columns=fields,
+                                    remove_columns=table.column_names, features=PAIR_DOCUMENTS,
+                                    desc=f"reading pairs of {source.name}"))
+        except UnicodeDecodeError as error:  # `datasets` reads such bytes into its strings; decoding them fails here
+            for path in matching_files(source.path) if source.path else []:
+                if path.endswith(TEXT_SUFFIXES):
+                    check_utf8(path)  # names the file and line
+            raise DataError(f"{source.name}: a pair holds text that is not UTF-8 ({error.reason}); convert the source "
+                            f"to UTF-8") from None
     pairs = datasets.concatenate_datasets(loaded)
     if len(pairs) == 0:
         raise DataError(f"the data sources hold no preference pairs: {', '.join(s.name for s in sources)}")

@@ -223,8 +223,11 @@ def build_pair_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -
     documents, evaluation = split_eval(deduplicate(documents, config.dedup, config.num_proc, stats), config, stats)
     tokenized = tokenize_pairs(documents, tokenizer, config.seq_len, config.long_documents, config.num_proc, stats)
     if len(tokenized) == 0:
+        fix = ("raise data.seq_len or set data.long_documents=truncate" if config.long_documents == "drop" else
+               "raise data.seq_len: under truncate a pair is dropped only when its prompt alone fills seq_len, which "
+               "leaves no reply token to learn from")
         raise DataError(f"no pairs are left after fitting them to data.seq_len={config.seq_len} ({json.dumps(stats)}); "
-                        f"raise data.seq_len or set data.long_documents=truncate")
+                        f"{fix}")
     sources = np.asarray(tokenized["source"])
     rows = mixture_rows(sources, [s.weight for s in config.sources], config.seed)
     splits = {"train": tokenized.select(rows).flatten_indices()}

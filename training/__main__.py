@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from training.compat import check_versions
-from training.config.errors import ConfigError, exit_code
+from training.config.errors import exit_code, positive_int
 from training.loop.benchmarks import check_evaluation, evaluate_folder, evaluate_in_processes
 from training.state.export import export_checkpoint, find_tag
 from training.planning.precision import DTYPES
@@ -34,10 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     evaluate.add_argument("--tasks", required=True, help="comma-separated: eval_tasks/ folders (offline) or lm-eval's "
                           "task names (their data from the hub)")
     evaluate.add_argument("--output-dir", type=Path, help="default: RUN/benchmarks (needed for a model folder)")
-    evaluate.add_argument("--batch-size", type=int, default=8)
-    evaluate.add_argument("--limit", type=int, help="at most this many examples per task (a quick look)")
+    evaluate.add_argument("--batch-size", type=positive_int, default=8)
+    evaluate.add_argument("--limit", type=positive_int, help="at most this many examples per task (a quick look)")
     evaluate.add_argument("--overwrite", action="store_true", help="replace an earlier evaluate output there")
-    evaluate.add_argument("--num-processes", type=int, default=1, help="data-parallel: this many processes under "
+    evaluate.add_argument("--num-processes", type=positive_int, default=1, help="data-parallel: this many processes under "
                           "accelerate's launcher, one per GPU (CPU processes without one), each scoring a share")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
@@ -55,8 +55,6 @@ def main(argv: list[str] | None = None) -> int:
 
     def run_evaluate() -> int:
         tasks = args.tasks.split(",")
-        if args.num_processes < 1:
-            raise ConfigError(f"--num-processes {args.num_processes}: give 1 or more (each process loads the model)")
         if args.num_processes > 1 and "WORLD_SIZE" not in os.environ:  # not yet launched: launch
             check_evaluation(args.target, tasks, args.output_dir, args.overwrite)  # a bad input fails once, here
             return evaluate_in_processes(args.num_processes, argv)

@@ -190,6 +190,10 @@ def test_a_labelled_classifier_scores_that_labels_probability(corpus, tmp_path):
      "has no label 'great' (its labels: bad, fair, good)"),
     ({"type": "classifier", "model": "CLASSIFIER", "threshold": 1}, "has 3 labels: set label"),
     ({"type": "classifier", "threshold": 1}, "model: Field required"),
+    ({"type": "classifier", "model": "/no/such/classifier", "threshold": 1},
+     "model: no folder /no/such/classifier on this machine (and not a hub id"),
+    ({"type": "length", "min_words": 500, "max_words": 100}, "min_words 500 is above max_words 100: no document "
+                                                              "could pass"),
 ])
 def test_bad_filters_are_named_before_any_work(entry, message, tmp_path):
     if entry.get("model") == "CLASSIFIER":

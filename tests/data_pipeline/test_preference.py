@@ -95,6 +95,14 @@ def test_a_bad_pair_is_named_by_row_and_field(tmp_path, row, message):
         load_pairs(DataConfig(sources=[{"path": path}], seq_len=64, preference=True).sources)
 
 
+def test_a_pairs_file_that_is_not_utf8_names_the_file_and_line(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    path.write_bytes(b'{"prompt": "Q", "chosen": "A", "rejected": "B"}\n{"prompt": "caf\xe9", "chosen": "A", '
+                     b'"rejected": "B"}\n')
+    with pytest.raises(DataError, match=f"{path}:2: not UTF-8 .*convert the file to UTF-8"):
+        load_pairs(DataConfig(sources=[{"path": str(path)}], seq_len=64, preference=True).sources)
+
+
 def test_a_missing_field_names_the_setting(tmp_path):
     path = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "Q", "good": "A", "rejected": "B"}])
     with pytest.raises(DataError, match="no field 'chosen'.*set chosen_field"):
@@ -117,6 +125,19 @@ def test_prepared_pairs_are_deduplicated_and_fitted_to_seq_len(tmp_path, tokeniz
     assert max(max(map(len, train["chosen_ids"])), max(map(len, train["rejected_ids"]))) <= 48
     assert all(p < min(len(c), len(r)) for p, c, r in zip(train["prompt_length"], train["chosen_ids"],
                                                           train["rejected_ids"]))
+
+
+@pytest.mark.parametrize("policy, fix", [("truncate", "raise data.seq_len: under truncate a pair is dropped only "
+                                                     "when its prompt alone fills seq_len"),
+                                         ("drop", "raise data.seq_len or set data.long_documents=truncate")])
+def test_pairs_that_all_go_name_the_fix_the_policy_leaves(tmp_path, tokenizer, policy, fix):
+    """Every prompt fills seq_len: truncate cannot keep them, so it is not offered where it is already set."""
+    rows = [{"prompt": f"Q{i} " * 60, "chosen": " A", "rejected": " B"} for i in range(3)]
+    config = DataConfig(sources=[{"path": write_jsonl(tmp_path / "pairs.jsonl", rows)}], seq_len=48, preference=True,
+                        long_documents=policy, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(DataError, match="no pairs are left after fitting them to data.seq_len=48") as refused:
+        build_dataset(config, tokenizer)
+    assert fix in str(refused.value)
 
 
 def test_prepared_pairs_are_refused_by_a_language_model_run(tmp_path, tokenizer):

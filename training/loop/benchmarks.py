@@ -147,6 +147,11 @@ def check_evaluation(target: Path, tasks: list[str], output_dir: Path | None, ov
     """`python -m training evaluate`'s checks, before any model loads or process starts: (the model folder, the
     results folder)."""
     run = is_run(target)
+    if not run and (target / "summary.json").exists() and (target / "adapter").is_dir():
+        raise ConfigError(f"{target} is a LoRA run without a merged model: its adapter/ holds the adapters alone. Train "
+                          f"with export.merge=true to have hf/ (the adapters merged into the base weights) and "
+                          f"evaluate the run, or merge adapter/ into its base with peft (PeftModel.from_pretrained("
+                          f"base, adapter).merge_and_unload().save_pretrained(DIR)) and evaluate DIR with --output-dir")
     if not run and not (target / "config.json").exists():
         raise ConfigError(f"{target} is neither a run folder (hf/ and summary.json) nor a Hugging Face model folder "
                           f"(config.json)")

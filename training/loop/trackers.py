@@ -13,9 +13,11 @@ without it.
 """
 import importlib.util
 import os
+import socket
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlparse
 
 from training.compat.wandb import finished_run_records
 from training.config.errors import ConfigError
@@ -69,10 +71,25 @@ class WandbRun:
             finished_run_records(self.offline_file)
 
 
+def check_server(uri: str, timeout_s: float = 5.0) -> None:
+    """An http(s) tracking server's port answers within seconds: MLflow's client retries one that does not for
+    minutes (about 4.5 with its defaults), saying nothing."""
+    parts = urlparse(uri)
+    if parts.scheme not in ("http", "https"):
+        return
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname, port), timeout=timeout_s).close()
+    except OSError as error:
+        raise ConnectionError(f"MLFLOW_TRACKING_URI {uri}: nothing answers at {parts.hostname}:{port} within "
+                              f"{timeout_s:.0f} s ({error})") from None
+
+
 class MlflowRun:
     def __init__(self, plan: RunPlan, run_id: str | None, config: dict):
         import mlflow
 
+        check_server(os.environ.get("MLFLOW_TRACKING_URI", ""))
         logging = plan.recipe.logging
         if "MLFLOW_TRACKING_URI" not in os.environ:
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow 3 asks for this opt-in to a file store

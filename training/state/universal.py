@@ -70,12 +70,18 @@ def needs_universal(wrote: Layout, layout: Layout, streaming: bool, export_hint:
         raise ConfigError(f"--resume ({change}): a pipeline checkpoint keeps each layer's weights in a file of its own "
                           f"and DeepSpeed's universal converter reads only Megatron's layer layout; resume in the "
                           f"layout that wrote it, or start a new run from its weights: {export_hint}")
-    if (wrote.expert_parallel > 1) != (layout.expert_parallel > 1):
+    if wrote.expert_parallel > 1 and layout.expert_parallel == 1:
         raise ConfigError(f"--resume ({change}): an expert-parallel checkpoint keeps its experts' weights and optimizer "
                           f"states under AutoEP's names and in parameter groups of their own, which the universal "
                           f"load does not map to the original model's here; resume with expert parallelism "
                           f"(parallelism.expert_parallel={wrote.expert_parallel}, or another degree that divides the "
                           f"experts, at ZeRO-1 or 2), or start a new run from its weights: {export_hint}")
+    if wrote.expert_parallel == 1 and layout.expert_parallel > 1:
+        raise ConfigError(f"--resume ({change}): this checkpoint was written without expert parallelism, and an "
+                          f"expert-parallel run keeps its experts under AutoEP's names and in parameter groups of "
+                          f"their own, which the universal load does not map from the original model's here; resume "
+                          f"with parallelism.expert_parallel=1, or start a new expert-parallel run from its weights: "
+                          f"{export_hint}")
     if wrote.tensor_parallel > 1 or layout.tensor_parallel > 1:
         raise ConfigError(f"--resume ({change}): a tensor-parallel checkpoint holds each rank's slices of the "
                           f"matrices, which the universal conversion does not reassemble here; resume in the layout "

@@ -59,6 +59,9 @@ def test_a_model_folder_is_scored_into_the_output_folder(model, tmp_path):
     pytest.param(["--tasks", "no_such_task_anywhere", "--output-dir", "{tmp}/o"],
                  "neither shipped here (eval_tasks/: python_docs_mc)", marks=LM_EVAL),
     (["--tasks", TASK, "--output-dir", "{model}/scores"], "an output never goes inside an input"),
+    (["--tasks", TASK, "--output-dir", "{tmp}/o", "--limit", "0"], "--limit: must be a whole number above 0, got '0'"),
+    (["--tasks", TASK, "--output-dir", "{tmp}/o", "--limit", "-5"], "--limit: must be a whole number above 0"),
+    (["--tasks", TASK, "--output-dir", "{tmp}/o", "--batch-size", "0"], "--batch-size: must be a whole number above 0"),
 ])
 def test_what_cannot_be_evaluated_is_refused_before_the_model_loads(model, tmp_path, args, message):
     args = [arg.format(tmp=tmp_path, model=model) for arg in args]
@@ -67,8 +70,17 @@ def test_what_cannot_be_evaluated_is_refused_before_the_model_loads(model, tmp_p
     assert not (model / "scores").exists()
 
 
+def test_a_lora_run_without_a_merged_model_says_how_to_get_one(tmp_path):
+    run = tmp_path / "lora_run"
+    (run / "adapter").mkdir(parents=True)
+    (run / "summary.json").write_text("{}")
+    result = evaluate(run, "--tasks", TASK)
+    assert result.returncode == 2 and "is a LoRA run without a merged model" in result.stderr
+    assert "export.merge=true" in result.stderr and not (run / "benchmarks").exists()
+
+
 @pytest.mark.parametrize("gpus, args, message", [
-    (0, ["--num-processes", "0", "--output-dir", "{tmp}/o"], "--num-processes 0: give 1 or more"),
+    (0, ["--num-processes", "0", "--output-dir", "{tmp}/o"], "--num-processes: must be a whole number above 0"),
     (0, ["--num-processes", "2", "--output-dir", "{model}/scores"], "an output never goes inside an input"),
     (0, ["--num-processes", "2"], "is a model folder, not a run: give --output-dir"),
     (1, ["--num-processes", "2", "--output-dir", "{tmp}/o"], "this machine has 1 GPU(s) and each process takes one"),

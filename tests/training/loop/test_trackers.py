@@ -2,6 +2,8 @@
 they wrote; a resumed run continues the same tracker runs; a missing package stops the run before anything is
 built, and a tracker that fails mid-run costs a warning, not the run."""
 import json
+import time
+from types import SimpleNamespace
 
 import mlflow
 import pytest
@@ -11,6 +13,7 @@ from tests.conftest import SMALL_MODEL, train_in_process
 from training.compat.wandb import read_offline_run
 from training.config.errors import ConfigError
 from training.loop.trackers import Trackers, flat
+from training.parallel.distributed import free_port
 
 TRACKED = "logging.report_to=[tensorboard, wandb, mlflow]"
 
@@ -122,3 +125,15 @@ def test_a_tracker_failing_mid_run_is_dropped_with_one_warning(capsys):
     trackers.log({"step": 4, "loss": 1.5})
     assert list(trackers.active) == ["wandb"] and Kept.logged == [(3, {"loss": 2.0}), (4, {"loss": 1.5})]
     assert capsys.readouterr().err.count("warning: logging.report_to: mlflow failed (ConnectionError") == 1
+
+
+def test_an_mlflow_server_that_does_not_answer_is_named_within_seconds(monkeypatch):
+    """MLflow's client retries an unreachable server for minutes in silence (261 s seen): the port is tried first."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")
+    plan = SimpleNamespace(recipe=SimpleNamespace(model_dump=lambda mode: {},
+                                                  logging=SimpleNamespace(report_to=["mlflow"])), ds_config={})
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=r"mlflow could not start a run: ConnectionError: MLFLOW_TRACKING_URI "
+                                          r"http://127.0.0.1:\d+: nothing answers at 127.0.0.1:\d+ within 5 s"):
+        Trackers(plan, {}, True)
+    assert time.monotonic() - started < 30
