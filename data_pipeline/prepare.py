@@ -164,6 +164,20 @@ def filter_documents(documents: datasets.Dataset, config: DataConfig, tokenizer:
     return kept, summary["samples"]
 
 
+EMPTY_SOURCES = ("every document of the sources is empty: check each source's files and its text_field or "
+                 "messages_field")
+FILTERED_ALL = ("the quality filters removed every document: loosen or remove the one that removed them "
+                "(docs/data_filters.md)")
+
+
+def nothing_left(stats: dict, why: str) -> DataError:
+    """The error of a stage that kept no document: the counts so far, each quality filter's by its place and type."""
+    counts = [f"{stats['documents_in']} read", f"{stats.get('empty_documents_removed', 0)} empty"]
+    counts += [f"data.filters.{index} ({found['type']}) removed {found['documents_removed']}"
+               for index, found in enumerate(stats.get("filters", []))]
+    return DataError(f"no documents are left ({', '.join(counts)}); {why}")
+
+
 def drop_empty(documents: datasets.Dataset, stats: dict, num_proc: int = 1) -> datasets.Dataset:
     kept = documents.filter(lambda texts: [bool(t and t.strip()) for t in texts], input_columns="text",
                             batched=True, num_proc=processes(num_proc), desc="dropping empty documents")
@@ -250,8 +264,12 @@ def build_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tup
     stats = {"documents_in": len(documents), "exact_duplicates_removed": 0, "near_duplicates_removed": 0}
     per_source = np.bincount(np.asarray(documents["source"]), minlength=len(config.sources))
     documents, removed = drop_empty(documents, stats, config.num_proc), []
+    if len(documents) == 0:
+        raise nothing_left(stats, EMPTY_SOURCES)
     if config.filters:
         documents, removed = filter_documents(documents, config, tokenizer, stats)
+        if len(documents) == 0:
+            raise nothing_left(stats, FILTERED_ALL)
     documents = deduplicate(documents, config.dedup, config.num_proc, stats)
     documents, evaluation = split_eval(documents, config, stats)
     tokenized = tokenize_documents(documents, tokenizer, config.num_proc)

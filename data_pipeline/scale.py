@@ -45,8 +45,9 @@ from data_pipeline.config import DataConfig, DataSource, matching_files
 from data_pipeline.dedup import lsh_bands, normalize, normalized_bytes
 from data_pipeline.files import check_lines, field_problem, is_json_lines
 from data_pipeline.filters import FilterChain, check_models, merge, summarize
-from data_pipeline.prepare import (LONG_DOCUMENT_STATS, decontaminate, drop_empty, fingerprint, mixture_rows, pack,
-                                   pad_token_id, rows_to_dataset, save_prepared)
+from data_pipeline.prepare import (EMPTY_SOURCES, FILTERED_ALL, LONG_DOCUMENT_STATS, decontaminate, drop_empty,
+                                   fingerprint, mixture_rows, nothing_left, pack, pad_token_id, rows_to_dataset,
+                                   save_prepared)
 from data_pipeline.sources import FEATURES, chat_document, load_documents, load_source, source_field
 from data_pipeline.tokenize import tokenize_documents
 from data_pipeline.work_folder import Layout, claim_work_folder, job_fingerprint, reopen_for_rerun, work_folder
@@ -158,6 +159,27 @@ class QualityFilters(PipelineStep):
         (folder / f"{rank:05d}.json").write_text(json.dumps(summary) + "\n")
 
 
+class FilteredDocuments(JsonlReader):
+    """What the filter stage kept, read back; when it kept nothing (no file written), a DataError with the counts of
+    each filter, as the in-process engine gives, where datatrove's reader would stop on the missing files."""
+
+    def __init__(self, config: DataConfig, work: Layout):
+        super().__init__(work("filtered"), add_file_path=False)
+        self.config, self.work = config, work
+
+    def run(self, data=None, rank: int = 0, world_size: int = 1):
+        if not self.data_folder.list_files():
+            read = step_counts(self.work.logs("filtered"))
+            readers = len(self.config.sources)
+            summary = merge([json.loads(p.read_text()) for p in sorted(Path(self.work("filters")).glob("*.json"))],
+                            self.config.filter_samples)
+            stats = {"documents_in": sum(c.get("documents", 0) for c in read[:readers]),
+                     "empty_documents_removed": read[readers].get("dropped", 0), "filters": summary["filters"]}
+            emptied = stats["documents_in"] == stats["empty_documents_removed"]
+            raise nothing_left(stats, EMPTY_SOURCES if emptied else FILTERED_ALL)
+        yield from super().run(data, rank, world_size)
+
+
 def read_and_drop_empty(config: DataConfig) -> list[PipelineStep]:
     return [*(reader(s, i) for i, s in enumerate(config.sources)),
             LambdaFilter(lambda doc: bool(doc.text and doc.text.strip()))]
@@ -168,7 +190,7 @@ def deduplicated(config: DataConfig, work: Layout, signing: bool = False) -> lis
     the filter stage kept), then, unless the stage is `signing` for deduplication, the duplicates' removal. With near
     dedup that is MinhashDedupFilter alone: an exact duplicate has its original's normalized text, so its MinHash
     signature and every LSH band, and the signature stage signed both, so the cluster stage removed all but one."""
-    steps = [JSONL(work("filtered"))] if config.filters else read_and_drop_empty(config)
+    steps = [FilteredDocuments(config, work)] if config.filters else read_and_drop_empty(config)
     if signing:
         return steps
     if config.dedup.near:
@@ -286,6 +308,8 @@ class Assemble(PipelineStep):
                 summary = merge([json.loads(p.read_text()) for p in sorted(Path(self.work("filters")).glob("*.json"))],
                                 self.config.filter_samples)
                 stats["filters"], removed = summary["filters"], summary["samples"]
+            if stats["documents_in"] == stats["empty_documents_removed"]:
+                raise nothing_left(stats, EMPTY_SOURCES)
             if stats["rows"] == 0:
                 raise DataError(f"the data holds {stats['tokens_in']} tokens after tokenization, less than one row of "
                                 f"data.seq_len={self.config.seq_len} in any task; add data, lower data.seq_len or "

@@ -200,6 +200,26 @@ def test_nothing_left_after_filtering(tmp_path):
         prepare_dataset(config(tmp_path, [{"path": str(path), "messages_field": "messages"}]), TOKENIZER)
 
 
+@pytest.mark.parametrize("filters, counts", [
+    ([{"type": "length", "min_words": 1000}], "(4 read, 1 empty, data.filters.0 (length) removed 3)"),
+    ([{"type": "regex", "pattern": "words", "action": "drop"}, {"type": "length", "min_words": 1}],
+     "(4 read, 1 empty, data.filters.0 (regex) removed 3, data.filters.1 (length) removed 0)"),
+])
+def test_filters_that_keep_nothing_name_what_each_removed(tmp_path, filters, counts):
+    path = texts_file(tmp_path / "a.jsonl", ["a few words here"] * 3 + [" "])
+    with pytest.raises(DataError, match="no documents are left") as refused:
+        prepare_dataset(config(tmp_path, [path], filters=filters), TOKENIZER)
+    assert counts in str(refused.value) and "the quality filters removed every document" in str(refused.value)
+
+
+def test_sources_of_empty_documents_are_named_before_any_stage(tmp_path):
+    """Before: KeyError 'Field "text_hash" does not exist in schema' from deduplication of nothing."""
+    path = texts_file(tmp_path / "a.jsonl", ["", " ", "\n"])
+    with pytest.raises(DataError, match=r"no documents are left \(3 read, 3 empty\); every document of the sources "
+                                        r"is empty"):
+        prepare_dataset(config(tmp_path, [path]), TOKENIZER)
+
+
 def test_too_little_data_for_one_row(tmp_path):
     path = texts_file(tmp_path / "a.jsonl", ["tiny"])
     with pytest.raises(DataError, match="less than one row of data.seq_len=16"):

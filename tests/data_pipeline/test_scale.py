@@ -409,6 +409,21 @@ def test_a_bad_line_is_refused_from_the_command_line_without_a_traceback(tmp_pat
     assert f"{tmp_path / 'a.jsonl'}:2: field 'text' is a JSON int (5), not a string" in done.stderr
 
 
+@pytest.mark.slow
+def test_filters_that_keep_nothing_end_the_job_with_what_each_removed(tmp_path, tree_guard):
+    """Before: datatrove's reader stopped the next stage with `RuntimeError: No files found on ...filtered!`."""
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in ["a few words"] * 3 + [" "]))
+    command = prepare_command(tmp_path / "prepared", f"data.sources=[{{path: {tmp_path / 'a.jsonl'}}}]",
+                              "data.filters=[{type: length, min_words: 1000}]", tasks=1, workers=1)
+    with tree_guard():
+        done = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.splitlines()[-1] == (
+        "error: no documents are left (4 read, 1 empty, data.filters.0 (length) removed 3); the quality filters "
+        "removed every document: loosen or remove the one that removed them (docs/data_filters.md)")
+    assert not (tmp_path / "prepared").exists()
+
+
 def test_a_hub_record_of_the_wrong_kind_is_a_data_error():
     from data_pipeline import DataError
     from data_pipeline.config import DataSource
