@@ -12,6 +12,7 @@ tokenized prompt and prompt+completion first differ. A prepared pair keeps `chos
 whole sequence, prompt included) and `prompt_length`: the loss is taken on the tokens after it only.
 """
 import json
+import sys
 
 import datasets
 import numpy as np
@@ -67,6 +68,11 @@ def pair_documents(columns: dict, source: DataSource, index: int, first_row: int
             raise DataError(f"{where}: field '{source.prompt_field}' is {type(prompt).__name__}: a string prompt "
                             f"goes with string completions, chat messages with chat messages (set prompt_field "
                             f"in the recipe's data source if the prompt is elsewhere)")
+        for name, reply in ((source.chosen_field, chosen), (source.rejected_field, rejected)):
+            if is_conversation(reply) and reply[-1]["role"] != "assistant":
+                raise DataError(f"{where}: field '{name}' ends in a {reply[-1]['role']!r} turn, not the 'assistant' "
+                                f"reply the chat template renders after the prompt (another role moves where the "
+                                f"completion starts, into the turn's header); give the reply the role 'assistant'")
         fields = (prompt, chosen, rejected)
         out["text"].append("\n".join(map(field_text, fields)))
         for name, value in zip(("prompt", "chosen", "rejected"), fields):
@@ -100,7 +106,21 @@ def load_pairs(sources: list[DataSource]) -> datasets.Dataset:
     pairs = datasets.concatenate_datasets(loaded)
     if len(pairs) == 0:
         raise DataError(f"the data sources hold no preference pairs: {', '.join(s.name for s in sources)}")
+    check_pairs_differ(pairs, sources)
     return pairs
+
+
+def check_pairs_differ(pairs: datasets.Dataset, sources: list[DataSource]) -> None:
+    """A pair whose chosen equals its rejected has no preference to learn (its loss is log 2 whatever the model, its
+    gradient zero): refused when no pair differs, counted in a warning when some do not."""
+    same = sum(chosen == rejected for chosen, rejected in zip(pairs["chosen"], pairs["rejected"]))
+    names = ", ".join(s.name for s in sources)
+    if same == len(pairs):
+        raise DataError(f"{names}: in every pair ({same}) the chosen reply equals the rejected one, so DPO has nothing "
+                        f"to learn; check chosen_field and rejected_field in the recipe's data source")
+    if same:
+        print(f"warning: {names}: {same} of {len(pairs)} pairs have the same chosen and rejected reply; they add "
+              f"nothing to learn from but still count in the loss's mean", file=sys.stderr, flush=True)
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:

@@ -103,6 +103,29 @@ def test_a_pairs_file_that_is_not_utf8_names_the_file_and_line(tmp_path):
         load_pairs(DataConfig(sources=[{"path": str(path)}], seq_len=64, preference=True).sources)
 
 
+@pytest.mark.parametrize("role", ["assistent", "user"])
+def test_a_chat_reply_in_another_role_than_assistant_is_refused_with_its_row(tmp_path, role):
+    """Before: the template rendered the reply's turn under another header than the prompt's generation prompt, so
+    the 'completion' began inside the role name and DPO trained at 100% accuracy on it."""
+    rows = [chat_pair("Q1", "good", "bad"), chat_pair("Q2", "good", "bad")]
+    rows[1]["rejected"][0]["role"] = role
+    path = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    with pytest.raises(DataError, match=f"pairs.jsonl: row 2: field 'rejected' ends in a '{role}' turn, not the "
+                                        f"'assistant' reply"):
+        load_pairs(DataConfig(sources=[{"path": path}], seq_len=64, preference=True).sources)
+
+
+def test_pairs_with_nothing_to_prefer_are_refused_and_some_are_counted(tmp_path, capsys):
+    same = [{"prompt": f"Q{i}", "chosen": " A", "rejected": " A"} for i in range(3)]
+    config = DataConfig(sources=[{"path": write_jsonl(tmp_path / "same.jsonl", same)}], seq_len=64, preference=True)
+    with pytest.raises(DataError, match=r"in every pair \(3\) the chosen reply equals the rejected one"):
+        load_pairs(config.sources)
+    mixed = [*same, {"prompt": "Q", "chosen": " A", "rejected": " B"}]
+    config = DataConfig(sources=[{"path": write_jsonl(tmp_path / "mixed.jsonl", mixed)}], seq_len=64, preference=True)
+    assert len(load_pairs(config.sources)) == 4
+    assert capsys.readouterr().err.count("3 of 4 pairs have the same chosen and rejected reply") == 1
+
+
 def test_a_missing_field_names_the_setting(tmp_path):
     path = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "Q", "good": "A", "rejected": "B"}])
     with pytest.raises(DataError, match="no field 'chosen'.*set chosen_field"):
