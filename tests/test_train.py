@@ -215,6 +215,23 @@ def test_resume_continues_the_uninterrupted_loss_curve(tmp_path, data_cache, dat
     assert losses[parts] == pytest.approx(losses[whole], abs=1e-6)
 
 
+@pytest.mark.slow
+def test_a_resume_that_raises_max_steps_takes_the_new_schedule_from_its_first_step(tmp_path, data_cache):
+    """A cosine over 3 steps, resumed to 6: steps 4-6 train at the learning rates of a run started with 6 steps.
+    Before, the first resumed step trained at the old schedule's rate (the loaded optimizer's)."""
+    common = ["--recipe", "tiny_llama", SMALL_MODEL, data_cache, "training.schedule=cosine", "training.warmup_steps=1",
+              "logging.every_steps=1"]
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    for out, more in ((whole, ["training.max_steps=6"]), (parts, ["training.max_steps=3"]),
+                      (parts, ["training.max_steps=6", "--resume"])):
+        result = train_in_process([*common, "--output-dir", str(out), *more])
+        assert result.returncode == 0, result.stderr[-3000:]
+    rates = {path: [record["lr"] for record in map(json.loads, (path / "metrics.jsonl").read_text().splitlines())]
+             for path in (whole, parts)}
+    assert len(set(rates[whole][3:])) == 3  # the schedule moves at every resumed step
+    assert rates[parts][3:] == pytest.approx(rates[whole][3:], rel=1e-12)
+
+
 def test_loss_is_the_token_mean_of_the_whole_global_batch(one_rank):
     """Two micro-batches with 3 and 60 targets: the step's loss and gradient are those of the mean over
     all 63 tokens, not the mean of the two micro-batch means."""

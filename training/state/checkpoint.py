@@ -240,10 +240,21 @@ def load_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, layout: Layou
         raise ConfigError(f"--resume: DeepSpeed found no checkpoint files in {load_dir / tag}: it is damaged; "
                           f"{way_back(checkpoint_dir, tag)}")
     restore_rng_states(rank_state["rng"])
+    continue_schedule(engine.lr_scheduler)
     scaler = z0_grad_scaler(engine)
     if scaler and "grad_scaler" in rank_state:
         scaler.load_state_dict(rank_state["grad_scaler"])
     return run_state.model_dump(), rank_state["data"]
+
+
+def continue_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler | None) -> None:
+    """The learning rates of this run's schedule at the loaded step. The loaded optimizer holds the saving run's, and
+    a resume may change the schedule (a higher training.max_steps stretches a cosine): the scheduler's own state sets
+    no rate again, so the first resumed step trained at the old schedule's rate. Stepping back once and forward again
+    recomputes them from this run's rules."""
+    if scheduler is not None:
+        scheduler.last_epoch -= 1
+        scheduler.step()
 
 
 def load_failure(checkpoint_dir: Path, tag: str, universal: bool, error: BaseException) -> str:
