@@ -21,7 +21,7 @@ from training.parallel.launch import launcher_command  # noqa: E402
 
 # The pytest session that owns test-results/ (xdist's workers and a pytest that a test starts inherit it): only it
 # empties runs.jsonl and writes launches.json
-RESULTS_OWNER = os.environ.setdefault("TESTS_RESULTS_OWNER", str(os.getpid()))
+OWNS_RESULTS = os.environ.setdefault("TESTS_RESULTS_OWNER", str(os.getpid())) == str(os.getpid())
 
 # A 2-layer, 64-wide shrink of tiny_llama: the same code path in seconds.
 SMALL_MODEL = ("model.config_overrides={num_hidden_layers: 2, hidden_size: 64, intermediate_size: 128, "
@@ -192,7 +192,7 @@ def pytest_configure(config: pytest.Config) -> None:
     watched too. test-results/runs.jsonl starts empty (log_run)."""
     subprocess.Popen = GuardedPopen
     (REPO / "test-results").mkdir(exist_ok=True)
-    if RESULTS_OWNER == str(os.getpid()):
+    if OWNS_RESULTS:
         (REPO / "test-results" / "runs.jsonl").write_text("")
     try:
         from datatrove.executor.local import LocalPipelineExecutor
@@ -214,7 +214,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         pool.pool.close()
     if hasattr(session.config, "workeroutput"):
         session.config.workeroutput["launches"] = launch_record()
-    elif RESULTS_OWNER == str(os.getpid()):
+    elif OWNS_RESULTS:
         (REPO / "test-results" / "launches.json").write_text(json.dumps(launch_record(), indent=1))
 
 

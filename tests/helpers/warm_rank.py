@@ -53,6 +53,7 @@ def run_rank(script: str, rank: dict) -> int:
     sys.argv = [script, *args]
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)  # the jobs are the parent's to read
+    os.close(null)
     with open(rank["stdout"], "wb") as out, open(rank["stderr"], "wb") as err:
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
