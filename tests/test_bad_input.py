@@ -220,9 +220,10 @@ def test_export_overwrite_replaces_only_an_earlier_export(tmp_path, data_cache, 
             assert_refused(run_command("-m", "training", "export", checkpoints, str(inside_the_input), "--overwrite"),
                            "which this command reads: an output never")
     assert run_command("-m", "training", "export", checkpoints, str(out)).returncode == 0
-    (out / "stale.txt").write_text("from before")
+    (out / "MY_MODEL_CARD.md").write_text("the user's")  # a file the export did not write: kept, and named
     with tree_guard(out):
         result = run_command("-m", "training", "export", checkpoints, str(out), "--overwrite")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert not (out / "stale.txt").exists() and (out / "model.safetensors").is_file()
+    assert (out / "MY_MODEL_CARD.md").read_text() == "the user's" and (out / "model.safetensors").is_file()
+    assert "kept 1 file that python -m training export did not write: MY_MODEL_CARD.md" in result.stdout
     assert not list(tmp_path.glob(".export.partial*"))

@@ -7,6 +7,9 @@ compare), checked before any work starts:
 - an existing output is replaced only with --overwrite, and only when an earlier run of the same command wrote
   it. Every output carries a marker naming the command that wrote it: a folder `.written-by.json` inside it, a
   file `.NAME.written-by.json` beside it. An unmarked folder or file is never replaced, whatever it holds.
+- a folder's marker lists the files the command wrote there (staged_folder): replacing it removes those and the
+  folders they leave empty, keeps every other file (named in one line), and refuses, before removing anything, a
+  new output that would write where a kept file lies.
 """
 import json
 import os
@@ -34,9 +37,30 @@ def written_by(output: Path, folder: bool = True) -> str | None:
         return None
 
 
-def mark(output: Path, command: str, folder: bool = True) -> None:
-    """Record that `command` wrote `output` (a folder, or a file: the marker goes beside it)."""
-    marker_path(output, folder).write_text(json.dumps({"command": command}) + "\n", encoding="utf-8")
+def mark(output: Path, command: str, folder: bool = True, files: list[str] | None = None) -> None:
+    """Record that `command` wrote `output` (a folder, or a file: the marker goes beside it), and for a folder the
+    files it wrote there (relative paths), when known."""
+    record = {"command": command} if files is None else {"command": command, "files": sorted(files)}
+    marker_path(output, folder).write_text(json.dumps(record) + "\n", encoding="utf-8")
+
+
+def listed_files(folder: Path) -> set[str]:
+    """The files the folder's marker lists as its command's; none for a marker from before the list."""
+    try:
+        return set(json.loads((folder / MARKER).read_text(encoding="utf-8")).get("files", []))
+    except (OSError, ValueError, AttributeError):
+        return set()
+
+
+def files_under(folder: Path) -> set[str]:
+    """Every file under `folder` (symbolic links as files, not followed), as relative POSIX paths, its marker aside."""
+    found = {path.relative_to(folder).as_posix() for path in folder.rglob("*") if path.is_file() or path.is_symlink()}
+    return found - {MARKER}
+
+
+def kept_line(kept: set[str], command: str) -> str:
+    shown = ", ".join(sorted(kept)[:5]) + (f", ... ({len(kept)} in all)" if len(kept) > 5 else "")
+    return f"kept {len(kept)} file{'s' if len(kept) != 1 else ''} that {command} did not write: {shown}"
 
 
 def overlap(output: Path, inputs: Iterable[Path | str | None]) -> tuple[str, Path] | None:
@@ -116,19 +140,51 @@ def write_atomically(path: Path, content: str | bytes) -> None:
 
 @contextmanager
 def staged_folder(output: Path, command: str) -> Iterator[Path]:
-    """A fresh folder beside `output`, created by this process, to write the output into: renamed into place (replacing
-    an earlier output of `command`, checked by check_output) only when the block finishes, removed if it fails."""
+    """A fresh folder beside `output`, created by this process, to write the output into, put in place only when the
+    block finishes (removed if it fails): renamed there, or over an earlier output of `command` (checked by
+    check_output) by replace_listed_files."""
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
     try:
         yield staging
-        mark(staging, command)
+        written = files_under(staging)
         if output.exists():
-            earlier = staging.with_name(f"{staging.name}-earlier")
-            output.rename(earlier)
-            staging.rename(output)
-            shutil.rmtree(earlier)
+            replace_listed_files(output, staging, written, command)
         else:
+            mark(staging, command, files=sorted(written))
             staging.rename(output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone already when renamed
+
+
+def replace_listed_files(output: Path, staging: Path, written: set[str], command: str) -> None:
+    """The earlier output's listed files (and the folders they leave empty) replaced by the staged ones; every other
+    file stays, named in one line. A staged file where a kept one lies is refused before anything is removed."""
+    listed = listed_files(output)
+    kept = files_under(output) - listed
+    clashing = sorted(k for k in kept if any(w == k or w.startswith(f"{k}/") or k.startswith(f"{w}/") for w in written))
+    if clashing:
+        raise ConfigError(f"{output} holds {', '.join(clashing[:5])}, which {command} did not write (its "
+                          f"{MARKER} does not list it), where the new output writes: nothing was replaced; move "
+                          f"it away, or choose another output")
+    earlier = staging.with_name(f"{staging.name}-earlier")
+    for name in sorted(listed):  # aside first: a failure below leaves the earlier files, not a mix
+        if (output / name).is_file() or (output / name).is_symlink():
+            (earlier / name).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(output / name, earlier / name)
+    remove_empty_folders(output, [Path(name).parent for name in listed])
+    for name in sorted(written):
+        (output / name).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staging / name, output / name)
+    mark(output, command, files=sorted(written))
+    shutil.rmtree(earlier, ignore_errors=True)
+    if kept:
+        print(kept_line(kept, command), flush=True)
+
+
+def remove_empty_folders(root: Path, folders: Iterable[Path]) -> None:
+    """Each of the folders (relative to root) and its parents below root, where emptied."""
+    for folder in sorted({root / f for f in folders if f != Path(".")}, key=lambda f: len(f.parts), reverse=True):
+        while folder != root and folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+            folder = folder.parent
