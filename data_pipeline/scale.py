@@ -169,15 +169,25 @@ class FilteredDocuments(JsonlReader):
 
     def run(self, data=None, rank: int = 0, world_size: int = 1):
         if not self.data_folder.list_files():
-            read = step_counts(self.work.logs("filtered"))
-            readers = len(self.config.sources)
-            summary = merge([json.loads(p.read_text()) for p in sorted(Path(self.work("filters")).glob("*.json"))],
-                            self.config.filter_samples)
-            stats = {"documents_in": sum(c.get("documents", 0) for c in read[:readers]),
-                     "empty_documents_removed": read[readers].get("dropped", 0), "filters": summary["filters"]}
+            stats = {**read_counts(self.config, step_counts(self.work.logs("filtered"))),
+                     "filters": filter_summary(self.config, self.work)["filters"]}
             emptied = stats["documents_in"] == stats["empty_documents_removed"]
             raise nothing_left(stats, EMPTY_SOURCES if emptied else FILTERED_ALL)
         yield from super().run(data, rank, world_size)
+
+
+def read_counts(config: DataConfig, read: list[dict]) -> dict:
+    """documents_in and empty_documents_removed, from the step counters of the stage that read the sources (its
+    readers, then the empty filter)."""
+    readers = len(config.sources)
+    return {"documents_in": sum(c.get("documents", 0) for c in read[:readers]),
+            "empty_documents_removed": read[readers].get("dropped", 0)}
+
+
+def filter_summary(config: DataConfig, work: Layout) -> dict:
+    """The filter stage's tasks' summaries (QualityFilters) merged: stats.json's `filters` and the samples."""
+    return merge([json.loads(p.read_text()) for p in sorted(Path(work("filters")).glob("*.json"))],
+                 config.filter_samples)
 
 
 def read_and_drop_empty(config: DataConfig) -> list[PipelineStep]:
@@ -272,9 +282,7 @@ def job_stats(config: DataConfig, work: Layout) -> dict:
         near -= exact
     readers = len(config.sources)
     read = step_counts(work.logs("filtered")) if config.filters else counts  # the sources' readers, then the empty filter
-    stats = {"documents_in": sum(c.get("documents", 0) for c in read[:readers]),
-             "empty_documents_removed": read[readers].get("dropped", 0),
-             "exact_duplicates_removed": exact, "near_duplicates_removed": near}
+    stats = {**read_counts(config, read), "exact_duplicates_removed": exact, "near_duplicates_removed": near}
     tasks = [json.loads(p.read_text()) for p in sorted(Path(work("rows")).glob("train-*.json"))]
     for key in ("decontaminated_removed", "no_assistant_reply_skipped", "documents_out", "tokens_in", "tokens_out",
                 "tokens_dropped", "rows"):
@@ -305,8 +313,7 @@ class Assemble(PipelineStep):
         with self.track_time():
             stats, removed = job_stats(self.config, self.work), []
             if self.config.filters:
-                summary = merge([json.loads(p.read_text()) for p in sorted(Path(self.work("filters")).glob("*.json"))],
-                                self.config.filter_samples)
+                summary = filter_summary(self.config, self.work)
                 stats["filters"], removed = summary["filters"], summary["samples"]
             if stats["documents_in"] == stats["empty_documents_removed"]:
                 raise nothing_left(stats, EMPTY_SOURCES)

@@ -37,8 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     evaluate.add_argument("--batch-size", type=positive_int, default=8)
     evaluate.add_argument("--limit", type=positive_int, help="at most this many examples per task (a quick look)")
     evaluate.add_argument("--overwrite", action="store_true", help="replace an earlier evaluate output there")
-    evaluate.add_argument("--num-processes", type=positive_int, default=1, help="data-parallel: this many processes under "
-                          "accelerate's launcher, one per GPU (CPU processes without one), each scoring a share")
+    evaluate.add_argument("--num-processes", type=positive_int, default=1, help="data-parallel: this many processes "
+                          "under accelerate's launcher, one per GPU (CPU processes without one), each scoring a share")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     check_versions()  # export and convert read DeepSpeed's checkpoint formats (training/compat/deepspeed.py)

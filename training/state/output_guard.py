@@ -29,15 +29,21 @@ def marker_path(output: Path, folder: bool) -> Path:
     return output / MARKER if folder else output.with_name(f".{output.name}{MARKER}")
 
 
+def marker(output: Path, folder: bool = True) -> dict:
+    """The output's marker; empty when there is none, or one that cannot be read."""
+    try:
+        record = json.loads(marker_path(output, folder).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
 def written_by(output: Path, folder: bool = True) -> str | None:
     """The command named in the output's marker, or None (no marker, or one that cannot be read)."""
-    try:
-        return json.loads(marker_path(output, folder).read_text(encoding="utf-8")).get("command")
-    except (OSError, ValueError, AttributeError):
-        return None
+    return marker(output, folder).get("command")
 
 
-def mark(output: Path, command: str, folder: bool = True, files: list[str] | None = None) -> None:
+def mark(output: Path, command: str, folder: bool = True, files: Iterable[str] | None = None) -> None:
     """Record that `command` wrote `output` (a folder, or a file: the marker goes beside it), and for a folder the
     files it wrote there (relative paths), when known."""
     record = {"command": command} if files is None else {"command": command, "files": sorted(files)}
@@ -46,10 +52,7 @@ def mark(output: Path, command: str, folder: bool = True, files: list[str] | Non
 
 def listed_files(folder: Path) -> set[str]:
     """The files the folder's marker lists as its command's; none for a marker from before the list."""
-    try:
-        return set(json.loads((folder / MARKER).read_text(encoding="utf-8")).get("files", []))
-    except (OSError, ValueError, AttributeError):
-        return set()
+    return set(marker(folder).get("files", []))
 
 
 def files_under(folder: Path) -> set[str]:
@@ -151,7 +154,7 @@ def staged_folder(output: Path, command: str) -> Iterator[Path]:
         if output.exists():
             replace_listed_files(output, staging, written, command)
         else:
-            mark(staging, command, files=sorted(written))
+            mark(staging, command, files=written)
             staging.rename(output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone already when renamed
@@ -176,7 +179,7 @@ def replace_listed_files(output: Path, staging: Path, written: set[str], command
     for name in sorted(written):
         (output / name).parent.mkdir(parents=True, exist_ok=True)
         os.replace(staging / name, output / name)
-    mark(output, command, files=sorted(written))
+    mark(output, command, files=written)
     shutil.rmtree(earlier, ignore_errors=True)
     if kept:
         print(kept_line(kept, command), flush=True)
