@@ -11,6 +11,7 @@ from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -40,12 +41,17 @@ TRAIN_ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MALLOC_M
                  MALLOC_TRIM_THRESHOLD_=str(4 << 30), MALLOC_TOP_PAD_=str(256 << 20))
 
 
+# warm ranks are forked from a parent that imported torch and DeepSpeed, and CUDA cannot be set up again in a fork
+# ("Cannot re-initialize CUDA in forked subprocess", the first GPU run of the fp16 and fp8 tests): runs launch there
+ON_GPU = torch.cuda.is_available()
+
+
 def run_train(args: list[str], ranks: int | None = None, timeout: int = 600, script: str = "train.py",
               launch: bool = False) -> subprocess.CompletedProcess:
     """`train_command(args, ranks, script)`'s exit code and output. It runs on the session's warm ranks
-    (tests/warm_ranks.py), unless `launch` or a probe of the process life (a kill, a crash on one rank) asks for a
-    real launch."""
-    warm = not (launch or script not in WARM_SCRIPTS or any(probe in args for probe in PROCESS_PROBES))
+    (tests/warm_ranks.py), unless `launch`, a probe of the process life (a kill, a crash on one rank) or a GPU asks
+    for a real launch."""
+    warm = not (launch or ON_GPU or script not in WARM_SCRIPTS or any(probe in args for probe in PROCESS_PROBES))
     start = time.monotonic()
     try:
         if warm:
@@ -67,8 +73,9 @@ def run_train(args: list[str], ranks: int | None = None, timeout: int = 600, scr
 
 def deepspeed_ops_built() -> None:
     """DeepSpeed's CPU ops built before a launched run's ranks load them: the warm ranks' parent builds them, a
-    process no test kills (why: tests/helpers/warm_rank.py)."""
-    warm_ranks(TRAIN_ENV).start()
+    process no test kills (why: tests/helpers/warm_rank.py). On a GPU the ranks JIT-build the CUDA ops themselves."""
+    if not ON_GPU:
+        warm_ranks(TRAIN_ENV).start()
 
 
 def log_run(record: dict) -> None:

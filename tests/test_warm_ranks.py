@@ -60,3 +60,19 @@ def test_a_run_goes_through_the_lock_files_a_killed_build_leaves(tmp_path, data_
         pool.close()
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "peak memory per rank" in result.stdout
+
+
+def test_on_a_gpu_runs_launch_instead_of_going_to_the_forked_warm_ranks(monkeypatch):
+    """CUDA cannot start in a process forked from one that imported torch: on the first GPU run of the fp16 tests every
+    warm rank stopped at torch.cuda.set_device. There the harness launches each run and starts no warm ranks."""
+    import subprocess
+
+    import tests.conftest as harness
+
+    launched = []
+    monkeypatch.setattr(harness, "ON_GPU", True)
+    monkeypatch.setattr(harness, "warm_ranks", lambda env: pytest.fail("a GPU run went to the warm ranks"))
+    monkeypatch.setattr(harness, "log_run", lambda record: launched.append(record))
+    monkeypatch.setattr(subprocess, "run", lambda command, **kwargs: subprocess.CompletedProcess(command, 0, "", ""))
+    assert run_train(["--recipe", "tiny_llama"], ranks=1).returncode == 0
+    assert [record["warm"] for record in launched] == [False]

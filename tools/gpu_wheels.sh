@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Wheels that a GPU machine with Python 3.12 and torch 2.11+CUDA (the device image: transformers 5.17, accelerate,
 # peft, tensorboard, rich, pyarrow, pandas, xxhash, but no deepspeed, datasets, torchao or pydantic) lacks for
-# train.py, built here on a CPU machine into .gpu_wheels/ (ignored by git):
+# train.py and `python -m data_pipeline` (orjson), built here on a CPU machine into .gpu_wheels/ (ignored by git):
 #
 #     bash tools/gpu_wheels.sh            # download and build the bundle (about 30 MB)
 #     bash tools/gpu_wheels.sh --check    # also install it with --no-index into a clean Python 3.12 venv
@@ -26,6 +26,7 @@ PACKAGES=(
   datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 fsspec==2026.9.0
   transformers==5.23.0 tokenizers==0.23.3
   torchao==0.17.0 lion-pytorch==0.2.5
+  orjson==3.13.0
 )
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${PLATFORMS[@]}" \
   -d "$OUT" "${PACKAGES[@]}"
