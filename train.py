@@ -62,7 +62,8 @@ from training.planning.precision import resolve_precision
 from training.planning.report import print_plan
 from training.state.checkpoint import latest_tag, record_position, save_checkpoint
 from training.state.export import export_run
-from training.state.output_dir import check_output_dir, default_output_dir, start_output_dir
+from training.state.output_dir import (check_output_dir, claim_output_dir, default_output_dir, finish_output_dir,
+                                       start_output_dir)
 from training.state.resume import plan_resume, resume_engine, saved_micro_batch
 from training.state.universal import convert_on_rank_0
 
@@ -377,6 +378,7 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
     here on any rank ends every rank (training/parallel/failure.py)."""
     training, checkpoints = plan.recipe.training, plan.output_dir / "checkpoints"
     distributed.check_shared_folder(plan.output_dir)
+    claim_output_dir(plan.output_dir, args.resume)
     batches, evaluation, data_stats = make_batches(plan)
     total_steps = training.max_steps or training.epochs * batches.steps_per_epoch
     if plan.resume_universal:
@@ -387,7 +389,7 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
     engine = start_engine(plan, model, mpu, total_steps)
     start = resume_engine(engine, batches, plan, total_steps) if args.resume else \
         {"step": 0, "tokens_seen": 0, "data_position": 0}
-    start_output_dir(plan, args.overwrite)  # every check has passed: only now may --overwrite remove the earlier run
+    start_output_dir(plan, args.overwrite, args.resume)  # every check has passed: only now may --overwrite remove the earlier run
     preference = start_preference(engine, plan.recipe.dpo, plan.recipe.lora.enabled, plan.output_dir, batches,
                                   evaluation, args.resume) if plan.recipe.data.preference else None
     signal.signal(signal.SIGTERM, lambda signum, frame: stop_requested.set())  # from here a SIGTERM saves, then stops
@@ -401,11 +403,13 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
     totals.update(model_state_bytes=measured_model_states(held_tensors), kernels=kernels)
     if totals["last_step"] < total_steps:
         trackers.finish(None)
+        finish_output_dir(plan.output_dir)
         return stopped_early(plan, totals, total_steps)
     export_run(engine, plan)
     totals.update(benchmark_run(plan))  # eval.benchmarks: lm-eval on hf/
     trackers.finish(write_summary(plan, totals, start["step"], total_steps, time.perf_counter() - run_start,
                                   data_stats, flops))
+    finish_output_dir(plan.output_dir)
     return 0
 
 

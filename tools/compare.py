@@ -15,7 +15,7 @@ the real `deepspeed` launcher and train.py, for --steps steps, logging every ste
   <cell>/, <cell>.log             each run's own output folder and console log
 The default --output-dir is outputs/compare-<recipe>, or outputs/compare-<recipe>-2, -3, ... when earlier
 comparisons are there; an existing --output-dir is replaced only with --overwrite, and only when an earlier
-comparison wrote it. Each cell runs what its label says: a key given twice (in two --vary, or in a --vary and
+comparison wrote it: its files go, any other file there stays (named). Each cell runs what its label says: a key given twice (in two --vary, or in a --vary and
 as a fixed override), a value given twice, or a key that compare.py sets itself (training.max_steps from
 --steps, training.epochs unset, logging.every_steps=1) is refused. A cell that cannot run (refused by train.py's checks, or failing,
 e.g. out of memory) is a row with its error. Every check is made before anything is written or launched.
@@ -27,7 +27,6 @@ import itertools
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -39,7 +38,8 @@ sys.path.insert(0, str(REPO))
 
 from training.config.errors import ConfigError, exit_code, positive_int  # noqa: E402
 from training.parallel.launch import failure_reason, launcher_command  # noqa: E402
-from training.state.output_guard import check_output, mark  # noqa: E402
+from training.state.output_guard import (MARKER, begin_in_place, check_output, files_under, finish_in_place,  # noqa: E402
+                                         kept_line, lists_files, owned_files, remove_owned, written_by)
 from training.planning.memory import planned_model_states  # noqa: E402
 from training.config.recipe import load_recipe, parse_override, recipe_inputs  # noqa: E402
 
@@ -47,6 +47,7 @@ import train  # noqa: E402
 
 COMMAND = "tools/compare.py"
 OUTPUT_ROOT = REPO / "outputs"
+REPORTS = ("comparison.csv", "comparison.md", "comparison.png")
 COLUMNS = ("cell", "status", "tokens_per_s", "tflops", "mfu", "peak_mem_bytes", "peak_mem_reserved_bytes",
            "model_states_bytes", "model_states_host_bytes", "estimated_model_states_bytes", "estimate_source",
            "final_loss", "max_loss_diff", "error")
@@ -246,7 +247,25 @@ def prepare_output(args: argparse.Namespace, recipe_name: str, inputs: list[Path
     next free -2, -3, ...; returns whether --overwrite replaces an earlier comparison there."""
     if args.output_dir is None:
         args.output_dir = next_free(OUTPUT_ROOT / f"compare-{recipe_name}")
-    return check_output(args.output_dir, COMMAND, inputs, args.overwrite, option="--output-dir")
+    replace = check_output(args.output_dir, COMMAND, inputs, args.overwrite, option="--output-dir")
+    writes = {f"{folder}.log" for folder in args.folders.values()} | set(REPORTS)
+    in_the_way = sorted(name for name in files_under(args.output_dir) - comparison_files(args.output_dir)
+                        if name in writes or name.split("/")[0] in args.folders.values()) if replace else []
+    if in_the_way:
+        raise ConfigError(f"--output-dir {args.output_dir} holds {', '.join(in_the_way[:5])}, which {COMMAND} did not "
+                          f"write, where the comparison writes: nothing was deleted; move it away, or choose another "
+                          f"--output-dir")
+    return replace
+
+
+def comparison_files(output_dir: Path) -> set[str]:
+    """The earlier comparison's files (output_guard.owned_files); for one marked before markers listed them, its
+    reports, cell logs and the cells' runs (folders train.py marked)."""
+    if lists_files(output_dir):
+        return owned_files(output_dir)
+    runs = [path.parent for path in output_dir.glob(f"*/{MARKER}") if written_by(path.parent) == "train.py"]
+    return {name for name in files_under(output_dir) if name in REPORTS or ("/" not in name and name.endswith(".log"))
+            or any(run in (output_dir / name).parents for run in runs)}
 
 
 def next_free(path: Path) -> Path:
@@ -258,12 +277,14 @@ def next_free(path: Path) -> Path:
 
 
 def start_output(output_dir: Path, replace: bool) -> None:
-    """Every check has passed: only now is an earlier comparison removed; the folder is marked as a comparison's
-    before the first cell runs, so that even an interrupted one can be replaced with --overwrite."""
+    """Every check has passed: only now are an earlier comparison's files removed (the others stay, named); the
+    folder is marked as being written by a comparison before the first cell runs, so that even an interrupted one
+    can be replaced with --overwrite."""
     if replace:
-        shutil.rmtree(output_dir)
-    output_dir.mkdir(parents=True)
-    mark(output_dir, COMMAND)
+        kept = remove_owned(output_dir, comparison_files(output_dir))
+        if kept:
+            print(kept_line(kept, COMMAND), flush=True)
+    begin_in_place(output_dir, COMMAND, set())
 
 
 def run_cell(args: argparse.Namespace, cell: list[str], output_dir: Path) -> str | None:
@@ -414,6 +435,7 @@ def compare_and_report(args: argparse.Namespace) -> int:
     (args.output_dir / "comparison.md").write_text(markdown(rows, args, reference))
     plot(rows, curves, reference, args.output_dir / "comparison.png",
          f"{args.recipe}: {args.num_gpus} rank(s), {args.steps} steps")
+    finish_in_place(args.output_dir, COMMAND)
     print((args.output_dir / "comparison.md").read_text())
     print(f"written: {args.output_dir}/comparison.md, comparison.csv, comparison.png")
     return 0 if curves else 1

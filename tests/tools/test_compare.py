@@ -155,6 +155,37 @@ def test_an_existing_output_dir_is_replaced_only_with_overwrite_and_only_a_compa
     assert not (earlier / "comparison.md").exists() and written_by(earlier) == "tools/compare.py"
 
 
+@pytest.mark.filterwarnings("ignore:No artists with labels")  # the plot of a comparison where no cell ran
+def test_overwrite_replaces_the_comparisons_files_and_keeps_the_users(tmp_path, monkeypatch, capsys):
+    """Issue 50: --overwrite removed a MY_ANALYSIS.md a user had put beside an earlier comparison. Its own files go
+    (each cell's run, log and the reports), every other file stays and is named; a file of the user's where the new
+    comparison writes (inside a cell's folder) is refused before anything is removed."""
+    def run_cell(args, cell, output_dir):  # what a cell leaves: train.py's marked folder and the console log
+        folder = output_dir / args.folders[tuple(cell)]
+        folder.mkdir()
+        (folder / ".written-by.json").write_text('{"command": "train.py"}\n')
+        (folder / "metrics.jsonl").write_text("")
+        (output_dir / f"{folder.name}.log").write_text("the console")
+        return "exit 1: (made to fail by the test)"
+
+    monkeypatch.setattr(compare, "run_cell", run_cell)
+    out, argv = tmp_path / "out", ["--recipe", "tiny_llama", "--vary", "training.lr=0.001", "--output-dir",
+                                   str(tmp_path / "out")]
+    assert compare.main(argv) == 1
+    (out / "MY_ANALYSIS.md").write_text("mine")
+    (out / "notes").mkdir()
+    (out / "notes" / "plot.py").write_text("mine")
+    assert compare.main([*argv, "--overwrite"]) == 1
+    assert "kept 2 files that tools/compare.py did not write: MY_ANALYSIS.md, notes/plot.py" in capsys.readouterr().out
+    assert (out / "MY_ANALYSIS.md").read_text() == (out / "notes" / "plot.py").read_text() == "mine"
+    assert (out / "comparison.md").is_file() and (out / "training.lr=0.001" / "metrics.jsonl").is_file()
+    (out / "training.lr=0.001" / "mine.txt").write_text("mine")
+    before = {path: path.read_bytes() for path in out.rglob("*") if path.is_file()}
+    refused(capsys, [*argv[2:], "--overwrite"], "holds training.lr=0.001/mine.txt, which tools/compare.py did not "
+            "write, where the comparison writes: nothing was deleted")
+    assert {path: path.read_bytes() for path in out.rglob("*") if path.is_file()} == before
+
+
 @pytest.mark.slow
 def test_a_second_comparison_keeps_the_first(tmp_path, monkeypatch, data_cache, capsys, tree_guard):
     """Run twice with the default folder: the second goes to compare-tiny_llama-2 and the first is untouched; into

@@ -16,7 +16,6 @@ import os
 import pickle
 import random
 import re
-import shutil
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -30,7 +29,7 @@ from pydantic import ValidationError
 
 from training.compat.deepspeed import loading_universal, universal_load_repaired, z0_grad_scaler
 from training.config.errors import ConfigError
-from training.state.output_guard import write_atomically
+from training.state.output_guard import kept_line, owned_files, remove_owned, write_atomically
 from training.config.recipe import Recipe
 from training.parallel.layout import Layout
 from training.state.run_state import RunState, faults
@@ -100,8 +99,8 @@ def save_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, run_state: di
         if keep_last:
             saved = [t for t in checkpoint_tags(checkpoint_dir) if int(TAG.fullmatch(t).group(1)) <= run_state["step"]]
             for old in saved[:-keep_last]:
-                shutil.rmtree(checkpoint_dir / old)
-                shutil.rmtree(universal_folder(checkpoint_dir, old), ignore_errors=True)
+                remove_run_folder(checkpoint_dir, old)
+                remove_run_folder(checkpoint_dir, str(universal_folder(checkpoint_dir, old).relative_to(checkpoint_dir)))
     seconds = time.perf_counter() - started
     dist.barrier()
     return {"seconds": seconds, "bytes": size}
@@ -204,6 +203,14 @@ def check_same_base(tag_dir: Path, run_state: RunState, recipe: Recipe, base_dig
                       f"(--overwrite, or another --output-dir)")
 
 
+def remove_run_folder(checkpoint_dir: Path, folder: str) -> None:
+    """The run's files in checkpoint_dir/folder (rank 0): a file of another's there stays, and is named."""
+    output_dir = checkpoint_dir.parent
+    kept = remove_owned(output_dir, owned_files(output_dir), f"{checkpoint_dir.name}/{folder}")
+    if kept:
+        print(kept_line(kept, "train.py"), flush=True)
+
+
 def remove_unfinished_tags(checkpoint_dir: Path) -> None:
     """Tag folders past `latest` without a run state are saves of this run that a kill interrupted: rank 0 removes
     them before resuming, since the resumed run saves its own at those steps. A complete one is never removed
@@ -212,7 +219,7 @@ def remove_unfinished_tags(checkpoint_dir: Path) -> None:
     if dist.get_rank() == 0:
         for tag in checkpoint_tags(checkpoint_dir):
             if step_of(tag) > step and not is_complete(checkpoint_dir / tag):
-                shutil.rmtree(checkpoint_dir / tag)
+                remove_run_folder(checkpoint_dir, tag)
     dist.barrier()
 
 

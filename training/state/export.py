@@ -15,7 +15,6 @@ expert_parallel.py puts them back under the original model's names). A missing o
 damaged checkpoint.
 """
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -30,7 +29,7 @@ from training.state.checkpoint import READ_ERRORS, RUN_STATE, latest_tag, unread
 from training.config.errors import ConfigError
 from training.models.lora import ADAPTER_CONFIG, ADAPTER_DIR
 from training.planning.plan import RunPlan
-from training.state.output_guard import check_output, staged_folder
+from training.state.output_guard import check_output, owned_files, remove_owned, staged_folder
 from training.parallel.expert_parallel import expert_layers, hf_weights, original_weights
 from training.parallel.pipeline import hf_name, layer_files
 from training.planning.precision import DTYPES
@@ -272,7 +271,7 @@ def export_lora(engine: DeepSpeedEngine, tokenizer: PreTrainedTokenizerBase, out
     if dist.get_rank() == 0:
         adapters = {name: tensor.detach().to("cpu", dtype) for name, tensor in adapters.items()}
         folder = out_dir / ADAPTER_DIR
-        shutil.rmtree(folder, ignore_errors=True)
+        remove_owned(out_dir, owned_files(out_dir), ADAPTER_DIR)  # a resumed run's earlier adapters; not a user's file
         model.save_pretrained(folder, state_dict=adapters)
         tokenizer.save_pretrained(folder)
         if merge:

@@ -1,14 +1,15 @@
 """The output folder: its default name, the checks that no flag combination loses an earlier run or anything that is
-not a run, and what a run writes into it first."""
+not a run, and what a run writes into it first. A run writes its folder as it goes (training/state/output_guard.py's
+begin_in_place): --overwrite removes the earlier run's own files and keeps, and names, every other file."""
 import json
-import shutil
 from pathlib import Path
 
 import torch.distributed as dist
 import yaml
 
 from training.config.errors import ConfigError
-from training.state.output_guard import MARKER, check_writable_place, mark, overlap, written_by
+from training.state.output_guard import (MARKER, begin_in_place, check_writable_place, files_under, finish_in_place,
+                                         kept_line, lists_files, owned_files, overlap, remove_owned, written_by)
 from training.planning.plan import RunPlan
 
 OUTPUT_ROOT = Path("outputs")
@@ -16,6 +17,12 @@ COMMAND = "train.py"
 REFERENCE_FILE = "reference_logps.npz"  # a DPO run's reference log-probabilities (training/loop/preference.py)
 RUN_FILES = ("metrics.jsonl", "summary.json", "resolved_recipe.yaml", "ds_config.json", "checkpoints", "hf", "adapter",
              "tensorboard", "wandb", "mlruns", "benchmarks", REFERENCE_FILE)  # wandb, mlruns: training/loop/trackers.py
+
+
+# what a run writes by name, or as a whole folder (hf/, adapter/, a checkpoint): a file of another's there is refused
+NAMED_FILES = {"metrics.jsonl", "summary.json", "resolved_recipe.yaml", "ds_config.json", REFERENCE_FILE,
+               "checkpoints/latest"}
+WHOLE_FOLDERS = ("hf/", "adapter/", "checkpoints/global_step")
 
 
 def holds_run(path: Path) -> bool:
@@ -60,19 +67,48 @@ def check_output_dir(output_dir: Path, resume: bool, overwrite: bool, inputs: li
     if clashing and not overwrite:
         raise ConfigError(f"{output_dir} already holds a run; pass --resume to continue it, --overwrite to "
                           f"replace it, or another --output-dir")
+    in_the_way = sorted(name for name in files_under(output_dir) - run_files(output_dir)
+                        if name in NAMED_FILES or name.startswith(WHOLE_FOLDERS)) if output_dir.is_dir() else []
+    if in_the_way:
+        raise ConfigError(f"--output-dir {output_dir} holds {', '.join(in_the_way[:5])}, which train.py did not write, "
+                          f"where the run writes: nothing was deleted; move it away, or choose another --output-dir")
 
 
-def start_output_dir(plan: RunPlan, overwrite: bool) -> None:
-    """Rank 0 clears an earlier run (with --overwrite: its own files, nothing else), marks the folder as a run's
-    and writes exactly what will run."""
+def run_files(output_dir: Path) -> set[str]:
+    """The files of the run in the folder (output_guard.owned_files); for a run marked before markers listed them, the
+    files under RUN_FILES' names but those of a folder another command marked (an evaluation's results)."""
+    if lists_files(output_dir):
+        return owned_files(output_dir)
+    foreign = [path.parent for path in output_dir.glob(f"**/{MARKER}")
+               if path.parent != output_dir and written_by(path.parent) != COMMAND]
+    return {name for name in files_under(output_dir) if name.split("/")[0] in RUN_FILES
+            and not any(folder in (output_dir / name).parents for folder in foreign)}
+
+
+def claim_output_dir(output_dir: Path, resume: bool) -> None:
+    """Before a resumed run writes anything (its checkpoint's conversion to another layout included), rank 0 marks
+    its folder as being written again: the files there now that are not the earlier run's stay another's."""
+    if resume and dist.get_rank() == 0:
+        begin_in_place(output_dir, COMMAND, run_files(output_dir))
+
+
+def start_output_dir(plan: RunPlan, overwrite: bool, resume: bool) -> None:
+    """Every check has passed. Rank 0 removes, with --overwrite, the earlier run's own files (naming the others, which
+    stay), marks a new run's folder as being written by it, and writes exactly what will run."""
     if dist.get_rank() == 0:
         if overwrite and is_run(plan.output_dir):
-            for name in RUN_FILES:
-                path = plan.output_dir / name
-                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-        plan.output_dir.mkdir(parents=True, exist_ok=True)
-        mark(plan.output_dir, COMMAND)
+            kept = remove_owned(plan.output_dir, run_files(plan.output_dir))
+            if kept:
+                print(kept_line(kept, COMMAND), flush=True)
+        if not resume:
+            begin_in_place(plan.output_dir, COMMAND, set())
         recipe_tree = plan.recipe.model_dump(mode="json")
         (plan.output_dir / "resolved_recipe.yaml").write_text(yaml.safe_dump(recipe_tree, sort_keys=False))
         (plan.output_dir / "ds_config.json").write_text(json.dumps(plan.ds_config, indent=2) + "\n")
     dist.barrier()
+
+
+def finish_output_dir(output_dir: Path) -> None:
+    """The run has ended (finished, or stopped with its checkpoint saved): its marker lists what it wrote."""
+    if dist.get_rank() == 0:
+        finish_in_place(output_dir, COMMAND)

@@ -7,9 +7,12 @@ compare), checked before any work starts:
 - an existing output is replaced only with --overwrite, and only when an earlier run of the same command wrote
   it. Every output carries a marker naming the command that wrote it: a folder `.written-by.json` inside it, a
   file `.NAME.written-by.json` beside it. An unmarked folder or file is never replaced, whatever it holds.
-- a folder's marker lists the files the command wrote there (staged_folder): replacing it removes those and the
-  folders they leave empty, keeps every other file (named in one line), and refuses, before removing anything, a
-  new output that would write where a kept file lies.
+- a folder's marker lists the files the command wrote there: replacing it removes those and the folders they leave
+  empty, keeps every other file (named in one line), and refuses, before removing anything, a new output that would
+  write where a kept file lies. A command that writes its output whole (export, evaluate) stages it and lists what
+  it staged (staged_folder); one that writes as it goes (train.py, compare) marks the folder as being written, with
+  the files that were there before it began, and lists what it wrote when it ends (begin_in_place, finish_in_place).
+  An output whose command was killed is still marked as being written: its files are every file but those.
 """
 import json
 import os
@@ -53,6 +56,47 @@ def mark(output: Path, command: str, folder: bool = True, files: Iterable[str] |
 def listed_files(folder: Path) -> set[str]:
     """The files the folder's marker lists as its command's; none for a marker from before the list."""
     return set(marker(folder).get("files", []))
+
+
+def lists_files(folder: Path) -> bool:
+    """Whether the folder's marker says which files are its command's (markers from before the list do not)."""
+    record = marker(folder)
+    return "files" in record or "writing" in record
+
+
+def owned_files(folder: Path) -> set[str]:
+    """The files of the folder's command: those its marker lists or, while it writes or after it was killed, every
+    file but those that were there when it began."""
+    record = marker(folder)
+    if record.get("writing"):
+        return files_under(folder) - set(record.get("others", []))
+    return set(record.get("files", []))
+
+
+def begin_in_place(folder: Path, command: str, owned: set[str]) -> None:
+    """Mark the folder as being written by `command` as it goes: every file there now but `owned` (an earlier output
+    of the command it continues) is another's, whatever appears from now on is the command's."""
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {"command": command, "writing": True, "others": sorted(files_under(folder) - owned)}
+    write_atomically(marker_path(folder, True), json.dumps(record) + "\n")
+
+
+def finish_in_place(folder: Path, command: str) -> None:
+    """The command has ended: its marker lists the files it wrote (begin_in_place)."""
+    record = {"command": command, "files": sorted(owned_files(folder))}
+    write_atomically(marker_path(folder, True), json.dumps(record) + "\n")
+
+
+def remove_owned(folder: Path, owned: set[str], under: str = "") -> set[str]:
+    """Remove the `owned` files (relative to `folder`) that lie under `under` (all, when empty) and the folders they
+    leave empty; returns the other files there, which stay."""
+    inside = files_under(folder / under) if under else files_under(folder)
+    present = {f"{under}/{name}" if under else name for name in inside}
+    removing = {name for name in owned if name in present}
+    for name in removing:
+        (folder / name).unlink()
+    remove_empty_folders(folder, [Path(name).parent for name in removing] + ([Path(under)] if under else []))
+    return present - removing
 
 
 def files_under(folder: Path) -> set[str]:

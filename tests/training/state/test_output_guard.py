@@ -1,12 +1,14 @@
 """An output folder's marker lists the files its command wrote; replacing it (--overwrite) removes those alone and
-keeps, and names, every file the command did not write."""
+keeps, and names, every file the command did not write: for outputs staged whole (export, evaluate) and for outputs
+written as the command goes (train.py, compare: begin_in_place / finish_in_place), finished or killed."""
 import json
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from training.config.errors import ConfigError
-from training.state.output_guard import MARKER, files_under, listed_files, staged_folder
+from training.state.output_guard import (MARKER, begin_in_place, files_under, finish_in_place, listed_files,
+                                         owned_files, remove_owned, staged_folder)
 
 COMMAND = "python -m training export"
 
@@ -90,3 +92,67 @@ def test_a_foreign_file_at_any_depth_survives_every_replacement(tmp_path_factory
         return
     assert (out / foreign).read_text() == "mine"
     assert files_under(out) == new_files | {foreign} and listed_files(out) == new_files
+
+
+IN_PLACE = "train.py"
+
+
+def test_an_output_written_in_place_lists_what_appeared_while_it_wrote(tmp_path):
+    out = tmp_path / "out"
+    write(out, {"notes.md": "mine", "benchmarks/my_eval.py": "mine"})
+    begin_in_place(out, IN_PLACE, set())
+    write(out, {"metrics.jsonl": "1", "checkpoints/global_step1/x.pt": "x", "benchmarks/results.json": "r"})
+    assert owned_files(out) == {"metrics.jsonl", "checkpoints/global_step1/x.pt", "benchmarks/results.json"}
+    finish_in_place(out, IN_PLACE)
+    assert json.loads((out / MARKER).read_text()) == {"command": IN_PLACE, "files": [
+        "benchmarks/results.json", "checkpoints/global_step1/x.pt", "metrics.jsonl"]}
+    write(out, {"checkpoints/global_step1/mine.txt": "added after the run"})
+    assert remove_owned(out, owned_files(out)) == {"notes.md", "benchmarks/my_eval.py",
+                                                   "checkpoints/global_step1/mine.txt"}
+    assert files_under(out) == {"notes.md", "benchmarks/my_eval.py", "checkpoints/global_step1/mine.txt"}
+
+
+def test_a_killed_output_is_still_being_written_and_a_continued_one_keeps_its_earlier_files(tmp_path):
+    out = tmp_path / "out"
+    write(out, {"notes.md": "mine"})
+    begin_in_place(out, IN_PLACE, set())
+    write(out, {"metrics.jsonl": "1", "checkpoints/global_step2/partial.pt": "cut short"})  # then killed
+    assert owned_files(out) == {"metrics.jsonl", "checkpoints/global_step2/partial.pt"}
+    begin_in_place(out, IN_PLACE, owned_files(out))  # --resume: the earlier files stay the run's
+    write(out, {"checkpoints/global_step3/x.pt": "x"})
+    assert remove_owned(out, owned_files(out), "checkpoints/global_step2") == set()
+    assert not (out / "checkpoints/global_step2").exists()
+    finish_in_place(out, IN_PLACE)
+    assert owned_files(out) == {"metrics.jsonl", "checkpoints/global_step3/x.pt"}
+
+
+@settings(max_examples=60, deadline=None)
+@given(written=st.sets(NAMES, min_size=1, max_size=6), before=st.sets(NAMES, max_size=2), foreign=NAMES,
+       killed=st.booleans())
+def test_a_foreign_file_at_any_depth_survives_the_replacement_of_an_output_written_in_place(
+        tmp_path_factory, written, before, foreign, killed):
+    """Files of the user's there before the command began, and one dropped at any depth after it ended: the
+    replacement, of a finished or a killed output, removes exactly the command's files and the folders they leave
+    empty; every file of the user's stays, unchanged. (A killed output is still being written: a file added to it
+    before its replacement counts as the command's, docs/outputs.md.)"""
+    out = tmp_path_factory.mktemp("prop") / "out"
+
+    def leaves(names: set[str], taken: set[str]) -> set[str]:
+        return {n for n in names if not any(o.startswith(n + "/") for o in names | taken)
+                and not any(n == t or n.startswith(t + "/") for t in taken)}
+
+    mine = leaves(before, set())
+    write(out, {name: "mine" for name in mine})
+    begin_in_place(out, IN_PLACE, set())
+    ours = leaves(written, mine)
+    write(out, {name: "written" for name in ours})
+    if not killed:
+        finish_in_place(out, IN_PLACE)
+    dropped = leaves({foreign}, mine | ours)
+    if not killed:
+        write(out, {name: "mine" for name in dropped})
+        mine |= dropped
+    kept = remove_owned(out, owned_files(out))
+    assert kept == mine == files_under(out)
+    assert all((out / name).read_text() == "mine" for name in mine)
+    assert not [path for path in out.rglob("*") if path.is_dir() and not any(path.iterdir())]
