@@ -1,5 +1,6 @@
 """Every workaround of upstream behaviour, in one guarded place: a module per library (torch.py, deepspeed.py,
-transformers.py, peft.py, datatrove.py, wandb.py, lm_eval.py). Each module declares its PATCHES: what upstream does, in
+transformers.py, peft.py, datasets.py, datatrove.py, wandb.py, lm_eval.py), and the only place that reads upstream's
+private names (tests/training/compat/test_private_names.py). Each module declares its PATCHES: what upstream does, in
 which version the workaround was verified, the upstream issue, the canary test (tests/training/compat/) that fails when
 the patched name disappears, when upstream stops calling it, or when upstream fixes the behaviour, and the tests that
 prove the workaround (they fail without it).

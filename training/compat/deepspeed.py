@@ -45,6 +45,12 @@ PATCHES = (
                     "its own, named by DeepSpeedEngine._get_expert_ckpt_name (layer_L_expert_E_mp_rank_00_model_"
                     "states.pt): the export reads them", "test_expert_files_are_named_by_layer_and_expert",
                     proofs=("tests/test_expert_parallel.py::test_the_checkpoint_exports_as_the_hf_folder",)),
+    deepspeed_patch("autoep_layers", "AutoEP marks the layers it puts in place of a model's MoE blocks only by a "
+                    "private class attribute, AutoEPMoELayer._is_autoep_layer (its own AutoTP finds them the same "
+                    "way); no public name tells them. The export and the expert-parallel weight gathering find them "
+                    "by it",
+                    "test_autoep_layers_still_carry_their_private_mark",
+                    proofs=("tests/test_expert_parallel.py::test_the_checkpoint_exports_as_the_hf_folder",)),
     deepspeed_patch("autoep_output_recorders", "AutoEP moves transformers' router-logit recorders onto its own router "
                     "through the output-capture registry as a plain dict (registry.get(key, default), registry[key] = "
                     "value, with class names for keys); transformers 5.23's _CanRecordRegistry takes a model in get "
@@ -335,6 +341,11 @@ def autoep_output_recorders() -> Iterator[None]:
         yield
     finally:
         registry.get, registry.__setitem__ = get, set_item
+
+
+def autoep_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(name, layer) of each layer AutoEP put in place of an MoE block, in the model's order (none without it)."""
+    return [(name, module) for name, module in model.named_modules() if getattr(module, "_is_autoep_layer", False)]
 
 
 def gathered_16bit_state_dict(engine: DeepSpeedEngine, exclude_frozen_parameters: bool = False) -> dict:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from data_pipeline import DataError
 from data_pipeline.loader import EvalPairBatches, PairBatches
+from training.compat.datasets import fingerprint
 from training.config.recipe import DpoSection
 from training.parallel import distributed
 from training.state.output_dir import REFERENCE_FILE
@@ -157,8 +158,6 @@ def reference_pass(engine: deepspeed.DeepSpeedEngine, micro_batches: Iterable[di
     return distributed.all_reduce(values).cpu().numpy()
 
 
-def data_key(batches: PairBatches) -> str:
-    return batches.rows._fingerprint
 
 
 def start_preference(engine: deepspeed.DeepSpeedEngine, section: DpoSection, lora: bool, output_dir: Path,
@@ -175,7 +174,7 @@ def start_preference(engine: deepspeed.DeepSpeedEngine, section: DpoSection, lor
                   **({"eval": reference_pass(engine, evaluation, len(evaluation.rows))} if evaluation else {})}
         if dist.get_rank() == 0:
             partial = path.with_name(f"{path.stem}.partial.npz")
-            np.savez(partial, data=np.array(data_key(batches)), **stored)
+            np.savez(partial, data=np.array(fingerprint(batches.rows)), **stored)
             os.replace(partial, path)  # a kill leaves the old file or the new one whole
     batches.reference = stored["train"]
     if evaluation:
@@ -190,7 +189,7 @@ def read_reference(path: Path, batches: PairBatches) -> dict[str, np.ndarray]:
                         f"computed (the starting model's weights are gone from the checkpoints); start the run again "
                         f"without --resume")
     with np.load(path) as stored:
-        if str(stored["data"]) != data_key(batches) or len(stored["train"]) != len(batches.rows):
+        if str(stored["data"]) != fingerprint(batches.rows) or len(stored["train"]) != len(batches.rows):
             raise DataError(f"{path} holds reference values for other prepared pairs than this run's: resume with the "
                             f"data the run started with")
         return {name: stored[name] for name in stored.files if name != "data"}

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from deepspeed import DeepSpeedEngine
 from transformers import PretrainedConfig
 
+from training.compat.deepspeed import autoep_layers
 from training.config.errors import ConfigError
 from training.config.recipe import Recipe
 from training.models.moe import expert_count
@@ -66,16 +67,11 @@ def with_expert_parallel(ds_config: dict, size: int, config: PretrainedConfig) -
     return {**ds_config, "expert_parallel": section}
 
 
-def expert_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """(name, layer) of each AutoEP layer, in the model's order (none without expert parallelism)."""
-    return [(name, module) for name, module in model.named_modules() if getattr(module, "_is_autoep_layer", False)]
-
-
 def hf_weights(engine: DeepSpeedEngine, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The module's weights under the original model's names (as_original), every expert's gathered from the ranks of
     its expert-parallel group. Every rank calls it (the gather)."""
     weights = dict(state_dict)
-    for name, layer in expert_layers(engine.module):
+    for name, layer in autoep_layers(engine.module):
         experts = {w: gather_experts(weights.pop(f"{name}.experts.{w}"), layer.ep_group) for w in ("w1", "w2", "w3")}
         as_original(weights, name, experts)
     return weights

@@ -23,14 +23,14 @@ from deepspeed import DeepSpeedEngine
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from training.compat.deepspeed import (expert_files, gathered_16bit_state_dict, has_zero_partitions,
+from training.compat.deepspeed import (autoep_layers, expert_files, gathered_16bit_state_dict, has_zero_partitions,
                                        model_parallel_ranks, zero_fp32_weights, zero_rank_files)
 from training.state.checkpoint import READ_ERRORS, RUN_STATE, latest_tag, unreadable_files
 from training.config.errors import ConfigError
 from training.models.lora import ADAPTER_CONFIG, ADAPTER_DIR
 from training.planning.plan import RunPlan
 from training.state.output_guard import check_output, owned_files, remove_owned, staged_folder
-from training.parallel.expert_parallel import expert_layers, hf_weights, original_weights
+from training.parallel.expert_parallel import hf_weights, original_weights
 from training.parallel.pipeline import hf_name, layer_files
 from training.planning.precision import DTYPES
 
@@ -231,7 +231,7 @@ def export_hf(engine: DeepSpeedEngine, tokenizer: PreTrainedTokenizerBase, out_d
     else:
         state_dict = engine.module.state_dict()
     model = engine.module
-    if expert_layers(model):  # AutoEP's layers: every expert gathered, saved as the original model class
+    if autoep_layers(model):  # AutoEP's layers: every expert gathered, saved as the original model class
         state_dict, model = hf_weights(engine, state_dict), meta_model(model.config)
     if dist.get_rank() == 0:
         state_dict = {name: tensor.detach().to("cpu", dtype) for name, tensor in state_dict.items()}

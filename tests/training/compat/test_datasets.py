@@ -3,7 +3,7 @@ import json
 
 import datasets
 
-from training.compat.datasets import save_with_linked_split
+from training.compat.datasets import fingerprint, save_with_linked_split
 
 
 def test_a_linked_split_loads_as_the_saved_parts_concatenated(tmp_path):
@@ -25,3 +25,14 @@ def test_a_linked_split_loads_as_the_saved_parts_concatenated(tmp_path):
     assert len(linked) == 3 and all(file.stat().st_nlink == 2 for file in linked)
     saved = json.loads((tmp_path / "part-1" / "state.json").read_text())
     assert json.loads((folder / "train" / "state.json").read_text()).keys() == saved.keys()
+
+
+def test_the_fingerprint_follows_the_rows_and_their_transforms(tmp_path):
+    """The same rows loaded again keep their fingerprint; other rows, or a transform of them, change it."""
+    rows = datasets.Dataset.from_dict({"text": ["a", "b"]})
+    rows.save_to_disk(str(tmp_path / "rows"))
+    loaded = [datasets.load_from_disk(str(tmp_path / "rows")) for _ in range(2)]
+    assert isinstance(fingerprint(loaded[0]), str) and fingerprint(loaded[0]) == fingerprint(loaded[1])
+    other = datasets.Dataset.from_dict({"text": ["a", "c"]})
+    mapped = loaded[0].map(lambda row: {"text": row["text"] + "!"})
+    assert len({fingerprint(loaded[0]), fingerprint(other), fingerprint(mapped)}) == 3

@@ -16,8 +16,9 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.zero import stage3
 
 from tests.conftest import REPO, run_train
-from training.compat.deepspeed import (autoep_output_recorders, expert_files, local_fp32_shares, muon_flags,
-                                       pipeline_layer_file, weight_shape, withheld_step, zero0_grad_norm, zero_cuts)
+from training.compat.deepspeed import (autoep_layers, autoep_output_recorders, expert_files, local_fp32_shares,
+                                       muon_flags, pipeline_layer_file, weight_shape, withheld_step, zero0_grad_norm,
+                                       zero_cuts)
 from training.planning.shape import weight_decay_groups
 
 STAGE3 = stage3.DeepSpeedZeroOptimizer_Stage3
@@ -339,6 +340,16 @@ def test_autoep_still_treats_the_output_capture_registry_as_a_dict():
         del registry[key]
     with pytest.raises(TypeError):  # put back
         registry.get(key, None)
+
+
+def test_autoep_layers_still_carry_their_private_mark():
+    """AutoEP's layer class carries the mark that autoep_layers finds, and its own AutoTP still reads it so."""
+    from deepspeed.module_inject import auto_ep_layer, auto_tp
+    assert auto_ep_layer.AutoEPMoELayer._is_autoep_layer is True
+    assert 'getattr(child, "_is_autoep_layer", False)' in inspect.getsource(auto_tp)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    model[1]._is_autoep_layer = True
+    assert autoep_layers(model) == [("1", model[1])]
 
 
 def test_expert_files_are_named_by_layer_and_expert(tmp_path):
