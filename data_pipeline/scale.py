@@ -52,7 +52,7 @@ from data_pipeline.sources import FEATURES, chat_document, load_documents, load_
 from data_pipeline.tokenize import tokenize_documents
 from data_pipeline.work_folder import Layout, claim_work_folder, job_fingerprint, reopen_for_rerun, work_folder
 from training.compat.datatrove import (BatchedMinhashSignature, ForwardingExactDedupSignature, end_if_a_worker_dies,
-                                       exact_duplicates_found, step_counts)
+                                       errors_without_traceback, exact_duplicates_found, step_counts)
 
 JSONL = partial(JsonlReader, add_file_path=False)  # no path in each document's metadata: nothing reads it
 READERS = {".jsonl": JSONL, ".json": JSONL, ".parquet": ParquetReader, ".csv": CSVReader}
@@ -428,5 +428,6 @@ def run_job(config: DataConfig, tokenizer: PreTrainedTokenizerBase, output: Path
     if options.executor == "local" and options.workers != 1:
         # datatrove's local pool waits forever for the task of a worker that died (training/compat/datatrove.py)
         threading.Thread(target=end_if_a_worker_dies, args=(work.logs, plan), daemon=True).start()
+    errors_without_traceback(DataError)  # the command prints it in one line
     previous.run()
     return Path(work.root)

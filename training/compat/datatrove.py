@@ -1,6 +1,7 @@
 """Workarounds of datatrove behaviour (verified for datatrove 0.10.1): its MinHash signature files written from batches,
 its exact signatures taken in the same read, the count of exact duplicates it found, the layout of its logging folder,
-a hang of its local executor, and the download its language filter insists on."""
+a hang of its local executor, the download its language filter insists on, and the traceback a task prints for a
+data error."""
 import json
 import os
 import sys
@@ -66,6 +67,13 @@ PATCHES = (
           CANARIES + "test_the_local_executor_still_waits_on_a_pool",
           proofs=("tests/data_pipeline/test_scale.py::"
                   "test_a_job_whose_worker_is_killed_stops_and_its_rerun_finishes_it",)),
+    Patch("errors_without_traceback", "datatrove", VERIFIED_FOR,
+          "a task that raises logs the exception with loguru's logger.exception (PipelineExecutor._run_for_rank) before "
+          "raising it again: the console shows the whole traceback, every frame's variables drawn under it, above the "
+          "one-line error the command prints for a data error (bad data, filters that keep nothing). A loguru patcher "
+          "drops the traceback from the log record of the error types given; the message stays, in the console and "
+          "the task's log", NO_ISSUE, CANARIES + "test_a_task_still_logs_its_exception_through_loguru",
+          proofs=("tests/data_pipeline/test_scale.py::test_filters_that_keep_nothing_end_the_job_with_what_each_removed",)),
     Patch("warm_word_tokenizers", "datatrove", VERIFIED_FOR,
           "the Gopher and FineWeb filters split a document into words, and C4's a line into sentences, with "
           "load_word_tokenizer(language).word_tokenize / span_tokenize, which for English run spaCy's blank pipeline "
@@ -173,6 +181,18 @@ def completion_marker(logs: str, rank: int) -> Path:
 def completed_tasks(logs: str) -> list[str]:
     """The finished tasks of a stage, by their zero-padded rank ('00003')."""
     return sorted(path.name for path in Path(logs, "completions").glob("*"))
+
+
+def errors_without_traceback(*errors: type[Exception]) -> None:
+    """From now on, in this process and the task processes it forks, a task's exception of these types is logged by its
+    message alone."""
+    from datatrove.utils.logging import logger
+
+    def drop_traceback(record: dict) -> None:
+        if record["exception"] is not None and isinstance(record["exception"].value, errors):
+            record["exception"] = None
+
+    logger.configure(patcher=drop_traceback)
 
 
 def end_if_a_worker_dies(logs: Callable[[str], str], plan: list[tuple[str, int, int]], grace: float = 3.0) -> None:

@@ -19,11 +19,13 @@ from datatrove.utils import lid
 from datatrove.utils.stats import PipelineStats
 from datatrove.utils.word_tokenizers import SpaCyTokenizer, load_word_tokenizer
 
+from data_pipeline import DataError
 from data_pipeline.filters import PACKAGED_LID, language_model_file
 from tests.conftest import REPO
 from tests.helpers.planted_corpus import FOREIGN, prose_documents
 from training.compat.datatrove import (BatchedMinhashSignature, ForwardingExactDedupSignature, LocalFileLanguageFilter,
-                                       exact_duplicates_found, language_filter, step_counts, warm_word_tokenizers)
+                                       errors_without_traceback, exact_duplicates_found, language_filter, step_counts,
+                                       warm_word_tokenizers)
 
 
 def test_batched_signatures_write_the_files_datatrove_writes_for_the_same_signatures(tmp_path):
@@ -189,3 +191,24 @@ def test_the_language_filter_predicts_with_the_lid_in_its_model_attribute(monkey
     assert keeps.filter(Document(text=prose_documents()[0], id="0"))
     document = Document(text=FOREIGN[0], id="1")
     assert not keeps.filter(document) and document.metadata["language"] == "fr"
+
+
+def test_a_task_still_logs_its_exception_through_loguru():
+    """A task's exception goes through loguru's logger.exception, traceback and all, unless errors_without_traceback
+    names its type: then the message alone is logged."""
+    from datatrove.utils.logging import logger
+    assert "logger.exception(e)" in inspect.getsource(PipelineExecutor._run_for_rank)
+    console = io.StringIO()
+    sink = logger.add(console, format="{message}")
+    try:
+        errors_without_traceback(DataError)
+        for error in (DataError("no documents are left"), ValueError("a bug")):
+            try:
+                raise error
+            except Exception as raised:
+                logger.exception(raised)
+    finally:
+        logger.remove(sink)
+        logger.configure(patcher=lambda record: None)
+    data_error, bug = console.getvalue().split("a bug\n", 1)
+    assert data_error == "no documents are left\n" and "Traceback" in bug and "ValueError: a bug" in bug
