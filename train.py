@@ -25,16 +25,16 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from data_pipeline import DataError
+from training.base.errors import DataError
 from data_pipeline.loader import EvalBatches, EvalPairBatches, PairBatches, StepBatches, model_inputs, target_count
 from data_pipeline.prepare import pad_token_id, prepare_dataset
 from data_pipeline.stream import StreamingBatches
 from training.compat import check_versions
 from training.compat.deepspeed import loss_scale, withheld_step, zero0_grad_norm
-from training.config.auto_config import choose_ds_config
-from training.config.ds_config import accumulation_steps, load_ds_config, resolve_ds_config, zero_setting, zero_stage
-from training.config.errors import ConfigError, positive_float, positive_int
-from training.config.micro_batch import choose_micro_batch
+from training.planning.auto_config import choose_ds_config
+from training.planning.ds_config import accumulation_steps, load_ds_config, resolve_ds_config, zero_setting, zero_stage
+from training.base.errors import ConfigError, positive_float, positive_int
+from training.planning.micro_batch import choose_micro_batch
 from training.config.recipe import load_recipe, recipe_inputs
 from training.loop.benchmarks import benchmark_checkpoint, benchmark_run, check_benchmarks
 from training.loop.engine import start_engine
@@ -46,7 +46,7 @@ from training.loop.preference import PreferenceLoss, start_preference
 from training.loop.stability import StabilityGuard, finite, rewind
 from training.loop.trackers import Trackers, check_trackers
 from training.models.attention import resolve_attention
-from training.models.build import build_run_model
+from training.parallel.build import build_run_model
 from training.models.compile import resolve_compile
 from training.models.lora import lora_files
 from training.models.model import (check_checkpoint_folder, check_checkpoint_matches, check_recipe_against_model,
@@ -56,7 +56,7 @@ from training.parallel import distributed
 from training.parallel.expert_parallel import with_expert_parallel
 from training.parallel.pipeline import pipeline_batches
 from training.parallel.tensor_parallel import loss_copies, with_tensor_parallel
-from training.planning.checks import check_layout, refusal
+from training.checks import check_layout, refusal
 from training.planning.plan import RunPlan, planned_machine
 from training.planning.precision import resolve_precision
 from training.planning.report import print_plan

@@ -21,7 +21,6 @@ and what it found; each part's own files are beside it. Nothing outside the outp
 """
 import argparse
 import csv
-import json
 import os
 import signal
 import subprocess

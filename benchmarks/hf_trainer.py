@@ -37,7 +37,7 @@ from transformers import (AutoModelForCausalLM, Trainer, TrainerCallback, Traini
 
 from data_pipeline.loader import ROW_COLUMNS  # noqa: E402
 from data_pipeline.prepare import prepare_dataset  # noqa: E402
-from training.config.errors import ConfigError  # noqa: E402
+from training.base.errors import ConfigError  # noqa: E402
 from training.loop.metrics import (Stopwatch, device_name, flops_meter, peak_memory_bytes,  # noqa: E402
                                    peak_reserved_bytes)
 from training.parallel import distributed  # noqa: E402

@@ -1,10 +1,6 @@
 """Turn a recipe's `data:` section into training-ready packed rows. Never imports DeepSpeed."""
 
 
-class DataError(ValueError):
-    """Bad input data: the message names the file (and line or field) and how to fix it."""
-
-
 def processes(num_proc: int) -> int | None:
     """`num_proc` for `datasets.map`: datasets 5 starts a process pool even for 1, which a datatrove
     worker (a daemon process) may not; None maps in this process."""

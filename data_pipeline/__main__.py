@@ -9,7 +9,7 @@ point a recipe at it with `data.prepared=DIR` (what multi-node runs should do). 
 runs the same steps as a datatrove job (data_pipeline/scale.py, docs/data_at_scale.md). `dedup` keeps the first
 of each group of exact or near duplicates of a JSONL file, in input order, lines copied unchanged.
 
-Both follow training/state/output_guard.py: an output never holds or goes inside an input, its folder is checked
+Both follow training/base/output_guard.py: an output never holds or goes inside an input, its folder is checked
 before any work, and it is marked as the command's. prepare refuses an existing --output; dedup replaces an
 existing OUT only with --overwrite, and only when an earlier dedup wrote it.
 """
@@ -25,12 +25,13 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from data_pipeline import DataError
-from data_pipeline.config import SAMPLES_FILE, DedupConfig
+from training.base.errors import DataError
+from data_pipeline.config import DedupConfig
+from data_pipeline.filters import SAMPLES_FILE
 from data_pipeline.dedup import NearDuplicates, bytes_hashes, normalized_bytes, repeated_mask
 from data_pipeline.files import emptiness, json_lines, record_problem
-from training.config.errors import exit_code, positive_int
-from training.state.output_guard import check_output, mark, overlap, write_atomically
+from training.base.errors import exit_code, positive_int
+from training.base.output_guard import check_output, mark, overlap, write_atomically
 
 
 def print_counts(title: str, counts: dict) -> None:

@@ -1,7 +1,7 @@
 """Chat SFT samples: render with the tokenizer's chat template, take loss only on the assistant turns."""
 from transformers import PreTrainedTokenizerBase
 
-from data_pipeline import DataError
+from training.base.errors import DataError
 
 IGNORE_INDEX = -100
 

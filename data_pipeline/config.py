@@ -8,20 +8,14 @@ from typing import Annotated, Any, Literal
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt,
                       ValidationInfo, model_validator)
 
-from data_pipeline import DataError
+from training.base.errors import DataError
+from training.base.schema import StrictModel
 from data_pipeline.dedup import MinHasher
 from data_pipeline.files import emptiness
 
-SAMPLES_FILE = "removed_samples.jsonl"  # beside a prepared data set: what each quality filter removed, sampled
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt")
 PREPARE_AGAIN = ("prepare it again (`python -m data_pipeline prepare --recipe R --output NEW_DIR`) and set "
                  "data.prepared=NEW_DIR")
-
-
-class StrictModel(BaseModel):
-    """A schema section in which a misspelt key is an error, not a silently ignored default, and a number is finite."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # .inf or .nan for a number is a mistake too
 
 
 def resolve_path(value: str, info: ValidationInfo) -> str:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from data_pipeline import DataError
+from training.base.errors import DataError
 
 TEXT_SUFFIXES = (".jsonl", ".json", ".csv", ".txt")  # files of UTF-8 lines
 

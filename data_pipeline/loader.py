@@ -5,7 +5,7 @@ import datasets
 import numpy as np
 import torch
 
-from data_pipeline import DataError
+from training.base.errors import DataError
 from data_pipeline.preference import pack_pairs
 
 ROW_COLUMNS = ("input_ids", "labels", "position_ids", "length")

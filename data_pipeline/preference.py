@@ -19,7 +19,8 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from data_pipeline import DataError, processes
+from data_pipeline import processes
+from training.base.errors import DataError
 from data_pipeline.config import DataSource, matching_files
 from data_pipeline.files import TEXT_SUFFIXES, check_utf8
 from data_pipeline.pack import IGNORE_INDEX, best_fit_decreasing, place_documents

@@ -17,7 +17,8 @@ import pyarrow as pa
 from datasets.fingerprint import Hasher
 from transformers import PreTrainedTokenizerBase
 
-from data_pipeline import DataError, processes
+from data_pipeline import processes
+from training.base.errors import DataError
 from data_pipeline.config import PREPARE_AGAIN, DataConfig, DataSource, DedupConfig, check_prepared, matching_files
 from data_pipeline.dedup import EncodedAt, NearDuplicates, normalized_bytes, repeated_mask, text_hashes
 from data_pipeline.pack import fit_to_length, pack_bfd, pack_concat, pack_padded
@@ -25,7 +26,7 @@ from data_pipeline.preference import load_pairs, pair_stats, tokenize_pairs
 from data_pipeline.sources import load_documents
 from data_pipeline.tokenize import token_stream, tokenize_documents
 from training.compat.datasets import save_with_linked_split
-from training.state.output_guard import mark
+from training.base.output_guard import mark
 
 PREPARE_COMMAND = "python -m data_pipeline prepare"
 
@@ -294,7 +295,7 @@ def save_prepared(prepared: datasets.DatasetDict, stats: dict, removed: list[dic
                   train_parts: list[Path] = ()) -> None:
     """Write to a temporary folder and rename it into place, so that an interrupted or concurrent
     preparation never leaves a half-written folder that a later run would trust. The folder is marked as
-    prepare's output (training/state/output_guard.py), the training cache's entries too. With quality filters, the
+    prepare's output (training/base/output_guard.py), the training cache's entries too. With quality filters, the
     documents sampled from each filter's removals go beside the splits (filters.write_samples). `train_parts`: data
     sets saved by the datatrove engine's tasks, which become the `train` split without a copy of their rows."""
     partial = path.with_name(f"{path.name}.partial-{os.getpid()}")

@@ -40,7 +40,7 @@ from datatrove.utils.batching import batched
 from datatrove.utils.hashing import HashConfig
 from transformers import PreTrainedTokenizerBase
 
-from data_pipeline import DataError
+from training.base.errors import DataError
 from data_pipeline.config import DataConfig, DataSource, matching_files
 from data_pipeline.dedup import lsh_bands, normalize, normalized_bytes
 from data_pipeline.files import check_lines, field_problem, is_json_lines

@@ -8,7 +8,7 @@ from pathlib import Path
 import datasets
 import pyarrow as pa
 
-from data_pipeline import DataError
+from training.base.errors import DataError
 from data_pipeline.config import DataSource, matching_files
 from data_pipeline.files import check_lines
 

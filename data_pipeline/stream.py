@@ -22,7 +22,7 @@ import torch
 from datasets.distributed import split_dataset_by_node
 from transformers import PreTrainedTokenizerBase
 
-from data_pipeline import DataError
+from training.base.errors import DataError
 from data_pipeline.config import DataConfig
 from data_pipeline.pack import pack_concat
 from data_pipeline.sources import load_source

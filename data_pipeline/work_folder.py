@@ -1,12 +1,12 @@
 """The datatrove job's work folder, OUTPUT.datatrove beside the output: its layout, who owns it, and what a
-rerun continues from. It follows the rules of every output (training/state/output_guard.py), with job.json as the
+rerun continues from. It follows the rules of every output (training/base/output_guard.py), with job.json as the
 job's mark: a rerun of the same job continues it, anything else leaves it alone."""
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from data_pipeline import DataError
-from training.state.output_guard import overlap
+from training.base.errors import DataError
+from training.base.output_guard import overlap
 
 JOB_KEYS = {"fingerprint": "data section, source files or tokenizer", "tasks": "--tasks",
             "stages": "version of the stages (an earlier checkout of this repository)"}

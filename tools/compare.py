@@ -36,9 +36,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from training.config.errors import ConfigError, exit_code, positive_int  # noqa: E402
+from training.base.errors import ConfigError, exit_code, positive_int  # noqa: E402
 from training.parallel.launch import failure_reason, launcher_command  # noqa: E402
-from training.state.output_guard import (MARKER, begin_in_place, check_output, files_under, finish_in_place,  # noqa: E402
+from training.base.output_guard import (MARKER, begin_in_place, check_output, files_under, finish_in_place,  # noqa: E402
                                          kept_line, lists_files, owned_files, remove_owned, written_by)
 from training.planning.memory import planned_model_states  # noqa: E402
 from training.config.recipe import load_recipe, parse_override, recipe_inputs  # noqa: E402
@@ -243,7 +243,7 @@ def check_cells(args: argparse.Namespace) -> list[CellCheck]:
 
 
 def prepare_output(args: argparse.Namespace, recipe_name: str, inputs: list[Path]) -> bool:
-    """The output folder's checks (training/state/output_guard.py): the default one is outputs/compare-<recipe>, or the
+    """The output folder's checks (training/base/output_guard.py): the default one is outputs/compare-<recipe>, or the
     next free -2, -3, ...; returns whether --overwrite replaces an earlier comparison there."""
     if args.output_dir is None:
         args.output_dir = next_free(OUTPUT_ROOT / f"compare-{recipe_name}")

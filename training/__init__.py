@@ -1,5 +1,6 @@
-"""Library code behind train.py, one folder per concern (README.md, Layout): config, planning, models, parallel,
-state, loop, and compat (every workaround of upstream internals)."""
+"""Library code behind train.py, one folder per concern, in import order (README.md, Layout; tests/test_import_order.py):
+base, compat (every workaround of upstream internals), then data_pipeline, config, planning, models, parallel, state,
+loop, and checks.py on top."""
 import logging
 
 from training.compat import no_mlflow_for_autotuner

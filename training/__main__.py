@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from training.compat import check_versions
-from training.config.errors import exit_code, positive_int
+from training.base.errors import exit_code, positive_int
 from training.loop.benchmarks import check_evaluation, evaluate_folder, evaluate_in_processes
 from training.state.export import export_checkpoint, find_tag
 from training.planning.precision import DTYPES

@@ -8,7 +8,7 @@ from transformers import TrainerControl, TrainerState
 
 import train
 from tests.conftest import REPO
-from training.config.errors import ConfigError
+from training.base.errors import ConfigError
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import hf_trainer  # noqa: E402

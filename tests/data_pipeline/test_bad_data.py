@@ -12,7 +12,7 @@ import pytest
 
 from data_pipeline.__main__ import main
 from tests.conftest import REPO, TRAIN_ENV, run_train
-from training.state.output_guard import written_by
+from training.base.output_guard import written_by
 
 CORPUS = REPO / "recipes/tiny_llama/corpus.jsonl"
 PREPARE = "python -m data_pipeline prepare"
@@ -52,7 +52,7 @@ def small_corpus(folder: Path, lines: int = 60) -> Path:
     return path
 
 
-# 1. prepare's --output follows training/state/output_guard.py, checked before any work
+# 1. prepare's --output follows training/base/output_guard.py, checked before any work
 
 @pytest.mark.parametrize("output, message", [
     ("{tmp}/some_file.txt/out", "some_file.txt is a file, not a folder; choose another --output"),
@@ -167,7 +167,7 @@ def test_train_py_refuses_a_truncated_arrow_file_with_exit_2(prepared, tmp_path,
 
 
 def test_a_damaged_cache_entry_names_itself_and_the_fix(tmp_path, tree_guard):
-    from data_pipeline import DataError
+    from training.base.errors import DataError
     from data_pipeline.config import DataConfig
     from data_pipeline.prepare import cached_path, prepare_dataset
     from transformers import AutoTokenizer
@@ -293,7 +293,7 @@ def test_dedup_refuses_an_output_in_a_folder_it_cannot_write(tmp_path, tree_guar
 def test_dedup_leaves_an_earlier_output_whole_when_it_fails(tmp_path, tree_guard, capsys, monkeypatch):
     """The new output is written beside the old one and renamed over it: a failure before the rename leaves the
     earlier output as it was, and no partial file."""
-    from training.state import output_guard
+    from training.base import output_guard
     source, output = dedup_input(tmp_path), tmp_path / "out.jsonl"
     assert main(["dedup", str(source), str(output), "--no-near"]) == 0
     before = output.read_bytes()

@@ -15,12 +15,13 @@ import yaml
 from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
 
 from data_pipeline.__main__ import main
-from data_pipeline.config import SAMPLES_FILE, DataConfig
+from data_pipeline.config import DataConfig
+from data_pipeline.filters import SAMPLES_FILE
 from data_pipeline.filters import SCHEMAS, ClassifierFilter, FilterChain, check_parameters, sample_key
 from data_pipeline.prepare import build_dataset, fingerprint
 from tests.conftest import REPO
 from tests.helpers.planted_corpus import CONTACT_PATTERN, KINDS, write_corpus
-from training.config.errors import ConfigError
+from training.base.errors import ConfigError
 from training.config.recipe import RECIPES_DIR, load_recipe
 
 TOKENIZER = AutoTokenizer.from_pretrained(RECIPES_DIR / "tiny_llama" / "tokenizer")

@@ -2,7 +2,7 @@ import datasets
 import numpy as np
 import pytest
 
-from data_pipeline import DataError
+from training.base.errors import DataError
 from data_pipeline.loader import EvalBatches, StepBatches
 from data_pipeline.prepare import rows_to_dataset
 

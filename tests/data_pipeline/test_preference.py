@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from data_pipeline import DataError
+from training.base.errors import DataError
 from data_pipeline.config import DataConfig
 from data_pipeline.preference import implicit_prompt, load_pairs, pack_pairs, tokenize_pair
 from data_pipeline.prepare import build_dataset
@@ -165,7 +165,7 @@ def test_pairs_that_all_go_name_the_fix_the_policy_leaves(tmp_path, tokenizer, p
 
 def test_prepared_pairs_are_refused_by_a_language_model_run(tmp_path, tokenizer):
     from data_pipeline.prepare import save_prepared
-    from training.config.errors import ConfigError
+    from training.base.errors import ConfigError
     from training.config.recipe import load_recipe
     rows = [{"prompt": f"Question {i}?", "chosen": f" Answer {i}.", "rejected": f" Not {i}."} for i in range(4)]
     config = DataConfig(sources=[{"path": write_jsonl(tmp_path / "pairs.jsonl", rows)}], seq_len=48, preference=True)

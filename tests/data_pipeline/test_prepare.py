@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from data_pipeline import DataError
+from training.base.errors import DataError
 from data_pipeline.config import DataConfig
 from data_pipeline.pack import IGNORE_INDEX
 from data_pipeline.prepare import mixture_rows, prepare_dataset

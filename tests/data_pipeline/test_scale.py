@@ -426,7 +426,7 @@ def test_filters_that_keep_nothing_end_the_job_with_what_each_removed(tmp_path, 
 
 
 def test_a_hub_record_of_the_wrong_kind_is_a_data_error():
-    from data_pipeline import DataError
+    from training.base.errors import DataError
     from data_pipeline.config import DataSource
     from data_pipeline.scale import reader
     hub = reader(DataSource(hub="HuggingFaceFW/fineweb-edu"), 0)

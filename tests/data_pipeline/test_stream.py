@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 from data_pipeline.config import DataConfig
 from data_pipeline.pack import pack_concat
 from data_pipeline.stream import StreamingBatches, split_lengths
-from training.config.errors import ConfigError
+from training.base.errors import ConfigError
 from training.config.recipe import RECIPES_DIR, load_recipe
 
 CORPUS = RECIPES_DIR / "tiny_llama" / "corpus.jsonl"

@@ -27,7 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from training.config.ds_config import load_ds_config, resolve_ds_config  # noqa: E402
+from training.planning.ds_config import load_ds_config, resolve_ds_config  # noqa: E402
 from training.loop.optimizer import client_optimizer, lr_schedule  # noqa: E402
 from training.loop.shaped_optimizer import attach_shaped_optimizer  # noqa: E402
 from training.loop.shaped_optimizer import state_bytes  # noqa: E402

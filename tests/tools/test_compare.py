@@ -1,6 +1,6 @@
 """tools/compare.py's checks, all made before anything is written or launched: each cell runs what its label says
 (no key given twice, no value twice, no key that compare.py sets itself), each cell has a folder of its own, and the
-output folder follows training/state/output_guard.py (the default takes the next free name; an existing one is replaced
+output folder follows training/base/output_guard.py (the default takes the next free name; an existing one is replaced
 only with --overwrite, and only when an earlier comparison wrote it). The fast tests stop where the first cell would
 be launched; the slow one runs a real comparison twice."""
 import csv
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO, SMALL_MODEL
-from training.state.output_guard import written_by
+from training.base.output_guard import written_by
 
 sys.path.insert(0, str(REPO / "tools"))
 import compare  # noqa: E402

@@ -17,6 +17,7 @@ from deepspeed.checkpoint.constants import PARAM, UNIVERSAL_CHECKPOINT_INFO, UNI
     UNIVERSAL_CHECKPOINT_VERSION_VALUE
 from deepspeed.runtime.comm.coalesced_collectives import reduce_scatter_coalesced
 from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
+from deepspeed.runtime.precision_config import DeepSpeedFP16Config
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.zero import stage3
 from deepspeed.utils import safe_get_local_fp32_param, zero_to_fp32
@@ -24,7 +25,6 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from training.compat import NO_ISSUE, Patch, no_mlflow_for_autotuner  # noqa: F401 (declared in PATCHES)
 from training.compat.torch import found_inf
-from training.planning.precision import device_type, fp16_block
 
 VERIFIED_FOR = "0.19.8"
 CANARIES = "tests/training/compat/test_deepspeed.py::"
@@ -194,8 +194,7 @@ class FP16BlockGradScaler(torch.amp.GradScaler):
 
     POLICY_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 
-    def __init__(self, ds_config: dict, device: str):
-        block = fp16_block(ds_config)
+    def __init__(self, block: DeepSpeedFP16Config, device: str):
         self.policy = CreateLossScaler(torch.float16, block.loss_scale, block.loss_scale == 0,
                                        block.dynamic_loss_scale_args())
         super().__init__(device, init_scale=float(self.policy.cur_scale))
@@ -226,10 +225,10 @@ def z0_grad_scaler(engine: DeepSpeedEngine) -> torch.amp.GradScaler | None:
     return engine.torch_autocast_z0_gradscaler
 
 
-def use_fp16_block_loss_scaling(engine: DeepSpeedEngine) -> None:
+def use_fp16_block_loss_scaling(engine: DeepSpeedEngine, block: DeepSpeedFP16Config, device: str) -> None:
     """At ZeRO-0 with fp16, replace DeepSpeed's default GradScaler with one that follows the config's fp16 block."""
     if engine.torch_autocast_z0_gradscaler is not None:
-        engine.torch_autocast_z0_gradscaler = FP16BlockGradScaler(engine.config, device_type())
+        engine.torch_autocast_z0_gradscaler = FP16BlockGradScaler(block, device)
 
 
 def loss_scale(engine: DeepSpeedEngine) -> float | None:

@@ -15,8 +15,9 @@ import yaml
 from pydantic import (AfterValidator, BaseModel, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat,
                       PositiveInt, PrivateAttr, ValidationError, ValidationInfo, WrapValidator, model_validator)
 
-from data_pipeline.config import DataConfig, LocalPath, StrictModel, holds_pairs, matching_files
-from training.config.errors import ConfigError, read_text
+from data_pipeline.config import DataConfig, LocalPath, holds_pairs, matching_files
+from training.base.schema import StrictModel
+from training.base.errors import ConfigError, read_text
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 
@@ -88,7 +89,7 @@ def number_or_auto(value: Any, handler: Callable[[Any], Any]) -> int | str:
         return handler(value)
     except ValidationError:
         raise ValueError(f"a positive whole number of rows per rank, or auto (the largest micro-batch that fits the "
-                         f"memory plan, training/config/micro_batch.py); got {value!r}") from None
+                         f"memory plan, training/planning/micro_batch.py); got {value!r}") from None
 
 
 MicroBatchSize = Annotated[PositiveInt | Literal["auto"], WrapValidator(number_or_auto)]
@@ -139,7 +140,7 @@ class OptimizerSection(StrictModel):
 
 class DeepSpeedSection(StrictModel):
     config: str = "zero1"  # a name under ds_configs/ (zero0..zero3, zero2_offload, ...), a JSON file, or auto
-    # (auto: chosen from the memory plan, training/config/auto_config.py)
+    # (auto: chosen from the memory plan, training/planning/auto_config.py)
     overrides: FreeForm = {}  # merged into that JSON, e.g. {zero_optimization: {overlap_comm: false}}
 
 

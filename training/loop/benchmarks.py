@@ -19,13 +19,13 @@ import torch.distributed as dist
 import yaml
 
 from training.compat.lm_eval import split_over_processes
-from training.config.errors import ConfigError
+from training.base.errors import ConfigError
 from training.config.recipe import Recipe
 from training.loop.metrics import MetricsLogger
 from training.planning.plan import RunPlan
 from training.state.checkpoint import restore_rng_states, rng_states
 from training.state.export import export_tag
-from training.state.output_guard import check_output, staged_folder, write_atomically
+from training.base.output_guard import check_output, staged_folder, write_atomically
 
 REPO = Path(__file__).resolve().parent.parent.parent
 SHIPPED = REPO / "eval_tasks"

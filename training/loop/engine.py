@@ -12,6 +12,7 @@ from training.loop.shaped_optimizer import attach_shaped_optimizer
 from training.planning.shape import weight_decay_groups
 from training.parallel.pipeline import report_grad_norm
 from training.planning.plan import RunPlan
+from training.planning.precision import device_type, fp16_block
 
 
 def start_engine(plan: RunPlan, model: torch.nn.Module, mpu: object | None, total_steps: int) -> deepspeed.DeepSpeedEngine:
@@ -20,7 +21,7 @@ def start_engine(plan: RunPlan, model: torch.nn.Module, mpu: object | None, tota
         engine, *_ = deepspeed.initialize(model=model, config=plan.ds_config, optimizer=client_optimizer(plan.ds_config),
                                           model_parameters=weight_decay_groups(model, training.weight_decay),
                                           lr_scheduler=lr_schedule(training, total_steps), mpu=mpu)
-    use_fp16_block_loss_scaling(engine)
+    use_fp16_block_loss_scaling(engine, fp16_block(plan.ds_config), device_type())
     attach_shaped_optimizer(engine)
     if isinstance(engine, PipelineEngine) and not plan.zero_stage:
         report_grad_norm(engine, withhold_nonfinite=plan.recipe.stability.enabled)

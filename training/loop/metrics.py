@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from training.compat.torch import is_fake
 from training.loop.trackers import Trackers, flat
-from training.models.build import describe_kernels
+from training.parallel.build import describe_kernels
 from training.parallel import distributed
 from training.planning.flops import flops_per_token, peak_tflops
 from training.planning.plan import RunPlan

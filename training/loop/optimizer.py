@@ -19,7 +19,6 @@ updates' norm and clipping is refused.
 """
 from collections.abc import Callable
 from functools import partial
-from typing import Any
 
 import torch
 from lion_pytorch import Lion
@@ -30,40 +29,10 @@ from transformers.optimization import (get_constant_schedule_with_warmup, get_co
                                        get_linear_schedule_with_warmup, get_wsd_schedule)
 
 from training.compat.deepspeed import muon_flags
-from training.config.errors import ConfigError
+from training.base.errors import ConfigError
 from training.config.recipe import Recipe, TrainingSection
 from training.loop.shaped_optimizer import ShapedOptimizer
 from training.planning.shape import decoder_layers
-
-DEEPSPEED_TYPES = {"adamw": "AdamW", "adamw8bit": "AdamW8bit", "adafactor": "Adafactor", "lion": "Lion",
-                   "muon": "Muon"}  # the ds_config's optimizer.type
-CLIENT_OPTIMIZERS = ("adamw8bit", "adafactor", "lion")  # built here and handed to DeepSpeed
-UNTAKEN_KEYS = {"lion": ("eps", "torch_adam"), "adamw8bit": ("torch_adam",),
-                "adafactor": ("eps", "torch_adam", "betas")}  # the shipped configs' AdamW settings they do not take
-
-
-def deepspeed_optimizer_keys(recipe: Recipe, setting: str) -> dict[str, tuple[str, Any]]:
-    """The ds_config keys the recipe's optimizer decides at the ZeRO `setting` ('2', '3_offload'), each with the
-    recipe key it comes from."""
-    training, section = recipe.training, recipe.optimizer
-    keys = {"optimizer.type": ("optimizer.name", DEEPSPEED_TYPES[section.name]),
-            "optimizer.params.lr": ("training.lr", training.lr),
-            "optimizer.params.weight_decay": ("training.weight_decay", training.weight_decay)}
-    if section.name != "adafactor":  # its second moment's decay follows the step count (beta2_decay), no betas
-        keys["optimizer.params.betas"] = ("training.betas", list(training.betas))
-    if section.name not in ("lion", "adafactor"):
-        keys["optimizer.params.eps"] = ("training.eps", training.eps)
-    if section.name == "muon":
-        keys["optimizer.params.muon_lr"] = ("optimizer.muon_lr", section.muon_lr)
-        keys["optimizer.params.momentum"] = ("optimizer.muon_momentum", section.muon_momentum)
-        if setting.startswith("3"):  # DeepSpeed's ZeRO-3 Muon refuses its reduce-scatter gradient path
-            keys["zero_optimization.reduce_scatter"] = ("optimizer.name=muon at ZeRO-3", False)
-    if section.name in CLIENT_OPTIMIZERS:  # which ZeRO wraps as it wraps any torch optimizer
-        keys["zero_allow_untested_optimizer"] = (f"optimizer.name={section.name}", True)
-        if setting.endswith("_offload"):  # stepped on the CPU, in place of DeepSpeed's CPU optimizers
-            keys["zero_force_ds_cpu_optimizer"] = (f"optimizer.name={section.name} with ZeRO-Offload", False)
-    return keys
-
 
 def check_optimizer(recipe: Recipe, config: PretrainedConfig, setting: str) -> None:
     """What the recipe's optimizer cannot run with at the ZeRO `setting` ('2', '3_offload'), before anything is

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from data_pipeline import DataError
+from training.base.errors import DataError
 from data_pipeline.loader import EvalPairBatches, PairBatches
 from training.compat.datasets import fingerprint
 from training.config.recipe import DpoSection

@@ -17,7 +17,6 @@ Embedding weights are marked, so AdamW8bit keeps fp32 moments for them (bitsandb
 token's row gets a gradient only when the batch holds the token, and in a quantized block beside rows with large
 gradients its second moment rounds to zero while its first does not, which moves it by up to lr / eps.
 """
-import math
 from collections.abc import Callable, Iterable
 
 import torch
@@ -26,22 +25,9 @@ from torch.optim import Optimizer
 
 from training.compat.deepspeed import local_fp32_shares, weight_shape
 from training.compat.torch import plain_optimizer_states, rebuilt_optimizer_states
+from training.planning.optimizer_states import share_parts
 
 HYPERPARAMETERS = ("lr", "weight_decay")  # what the schedule and the groups set per step, copied to the library's
-
-
-def share_parts(shape: tuple[int, ...], start: int, numel: int) -> list[tuple[int, int, tuple[int, ...]]]:
-    """How a share of `numel` values from `start` in the flattened weight of `shape` is stepped, as (where the part
-    starts in the share, its length, its shape): whole, in the weight's shape; else its whole rows as rows, and the
-    pieces of a row before and after them flat."""
-    row = math.prod(shape[1:]) if len(shape) > 1 else 0
-    if numel == math.prod(shape) or not row:
-        return [(0, numel, tuple(shape) if numel == math.prod(shape) else (numel,))]
-    head = min(numel, -start % row)
-    rows = (numel - head) // row
-    tail = numel - head - rows * row
-    parts = [(0, head, (head,)), (head, rows * row, (rows, *shape[1:])), (head + rows * row, tail, (tail,))]
-    return [part for part in parts if part[1]]
 
 
 class ShapedOptimizer(Optimizer):

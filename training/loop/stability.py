@@ -34,7 +34,7 @@ from data_pipeline.stream import StreamingBatches
 from training.parallel import distributed
 from training.state.checkpoint import latest_tag, load_checkpoint
 from training.config.recipe import StabilitySection
-from training.parallel.layout import Layout
+from training.planning.layout import Layout
 
 
 

@@ -19,7 +19,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.masking_utils import find_packed_sequence_indices
 
-from training.config.errors import ConfigError
+from training.base.errors import ConfigError
 from training.config.recipe import Recipe
 from training.planning.precision import device_type
 

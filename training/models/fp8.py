@@ -9,26 +9,8 @@ dynamic scales, per tensor (`tensorwise`, fastest) or per row (`rowwise`, closer
 from fnmatch import fnmatch
 
 import torch
-from deepspeed.accelerator import get_accelerator
 
-from training.config.errors import ConfigError
 from training.config.recipe import Fp8Section
-
-FP8_CAPABILITY = (8, 9)
-FP8_GPUS = "H100, H200, L4, L40S, B200"
-
-
-def check_fp8_hardware() -> None:
-    """FP8 matmuls need compute capability 8.9+ (Ada, Hopper, Blackwell): refuse elsewhere, before anything is built."""
-    needed = f"precision=fp8 needs an NVIDIA GPU of compute capability 8.9 or newer ({FP8_GPUS})"
-    if get_accelerator().device_name() != "cuda":
-        raise ConfigError(f"{needed}; found no GPU (DeepSpeed's {get_accelerator().device_name()} accelerator). "
-                          f"Use precision=bf16 or fp32 here.")
-    capability = torch.cuda.get_device_capability()
-    if capability < FP8_CAPABILITY:
-        raise ConfigError(f"{needed}; found {torch.cuda.get_device_name()} (compute capability "
-                          f"{capability[0]}.{capability[1]}). Use precision=bf16 on this GPU.")
-
 
 def convert_linears_to_fp8(model: torch.nn.Module, section: Fp8Section, vocab_size: int) -> list[str]:
     """Swap the model's linear layers for torchao's Float8Linear, in place, and return their names (the filter's

@@ -23,31 +23,9 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from training.compat.torch import replace_forward
-from training.config.recipe import Recipe
+from training.planning.kernels import CHUNK_TOKENS
 
 IGNORE = -100
-CHUNK_TOKENS = 2048  # per chunk: [2048, vocab] logits, 1 GB in fp32 for 128k; few chunks to add up
-
-
-def uses_fused_loss(recipe: Recipe, router_loss: bool) -> bool:
-    """Whether the run's loss is the fused one: for the language-model objective, where train.py builds the model's
-    loss itself. The pipeline's last stage has its own loss; tensor parallelism replaces the head with its split
-    one; long_context.logits_tile_tokens tiles the head and loss its own way (recomputing in the backward pass);
-    DPO needs every sequence's log-probabilities; an MoE model with a router_loss adds it in its own forward; and
-    where another module replaces the head."""
-    parallelism = recipe.parallelism
-    return (recipe.fused_loss and recipe.training.objective == "lm" and parallelism.pipeline_stages == 1
-            and parallelism.tensor_parallel == 1 and not recipe.long_context.logits_tile_tokens
-            and not router_loss and not replaced_head(recipe))
-
-
-def replaced_head(recipe: Recipe) -> bool:
-    """Whether another module takes the head's place: FP8's Float8Linear (fp8.lm_head), or LoRA's modules_to_save
-    (a trained copy of the head or the tied embedding). The fused loss computes with the head's own weight."""
-    return (recipe.precision == "fp8" and recipe.fp8.lm_head) or (recipe.lora.enabled and
-                                                                  bool(recipe.lora.modules_to_save))
-
-
 class LinearCrossEntropy(torch.autograd.Function):
     """sum over targets of cross_entropy(hidden @ weight.T), the gradients taken chunk by chunk in the forward pass."""
 

@@ -10,24 +10,19 @@ export.merge the base weights with the adapters merged into them.
 import importlib.util
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PretrainedConfig, PreTrainedModel
 
 from training.compat.peft import quiet_gradient_checkpointing_warning
-from training.config.errors import ConfigError
+from training.base.errors import ConfigError
 from training.config.recipe import LoraSection, Recipe
+from training.planning.shape import adapted_parameters, lora_config
 from training.planning.precision import device_type
 
 ADAPTER_DIR = "adapter"  # beside hf/ in the output folder
 ADAPTER_CONFIG = "adapter_config.json"  # in a LoRA checkpoint's hf/ folder, beside the model config
 QLORA_REQUIREMENTS = "requirements-qlora.txt"
 quiet_gradient_checkpointing_warning()
-
-
-def lora_config(section: LoraSection) -> LoraConfig:
-    return LoraConfig(r=section.rank, lora_alpha=section.alpha, lora_dropout=section.dropout,
-                      target_modules=section.target_modules, modules_to_save=section.modules_to_save or None,
-                      task_type="CAUSAL_LM")
 
 
 def with_lora(model: PreTrainedModel, section: LoraSection, seed: int) -> torch.nn.Module:
@@ -45,28 +40,6 @@ def trainable_parameters(section: LoraSection, model_config: PretrainedConfig) -
     naming the setting when peft cannot place the adapters on this model."""
     with torch.device("meta"):
         return adapted_parameters(AutoModelForCausalLM.from_config(model_config), section)
-
-
-def adapted_parameters(model: torch.nn.Module, section: LoraSection) -> int:
-    """The same for a model already built on the meta device, which peft changes in place."""
-    full_names = [name for name, _ in model.named_modules()]
-    unmatched = [entry for entry in section.modules_to_save if not any(name.endswith(entry) for name in full_names)]
-    if unmatched:  # peft would train nothing in full for them, silently
-        raise ConfigError(f"lora.modules_to_save={section.modules_to_save}: no module of this model is named "
-                          f"{', '.join(map(repr, unmatched))}. {module_names(full_names)}")
-    with torch.device("meta"):
-        try:
-            model = get_peft_model(model, lora_config(section))
-        except (ValueError, TypeError) as error:
-            raise ConfigError(f"lora.target_modules={section.target_modules!r} / lora.modules_to_save="
-                              f"{section.modules_to_save}: {str(error).rstrip('.')}. {module_names(full_names)}") from None
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-
-def module_names(full_names: list[str]) -> str:
-    """The model's module names without layer indices, for a message."""
-    names = sorted({name.rsplit(".", 1)[-1] for name in full_names} - {""})
-    return f"Module names of this model: {', '.join(name for name in names if not name.isdigit())}"
 
 
 def check_nf4(precision: str, for_gpus: bool) -> None:

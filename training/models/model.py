@@ -9,8 +9,8 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.integrations import HfDeepSpeedConfig
 
-from training.config.ds_config import zero_stage
-from training.config.errors import ConfigError
+from training.planning.ds_config import zero_stage
+from training.base.errors import ConfigError
 from training.models.lora import nf4_quantization
 from training.models.attention import attention_for
 from training.planning.precision import DTYPES, device_type

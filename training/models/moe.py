@@ -17,9 +17,9 @@ import torch.distributed as dist
 from deepspeed.utils import set_z3_leaf_modules
 from transformers import PretrainedConfig
 
-from training.parallel import distributed
-from training.config.errors import ConfigError
+from training.base.errors import ConfigError
 from training.config.recipe import MoeSection, Recipe
+from training.planning.shape import expert_count
 
 SPARSE_BLOCK_SUFFIX = "SparseMoeBlock"
 ROUTER_SUFFIX = "TopKRouter"  # transformers' MixtralTopKRouter, Qwen3MoeTopKRouter; AutoEP's TokenChoiceTopKRouter
@@ -28,11 +28,6 @@ AUTOEP_ROUTER = "TokenChoiceTopKRouter"
 
 def is_moe(config: PretrainedConfig) -> bool:
     return getattr(config, "num_experts_per_tok", None) is not None and hasattr(config, "router_aux_loss_coef")
-
-
-def expert_count(config: PretrainedConfig) -> int:
-    """Experts per MoE layer (Mixtral's num_local_experts, Qwen3-MoE's num_experts)."""
-    return getattr(config, "num_local_experts", None) or config.num_experts
 
 
 def with_router_loss(config: PretrainedConfig, section: MoeSection) -> PretrainedConfig:
@@ -105,13 +100,16 @@ class RouterMeter:
     def step_mean(self) -> float:
         """The load-balancing loss's mean over the step's micro-batches and the data-parallel ranks."""
         mean = torch.stack(list(self.values)).mean() / dist.get_world_size()
-        return distributed.all_reduce(mean).item()
+        dist.all_reduce(mean)
+        return mean.item()
 
     def metrics(self) -> dict:
         """For metrics.jsonl, every rank calling: `aux_loss` (when trained with it), `expert_tokens` (by layer, the
         tokens each expert was sent since the last call, summed over the ranks) and `expert_load_max` (the busiest
         expert's tokens over the layer's mean: 1 is a perfect balance, num_experts / top-k the worst)."""
-        tokens = distributed.all_reduce(self.tokens.clone()).cpu().double()
+        tokens = self.tokens.clone()
+        dist.all_reduce(tokens)
+        tokens = tokens.cpu().double()
         self.tokens.zero_()
         load = (tokens / tokens.mean(dim=1, keepdim=True).clamp(min=1)).max().item()
         return {**({"aux_loss": self.step_mean()} if self.coefficient else {}),

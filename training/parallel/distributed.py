@@ -16,7 +16,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from training.compat.deepspeed import release_shared_memory_buffer
-from training.config.errors import ConfigError, failure, report
+from training.base.errors import ConfigError, failure, report
 from training.parallel.failure import FailureWatch
 
 

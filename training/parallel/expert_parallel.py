@@ -17,13 +17,12 @@ from deepspeed import DeepSpeedEngine
 from transformers import PretrainedConfig
 
 from training.compat.deepspeed import autoep_layers
-from training.config.errors import ConfigError
+from training.base.errors import ConfigError
 from training.config.recipe import Recipe
-from training.models.moe import expert_count
-from training.planning.shape import rank_groups_problem
+from training.planning.layout import EXPERT_PARALLEL_STAGES
+from training.planning.shape import expert_count, rank_groups_problem
 
 PRESETS = {"mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen3_moe"}  # model_type -> AutoEP preset
-ZERO_STAGES = (1, 2)
 
 
 def check_expert_parallel(recipe: Recipe, config: PretrainedConfig, world_size: int, zero_stage: int,
@@ -40,7 +39,7 @@ def check_expert_parallel(recipe: Recipe, config: PretrainedConfig, world_size: 
         problems.append(f"the model's {experts} experts per layer do not split into {size} equal groups: choose "
                         f"parallelism.expert_parallel from {divisors}")
     problems += rank_groups_problem(world_size, size, "expert")
-    if zero_stage not in ZERO_STAGES or offloaded:
+    if zero_stage not in EXPERT_PARALLEL_STAGES or offloaded:
         setting = f"ZeRO-{zero_stage}" + (" with offload" if offloaded else "")
         reason = {0: "train.py computes ZeRO-0's gradient norm itself, over whole weights, and AutoEP's experts are "
                      "split", 3: "ZeRO-3 with AutoEP is not proven here (its checkpoints and export)"}.get(

@@ -29,7 +29,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 
 from training.compat.deepspeed import measure_before_model_step, pipeline_layer_file, zero0_grad_norm
 from training.compat.transformers import attention_implementation, set_attention_implementation
-from training.config.errors import ConfigError
+from training.base.errors import ConfigError
 
 FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 TIED_KEY = "embeddings"

@@ -27,7 +27,7 @@ from transformers.masking_utils import find_packed_sequence_indices
 
 from training.compat.deepspeed import sum_sequence_slices, use_attention_under_ulysses
 from training.compat.transformers import attention_implementation
-from training.config.errors import ConfigError
+from training.base.errors import ConfigError
 from training.config.recipe import Recipe
 from training.models.attention import document_flex
 from training.planning.shape import head_counts, rank_groups_problem

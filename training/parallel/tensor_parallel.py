@@ -13,7 +13,7 @@ from deepspeed import DeepSpeedEngine
 from transformers import PretrainedConfig
 
 from training.compat.deepspeed import without_train_batch_size
-from training.config.errors import ConfigError
+from training.base.errors import ConfigError
 from training.config.recipe import Recipe
 from training.planning.shape import head_counts, rank_groups_problem
 

@@ -48,10 +48,10 @@ from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
 from training.compat.deepspeed import zero_cuts
-from training.config.ds_config import ds_config_file, zero_setting, zero_stage
+from training.planning.ds_config import ds_config_file, zero_setting, zero_stage
 from training.config.recipe import Recipe
-from training.models.fused_loss import CHUNK_TOKENS, uses_fused_loss
-from training.parallel.expert_parallel import ZERO_STAGES as EXPERT_PARALLEL_STAGES
+from training.planning.kernels import CHUNK_TOKENS, uses_fused_loss
+from training.planning.layout import EXPERT_PARALLEL_STAGES
 from training.planning.optimizer_states import optimizer_state_bytes
 from training.planning.plan import Machine, RunPlan
 from training.planning.precision import DTYPES, is_mixed
@@ -149,7 +149,7 @@ def gradient_bucket_bytes(ds_config: dict, precision: str) -> float:
 
 def shipped_ds_config(setting: str, hidden_size: int) -> dict:
     """ds_configs/zero<setting>.json with its bucket size resolved as train.py resolves "auto" (hidden_size^2, the
-    HF Trainer's formula: training/config/ds_config.py): the config a row of the plan's table stands for."""
+    HF Trainer's formula: training/planning/ds_config.py): the config a row of the plan's table stands for."""
     config = json.loads(ds_config_file(f"zero{setting}").read_text())
     zero = config.get("zero_optimization", {})
     if zero.get("reduce_bucket_size") == "auto":

@@ -14,11 +14,24 @@ Per share:
 import math
 
 from training.compat.deepspeed import zero_cuts
-from training.loop.shaped_optimizer import share_parts
 from training.planning.shape import ModelShape
 
 QUANTIZED_BLOCK, QUANTIZED_MIN = 256, 4096  # torchao's block size and smallest quantized tensor (bitsandbytes')
 SHAPED = ("adamw8bit", "adafactor")
+
+
+def share_parts(shape: tuple[int, ...], start: int, numel: int) -> list[tuple[int, int, tuple[int, ...]]]:
+    """How a share of `numel` values from `start` in the flattened weight of `shape` is stepped, as (where the part
+    starts in the share, its length, its shape): whole, in the weight's shape; else its whole rows as rows, and the
+    pieces of a row before and after them flat."""
+    row = math.prod(shape[1:]) if len(shape) > 1 else 0
+    if numel == math.prod(shape) or not row:
+        return [(0, numel, tuple(shape) if numel == math.prod(shape) else (numel,))]
+    head = min(numel, -start % row)
+    rows = (numel - head) // row
+    tail = numel - head - rows * row
+    parts = [(0, head, (head,)), (head, rows * row, (rows, *shape[1:])), (head + rows * row, tail, (tail,))]
+    return [part for part in parts if part[1]]
 
 
 def share_state_bytes(name: str, shape: tuple[int, ...], embedding: bool = False) -> int:

@@ -10,10 +10,10 @@ import psutil
 import torch
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from training.config.ds_config import zero_setting, zero_stage
-from training.config.errors import ConfigError
+from training.planning.ds_config import zero_setting, zero_stage
+from training.base.errors import ConfigError
 from training.config.recipe import Recipe
-from training.parallel.layout import Layout
+from training.planning.layout import Layout
 from training.planning.precision import device_type
 from training.planning.shape import ModelShape, model_shape
 
@@ -104,7 +104,7 @@ class Machine:
 
 @dataclass(frozen=True)
 class MicroBatchChoice:
-    """training.micro_batch_size=auto (training/config/micro_batch.py): the micro-batch and its planned peak per rank,
+    """training.micro_batch_size=auto (training/planning/micro_batch.py): the micro-batch and its planned peak per rank,
     and the next larger divisor of the rows per rank with its peak, which did not fit (None: there is none)."""
     size: int
     planned_bytes: float

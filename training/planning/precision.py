@@ -4,8 +4,10 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.precision_config import DeepSpeedFP16Config
 from pydantic import ValidationError
 
-from training.config.errors import ConfigError
-from training.models.fp8 import check_fp8_hardware
+from training.base.errors import ConfigError
+
+FP8_CAPABILITY = (8, 9)
+FP8_GPUS = "H100, H200, L4, L40S, B200"
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
           "fp8": torch.bfloat16}  # fp8: BF16 weights and activations, FP8 matmuls in the linear layers
@@ -23,6 +25,18 @@ def device_type() -> str:
 
 def bf16_is_native() -> bool:
     return device_type() == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+def check_fp8_hardware() -> None:
+    """FP8 matmuls need compute capability 8.9+ (Ada, Hopper, Blackwell): refuse elsewhere, before anything is built."""
+    needed = f"precision=fp8 needs an NVIDIA GPU of compute capability 8.9 or newer ({FP8_GPUS})"
+    if get_accelerator().device_name() != "cuda":
+        raise ConfigError(f"{needed}; found no GPU (DeepSpeed's {get_accelerator().device_name()} accelerator). "
+                          f"Use precision=bf16 or fp32 here.")
+    capability = torch.cuda.get_device_capability()
+    if capability < FP8_CAPABILITY:
+        raise ConfigError(f"{needed}; found {torch.cuda.get_device_name()} (compute capability "
+                          f"{capability[0]}.{capability[1]}). Use precision=bf16 on this GPU.")
 
 
 def resolve_precision(requested: str, ds_config: dict, for_gpus: bool = False) -> str:

@@ -101,7 +101,7 @@ def print_preference_plan(plan: RunPlan) -> None:
 
 
 def print_micro_batch_choice(plan: RunPlan) -> None:
-    """Why training.micro_batch_size=auto took this micro-batch (training/config/micro_batch.py): its planned peak per
+    """Why training.micro_batch_size=auto took this micro-batch (training/planning/micro_batch.py): its planned peak per
     rank, and the next larger divisor's, which did not fit."""
     choice, training = plan.micro_batch, plan.recipe.training
     machine, unit = choice.machine, "pairs" if training.objective == "dpo" else "rows"

@@ -3,12 +3,12 @@ meta device (no memory, no weights), so a 7B recipe is measured exactly on a lap
 from dataclasses import dataclass, replace
 
 import torch
+from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from training.models.lora import adapted_parameters
+from training.base.errors import ConfigError
 from training.compat.deepspeed import weight_shape
 from training.config.recipe import LoraSection
-from training.models.moe import expert_count
 
 
 @dataclass(frozen=True)
@@ -137,3 +137,36 @@ def rank_groups_problem(world_size: int, size: int, kind: str) -> list[str]:
         return []
     return [f"{world_size} rank(s) do not form groups of {size}: launch a multiple of {size} ranks (world size = "
             f"data-parallel x {kind}-parallel)"]
+
+
+def expert_count(config: PretrainedConfig) -> int:
+    """Experts per MoE layer (Mixtral's num_local_experts, Qwen3-MoE's num_experts)."""
+    return getattr(config, "num_local_experts", None) or config.num_experts
+
+
+def lora_config(section: LoraSection) -> LoraConfig:
+    return LoraConfig(r=section.rank, lora_alpha=section.alpha, lora_dropout=section.dropout,
+                      target_modules=section.target_modules, modules_to_save=section.modules_to_save or None,
+                      task_type="CAUSAL_LM")
+
+
+def adapted_parameters(model: torch.nn.Module, section: LoraSection) -> int:
+    """The same for a model already built on the meta device, which peft changes in place."""
+    full_names = [name for name, _ in model.named_modules()]
+    unmatched = [entry for entry in section.modules_to_save if not any(name.endswith(entry) for name in full_names)]
+    if unmatched:  # peft would train nothing in full for them, silently
+        raise ConfigError(f"lora.modules_to_save={section.modules_to_save}: no module of this model is named "
+                          f"{', '.join(map(repr, unmatched))}. {module_names(full_names)}")
+    with torch.device("meta"):
+        try:
+            model = get_peft_model(model, lora_config(section))
+        except (ValueError, TypeError) as error:
+            raise ConfigError(f"lora.target_modules={section.target_modules!r} / lora.modules_to_save="
+                              f"{section.modules_to_save}: {str(error).rstrip('.')}. {module_names(full_names)}") from None
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def module_names(full_names: list[str]) -> str:
+    """The model's module names without layer indices, for a message."""
+    names = sorted({name.rsplit(".", 1)[-1] for name in full_names} - {""})
+    return f"Module names of this model: {', '.join(name for name in names if not name.isdigit())}"

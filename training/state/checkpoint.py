@@ -28,10 +28,10 @@ from deepspeed.accelerator import get_accelerator
 from pydantic import ValidationError
 
 from training.compat.deepspeed import loading_universal, universal_load_repaired, z0_grad_scaler
-from training.config.errors import ConfigError
-from training.state.output_guard import kept_line, owned_files, remove_owned, write_atomically
+from training.base.errors import ConfigError
+from training.base.output_guard import kept_line, owned_files, remove_owned, write_atomically
 from training.config.recipe import Recipe
-from training.parallel.layout import Layout
+from training.planning.layout import Layout
 from training.state.run_state import RunState, faults
 from training.state.universal import UNIVERSAL, needs_universal, through_universal, universal_folder
 

@@ -26,10 +26,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from training.compat.deepspeed import (autoep_layers, expert_files, gathered_16bit_state_dict, has_zero_partitions,
                                        model_parallel_ranks, zero_fp32_weights, zero_rank_files)
 from training.state.checkpoint import READ_ERRORS, RUN_STATE, latest_tag, unreadable_files
-from training.config.errors import ConfigError
+from training.base.errors import ConfigError
 from training.models.lora import ADAPTER_CONFIG, ADAPTER_DIR
 from training.planning.plan import RunPlan
-from training.state.output_guard import check_output, owned_files, remove_owned, staged_folder
+from training.base.output_guard import check_output, owned_files, remove_owned, staged_folder
 from training.parallel.expert_parallel import hf_weights, original_weights
 from training.parallel.pipeline import hf_name, layer_files
 from training.planning.precision import DTYPES

@@ -1,5 +1,5 @@
 """The output folder: its default name, the checks that no flag combination loses an earlier run or anything that is
-not a run, and what a run writes into it first. A run writes its folder as it goes (training/state/output_guard.py's
+not a run, and what a run writes into it first. A run writes its folder as it goes (training/base/output_guard.py's
 begin_in_place): --overwrite removes the earlier run's own files and keeps, and names, every other file."""
 import json
 from pathlib import Path
@@ -7,8 +7,8 @@ from pathlib import Path
 import torch.distributed as dist
 import yaml
 
-from training.config.errors import ConfigError
-from training.state.output_guard import (MARKER, begin_in_place, check_writable_place, files_under, finish_in_place,
+from training.base.errors import ConfigError
+from training.base.output_guard import (MARKER, begin_in_place, check_writable_place, files_under, finish_in_place,
                                          kept_line, lists_files, owned_files, overlap, remove_owned, written_by)
 from training.planning.plan import RunPlan
 

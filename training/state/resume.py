@@ -8,7 +8,7 @@ from deepspeed import DeepSpeedEngine
 
 from data_pipeline.loader import StepBatches
 from data_pipeline.stream import StreamingBatches
-from training.config.errors import ConfigError
+from training.base.errors import ConfigError
 from training.state.checkpoint import (check_files, check_resume, latest_tag, load_checkpoint, read_run_state,
                                        remove_unfinished_tags)
 from training.models.model import check_resumed_model

@@ -1,11 +1,11 @@
 """run_state.json: what a checkpoint records besides DeepSpeed's states. Where the run is (step, tokens, data
-position) and what wrote it: the layout its states belong to (training/parallel/layout.py, its fields at the top
+position) and what wrote it: the layout its states belong to (training/planning/layout.py, its fields at the top
 level of the file) and, for a fine-tune, the base model. One schema for writing and reading, so that a damaged or
 hand-edited file is named with its fault instead of failing later.
 """
 from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveInt, ValidationError
 
-from training.parallel.layout import Layout
+from training.planning.layout import Layout
 
 
 class BaseModelIdentity(BaseModel):

@@ -28,8 +28,8 @@ from pydantic import ValidationError
 
 from training.compat.deepspeed import convert_with_tensor_parallel, make_stage_neutral, pipeline_layer_file
 from training.parallel.distributed import host_group
-from training.config.errors import ConfigError
-from training.parallel.layout import Layout
+from training.base.errors import ConfigError
+from training.planning.layout import Layout
 from training.planning.optimizer_states import SHAPED
 from training.state.run_state import RunState
 

@@ -19,7 +19,7 @@ from datatrove.utils import lid
 from datatrove.utils.stats import PipelineStats
 from datatrove.utils.word_tokenizers import SpaCyTokenizer, load_word_tokenizer
 
-from data_pipeline import DataError
+from training.base.errors import DataError
 from data_pipeline.filters import PACKAGED_LID, language_model_file
 from tests.conftest import REPO
 from tests.helpers.planted_corpus import FOREIGN, prose_documents

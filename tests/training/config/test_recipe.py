@@ -1,6 +1,6 @@
 import pytest
 
-from training.config.errors import ConfigError
+from training.base.errors import ConfigError
 from training.config.recipe import RECIPES_DIR, available_recipes, load_recipe
 
 

@@ -6,8 +6,8 @@ from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
 import train
 from tests.test_train import no_model_building  # noqa: F401 (a fixture)
-from training.config.ds_config import load_ds_config, resolve_ds_config
-from training.config.errors import ConfigError
+from training.planning.ds_config import load_ds_config, resolve_ds_config
+from training.base.errors import ConfigError
 from training.loop.optimizer import client_optimizer, lr_schedule, muon_name_rule_mismatch
 from training.config.recipe import load_recipe
 from training.planning.shape import weight_decay_groups

@@ -10,10 +10,11 @@ import torch
 from torchao.optim import AdamW8bit
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from training.config.ds_config import load_ds_config, resolve_ds_config
+from training.planning.ds_config import load_ds_config, resolve_ds_config
 from training.config.recipe import load_recipe
 from tests.helpers.optimizer_steps import STEPS, Pieces, start_engine
-from training.loop.shaped_optimizer import share_parts, state_bytes
+from training.loop.shaped_optimizer import state_bytes
+from training.planning.optimizer_states import share_parts
 from training.planning.optimizer_states import rank_shares, rank_state_bytes
 from training.planning.shape import model_shape
 

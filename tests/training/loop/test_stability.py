@@ -150,7 +150,7 @@ def test_a_withheld_step_leaves_the_optimizer_as_it_was():
 
 
 def test_a_history_longer_than_its_window_is_refused(tmp_path):
-    from training.config.errors import ConfigError
+    from training.base.errors import ConfigError
     from training.config.recipe import load_recipe
     with pytest.raises(ConfigError, match="stability.min_history=60 is more than stability.window=50"):
         load_recipe("tiny_llama", ["stability.min_history=60"])

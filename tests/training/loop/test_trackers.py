@@ -11,7 +11,7 @@ import pytest
 import train
 from tests.conftest import SMALL_MODEL, train_in_process
 from training.compat.wandb import read_offline_run
-from training.config.errors import ConfigError
+from training.base.errors import ConfigError
 from training.loop.trackers import Trackers, flat
 from training.parallel.distributed import free_port
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from training.config.errors import ConfigError
+from training.base.errors import ConfigError
 from training.models.attention import attention_for, document_block_mask, document_flex
 from training.parallel.sequence_parallel import document_sdpa
 

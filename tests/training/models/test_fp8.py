@@ -8,9 +8,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import train
 from tests.conftest import SMALL_MODEL, run_train
-from training.models import fp8
-from training.config.ds_config import load_ds_config, resolve_ds_config
-from training.config.errors import ConfigError
+from training.planning import precision
+from training.planning.ds_config import load_ds_config, resolve_ds_config
+from training.base.errors import ConfigError
 from training.models.fp8 import convert_linears_to_fp8
 from training.config.recipe import Fp8Section, load_recipe
 
@@ -23,11 +23,11 @@ def test_fp8_is_refused_without_a_gpu(capsys):
 
 
 def test_fp8_is_refused_on_a_gpu_without_fp8(monkeypatch):
-    monkeypatch.setattr(fp8.get_accelerator(), "device_name", lambda *args: "cuda")
+    monkeypatch.setattr(precision.get_accelerator(), "device_name", lambda *args: "cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "NVIDIA A100-SXM4-80GB")
     with pytest.raises(ConfigError, match=r"found NVIDIA A100-SXM4-80GB \(compute capability 8.0\). Use precision=bf16"):
-        fp8.check_fp8_hardware()
+        precision.check_fp8_hardware()
 
 
 def test_fp8_with_zero0_is_refused(monkeypatch, capsys):

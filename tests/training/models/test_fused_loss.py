@@ -9,7 +9,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from training.config.recipe import load_recipe
 from training.models import fused_loss
-from training.models.fused_loss import fuse_head_and_loss, summed_token_loss, uses_fused_loss
+from training.models.fused_loss import fuse_head_and_loss, summed_token_loss
+from training.planning.kernels import uses_fused_loss
 
 ROWS, SEQ_LEN, VOCAB, CHUNK = 2, 40, 101, 24  # 80 tokens: 4 chunks, the last one short
 

@@ -6,12 +6,12 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import train
 from tests.conftest import REPO, save_small_checkpoint
-from training.config.errors import ConfigError
-from training.models.lora import lora_config
+from training.base.errors import ConfigError
+from training.planning.shape import lora_config
 from training.planning.memory import lora_model_states
 from training.config.recipe import load_recipe
 from training.planning.shape import model_shape
-from training.parallel.layout import Layout
+from training.planning.layout import Layout
 from training.state.universal import needs_universal
 
 

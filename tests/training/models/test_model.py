@@ -2,7 +2,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from training.config.errors import ConfigError
+from training.base.errors import ConfigError
 from training.models.model import build_model, check_recipe_against_model, load_model_config
 from training.config.recipe import load_recipe
 

@@ -1,7 +1,7 @@
 """training/models/moe.py's checks, on the shipped Mixtral config (no weights)."""
 import pytest
 
-from training.config.errors import ConfigError
+from training.base.errors import ConfigError
 from training.config.recipe import load_recipe
 from training.models.model import load_model_config
 from training.models.moe import check_moe, with_router_loss

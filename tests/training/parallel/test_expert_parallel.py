@@ -97,8 +97,8 @@ def test_the_router_meter_counts_each_micro_batch_once(one_rank):
 
 
 def test_an_expert_parallel_checkpoint_resumes_with_expert_parallelism_of_any_degree():
-    from training.config.errors import ConfigError
-    from training.parallel.layout import Layout
+    from training.base.errors import ConfigError
+    from training.planning.layout import Layout
     from training.state.universal import needs_universal
     wrote = Layout(world_size=2, zero_stage=1, precision="fp32", expert_parallel=2)
     assert needs_universal(wrote, wrote, False, "export") is False

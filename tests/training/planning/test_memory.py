@@ -2,7 +2,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from training.config.ds_config import zero_setting
+from training.planning.ds_config import zero_setting
 from training.planning.memory import (activation_bytes, fp32_zero_states, gradient_bucket_bytes,
                                       layer_bytes_per_token, model_states, zero_arithmetic)
 from training.planning.shape import model_shape
@@ -153,7 +153,7 @@ def test_the_fused_loss_rule_matches_the_saved_tensors(model_type):
     """training/models/fused_loss.py saves no logits; it keeps the hidden states' gradient on its context, out of the
     saved-tensor hooks' sight (added to the measurement), in place of the head's saved input. One chunk's logits and
     the head's weight gradient are live at a time."""
-    from training.models.fused_loss import CHUNK_TOKENS
+    from training.planning.kernels import CHUNK_TOKENS
     shape, measured = measure(model_type, torch.bfloat16, checkpointing=False, fused_loss=True)
     tokens, a, vocab, hidden = BATCH * SEQ_LEN, 2, shape.vocab_size, shape.hidden_size
     estimate = activation_bytes(shape, tokens, SEQ_LEN, a, "sdpa", fused_loss=True).without_checkpointing

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from training.config.errors import ConfigError
+from training.base.errors import ConfigError
 from training.compat.deepspeed import FP16BlockGradScaler
 from training.planning.precision import device_type, fp16_block, resolve_precision
 
@@ -32,7 +32,7 @@ def fp16_block_scaler(**block) -> tuple[FP16BlockGradScaler, torch.nn.Linear, to
     """The ZeRO-0 fp16 scaler on CPU: torch's GradScaler mechanics work on fp32 gradients there too."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
-    return FP16BlockGradScaler({"fp16": block}, "cpu"), model, torch.optim.SGD(model.parameters(), lr=0.1)
+    return FP16BlockGradScaler(fp16_block({"fp16": block}), "cpu"), model, torch.optim.SGD(model.parameters(), lr=0.1)
 
 
 def scaler_step(scaler: FP16BlockGradScaler, model: torch.nn.Linear, optimizer: torch.optim.Optimizer,

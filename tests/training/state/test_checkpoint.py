@@ -3,9 +3,10 @@ import sys
 import deepspeed
 import torch
 
-from training.parallel.layout import Layout
+from training.planning.layout import Layout
 from training.state.checkpoint import load_checkpoint, save_checkpoint
 from training.compat.deepspeed import FP16BlockGradScaler, provide_universal_info
+from training.planning.precision import fp16_block
 
 RUN_STATE = {"step": 4, "tokens_seen": 64, "world_size": 1, "zero_stage": 0, "precision": "fp16"}
 
@@ -25,7 +26,7 @@ def engine_with_fp16_block_scaler() -> deepspeed.DeepSpeedEngine:
     scaler's state and its way through the checkpoint are the same)."""
     fp16 = {"fp16": {"initial_scale_power": 10, "hysteresis": 1, "loss_scale_window": 100}}
     engine = linear_engine(0, **fp16)
-    engine.torch_autocast_z0_gradscaler = FP16BlockGradScaler(fp16, "cpu")
+    engine.torch_autocast_z0_gradscaler = FP16BlockGradScaler(fp16_block(fp16), "cpu")
     return engine
 
 

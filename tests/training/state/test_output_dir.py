@@ -6,7 +6,7 @@ import json
 import pytest
 
 from tests.conftest import SMALL_MODEL, run_train
-from training.state.output_guard import MARKER, files_under, listed_files
+from training.base.output_guard import MARKER, files_under, listed_files
 
 USERS = {"NOTES.md": "mine", "benchmarks/my_eval.py": "mine", "evals/results.json": "{}",
          "evals/.written-by.json": '{"command": "python -m training evaluate", "files": ["results.json"]}\n'}

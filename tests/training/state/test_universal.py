@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from training.config.errors import ConfigError
-from training.parallel.layout import Layout
+from training.base.errors import ConfigError
+from training.planning.layout import Layout
 from training.state.run_state import RunState
 from training.state.universal import needs_universal
 

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from training.config.errors import ConfigError
+from training.base.errors import ConfigError
 
 MARKER = ".written-by.json"
 

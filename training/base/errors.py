@@ -17,7 +17,10 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from data_pipeline import DataError
+
+
+class DataError(ValueError):
+    """Bad input data: the message names the file (and line or field) and how to fix it."""
 
 
 class ConfigError(ValueError):

@@ -9,6 +9,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, PositiveInt
 
+EXPERT_PARALLEL_STAGES = (1, 2)  # the ZeRO stages expert parallelism runs under (training/parallel/expert_parallel.py)
+
 
 class Layout(BaseModel):
     model_config = ConfigDict(strict=True, frozen=True, extra="ignore")

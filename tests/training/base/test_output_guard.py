@@ -6,8 +6,8 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from training.config.errors import ConfigError
-from training.state.output_guard import (MARKER, begin_in_place, files_under, finish_in_place, listed_files,
+from training.base.errors import ConfigError
+from training.base.output_guard import (MARKER, begin_in_place, files_under, finish_in_place, listed_files,
                                          owned_files, remove_owned, staged_folder)
 
 COMMAND = "python -m training export"

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
-from training.config.errors import ConfigError
+from training.base.errors import ConfigError
 from training.planning.memory import (EXPERT_PARALLEL_SETTINGS, HEADROOM, Activations, ModelStates, activations,
                                       fits, states_per_setting)
 from training.planning.plan import Machine
@@ -56,7 +56,7 @@ def choose_ds_config(recipe: Recipe, config: PretrainedConfig, precision: str, m
     """The recipe with `deepspeed.config` (and `activation_checkpointing`) as chosen; a ConfigError naming
     the shortfall and what would fit when nothing does. refusal(recipe): why the run's checks refuse it, or None.
     With training.micro_batch_size=auto the plan is for micro-batch 1; the micro-batch is chosen under the config
-    after (training/config/micro_batch.py says why)."""
+    after (training/planning/micro_batch.py says why)."""
     if recipe.parallelism.pipeline_stages > 1:
         raise ConfigError("deepspeed.config=auto plans one model per rank; with pipeline stages choose zero0 or "
                           "zero1 yourself (--dry-run prints each stage's memory)")

@@ -23,8 +23,8 @@ from collections.abc import Callable
 
 from transformers import PretrainedConfig
 
-from training.config.auto_config import with_seq_len, with_training
-from training.config.errors import ConfigError
+from training.planning.auto_config import with_seq_len, with_training
+from training.base.errors import ConfigError
 from training.config.recipe import Recipe
 from training.planning.memory import HEADROOM, activations, fits, micro_batch_rows, states_per_setting
 from training.planning.plan import Machine, MicroBatchChoice

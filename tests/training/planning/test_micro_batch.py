@@ -1,4 +1,4 @@
-"""training.micro_batch_size=auto (training/config/micro_batch.py): for any memory, the largest divisor of the rows per
+"""training.micro_batch_size=auto (training/planning/micro_batch.py): for any memory, the largest divisor of the rows per
 rank whose planned peak fits, the next larger divisor not fitting; micro-batch 1 not fitting exits 2 with the numbers
 and what would fit; under deepspeed.config=auto the config chosen for micro-batch 1; a resume keeps the checkpoint's
 micro-batch; the dry run says what it chose, with the numbers of its own memory table."""
@@ -8,8 +8,8 @@ import re
 import pytest
 
 import train
-from training.config.errors import ConfigError
-from training.config.micro_batch import choose_micro_batch
+from training.base.errors import ConfigError
+from training.planning.micro_batch import choose_micro_batch
 from training.config.recipe import Recipe, load_recipe
 from training.models.model import load_model_config
 from training.planning.memory import activations, fits, states_per_setting

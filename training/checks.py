@@ -2,9 +2,9 @@
 stage, precision and optimizer together, before anything is built."""
 from transformers import PretrainedConfig
 
-from training.config.ds_config import (check_nvme_offload, config_source, ds_config_file, load_ds_config, offloads,
+from training.planning.ds_config import (check_nvme_offload, config_source, ds_config_file, load_ds_config, offloads,
                                        zero_setting, zero_stage)
-from training.config.errors import ConfigError
+from training.base.errors import ConfigError
 from training.models.lora import check_lora
 from training.models.moe import check_moe
 from training.loop.optimizer import check_optimizer

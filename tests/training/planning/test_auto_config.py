@@ -1,4 +1,4 @@
-"""deepspeed.config=auto (training/config/auto_config.py): the choice is the first setting, least sharded first, that
+"""deepspeed.config=auto (training/planning/auto_config.py): the choice is the first setting, least sharded first, that
 the printed plan says fits; checkpointing only when needed; refused settings passed over; nothing fitting
 exits 2 with the numbers and what would fit."""
 import json
@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 import train
-from training.config.auto_config import AUTO_ORDER, candidates, expert_parallel_size, memory_needs
+from training.planning.auto_config import AUTO_ORDER, candidates, expert_parallel_size, memory_needs
 from training.config.recipe import load_recipe
 from training.models.model import load_model_config
 from training.planning.memory import fits
@@ -129,7 +129,7 @@ def test_the_expert_parallelism_tried_stays_in_a_node(gpus_per_node, experts, si
 @pytest.mark.slow
 def test_on_a_cpu_the_run_writes_the_config_it_chose(tmp_path, data_cache):
     """Against this machine's RAM over its ranks: tiny_llama fits without sharding, and the whole global batch of 16
-    rows in one micro-batch (training.micro_batch_size=auto, training/config/micro_batch.py), which the run's files
+    rows in one micro-batch (training.micro_batch_size=auto, training/planning/micro_batch.py), which the run's files
     and its checkpoint record as a number."""
     out = tmp_path / "run"
     result = train_in_process(["--recipe", "tiny_llama", "--output-dir", str(out), SMALL_MODEL, data_cache,

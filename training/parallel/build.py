@@ -7,13 +7,14 @@ import torch.distributed as dist
 
 from training.models.compile import compile_layers
 from training.models.fp8 import convert_linears_to_fp8, fp8_linear_count
-from training.models.fused_loss import fuse_head_and_loss, uses_fused_loss
+from training.models.fused_loss import fuse_head_and_loss
 from training.models.long_context import apply_long_context
 from training.models.lora import with_lora
 from training.models.model import build_model
 from training.models.moe import mark_sparse_blocks
 from training.parallel.pipeline import TokenMeanLoss, build_pipeline
 from training.parallel.sequence_parallel import enable_sequence_parallel
+from training.planning.kernels import uses_fused_loss
 from training.planning.plan import RunPlan
 from training.compat.deepspeed import provide_universal_info
 
