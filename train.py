@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import warnings
+from dataclasses import replace
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from data_pipeline.stream import StreamingBatches
 from training.compat import check_versions
 from training.compat.deepspeed import loss_scale, withheld_step, zero0_grad_norm
 from training.planning.auto_config import choose_ds_config
-from training.planning.ds_config import accumulation_steps, load_ds_config, resolve_ds_config, zero_setting, zero_stage
+from training.planning.ds_config import accumulation_steps, build_ds_config, load_ds_config, zero_setting, zero_stage
 from training.base.errors import ConfigError, positive_float, positive_int
 from training.planning.micro_batch import choose_micro_batch
 from training.config.recipe import load_recipe, recipe_inputs
@@ -53,9 +54,8 @@ from training.models.model import (check_checkpoint_folder, check_checkpoint_mat
                                    load_model_config, load_tokenizer, weights_digest)
 from training.models.moe import RouterMeter, router_meter, with_router_loss
 from training.parallel import distributed
-from training.parallel.expert_parallel import with_expert_parallel
 from training.parallel.pipeline import pipeline_batches
-from training.parallel.tensor_parallel import loss_copies, with_tensor_parallel
+from training.parallel.tensor_parallel import loss_copies
 from training.checks import check_layout, refusal
 from training.planning.plan import RunPlan, planned_machine
 from training.planning.precision import resolve_precision
@@ -122,22 +122,22 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> RunPla
     recipe = resolve_compile(recipe, zero_stage(raw_ds_config), for_gpus=args.num_gpus is not None)
     check_layout(recipe, model_config, raw_ds_config, precision, world_size, args.num_gpus is not None)
     parallelism = recipe.parallelism
-    tensor = parallelism.tensor_parallel
-    dp_size = world_size // (parallelism.pipeline_stages * parallelism.sequence_parallel * tensor)
+    dp_size = world_size // (parallelism.pipeline_stages * parallelism.sequence_parallel * parallelism.tensor_parallel)
     output_dir = args.output_dir or default_output_dir(recipe.name, args.resume)
     recipe, micro_batch = choose_micro_batch(recipe, model_config, precision, zero_setting(raw_ds_config), machine,
                                              dp_size, saved_micro_batch(output_dir) if args.resume else None)
-    ds_config = with_tensor_parallel(resolve_ds_config(raw_ds_config, ds_config_path, recipe, model_config.hidden_size,
-                                                       dp_size, precision), tensor)
-    ds_config = with_expert_parallel(ds_config, parallelism.expert_parallel, model_config)
     if not args.dry_run:
         check_output_dir(output_dir, args.resume, args.overwrite, [*recipe_inputs(recipe), ds_config_path])
-    plan = RunPlan(recipe, model_config, tokenizer, precision, ds_config, ds_config_path, world_size,
+
+    def ds_config(universal: bool) -> dict:
+        return build_ds_config(raw_ds_config, ds_config_path, recipe, model_config, dp_size, precision, universal)
+
+    plan = RunPlan(recipe, model_config, tokenizer, precision, ds_config(False), ds_config_path, world_size,
                    accumulation_steps(recipe.training, dp_size), output_dir,
                    chosen_for=machine if auto_config else None, micro_batch=micro_batch,
                    base_digest=weights_digest(recipe.model.name_or_path) if recipe.model.name_or_path else None)
-    if args.resume:
-        plan_resume(plan)
+    if args.resume and plan_resume(plan):  # the checkpoint loads in this layout only through a universal conversion
+        plan = replace(plan, ds_config=ds_config(True), resume_universal=True)
     return plan
 
 

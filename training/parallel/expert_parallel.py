@@ -19,10 +19,10 @@ from transformers import PretrainedConfig
 from training.compat.deepspeed import autoep_layers
 from training.base.errors import ConfigError
 from training.config.recipe import Recipe
+from training.planning.ds_config import PRESETS
 from training.planning.layout import EXPERT_PARALLEL_STAGES
 from training.planning.shape import expert_count, rank_groups_problem
 
-PRESETS = {"mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen3_moe"}  # model_type -> AutoEP preset
 
 
 def check_expert_parallel(recipe: Recipe, config: PretrainedConfig, world_size: int, zero_stage: int,
@@ -53,17 +53,6 @@ def check_expert_parallel(recipe: Recipe, config: PretrainedConfig, world_size: 
     ) if condition]
     if problems:
         raise ConfigError(f"parallelism.expert_parallel={size}:\n" + "\n".join(f"  {p}" for p in problems))
-
-
-def with_expert_parallel(ds_config: dict, size: int, config: PretrainedConfig) -> dict:
-    """The resolved DeepSpeed config with AutoEP on (size > 1) for the model's preset. On CPU ranks the experts run
-    one after another (torch's grouped matrix multiply is a CUDA kernel)."""
-    if size == 1:
-        return ds_config
-    section = {"enabled": True, "autoep_size": size, "preset_model": PRESETS[config.model_type]}
-    if not torch.cuda.is_available():
-        section["use_grouped_mm"] = False
-    return {**ds_config, "expert_parallel": section}
 
 
 def hf_weights(engine: DeepSpeedEngine, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -12,7 +12,6 @@ derives it from the micro-batch and the accumulation steps, which train.py sets.
 from deepspeed import DeepSpeedEngine
 from transformers import PretrainedConfig
 
-from training.compat.deepspeed import without_train_batch_size
 from training.base.errors import ConfigError
 from training.config.recipe import Recipe
 from training.planning.shape import head_counts, rank_groups_problem
@@ -38,13 +37,6 @@ def check_tensor_parallel(recipe: Recipe, config: PretrainedConfig, world_size: 
         problems.append("long_context tiling with tensor parallelism is not built: turn it off")
     if problems:
         raise ConfigError(f"parallelism.tensor_parallel={size}:\n" + "\n".join(f"  {p}" for p in problems))
-
-
-def with_tensor_parallel(ds_config: dict, size: int) -> dict:
-    """The resolved DeepSpeed config with AutoTP on (size > 1) and train_batch_size left to DeepSpeed."""
-    if size == 1:
-        return ds_config
-    return {**without_train_batch_size(ds_config), "tensor_parallel": {"autotp_size": size}}
 
 
 def loss_copies(engine: DeepSpeedEngine) -> int:

@@ -13,18 +13,20 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from pydantic import ValidationError
+from transformers import PretrainedConfig
 
 from training.base.errors import ConfigError, read_text
+from training.compat.deepspeed import without_train_batch_size
 from training.planning.precision import fp16_block
 from training.config.recipe import Recipe, TrainingSection
 
 DS_CONFIGS_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
 MISSING = object()
-
-
+PRESETS = {"mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen3_moe"}  # model_type -> AutoEP preset
 DEEPSPEED_TYPES = {"adamw": "AdamW", "adamw8bit": "AdamW8bit", "adafactor": "Adafactor", "lion": "Lion",
                    "muon": "Muon"}  # the ds_config's optimizer.type
 CLIENT_OPTIMIZERS = ("adamw8bit", "adafactor", "lion")  # built here and handed to DeepSpeed
@@ -293,3 +295,38 @@ def resolve_ds_config(raw: dict, source: Path, recipe: Recipe, hidden_size: int,
     if problems:
         raise ConfigError("the DeepSpeed config cannot run:\n" + "\n".join(f"  {p}" for p in problems))
     return config
+
+
+def build_ds_config(raw: dict, source: Path, recipe: Recipe, model_config: PretrainedConfig, dp_size: int,
+                    precision: str, universal: bool) -> dict:
+    """The run's DeepSpeed config, whole: the file's resolved against the recipe (resolve_ds_config), with AutoTP,
+    AutoEP and the universal-checkpoint load (a resume in another layout) that the layout adds. The one place it is
+    made: the plan holds it, ds_config.json records it and deepspeed.initialize takes it."""
+    parallelism = recipe.parallelism
+    config = resolve_ds_config(raw, source, recipe, model_config.hidden_size, dp_size, precision)
+    config = with_expert_parallel(with_tensor_parallel(config, parallelism.tensor_parallel),
+                                  parallelism.expert_parallel, model_config)
+    return with_universal_load(config) if universal else config
+
+
+def with_tensor_parallel(ds_config: dict, size: int) -> dict:
+    """The resolved DeepSpeed config with AutoTP on (size > 1) and train_batch_size left to DeepSpeed."""
+    if size == 1:
+        return ds_config
+    return {**without_train_batch_size(ds_config), "tensor_parallel": {"autotp_size": size}}
+
+
+def with_expert_parallel(ds_config: dict, size: int, config: PretrainedConfig) -> dict:
+    """The resolved DeepSpeed config with AutoEP on (size > 1) for the model's preset. On CPU ranks the experts run
+    one after another (torch's grouped matrix multiply is a CUDA kernel)."""
+    if size == 1:
+        return ds_config
+    section = {"enabled": True, "autoep_size": size, "preset_model": PRESETS[config.model_type]}
+    if not torch.cuda.is_available():
+        section["use_grouped_mm"] = False
+    return {**ds_config, "expert_parallel": section}
+
+
+def with_universal_load(ds_config: dict) -> dict:
+    """The DeepSpeed config of a run resumed from a universal checkpoint, as ds_config.json records it."""
+    return {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}

@@ -18,9 +18,9 @@ from training.planning.precision import device_type
 from training.planning.shape import ModelShape, model_shape
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunPlan:
-    """Everything decided before anything expensive runs."""
+    """Everything decided before anything expensive runs; made once, in train.make_plan, and not changed after."""
     recipe: Recipe
     model_config: PretrainedConfig
     tokenizer: PreTrainedTokenizerBase | None  # None only in a dry run whose hub tokenizer is not cached here

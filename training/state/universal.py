@@ -183,11 +183,6 @@ def convert_on_rank_0(checkpoint_dir: Path, tag: str) -> None:
     dist.barrier(group=host_group())
 
 
-def with_universal_load(ds_config: dict) -> dict:
-    """The DeepSpeed config of a run resumed from a universal checkpoint, as ds_config.json records it."""
-    return {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
-
-
 def run_state_of(tag_dir: Path) -> RunState | None:
     """The run state the checkpoint was written with; None for a checkpoint without a readable one."""
     try:

@@ -11,7 +11,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import train
 from tests.test_train import no_model_building  # noqa: F401 (a fixture)
 from training.models.moe import router_meter
-from training.parallel.expert_parallel import original_weights, with_expert_parallel
+from training.parallel.expert_parallel import original_weights
+from training.planning.ds_config import with_expert_parallel
 
 MIXTRAL = ["--recipe", "mixtral_8x7b", "--dry-run", "--num-gpus", "8", "--gpu-mem", "80"]
 

@@ -4,7 +4,7 @@ import pytest
 
 import train
 from tests.test_train import no_model_building  # noqa: F401 (a fixture)
-from training.parallel.tensor_parallel import with_tensor_parallel
+from training.planning.ds_config import with_tensor_parallel
 
 
 @pytest.mark.parametrize("overrides, gpus, message", [
