@@ -41,7 +41,7 @@ from training.loop.benchmarks import benchmark_checkpoint, benchmark_run, check_
 from training.loop.engine import start_engine
 from training.loop.evaluation import evaluate
 from training.loop.metrics import (FlopsMeter, MetricsLogger, Stopwatch, flops_meter, gpu_metrics, measured_model_states,
-                                   peak_memory_bytes, record_model_states, run_totals, write_summary)
+                                   Throughput, peak_memory_bytes, record_model_states, run_totals, write_summary)
 from training.loop.health import WeightWatch
 from training.loop.preference import PreferenceLoss, start_preference
 from training.loop.stability import StabilityGuard, finite, rewind
@@ -244,7 +244,7 @@ def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: E
     guard = StabilityGuard(recipe.stability, plan.precision == "fp16", checkpoints) if recipe.stability.enabled else None
     watch = WeightWatch(engine) if plan.pipeline_stages == plan.tensor_parallel == 1 else None
     records, saves, tokens_seen, position = [], [], start["tokens_seen"], start["data_position"]
-    interval, timed = {"tokens": 0, "steps": 0}, {"tokens": 0, "steps": 0, "seconds": 0.0}
+    interval, timed = Throughput(), Throughput()
     step, every, stopped = start_step, recipe.checkpointing.every_steps, None
 
     def evaluate_at(s: int) -> bool:
@@ -295,27 +295,26 @@ def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: E
         if event:
             logger.event(event)
         step, tokens_seen = step + 1, tokens_seen + tokens
-        interval["tokens"], interval["steps"] = interval["tokens"] + tokens, interval["steps"] + 1
+        interval.add(Throughput(tokens, 1))
         logger.advance()
         log_now, save_now = log_at(step) or stop, stop or (every and step % every == 0) or step == total_steps
         if not (log_now or save_now):
             continue
         clock.stop()
         if log_now:
-            seconds = clock.take()
-            records.append(step_record(engine, step, lr, loss_share, grad_norm, interval, seconds, flops, router))
+            interval.seconds = clock.take()
+            records.append(step_record(engine, step, lr, loss_share, grad_norm, interval, flops, router))
             if preference:
                 records[-1].update(preference.metrics())
             if watch and watch.before is not None:
                 records[-1].update(watch.measure())
             if step > start_step + 1:  # the first step pays for warm-up and is left out of the mean
-                timed.update(tokens=timed["tokens"] + interval["tokens"], steps=timed["steps"] + interval["steps"],
-                             seconds=timed["seconds"] + seconds)
+                timed.add(interval)
             if evaluate_at(step):
                 records[-1].update(preference.evaluate(engine, evaluation) if preference else
                                    evaluate(engine, evaluation, plan.sequence_shard(dist.get_rank())))
             logger.log(records[-1])
-            interval = {"tokens": 0, "steps": 0}
+            interval = Throughput()
         if save_now:
             save()
             if not stop and step < total_steps:  # a periodic checkpoint (the final weights are scored at the end)
@@ -330,7 +329,7 @@ def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: E
 
 
 def step_record(engine: deepspeed.DeepSpeedEngine, step: int, lr: float, loss_share: torch.Tensor,
-                grad_norm: torch.Tensor | float, interval: dict, seconds: float, flops: FlopsMeter | None,
+                grad_norm: torch.Tensor | float, interval: Throughput, flops: FlopsMeter | None,
                 router: RouterMeter | None) -> dict:
     """The metrics.jsonl line of a logged step: the step's loss (the language model's: without an MoE router's
     load-balancing loss, logged apart as aux_loss, with the tokens each expert was sent) and gradient norm, and the
@@ -341,9 +340,10 @@ def step_record(engine: deepspeed.DeepSpeedEngine, step: int, lr: float, loss_sh
     aux = router.coefficient * routing["aux_loss"] if "aux_loss" in routing else 0.0
     loss = distributed.all_reduce(loss_share).item() - aux
     return {"step": step, "loss": loss, **routing, "lr": lr, "grad_norm": float(grad_norm),
-            "tokens_per_s": interval["tokens"] / seconds, "step_time_s": seconds / interval["steps"],
+            "tokens_per_s": interval.tokens / interval.seconds, "step_time_s": interval.seconds / interval.steps,
             "peak_mem_bytes": int(peak.item()),
-            **({"loss_scale": scale} if scale is not None else {}), **gpu_metrics(flops, interval["steps"], seconds)}
+            **({"loss_scale": scale} if scale is not None else {}),
+            **gpu_metrics(flops, interval.steps, interval.seconds)}
 
 
 def run_state(plan: RunPlan, step: int, tokens_seen: int, data_position: int, trackers: dict[str, str]) -> dict:

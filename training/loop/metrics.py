@@ -164,13 +164,26 @@ def measured_model_states(held: dict[str, int]) -> dict[str, int] | None:
     return {device: int(size) for device, size in zip(devices, sizes) if size >= 0} or None
 
 
-def run_totals(records: list[dict], timed: dict, saves: list[dict], flops: FlopsMeter | None) -> dict:
-    """summary.json's totals from the logged records, the timed intervals (tokens, steps, seconds after the first
-    step) and the checkpoint saves."""
+@dataclass
+class Throughput:
+    """Tokens (real, padding excluded), optimizer steps and training seconds, summed: the interval since the last logged
+    step, or every interval after the first step (summary.json's means)."""
+    tokens: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+
+    def add(self, other: "Throughput") -> None:
+        self.tokens, self.steps, self.seconds = self.tokens + other.tokens, self.steps + other.steps, \
+            self.seconds + other.seconds
+
+
+def run_totals(records: list[dict], timed: Throughput, saves: list[dict], flops: FlopsMeter | None) -> dict:
+    """summary.json's totals from the logged records, the timed intervals (after the first step) and the checkpoint
+    saves."""
     return {"first_loss": records[0]["loss"], "final_loss": records[-1]["loss"],
             "first_step_s": records[0]["step_time_s"],  # the first record is the first step's alone (warm-up, compile)
-            "mean_tokens_per_s": timed["tokens"] / timed["seconds"] if timed["seconds"] else records[0]["tokens_per_s"],
-            **(flops.metrics(timed["steps"], timed["seconds"]) if flops and timed["seconds"] else {}),
+            "mean_tokens_per_s": timed.tokens / timed.seconds if timed.seconds else records[0]["tokens_per_s"],
+            **(flops.metrics(timed.steps, timed.seconds) if flops and timed.seconds else {}),
             "peak_mem_bytes": max(r["peak_mem_bytes"] for r in records),
             **({"peak_mem_reserved_bytes": max(r["peak_mem_reserved_bytes"] for r in records)}
                if "peak_mem_reserved_bytes" in records[0] else {}),
