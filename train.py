@@ -20,15 +20,12 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import training  # noqa: F401 (first: it keeps DeepSpeed's import from loading mlflow, training/compat/deepspeed.py)
-import datasets
 import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from training.base.errors import DataError
-from data_pipeline.loader import EvalBatches, EvalPairBatches, PairBatches, StepBatches, model_inputs, target_count
-from data_pipeline.prepare import pad_token_id, prepare_dataset
+from data_pipeline.prepare import prepare_dataset
 from data_pipeline.stream import StreamingBatches
 from training.compat import check_versions
 from training.compat.deepspeed import loss_scale, withheld_step, zero0_grad_norm
@@ -39,11 +36,10 @@ from training.planning.micro_batch import choose_micro_batch
 from training.config.recipe import load_recipe, recipe_inputs
 from training.loop.benchmarks import benchmark_checkpoint, benchmark_run, check_benchmarks
 from training.loop.engine import start_engine
-from training.loop.evaluation import evaluate
 from training.loop.metrics import (FlopsMeter, MetricsLogger, Stopwatch, flops_meter, gpu_metrics, measured_model_states,
                                    Throughput, peak_memory_bytes, record_model_states, run_totals, write_summary)
 from training.loop.health import WeightWatch
-from training.loop.preference import PreferenceLoss, start_preference
+from training.objectives import OBJECTIVES, Objective
 from training.loop.stability import StabilityGuard, finite, rewind
 from training.loop.trackers import Trackers, check_trackers
 from training.models.attention import resolve_attention
@@ -141,9 +137,9 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> RunPla
     return plan
 
 
-def make_batches(plan: RunPlan) -> tuple[StepBatches | StreamingBatches, EvalBatches | None, dict]:
-    """Training batches from prepared rows (local rank 0 prepares and caches them while the other ranks
-    wait) or from a stream, and evaluation batches when the data has an eval split."""
+def make_batches(plan: RunPlan, objective: Objective) -> tuple:
+    """The objective's training batches from prepared rows (local rank 0 prepares and caches them while the other
+    ranks wait), or batches from a stream; evaluation batches when the data has an eval split; the data's stats."""
     data, training = plan.recipe.data, plan.recipe.training
     rank = plan.dp_rank(dist.get_rank())
     if data.streaming:
@@ -151,26 +147,7 @@ def make_batches(plan: RunPlan) -> tuple[StepBatches | StreamingBatches, EvalBat
                                 plan.dp_size, training.seed), None, {"streaming": True}
     with distributed.local_main_first():
         prepared, stats = prepare_dataset(data, plan.tokenizer)
-    if data.preference:
-        return *pair_batches(prepared, plan, rank), stats
-    row_length = len(prepared["train"][0]["input_ids"])
-    if row_length != data.seq_len:
-        raise DataError(f"data.prepared={data.prepared} holds rows of {row_length} tokens, but data.seq_len is "
-                        f"{data.seq_len}; prepare again with this seq_len or set data.seq_len={row_length}")
-    evaluation = EvalBatches(prepared["eval"], training.micro_batch_size, rank, plan.dp_size,
-                             training.eval_max_rows) if "eval" in prepared else None
-    return StepBatches(prepared["train"], training.micro_batch_size, plan.accumulation_steps, rank,
-                       plan.dp_size, training.seed), evaluation, stats
-
-
-def pair_batches(prepared: datasets.DatasetDict, plan: RunPlan, rank: int) -> tuple[PairBatches, EvalPairBatches | None]:
-    """training.objective=dpo: batches of preference pairs, packed when fetched."""
-    data, training = plan.recipe.data, plan.recipe.training
-    packing = (data.seq_len, pad_token_id(plan.tokenizer), data.packing)
-    evaluation = EvalPairBatches(prepared["eval"], training.micro_batch_size, rank, plan.dp_size, *packing,
-                                 training.eval_max_rows) if "eval" in prepared else None
-    return PairBatches(prepared["train"], training.micro_batch_size, plan.accumulation_steps, rank, plan.dp_size,
-                       training.seed, *packing), evaluation
+    return *objective.batches(prepared, rank), stats
 
 
 def grad_norm_before_step(engine: deepspeed.DeepSpeedEngine) -> torch.Tensor | None:
@@ -181,9 +158,9 @@ def grad_norm_before_step(engine: deepspeed.DeepSpeedEngine) -> torch.Tensor | N
     return zero0_grad_norm(engine)
 
 
-def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict], dp_size: int,
-               guard: StabilityGuard | None = None, shard: tuple[int, int] = (0, 1),
-               preference: PreferenceLoss | None = None) -> tuple[torch.Tensor, torch.Tensor | float, int, bool]:
+def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict], dp_size: int, objective: Objective,
+               guard: StabilityGuard | None = None,
+               shard: tuple[int, int] = (0, 1)) -> tuple[torch.Tensor, torch.Tensor | float, int, bool]:
     """One optimizer step. Returns this rank's share of the step's loss (the shares of all ranks sum to the
     mean over every target token of the global batch), the gradient norm before clipping, the real
     (non-padding) tokens of the global batch, and whether any rank has been asked to stop. Under sequence
@@ -193,10 +170,10 @@ def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict], dp_
     x ranks)): DeepSpeed's averaging over accumulation steps and ranks then yields exactly the global
     token mean, not a mean of micro-batch means. The counts are reduced on the host, in the same
     collective as the stop flag. The stability guard, when on, reads the step's loss before the last
-    backward pass and may drop the step (training/loop/stability.py): one wait for the device per step. Under DPO
-    (preference) pairs take the place of target tokens: the step's loss is the mean over the global batch's pairs."""
+    backward pass and may drop the step (training/loop/stability.py): one wait for the device per step. The
+    objective says what the loss is a mean over (DPO: pairs in place of target tokens) and computes it."""
     targets, tokens, stops = distributed.all_reduce_on_host([
-        sum(map(preference.count if preference else target_count, micro_batches)),
+        sum(map(objective.count, micro_batches)),
         sum(int(batch["length"].sum()) for batch in micro_batches), float(stop_requested.is_set())])
     copies = dist.get_world_size() // dp_size  # the ranks of a pipeline, sequence or tensor group hold the same rows
     targets, tokens = targets / copies, tokens // copies
@@ -210,12 +187,9 @@ def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict], dp_
         return loss / dist.get_world_size(), engine.get_global_grad_norm(), int(tokens), stops > 0
     shares = len(micro_batches) * dp_size * loss_copies(engine)
     loss_sum, grad_norm = torch.zeros((), device=engine.device), None
-    if preference:
-        preference.start_step()
+    objective.start_step()
     for index, batch in enumerate(micro_batches):
-        loss = preference(engine, batch, targets_per_micro_batch) if preference else \
-            engine(**model_inputs(batch, engine.device, shard),
-                   num_items_in_batch=targets_per_micro_batch).loss
+        loss = objective.loss(engine, batch, targets_per_micro_batch, shard)
         if guard and index == len(micro_batches) - 1:
             loss = guard.drop_if_bad((loss_sum + loss.detach()) / shares, loss)
         engine.backward(loss)
@@ -230,9 +204,9 @@ def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict], dp_
     return loss_sum / shares, grad_norm, int(tokens), stops > 0
 
 
-def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: EvalBatches | None, plan: RunPlan,
-          start: dict, total_steps: int, flops: FlopsMeter | None, trackers: Trackers, clock: Stopwatch,
-          router: RouterMeter | None = None, preference: PreferenceLoss | None = None) -> dict:
+def train(engine: deepspeed.DeepSpeedEngine, objective: Objective, batches, evaluation, plan: RunPlan, start: dict,
+          total_steps: int, flops: FlopsMeter | None, trackers: Trackers, clock: Stopwatch,
+          router: RouterMeter | None = None) -> dict:
     """The loop: batch, forward/backward/step, log every N steps, evaluate every E, checkpoint every M, and
     on SIGTERM checkpoint and stop. A step the stability guard drops is tried again on the next batch; a
     rewind goes back to the last checkpoint (training/loop/stability.py). Returns run totals. Only training is
@@ -268,8 +242,8 @@ def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: E
             watch.remember()
         lr = guard.set_lr(engine, step + 1) if guard else engine.get_lr()[0]
         skipped_before = engine.skipped_steps
-        loss_share, grad_norm, tokens, stop = train_step(engine, batches.micro_batches(position), plan.dp_size, guard,
-                                                         plan.sequence_shard(dist.get_rank()), preference)
+        loss_share, grad_norm, tokens, stop = train_step(engine, batches.micro_batches(position), plan.dp_size,
+                                                         objective, guard, plan.sequence_shard(dist.get_rank()))
         position += 1
         event = guard.after_step(step + 1, position - 1, float(grad_norm), engine.skipped_steps > skipped_before) \
             if guard else None
@@ -304,15 +278,13 @@ def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: E
         if log_now:
             interval.seconds = clock.take()
             records.append(step_record(engine, step, lr, loss_share, grad_norm, interval, flops, router))
-            if preference:
-                records[-1].update(preference.metrics())
+            records[-1].update(objective.metrics())
             if watch and watch.before is not None:
                 records[-1].update(watch.measure())
             if step > start_step + 1:  # the first step pays for warm-up and is left out of the mean
                 timed.add(interval)
             if evaluate_at(step):
-                records[-1].update(preference.evaluate(engine, evaluation) if preference else
-                                   evaluate(engine, evaluation, plan.sequence_shard(dist.get_rank())))
+                records[-1].update(objective.evaluate(engine, evaluation, plan.sequence_shard(dist.get_rank())))
             logger.log(records[-1])
             interval = Throughput()
         if save_now:
@@ -325,7 +297,7 @@ def train(engine: deepspeed.DeepSpeedEngine, batches: StepBatches, evaluation: E
     logger.close()
     return {"last_step": step, "tokens_seen": tokens_seen, **run_totals(records, timed, saves, flops),
             **({"stability": guard.summary()} if guard else {}), **({"stopped": stopped} if stopped else {}),
-            **(preference.summary() if preference else {})}
+            **objective.summary()}
 
 
 def step_record(engine: deepspeed.DeepSpeedEngine, step: int, lr: float, loss_share: torch.Tensor,
@@ -379,7 +351,8 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
     training, checkpoints = plan.recipe.training, plan.output_dir / "checkpoints"
     distributed.check_shared_folder(plan.output_dir)
     claim_output_dir(plan.output_dir, args.resume)
-    batches, evaluation, data_stats = make_batches(plan)
+    objective = OBJECTIVES[training.objective](plan)
+    batches, evaluation, data_stats = make_batches(plan, objective)
     total_steps = training.max_steps or training.epochs * batches.steps_per_epoch
     if plan.resume_universal:
         convert_on_rank_0(checkpoints, latest_tag(checkpoints))
@@ -390,16 +363,15 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
     start = resume_engine(engine, batches, plan, total_steps) if args.resume else \
         {"step": 0, "tokens_seen": 0, "data_position": 0}
     start_output_dir(plan, args.overwrite, args.resume)  # every check has passed: only now may --overwrite remove the earlier run
-    preference = start_preference(engine, plan.recipe.dpo, plan.recipe.lora.enabled, plan.output_dir, batches,
-                                  evaluation, args.resume) if plan.recipe.data.preference else None
+    objective.start(engine, batches, evaluation, args.resume)
     signal.signal(signal.SIGTERM, lambda signum, frame: stop_requested.set())  # from here a SIGTERM saves, then stops
     held_tensors = {}
     clock = Stopwatch()
     record_model_states(engine.optimizer, lambda: engine.global_steps, start["step"] + 1, held_tensors, clock)
     flops = flops_meter(plan)
     trackers = Trackers(plan, start.get("trackers", {}), dist.get_rank() == 0)  # a resumed run continues its own
-    totals = train(engine, batches, evaluation, plan, start, total_steps, flops, trackers, clock,
-                   router_meter(engine.module, plan.accumulation_steps), preference)
+    totals = train(engine, objective, batches, evaluation, plan, start, total_steps, flops, trackers, clock,
+                   router_meter(engine.module, plan.accumulation_steps))
     totals.update(model_state_bytes=measured_model_states(held_tensors), kernels=kernels)
     if totals["last_step"] < total_steps:
         trackers.finish(None)

@@ -7,6 +7,7 @@ import difflib
 import math
 import re
 import typing
+from dataclasses import dataclass
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -95,8 +96,28 @@ def number_or_auto(value: Any, handler: Callable[[Any], Any]) -> int | str:
 MicroBatchSize = Annotated[PositiveInt | Literal["auto"], WrapValidator(number_or_auto)]
 
 
+@dataclass(frozen=True)
+class ObjectiveTraits:
+    """What the plan needs to know of a training objective before anything is built (its training code:
+    training/objectives/, docs/objectives.md)."""
+    model_loss: bool  # its loss is the model's next-token loss over target tokens, which the fused loss may replace
+    rows_per_example: int  # the rows a training example takes at most, for the memory plan (a DPO pair: 2)
+    unit: str  # what micro_batch_size and global_batch_size count
+
+
+OBJECTIVES = {"lm": ObjectiveTraits(model_loss=True, rows_per_example=1, unit="rows"),
+              "dpo": ObjectiveTraits(model_loss=False, rows_per_example=2, unit="pairs")}
+
+
+def known_objective(name: str) -> str:
+    if name not in OBJECTIVES:
+        raise ValueError(f"{name!r} is not an objective here; use one of {', '.join(map(repr, OBJECTIVES))}")
+    return name
+
+
 class TrainingSection(StrictModel):
-    objective: Literal["lm", "dpo"] = "lm"  # lm: next-token loss (pretraining, SFT); dpo: preference pairs (dpo:)
+    objective: Annotated[str, AfterValidator(known_objective)] = "lm"  # OBJECTIVES: lm, next-token loss (pretraining,
+    # SFT); dpo, preference pairs (dpo:)
     micro_batch_size: MicroBatchSize  # rows per rank per forward pass (dpo: pairs, packed into as few rows as fit);
     # auto: the largest that fits the memory plan, a number once the plan is made
     global_batch_size: PositiveInt  # rows per optimizer step = micro x accumulation x data-parallel ranks (dpo: pairs)
@@ -114,6 +135,10 @@ class TrainingSection(StrictModel):
     seed: int = 1234
     eval_every_steps: PositiveInt | None = None  # with an eval split (data.eval): also at the end of the run
     eval_max_rows: PositiveInt | None = None  # None: every evaluation row (dpo: pair)
+
+    @property
+    def traits(self) -> ObjectiveTraits:
+        return OBJECTIVES[self.objective]
 
     @model_validator(mode="after")
     def steps_or_epochs(self) -> "TrainingSection":
@@ -194,7 +219,7 @@ class MoeSection(StrictModel):
 
 
 class DpoSection(StrictModel):
-    """training.objective=dpo (training/loop/preference.py): the preference loss against a frozen reference, the
+    """training.objective=dpo (training/objectives/dpo.py): the preference loss against a frozen reference, the
     starting model (its log-probabilities computed once, before step 1) or, with LoRA, the base without adapters."""
     beta: PositiveFloat = 0.1  # how far the policy may move from the reference: the log-ratios' scale in the loss
     loss: Literal["sigmoid", "ipo"] = "sigmoid"  # sigmoid: DPO (Rafailov et al.); ipo: IPO (Azar et al.), on the

@@ -46,9 +46,6 @@ def check_moe(recipe: Recipe, config: PretrainedConfig) -> None:
                               f"the moe section")
         return
     parallelism = recipe.parallelism
-    if recipe.training.objective == "dpo" and config.output_router_logits:
-        raise ConfigError("training.objective=dpo with the router's load-balancing loss: DPO's loss has no place for "
-                          "it; set moe.aux_loss_coef=0")
     refused = [reason for condition, reason in (
         (parallelism.pipeline_stages > 1, "parallelism.pipeline_stages > 1"),
         (parallelism.tensor_parallel > 1, "parallelism.tensor_parallel > 1 (AutoTP does not split 3-D expert "

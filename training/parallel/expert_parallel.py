@@ -48,7 +48,6 @@ def check_expert_parallel(recipe: Recipe, config: PretrainedConfig, world_size: 
                         f"its experts' weights), or expert_parallel=1 with ZeRO-3")
     problems += [f"{what} with expert parallelism is not built: {fix}" for condition, what, fix in (
         (recipe.lora.enabled, "LoRA", "turn lora off, or train the adapters with expert_parallel=1"),
-        (recipe.training.objective == "dpo", "DPO", "use expert_parallel=1"),
         (recipe.precision == "fp8", "precision=fp8", "use bf16"),
     ) if condition]
     if problems:

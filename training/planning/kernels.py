@@ -13,7 +13,7 @@ def uses_fused_loss(recipe: Recipe, router_loss: bool) -> bool:
     DPO needs every sequence's log-probabilities; an MoE model with a router_loss adds it in its own forward; and
     where another module replaces the head."""
     parallelism = recipe.parallelism
-    return (recipe.fused_loss and recipe.training.objective == "lm" and parallelism.pipeline_stages == 1
+    return (recipe.fused_loss and recipe.training.traits.model_loss and parallelism.pipeline_stages == 1
             and parallelism.tensor_parallel == 1 and not recipe.long_context.logits_tile_tokens
             and not router_loss and not replaced_head(recipe))
 

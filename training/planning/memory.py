@@ -397,7 +397,7 @@ def stage_bounds(layer_parameters: list[int], stages: int, method: str) -> list[
 
 def micro_batch_rows(recipe: Recipe) -> int:
     """The rows of a micro-batch; under DPO at its largest, every sequence of its pairs a whole row."""
-    return recipe.training.micro_batch_size * (2 if recipe.training.objective == "dpo" else 1)
+    return recipe.training.micro_batch_size * recipe.training.traits.rows_per_example
 
 
 def activations(recipe: Recipe, precision: str, shape: ModelShape, setting: str | None = None,

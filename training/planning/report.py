@@ -53,7 +53,7 @@ def print_plan(plan: RunPlan, machine: Machine) -> None:
           + (f"; experts: {plan.expert_parallel} expert-parallel x {plan.world_size // plan.expert_parallel} "
              f"expert-data-parallel ({shape.num_experts // plan.expert_parallel} of each layer's {shape.num_experts} "
              f"experts per rank)" if plan.expert_parallel > 1 else ""))
-    if training.objective == "dpo":
+    if recipe.data.preference:
         print_preference_plan(plan)
     else:
         print(f"batch: {training.micro_batch_size} rows/rank x {plan.accumulation_steps} accumulation x {plan.dp_size} "
@@ -84,7 +84,7 @@ def print_plan(plan: RunPlan, machine: Machine) -> None:
 
 
 def print_preference_plan(plan: RunPlan) -> None:
-    """DPO's batch (pairs) and what its reference costs (training/loop/preference.py)."""
+    """DPO's batch (pairs) and what its reference costs (training/objectives/dpo.py)."""
     training, seq_len, beta = plan.recipe.training, plan.recipe.data.seq_len, plan.recipe.dpo.beta
     print(f"batch: {training.micro_batch_size} pairs/rank x {plan.accumulation_steps} accumulation x {plan.dp_size} "
           f"data-parallel ranks = {training.global_batch_size} pairs per step, each micro-batch's 2 x "
@@ -104,7 +104,7 @@ def print_micro_batch_choice(plan: RunPlan) -> None:
     """Why training.micro_batch_size=auto took this micro-batch (training/planning/micro_batch.py): its planned peak per
     rank, and the next larger divisor's, which did not fit."""
     choice, training = plan.micro_batch, plan.recipe.training
-    machine, unit = choice.machine, "pairs" if training.objective == "dpo" else "rows"
+    machine, unit = choice.machine, training.traits.unit
     budget = (f"{format_bytes(choice.planned_bytes)} per rank within {format_bytes(HEADROOM * machine.memory_per_rank)} "
               f"({HEADROOM:.0%} of {format_bytes(machine.memory_per_rank)}, {machine.memory_source})")
     if choice.kept:

@@ -5,6 +5,7 @@ from training.base.errors import ConfigError
 from training.config.recipe import load_recipe
 from training.models.model import load_model_config
 from training.models.moe import check_moe, with_router_loss
+from training.objectives.dpo import Dpo
 
 DPO = ["training.objective=dpo", "data.packing=bfd", "data.long_documents=truncate"]
 
@@ -12,6 +13,8 @@ DPO = ["training.objective=dpo", "data.packing=bfd", "data.long_documents=trunca
 def test_dpo_refuses_the_routers_loss_and_takes_it_turned_off():
     recipe = load_recipe("mixtral_8x7b", DPO)
     with pytest.raises(ConfigError, match="set moe.aux_loss_coef=0"):
-        check_moe(recipe, with_router_loss(load_model_config(recipe.model), recipe.moe))
+        Dpo.check(recipe, with_router_loss(load_model_config(recipe.model), recipe.moe))
     recipe = load_recipe("mixtral_8x7b", [*DPO, "moe.aux_loss_coef=0"])
-    check_moe(recipe, with_router_loss(load_model_config(recipe.model), recipe.moe))
+    config = with_router_loss(load_model_config(recipe.model), recipe.moe)
+    check_moe(recipe, config)
+    Dpo.check(recipe, config)

@@ -1,4 +1,4 @@
-"""Preference tuning (training.objective=dpo): DPO's and IPO's losses on packed pairs, the reference pass, and the
+"""training.objective=dpo, preference tuning: DPO's and IPO's losses on packed pairs, the reference pass, and the
 rewards TRL logs.
 
 Each sequence's log-probability is the sum of its completion tokens' log-probabilities (fp32), read from packed rows
@@ -22,12 +22,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from transformers import PretrainedConfig
 
-from training.base.errors import DataError
+from training.base.errors import ConfigError, DataError
 from data_pipeline.loader import EvalPairBatches, PairBatches
+from data_pipeline.prepare import pad_token_id
 from training.compat.datasets import fingerprint
-from training.config.recipe import DpoSection
+from training.config.recipe import DpoSection, Recipe
+from training.objectives.base import Objective
 from training.parallel import distributed
+from training.planning.plan import RunPlan
 from training.state.output_dir import REFERENCE_FILE
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
@@ -158,8 +162,6 @@ def reference_pass(engine: deepspeed.DeepSpeedEngine, micro_batches: Iterable[di
     return distributed.all_reduce(values).cpu().numpy()
 
 
-
-
 def start_preference(engine: deepspeed.DeepSpeedEngine, section: DpoSection, lora: bool, output_dir: Path,
                      batches: PairBatches, evaluation: EvalPairBatches | None, resume: bool) -> PreferenceLoss:
     """The loss, with every pair's reference values in `batches` (and `evaluation`): read from the run's
@@ -193,3 +195,55 @@ def read_reference(path: Path, batches: PairBatches) -> dict[str, np.ndarray]:
             raise DataError(f"{path} holds reference values for other prepared pairs than this run's: resume with the "
                             f"data the run started with")
         return {name: stored[name] for name in stored.files if name != "data"}
+
+
+class Dpo(Objective):
+    """training.objective=dpo: preference pairs, the loss against the reference (PreferenceLoss), TRL's rewards."""
+    name = "dpo"
+
+    def __init__(self, plan: RunPlan):
+        super().__init__(plan)
+        self.preference: PreferenceLoss | None = None
+
+    @staticmethod
+    def check(recipe: Recipe, model_config: PretrainedConfig) -> None:
+        if recipe.parallelism.expert_parallel > 1:
+            raise ConfigError(f"parallelism.expert_parallel={recipe.parallelism.expert_parallel}:\n  DPO with expert "
+                              f"parallelism is not built: use expert_parallel=1")
+        if getattr(model_config, "output_router_logits", False):
+            raise ConfigError("training.objective=dpo with the router's load-balancing loss: DPO's loss has no place "
+                              "for it; set moe.aux_loss_coef=0")
+
+    def batches(self, prepared, rank: int) -> tuple[PairBatches, EvalPairBatches | None]:
+        """Batches of pairs, packed when fetched."""
+        data, training, plan = self.plan.recipe.data, self.plan.recipe.training, self.plan
+        packing = (data.seq_len, pad_token_id(plan.tokenizer), data.packing)
+        evaluation = EvalPairBatches(prepared["eval"], training.micro_batch_size, rank, plan.dp_size, *packing,
+                                     training.eval_max_rows) if "eval" in prepared else None
+        return PairBatches(prepared["train"], training.micro_batch_size, plan.accumulation_steps, rank, plan.dp_size,
+                           training.seed, *packing), evaluation
+
+    def start(self, engine: deepspeed.DeepSpeedEngine, batches: PairBatches, evaluation: EvalPairBatches | None,
+              resume: bool) -> None:
+        recipe = self.plan.recipe
+        self.preference = start_preference(engine, recipe.dpo, recipe.lora.enabled, self.plan.output_dir, batches,
+                                           evaluation, resume)
+
+    def count(self, batch: dict) -> int:
+        return PreferenceLoss.count(batch)
+
+    def start_step(self) -> None:
+        self.preference.start_step()
+
+    def loss(self, engine: deepspeed.DeepSpeedEngine, batch: dict, per_micro_batch: float,
+             shard: tuple[int, int]) -> torch.Tensor:
+        return self.preference(engine, batch, per_micro_batch)
+
+    def metrics(self) -> dict:
+        return self.preference.metrics()
+
+    def evaluate(self, engine: deepspeed.DeepSpeedEngine, evaluation: EvalPairBatches, shard: tuple[int, int]) -> dict:
+        return self.preference.evaluate(engine, evaluation)
+
+    def summary(self) -> dict:
+        return self.preference.summary()

@@ -9,7 +9,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from data_pipeline.preference import pack_pairs
 from training.config.recipe import DpoSection
-from training.loop.preference import pair_logps, pair_losses
+from training.objectives.dpo import pair_logps, pair_losses
 from tests.conftest import REPO
 
 

@@ -1,0 +1,7 @@
+"""Training objectives, each one module (docs/objectives.md): the language model's next-token loss (lm.py) and
+preference tuning (dpo.py), by their name in training.objective (training/config/recipe.py's OBJECTIVES)."""
+from training.objectives.base import Objective
+from training.objectives.dpo import Dpo
+from training.objectives.lm import LanguageModel
+
+OBJECTIVES: dict[str, type[Objective]] = {"lm": LanguageModel, "dpo": Dpo}

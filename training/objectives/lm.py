@@ -1,0 +1,33 @@
+"""training.objective=lm: the next-token loss over the packed rows' target tokens (pretraining, SFT)."""
+import deepspeed
+import torch
+
+from data_pipeline.loader import EvalBatches, StepBatches, model_inputs, target_count
+from training.base.errors import DataError
+from training.loop.evaluation import evaluate
+from training.objectives.base import Objective
+
+
+class LanguageModel(Objective):
+    name = "lm"
+
+    def batches(self, prepared, rank: int) -> tuple[StepBatches, EvalBatches | None]:
+        data, training, plan = self.plan.recipe.data, self.plan.recipe.training, self.plan
+        row_length = len(prepared["train"][0]["input_ids"])
+        if row_length != data.seq_len:
+            raise DataError(f"data.prepared={data.prepared} holds rows of {row_length} tokens, but data.seq_len is "
+                            f"{data.seq_len}; prepare again with this seq_len or set data.seq_len={row_length}")
+        evaluation = EvalBatches(prepared["eval"], training.micro_batch_size, rank, plan.dp_size,
+                                 training.eval_max_rows) if "eval" in prepared else None
+        return StepBatches(prepared["train"], training.micro_batch_size, plan.accumulation_steps, rank,
+                           plan.dp_size, training.seed), evaluation
+
+    def count(self, batch: dict) -> int:
+        return target_count(batch)
+
+    def loss(self, engine: deepspeed.DeepSpeedEngine, batch: dict, per_micro_batch: float,
+             shard: tuple[int, int]) -> torch.Tensor:
+        return engine(**model_inputs(batch, engine.device, shard), num_items_in_batch=per_micro_batch).loss
+
+    def evaluate(self, engine: deepspeed.DeepSpeedEngine, evaluation: EvalBatches, shard: tuple[int, int]) -> dict:
+        return evaluate(engine, evaluation, shard)
