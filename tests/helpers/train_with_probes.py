@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import train  # noqa: E402
+from data_pipeline.loader import StepBatches  # noqa: E402
 from training.models.moe import AUTOEP_ROUTER, routed_experts  # noqa: E402
 from training.parallel import distributed  # noqa: E402
 from training.parallel.pipeline import pipeline_batches  # noqa: E402
@@ -88,8 +89,8 @@ def record_logits() -> None:
     own evaluation schedule when there are stages), saved by the rank that holds them."""
     run = train.train
 
-    def train_and_record(engine, batches, *args, **kwargs):
-        totals = run(engine, batches, *args, **kwargs)
+    def train_and_record(engine, objective, batches, *args, **kwargs):
+        totals = run(engine, objective, batches, *args, **kwargs)
         batch = batches.micro_batches(0)[0]
         inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
         if isinstance(engine, PipelineEngine):
@@ -113,7 +114,7 @@ def insert_poisoned_batches(spec: str) -> None:
     poisoned = sorted(int(p) for p in positions.split(","))
     factor = {"nonfinite": math.inf, "spike": 30.0}[kind]
     state = {"poisoned": False}
-    read = train.StepBatches.micro_batches
+    read = StepBatches.micro_batches
 
     def read_with_poison(batches, position):
         state["poisoned"] = position in poisoned
@@ -137,7 +138,7 @@ def insert_poisoned_batches(spec: str) -> None:
             engine.module.get_output_embeddings().register_forward_pre_hook(poison_head_input)
         return run(engine, *args, **kwargs)
 
-    train.StepBatches.micro_batches = read_with_poison
+    StepBatches.micro_batches = read_with_poison
     train.train = train_with_hook
 
 
@@ -173,7 +174,7 @@ def record_routing(route: str | None) -> None:
         for layer, router in enumerate(routers):
             router.register_forward_hook(note(layer))
         totals = run(engine, *args, **kwargs)
-        out = Path(kwargs.get("plan", args[2]).output_dir) / f"routing_rank{dist.get_rank()}.json"
+        out = Path(kwargs.get("plan", args[3]).output_dir) / f"routing_rank{dist.get_rank()}.json"
         out.write_text(json.dumps({layer: sorted(experts) for layer, experts in picked.items()}))
         return totals
 
