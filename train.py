@@ -61,6 +61,7 @@ from training.state.export import export_run
 from training.state.output_dir import (check_output_dir, claim_output_dir, default_output_dir, finish_output_dir,
                                        start_output_dir)
 from training.state.resume import plan_resume, resume_engine, saved_micro_batch
+from training.state.run_state import RunState
 from training.state.universal import convert_on_rank_0
 
 stop_requested = threading.Event()  # set by SIGTERM: the run saves a checkpoint at the end of the step and exits
@@ -204,100 +205,148 @@ def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict], dp_
     return loss_sum / shares, grad_norm, int(tokens), stops > 0
 
 
-def train(engine: deepspeed.DeepSpeedEngine, objective: Objective, batches, evaluation, plan: RunPlan, start: dict,
-          total_steps: int, flops: FlopsMeter | None, trackers: Trackers, clock: Stopwatch,
+def train(engine: deepspeed.DeepSpeedEngine, objective: Objective, batches, evaluation, plan: RunPlan,
+          start: RunState, total_steps: int, flops: FlopsMeter | None, trackers: Trackers, clock: Stopwatch,
           router: RouterMeter | None = None) -> dict:
     """The loop: batch, forward/backward/step, log every N steps, evaluate every E, checkpoint every M, and
     on SIGTERM checkpoint and stop. A step the stability guard drops is tried again on the next batch; a
     rewind goes back to the last checkpoint (training/loop/stability.py). Returns run totals. Only training is
     timed: the clock stops, once the accelerator has finished its queued work, for logging, evaluation,
     checkpoint saves and rewinds."""
-    recipe, start_step, checkpoints = plan.recipe, start["step"], plan.output_dir / "checkpoints"
-    logger = MetricsLogger(plan.output_dir, total_steps, start_step, "tensorboard" in recipe.logging.report_to,
-                           dist.get_rank() == 0, trackers)
-    guard = StabilityGuard(recipe.stability, plan.precision == "fp16", checkpoints) if recipe.stability.enabled else None
-    watch = WeightWatch(engine) if plan.pipeline_stages == plan.tensor_parallel == 1 else None
-    records, saves, tokens_seen, position = [], [], start["tokens_seen"], start["data_position"]
-    interval, timed = Throughput(), Throughput()
-    step, every, stopped = start_step, recipe.checkpointing.every_steps, None
+    return Loop(engine, objective, batches, evaluation, plan, start, total_steps, flops, trackers, clock, router).run()
 
-    def evaluate_at(s: int) -> bool:
-        return evaluation is not None and (s == total_steps or bool(recipe.training.eval_every_steps and
-                                                                    s % recipe.training.eval_every_steps == 0))
 
-    def log_at(s: int) -> bool:
-        return s == start_step + 1 or s % recipe.logging.every_steps == 0 or s == total_steps or evaluate_at(s)
+class Loop:
+    """One run's loop: where it is (a RunState: step, tokens seen, data position), what it logged and saved, and its
+    throughput, with the step, the stability guard's events, and the logging and saving as methods of their own."""
 
-    def save() -> None:
-        hf_files = (plan.model_config, plan.tokenizer, *lora_files(engine.module))
-        saves.append(save_checkpoint(engine, checkpoints, run_state(plan, step, tokens_seen, position, trackers.ids),
-                                     batches.state_dict(), hf_files, recipe.checkpointing.keep_last))
-        logger.note(f"checkpoint global_step{step}: {saves[-1]['bytes'] / 2**20:,.1f} MiB in "
-                    f"{saves[-1]['seconds']:.2f} s")
+    def __init__(self, engine: deepspeed.DeepSpeedEngine, objective: Objective, batches, evaluation, plan: RunPlan,
+                 start: RunState, total_steps: int, flops: FlopsMeter | None, trackers: Trackers, clock: Stopwatch,
+                 router: RouterMeter | None):
+        self.engine, self.objective, self.plan, self.total_steps = engine, objective, plan, total_steps
+        self.batches, self.evaluation = batches, evaluation
+        self.flops, self.trackers, self.clock, self.router = flops, trackers, clock, router
+        recipe, self.checkpoints = plan.recipe, plan.output_dir / "checkpoints"
+        self.state, self.first_step = start.model_copy(), start.step
+        self.logger = MetricsLogger(plan.output_dir, total_steps, start.step, "tensorboard" in recipe.logging.report_to,
+                                    dist.get_rank() == 0, trackers)
+        self.guard = StabilityGuard(recipe.stability, plan.precision == "fp16", self.checkpoints) \
+            if recipe.stability.enabled else None
+        self.watch = WeightWatch(engine) if plan.pipeline_stages == plan.tensor_parallel == 1 else None
+        self.records, self.saves, self.stopped = [], [], None
+        self.interval, self.timed = Throughput(), Throughput()
 
-    engine.train()  # from_pretrained returns a model in eval mode: dropout (LoRA's too) and the MoE router's loss off
-    clock.start()
-    while step < total_steps:
-        if watch and log_at(step + 1):
-            watch.remember()
-        lr = guard.set_lr(engine, step + 1) if guard else engine.get_lr()[0]
+    def evaluate_at(self, step: int) -> bool:
+        every = self.plan.recipe.training.eval_every_steps
+        return self.evaluation is not None and (step == self.total_steps or bool(every and step % every == 0))
+
+    def log_at(self, step: int) -> bool:
+        return (step == self.first_step + 1 or step % self.plan.recipe.logging.every_steps == 0
+                or step == self.total_steps or self.evaluate_at(step))
+
+    def save_at(self, step: int) -> bool:
+        every = self.plan.recipe.checkpointing.every_steps
+        return bool(every and step % every == 0) or step == self.total_steps
+
+    def run(self) -> dict:
+        self.engine.train()  # from_pretrained gives eval mode: dropout (LoRA's too) and the router's loss off
+        self.clock.start()
+        while self.state.step < self.total_steps:
+            lr, loss_share, grad_norm, tokens, stop, event = self.step()
+            if event and event["event"] != "spike":
+                if self.guard_event(event):
+                    break
+                continue
+            if event:
+                self.logger.event(event)
+            self.state.step, self.state.tokens_seen = self.state.step + 1, self.state.tokens_seen + tokens
+            self.interval.add(Throughput(tokens, 1))
+            self.logger.advance()
+            log_now, save_now = self.log_at(self.state.step) or stop, stop or self.save_at(self.state.step)
+            if log_now or save_now:
+                self.clock.stop()
+                if log_now:
+                    self.log(lr, loss_share, grad_norm)
+                if save_now:
+                    self.save()
+                    if not stop and self.state.step < self.total_steps:  # periodic (the final one is scored at the end)
+                        benchmark_checkpoint(self.plan, self.state.step, self.logger)
+                if stop:
+                    break
+                self.clock.start()
+        self.logger.close()
+        return self.totals()
+
+    def step(self) -> tuple:
+        """One optimizer step on the batches at the data position, which moves on: the learning rate, this rank's
+        loss share, the gradient norm, the global batch's tokens, whether a stop was asked, and the guard's event."""
+        engine, guard, state = self.engine, self.guard, self.state
+        if self.watch and self.log_at(state.step + 1):
+            self.watch.remember()
+        lr = guard.set_lr(engine, state.step + 1) if guard else engine.get_lr()[0]
         skipped_before = engine.skipped_steps
-        loss_share, grad_norm, tokens, stop = train_step(engine, batches.micro_batches(position), plan.dp_size,
-                                                         objective, guard, plan.sequence_shard(dist.get_rank()))
-        position += 1
-        event = guard.after_step(step + 1, position - 1, float(grad_norm), engine.skipped_steps > skipped_before) \
-            if guard else None
-        if event and event["event"] != "spike":
-            clock.stop()
-            if event["event"] == "rewind":
-                state = rewind(engine, batches, checkpoints, position, plan.layout())
-                step, tokens_seen = state["step"], state["tokens_seen"]
-                event.update(rewound_to=step, batches_passed_over=position - state["data_position"])
-                logger.rewind_to(step)
-                guard.rewound(step)
-            logger.event(event)
-            if event["event"] == "stop":
-                stopped = event["message"]
-                if latest_tag(checkpoints) == f"global_step{step}":  # saved at this step: only the data moved on
-                    record_position(engine, checkpoints, run_state(plan, step, tokens_seen, position, trackers.ids),
-                                    batches.state_dict())
-                else:
-                    save()
-                break
-            clock.start()
-            continue
-        if event:
-            logger.event(event)
-        step, tokens_seen = step + 1, tokens_seen + tokens
-        interval.add(Throughput(tokens, 1))
-        logger.advance()
-        log_now, save_now = log_at(step) or stop, stop or (every and step % every == 0) or step == total_steps
-        if not (log_now or save_now):
-            continue
-        clock.stop()
-        if log_now:
-            interval.seconds = clock.take()
-            records.append(step_record(engine, step, lr, loss_share, grad_norm, interval, flops, router))
-            records[-1].update(objective.metrics())
-            if watch and watch.before is not None:
-                records[-1].update(watch.measure())
-            if step > start_step + 1:  # the first step pays for warm-up and is left out of the mean
-                timed.add(interval)
-            if evaluate_at(step):
-                records[-1].update(objective.evaluate(engine, evaluation, plan.sequence_shard(dist.get_rank())))
-            logger.log(records[-1])
-            interval = Throughput()
-        if save_now:
-            save()
-            if not stop and step < total_steps:  # a periodic checkpoint (the final weights are scored at the end)
-                benchmark_checkpoint(plan, step, logger)
-        if stop:
-            break
-        clock.start()
-    logger.close()
-    return {"last_step": step, "tokens_seen": tokens_seen, **run_totals(records, timed, saves, flops),
-            **({"stability": guard.summary()} if guard else {}), **({"stopped": stopped} if stopped else {}),
-            **objective.summary()}
+        loss_share, grad_norm, tokens, stop = train_step(engine, self.batches.micro_batches(state.data_position),
+                                                         self.plan.dp_size, self.objective, guard,
+                                                         self.plan.sequence_shard(dist.get_rank()))
+        state.data_position += 1
+        event = guard.after_step(state.step + 1, state.data_position - 1, float(grad_norm),
+                                 engine.skipped_steps > skipped_before) if guard else None
+        return lr, loss_share, grad_norm, tokens, stop, event
+
+    def guard_event(self, event: dict) -> bool:
+        """The stability guard dropped the step, rewound to the last checkpoint or stops the run (its checkpoint
+        saved); returns whether the run stops."""
+        self.clock.stop()
+        state = self.state
+        if event["event"] == "rewind":
+            restored = rewind(self.engine, self.batches, self.checkpoints, state.data_position, self.plan.layout())
+            state.step, state.tokens_seen = restored.step, restored.tokens_seen
+            event.update(rewound_to=state.step, batches_passed_over=state.data_position - restored.data_position)
+            self.logger.rewind_to(state.step)
+            self.guard.rewound(state.step)
+        self.logger.event(event)
+        if event["event"] != "stop":
+            self.clock.start()
+            return False
+        self.stopped = event["message"]
+        if latest_tag(self.checkpoints) == f"global_step{state.step}":  # saved at this step: only the data moved on
+            record_position(self.engine, self.checkpoints, run_state(self.plan, state, self.trackers.ids),
+                            self.batches.state_dict())
+        else:
+            self.save()
+        return True
+
+    def log(self, lr: float, loss_share: torch.Tensor, grad_norm: torch.Tensor | float) -> None:
+        """The logged step's record: metrics.jsonl, the console, TensorBoard and the trackers."""
+        step, interval = self.state.step, self.interval
+        interval.seconds = self.clock.take()
+        record = step_record(self.engine, step, lr, loss_share, grad_norm, interval, self.flops, self.router)
+        record.update(self.objective.metrics())
+        if self.watch and self.watch.before is not None:
+            record.update(self.watch.measure())
+        if step > self.first_step + 1:  # the first step pays for warm-up and is left out of the mean
+            self.timed.add(interval)
+        if self.evaluate_at(step):
+            shard = self.plan.sequence_shard(dist.get_rank())
+            record.update(self.objective.evaluate(self.engine, self.evaluation, shard))
+        self.records.append(record)
+        self.logger.log(record)
+        self.interval = Throughput()
+
+    def save(self) -> None:
+        plan, engine, step = self.plan, self.engine, self.state.step
+        hf_files = (plan.model_config, plan.tokenizer, *lora_files(engine.module))
+        self.saves.append(save_checkpoint(engine, self.checkpoints, run_state(plan, self.state, self.trackers.ids),
+                                          self.batches.state_dict(), hf_files, plan.recipe.checkpointing.keep_last))
+        self.logger.note(f"checkpoint global_step{step}: {self.saves[-1]['bytes'] / 2**20:,.1f} MiB in "
+                         f"{self.saves[-1]['seconds']:.2f} s")
+
+    def totals(self) -> dict:
+        guard, state = self.guard, self.state
+        return {"last_step": state.step, "tokens_seen": state.tokens_seen,
+                **run_totals(self.records, self.timed, self.saves, self.flops),
+                **({"stability": guard.summary()} if guard else {}),
+                **({"stopped": self.stopped} if self.stopped else {}), **self.objective.summary()}
 
 
 def step_record(engine: deepspeed.DeepSpeedEngine, step: int, lr: float, loss_share: torch.Tensor,
@@ -318,11 +367,12 @@ def step_record(engine: deepspeed.DeepSpeedEngine, step: int, lr: float, loss_sh
             **gpu_metrics(flops, interval.steps, interval.seconds)}
 
 
-def run_state(plan: RunPlan, step: int, tokens_seen: int, data_position: int, trackers: dict[str, str]) -> dict:
+def run_state(plan: RunPlan, state: RunState, trackers: dict[str, str]) -> dict:
     """What a checkpoint records besides DeepSpeed's states (training/state/run_state.py): where the run is (the data
     position runs ahead of the step by the batches passed over), what wrote it, and its tracker runs' ids."""
     base = plan.recipe.model.name_or_path
-    return {"step": step, "tokens_seen": tokens_seen, "data_position": data_position, "recipe": plan.recipe.name,
+    return {"step": state.step, "tokens_seen": state.tokens_seen, "data_position": state.data_position,
+            "recipe": plan.recipe.name,
             "trackers": trackers, "micro_batch_size": plan.recipe.training.micro_batch_size,
             **plan.layout().model_dump(), **({"base_model": {"name_or_path": base, "digest": plan.base_digest}} if base else {})}
 
@@ -361,15 +411,15 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
     model, mpu, kernels = build_run_model(plan)
     engine = start_engine(plan, model, mpu, total_steps)
     start = resume_engine(engine, batches, plan, total_steps) if args.resume else \
-        {"step": 0, "tokens_seen": 0, "data_position": 0}
+        RunState(step=0, tokens_seen=0, data_position=0, **plan.layout().model_dump())
     start_output_dir(plan, args.overwrite, args.resume)  # every check has passed: only now may --overwrite remove the earlier run
     objective.start(engine, batches, evaluation, args.resume)
     signal.signal(signal.SIGTERM, lambda signum, frame: stop_requested.set())  # from here a SIGTERM saves, then stops
     held_tensors = {}
     clock = Stopwatch()
-    record_model_states(engine.optimizer, lambda: engine.global_steps, start["step"] + 1, held_tensors, clock)
+    record_model_states(engine.optimizer, lambda: engine.global_steps, start.step + 1, held_tensors, clock)
     flops = flops_meter(plan)
-    trackers = Trackers(plan, start.get("trackers", {}), dist.get_rank() == 0)  # a resumed run continues its own
+    trackers = Trackers(plan, start.trackers, dist.get_rank() == 0)  # a resumed run continues its own
     totals = train(engine, objective, batches, evaluation, plan, start, total_steps, flops, trackers, clock,
                    router_meter(engine.module, plan.accumulation_steps))
     totals.update(model_state_bytes=measured_model_states(held_tensors), kernels=kernels)
@@ -379,7 +429,7 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
         return stopped_early(plan, totals, total_steps)
     export_run(engine, plan)
     totals.update(benchmark_run(plan))  # eval.benchmarks: lm-eval on hf/
-    trackers.finish(write_summary(plan, totals, start["step"], total_steps, time.perf_counter() - run_start,
+    trackers.finish(write_summary(plan, totals, start.step, total_steps, time.perf_counter() - run_start,
                                   data_stats, flops))
     finish_output_dir(plan.output_dir)
     return 0

@@ -33,6 +33,7 @@ from data_pipeline.loader import StepBatches
 from data_pipeline.stream import StreamingBatches
 from training.parallel import distributed
 from training.state.checkpoint import latest_tag, load_checkpoint
+from training.state.run_state import RunState
 from training.config.recipe import StabilitySection
 from training.planning.layout import Layout
 
@@ -48,16 +49,14 @@ def as_json(value: float) -> float | str:
 
 
 def rewind(engine: DeepSpeedEngine, batches: StepBatches | StreamingBatches, checkpoint_dir: Path, position: int,
-           layout: Layout) -> dict:
+           layout: Layout) -> RunState:
     """Back to the latest checkpoint, every rank: weights, optimizer, schedule and RNG as they were there, and the
     data at `position`, past the batches since the checkpoint (the spike's included). The checkpoint may be the one
     this run resumed from in another `layout`: it loads through its universal conversion then. Returns the
     checkpoint's run state."""
     state, data_state = load_checkpoint(engine, checkpoint_dir, layout)
     batches.load_state_dict(data_state)
-    if state["data_position"] is None:  # checkpoints written before batches could be passed over
-        state["data_position"] = state["step"]
-    batches.pass_over(position - state["data_position"])
+    batches.pass_over(position - state.data_position)
     return state
 
 

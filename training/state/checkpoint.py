@@ -226,10 +226,11 @@ def remove_unfinished_tags(checkpoint_dir: Path) -> None:
 MISMATCH = re.compile(r"size mismatch|Missing key|Unexpected key|Error\(s\) in loading state_dict|shape")
 
 
-def load_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, layout: Layout) -> tuple[dict, dict]:
+def load_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, layout: Layout) -> tuple[RunState, dict]:
     """Restore weights, optimizer, scheduler and RNG states (and fp16's loss scale at ZeRO-0) from the tag named in
     `latest`: as it is when this run's `layout` wrote it, else from its universal conversion (converted already:
-    convert_on_rank_0). Returns the run state and this rank's data position. On another number of ranks, rank r takes
+    convert_on_rank_0). Returns the run state (its data position the step's where a checkpoint from before batches
+    could be passed over has none) and this rank's data state. On another number of ranks, rank r takes
     the states of rank r mod the ranks that wrote them. A failure says whether the checkpoint is damaged (a file
     missing or unreadable), does not fit this run, or its universal conversion cannot be read."""
     tag, run_state = latest_tag(checkpoint_dir), read_run_state(checkpoint_dir)
@@ -251,7 +252,9 @@ def load_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, layout: Layou
     scaler = z0_grad_scaler(engine)
     if scaler and "grad_scaler" in rank_state:
         scaler.load_state_dict(rank_state["grad_scaler"])
-    return run_state.model_dump(), rank_state["data"]
+    if run_state.data_position is None:
+        run_state.data_position = run_state.step
+    return run_state, rank_state["data"]
 
 
 def continue_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler | None) -> None:

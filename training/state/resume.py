@@ -14,6 +14,7 @@ from training.state.checkpoint import (check_files, check_resume, latest_tag, lo
 from training.models.model import check_resumed_model
 from training.parallel.pipeline import layer_files
 from training.planning.plan import RunPlan
+from training.state.run_state import RunState
 
 
 def plan_resume(plan: RunPlan) -> bool:
@@ -38,16 +39,14 @@ def saved_micro_batch(output_dir: Path) -> int | None:
 
 
 def resume_engine(engine: DeepSpeedEngine, batches: StepBatches | StreamingBatches, plan: RunPlan,
-                  total_steps: int) -> dict:
+                  total_steps: int) -> RunState:
     """Load the latest checkpoint into the engine and the batches, once saves a kill interrupted past it are removed.
-    Returns where the run starts: step, tokens_seen, data_position."""
+    Returns its run state: where the run starts."""
     checkpoints = plan.output_dir / "checkpoints"
     remove_unfinished_tags(checkpoints)
     start, data_state = load_checkpoint(engine, checkpoints, plan.layout())
-    if start["data_position"] is None:  # checkpoints written before batches could be passed over
-        start["data_position"] = start["step"]
     batches.load_state_dict(data_state)
-    if start["step"] >= total_steps:
-        raise ConfigError(f"--resume: the checkpoint is at step {start['step']}; the recipe ends at {total_steps} "
+    if start.step >= total_steps:
+        raise ConfigError(f"--resume: the checkpoint is at step {start.step}; the recipe ends at {total_steps} "
                           f"steps, so there is nothing left to train")
     return start

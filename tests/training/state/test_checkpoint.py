@@ -48,7 +48,7 @@ def test_the_zero0_fp16_loss_scale_survives_save_and_resume(one_rank, tmp_path):
     assert resumed.torch_autocast_z0_gradscaler.get_scale() == 1024
     run_state, data_state = load_checkpoint(resumed, tmp_path, layout=Layout(
         **{key: value for key, value in RUN_STATE.items() if key not in ("step", "tokens_seen")}))
-    assert run_state.items() >= RUN_STATE.items() and data_state == {"position": 3}
+    assert run_state.model_dump().items() >= RUN_STATE.items() and data_state == {"position": 3}
     assert resumed.torch_autocast_z0_gradscaler.state_dict() == saved
 
 
@@ -61,7 +61,7 @@ def test_a_zero0_checkpoint_loads_as_it_is_in_another_zero0_layout(one_rank, tmp
     (tmp_path / "global_step4" / "rank_state1.pt").write_bytes((tmp_path / "global_step4" / "rank_state0.pt").read_bytes())
     run_state, data_state = load_checkpoint(engine_with_fp16_block_scaler(), tmp_path, layout=Layout(
         world_size=1, zero_stage=0, precision="bf16"))
-    assert run_state["world_size"] == 2 and data_state == {"position": 3}
+    assert run_state.world_size == 2 and data_state == {"position": 3}
 
 
 def test_a_run_resumed_through_a_universal_conversion_loads_its_own_checkpoints(one_rank, tmp_path):
@@ -76,7 +76,7 @@ def test_a_run_resumed_through_a_universal_conversion_loads_its_own_checkpoints(
         model.weight.zero_()
     run_state, data_state = load_checkpoint(engine, tmp_path, layout=Layout(world_size=1, zero_stage=1,
                                                                            precision="fp32"))
-    assert run_state["step"] == 4 and data_state == {"position": 3}
+    assert run_state.step == 4 and data_state == {"position": 3}
     assert torch.equal(engine.module.weight, saved) and engine._config.load_universal_checkpoint
 
 
