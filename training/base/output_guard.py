@@ -64,13 +64,13 @@ def lists_files(folder: Path) -> bool:
     return "files" in record or "writing" in record
 
 
-def owned_files(folder: Path) -> set[str]:
-    """The files of the folder's command: those its marker lists or, while it writes or after it was killed, every
-    file but those that were there when it began."""
+def owned_files(folder: Path, under: str = "") -> set[str]:
+    """The files of the folder's command (those under `under` alone, when given: a scan of that part only): those its
+    marker lists or, while it writes or after it was killed, every file but those that were there when it began."""
     record = marker(folder)
     if record.get("writing"):
-        return files_under(folder) - set(record.get("others", []))
-    return set(record.get("files", []))
+        return files_under(folder, under) - set(record.get("others", []))
+    return {name for name in record.get("files", []) if not under or name.startswith(f"{under}/")}
 
 
 def begin_in_place(folder: Path, command: str, owned: set[str]) -> None:
@@ -90,18 +90,19 @@ def finish_in_place(folder: Path, command: str) -> None:
 def remove_owned(folder: Path, owned: set[str], under: str = "") -> set[str]:
     """Remove the `owned` files (relative to `folder`) that lie under `under` (all, when empty) and the folders they
     leave empty; returns the other files there, which stay."""
-    inside = files_under(folder / under) if under else files_under(folder)
-    present = {f"{under}/{name}" if under else name for name in inside}
-    removing = {name for name in owned if name in present}
+    present = files_under(folder, under)
+    removing = owned & present
     for name in removing:
         (folder / name).unlink()
     remove_empty_folders(folder, [Path(name).parent for name in removing] + ([Path(under)] if under else []))
     return present - removing
 
 
-def files_under(folder: Path) -> set[str]:
-    """Every file under `folder` (symbolic links as files, not followed), as relative POSIX paths, its marker aside."""
-    found = {path.relative_to(folder).as_posix() for path in folder.rglob("*") if path.is_file() or path.is_symlink()}
+def files_under(folder: Path, under: str = "") -> set[str]:
+    """Every file under `folder`, or under its part `under` alone (symbolic links as files, not followed), as POSIX
+    paths relative to `folder`, its marker aside."""
+    found = {path.relative_to(folder).as_posix() for path in (folder / under).rglob("*")
+             if path.is_file() or path.is_symlink()}
     return found - {MARKER}
 
 

@@ -205,8 +205,8 @@ def check_same_base(tag_dir: Path, run_state: RunState, recipe: Recipe, base_dig
 
 def remove_run_folder(checkpoint_dir: Path, folder: str) -> None:
     """The run's files in checkpoint_dir/folder (rank 0): a file of another's there stays, and is named."""
-    output_dir = checkpoint_dir.parent
-    kept = remove_owned(output_dir, owned_files(output_dir), f"{checkpoint_dir.name}/{folder}")
+    output_dir, part = checkpoint_dir.parent, f"{checkpoint_dir.name}/{folder}"
+    kept = remove_owned(output_dir, owned_files(output_dir, part), part)
     if kept:
         print(kept_line(kept, "train.py"), flush=True)
 

@@ -271,7 +271,7 @@ def export_lora(engine: DeepSpeedEngine, tokenizer: PreTrainedTokenizerBase, out
     if dist.get_rank() == 0:
         adapters = {name: tensor.detach().to("cpu", dtype) for name, tensor in adapters.items()}
         folder = out_dir / ADAPTER_DIR
-        remove_owned(out_dir, owned_files(out_dir), ADAPTER_DIR)  # a resumed run's earlier adapters; not a user's file
+        remove_owned(out_dir, owned_files(out_dir, ADAPTER_DIR), ADAPTER_DIR)  # a resumed run's earlier adapters; not a user's file
         model.save_pretrained(folder, state_dict=adapters)
         tokenizer.save_pretrained(folder)
         if merge:
