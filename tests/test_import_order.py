@@ -7,7 +7,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 ORDER = ["training.base", "training.compat", "data_pipeline", "training.config", "training.planning", "training.models",
-         "training.parallel", "training.state", "training.loop", "training.objectives"]
+         "training.parallel", "training.state", "training.loop", "training.objectives", "training.trainer"]
 ENTRIES = {"train", "training.__main__", "data_pipeline.__main__",
            "training.checks"}  # the checks of every feature together, before anything is built: train.py's first step
 PACKAGE_INITS = {"training": "training.compat"}  # training/__init__.py sets up logging and compat's import finder

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 import train
 from tests.conftest import REPO, SMALL_MODEL, run_train, save_small_checkpoint, train_in_process
 from training.objectives.lm import LanguageModel
+from training.trainer import train_step
 
 
 @pytest.fixture
@@ -262,7 +263,7 @@ def test_loss_is_the_token_mean_of_the_whole_global_batch(one_rank):
                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     lm = LanguageModel(plan=None)  # its loss and count need no plan
-    loss, grad_norm, tokens, stop = train.train_step(engine, micro_batches, 1, lm)  # one rank: its share is the whole loss
+    loss, grad_norm, tokens, stop = train_step(engine, micro_batches, 1, lm)  # one rank: its share is the whole loss
     assert tokens == 4 * 31 and not stop
     torch.testing.assert_close(loss, global_mean.detach(), rtol=1e-6, atol=1e-6)
     assert abs(mean_of_means.item() - global_mean.item()) > 0.01  # the two definitions really differ here

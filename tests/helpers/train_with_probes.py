@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import train  # noqa: E402
+from training import trainer  # noqa: E402
 from data_pipeline.loader import StepBatches  # noqa: E402
 from training.models.moe import AUTOEP_ROUTER, routed_experts  # noqa: E402
 from training.parallel import distributed  # noqa: E402
@@ -58,14 +59,14 @@ def kill_after_deepspeed_save(step: int) -> None:
 
 
 def fail_on_rank(rank: int) -> None:
-    step = train.train_step
+    step = trainer.train_step
 
     def step_or_fail(engine, *args, **kwargs):
         if dist.get_rank() == rank and engine.global_steps == 2:
             raise RuntimeError(f"probe: rank {rank} fails in step 3")
         return step(engine, *args, **kwargs)
 
-    train.train_step = step_or_fail
+    trainer.train_step = step_or_fail
 
 
 def blind_node_on_rank(rank: int) -> None:

@@ -357,8 +357,6 @@ class Recipe(StrictModel):
         if self.dpo.model_fields_set and self.training.objective != "dpo":
             raise ValueError("dpo.* is set but training.objective is lm: set training.objective=dpo to train on "
                              "preference pairs, or remove the dpo section")
-        if self.training.objective == "dpo":
-            check_preference(self)
         self.data.preference = self.training.objective == "dpo"  # how the data stage reads and prepares the sources
         if self.data.prepared and holds_pairs(Path(self.data.prepared)) != self.data.preference:
             raise ValueError(f"data.prepared={self.data.prepared} holds "
@@ -371,27 +369,6 @@ class Recipe(StrictModel):
     @property
     def tokenizer_path(self) -> str:
         return self.tokenizer.name_or_path or self.model.name_or_path
-
-
-def check_preference(recipe: Recipe) -> None:
-    """What training.objective=dpo does not combine with, and why."""
-    data, parallelism, tiles = recipe.data, recipe.parallelism, recipe.long_context.logits_tile_tokens
-    refused = [reason for condition, reason in (
-        (data.packing == "concat", "data.packing=concat: it would cut sequences across rows; use bfd (pairs packed "
-                                   "whole) or none (one sequence per row)"),
-        (data.long_documents == "split", "data.long_documents=split: a pair's sequence cut in two has no whole "
-                                         "log-probability; use truncate or drop"),
-        (bool(data.filters), "data.filters: the quality filters judge documents, not pairs; filter the sources first"),
-        (parallelism.pipeline_stages > 1, "parallelism.pipeline_stages > 1: the pipeline's last stage would need "
-                                          "each pair's sequences and reference values"),
-        (parallelism.tensor_parallel > 1, "parallelism.tensor_parallel > 1"),
-        (parallelism.sequence_parallel > 1, "parallelism.sequence_parallel > 1: the loss is a function of each "
-                                            "sequence's whole log-probability, which sequence parallelism splits "
-                                            "across ranks"),
-        (tiles is not None, "long_context.logits_tile_tokens: the loss needs every sequence's log-probability, "
-                            "which the tiled loss does not return")) if condition]
-    if refused:
-        raise ValueError(f"training.objective=dpo does not support {refused[0]}")
 
 
 def recipe_inputs(recipe: Recipe) -> list[Path]:

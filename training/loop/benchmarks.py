@@ -92,17 +92,17 @@ def check_benchmarks(recipe: Recipe) -> None:
     check_tasks(recipe.eval.benchmarks)
 
 
-def benchmark_run(plan: RunPlan) -> dict:
+def benchmark_run(plan: RunPlan) -> dict | None:
     """eval.benchmarks on the finished run's hf/, every rank scoring its share of the requests (lm-eval's data
-    parallelism over the run's process group); rank 0 writes <output>/benchmarks and returns {"benchmarks": scores},
-    the other ranks {}."""
+    parallelism over the run's process group); rank 0 writes <output>/benchmarks and returns the scores, the other
+    ranks None."""
     evaluation = plan.recipe.eval
     if not evaluation.benchmarks:
-        return {}
+        return None
     hf_dir, output_dir = plan.output_dir / "hf", plan.output_dir / "benchmarks"
     check_output(output_dir, COMMAND, [hf_dir], overwrite=True, option="--output-dir")  # a resumed run's earlier scores
     found = benchmark(hf_dir, evaluation.benchmarks, output_dir, evaluation.batch_size, evaluation.limit)
-    return {} if found is None else {"benchmarks": found}
+    return found
 
 
 def benchmark_checkpoint(plan: RunPlan, step: int, logger: MetricsLogger) -> None:

@@ -177,33 +177,61 @@ class Throughput:
             self.seconds + other.seconds
 
 
-def run_totals(records: list[dict], timed: Throughput, saves: list[dict], flops: FlopsMeter | None) -> dict:
-    """summary.json's totals from the logged records, the timed intervals (after the first step) and the checkpoint
-    saves."""
-    return {"first_loss": records[0]["loss"], "final_loss": records[-1]["loss"],
-            "first_step_s": records[0]["step_time_s"],  # the first record is the first step's alone (warm-up, compile)
-            "mean_tokens_per_s": timed.tokens / timed.seconds if timed.seconds else records[0]["tokens_per_s"],
-            **(flops.metrics(timed.steps, timed.seconds) if flops and timed.seconds else {}),
-            "peak_mem_bytes": max(r["peak_mem_bytes"] for r in records),
-            **({"peak_mem_reserved_bytes": max(r["peak_mem_reserved_bytes"] for r in records)}
-               if "peak_mem_reserved_bytes" in records[0] else {}),
-            **({"checkpoint_bytes": saves[-1]["bytes"], "checkpoint_save_s": max(s["seconds"] for s in saves)}
-               if saves else {}),
-            **{key: value for key, value in records[-1].items() if key.startswith(("eval_", "rewards/", "logps/"))}}
+@dataclass
+class RunTotals:
+    """A run's totals, summary.json's fields besides its layout and data: where it ended, the first and last logged
+    losses, the throughput after the first step, the peaks, the checkpoint saves, and what the objective, the stability
+    guard, the model states, the kernels and the benchmarks add."""
+    last_step: int
+    tokens_seen: int
+    first_loss: float
+    final_loss: float
+    first_step_s: float  # the first logged record is the first step's alone (warm-up, compile)
+    mean_tokens_per_s: float
+    flops: dict  # tflops, hardware_tflops and mfu over the timed steps, where measured (GPU)
+    peak_mem_bytes: int
+    peak_mem_reserved_bytes: int | None
+    checkpoint_bytes: int | None
+    checkpoint_save_s: float | None
+    objective: dict  # the objective's fields: its last logged evaluation and metrics, and its summary
+    stability: dict | None  # the stability guard's counts, when it is on
+    stopped: str | None  # why the stability guard stopped the run
+    model_state_bytes: dict | None = None
+    kernels: dict | None = None
+    benchmarks: dict | None = None  # eval.benchmarks' scores of the exported model
+
+    @classmethod
+    def of(cls, last_step: int, tokens_seen: int, records: list[dict], timed: Throughput, saves: list[dict],
+           flops: FlopsMeter | None, objective: dict, stability: dict | None, stopped: str | None) -> "RunTotals":
+        """From the logged records, the timed intervals (after the first step) and the checkpoint saves."""
+        return cls(last_step, tokens_seen, records[0]["loss"], records[-1]["loss"], records[0]["step_time_s"],
+                   timed.tokens / timed.seconds if timed.seconds else records[0]["tokens_per_s"],
+                   flops.metrics(timed.steps, timed.seconds) if flops and timed.seconds else {},
+                   max(r["peak_mem_bytes"] for r in records),
+                   max(r["peak_mem_reserved_bytes"] for r in records) if "peak_mem_reserved_bytes" in records[0]
+                   else None,
+                   saves[-1]["bytes"] if saves else None, max(s["seconds"] for s in saves) if saves else None,
+                   objective, stability, stopped)
+
+    def fields(self) -> dict:
+        """summary.json's fields (those a run does not have left out)."""
+        optional = {"peak_mem_reserved_bytes": self.peak_mem_reserved_bytes, "checkpoint_bytes": self.checkpoint_bytes,
+                    "checkpoint_save_s": self.checkpoint_save_s, "stability": self.stability, "stopped": self.stopped,
+                    "benchmarks": self.benchmarks}
+        return {"last_step": self.last_step, "tokens_seen": self.tokens_seen, "first_loss": self.first_loss,
+                "final_loss": self.final_loss, "first_step_s": self.first_step_s,
+                "mean_tokens_per_s": self.mean_tokens_per_s, **self.flops, "peak_mem_bytes": self.peak_mem_bytes,
+                **{key: value for key, value in optional.items() if value is not None}, **self.objective,
+                "model_state_bytes": self.model_state_bytes, "kernels": self.kernels}
 
 
-def format_line(record: dict, total_steps: int) -> str:
+def format_line(record: dict, total_steps: int, objective_text: str) -> str:
     return (f"step {record['step']:>{len(str(total_steps))}}/{total_steps}  loss {record['loss']:.4f}  "
             f"lr {record['lr']:.2e}  grad_norm {record['grad_norm']:.3f}  "
             f"{record['tokens_per_s']:,.0f} tokens/s  "
             + (f"{record['tflops']:.1f} TFLOP/s  " if "tflops" in record else "")
             + (f"MFU {record['mfu']:.1%}  " if "mfu" in record else "")
-            + f"peak mem {record['peak_mem_bytes'] / 2**30:.2f} GiB"
-            + (f"  reward margin {record['rewards/margins']:.3f}  accuracy {record['rewards/accuracies']:.0%}"
-               if "rewards/margins" in record else "")
-            + (f"  eval loss {record['eval_loss']:.4f}" if "eval_loss" in record else "")
-            + (f" (perplexity {record['eval_perplexity']:.1f})" if "eval_perplexity" in record else "")
-            + (f" (accuracy {record['eval_rewards/accuracies']:.0%})" if "eval_rewards/accuracies" in record else ""))
+            + f"peak mem {record['peak_mem_bytes'] / 2**30:.2f} GiB" + objective_text)
 
 
 class MetricsLogger:
@@ -276,7 +304,8 @@ class MetricsLogger:
         if self.enabled:
             self.bar.write(text)
 
-    def log(self, record: dict) -> None:
+    def log(self, record: dict, objective_text: str = "") -> None:
+        """objective_text: the objective's console text of the record's fields of its own."""
         if not self.enabled:
             return
         self.file.write(json.dumps(record) + "\n")
@@ -293,7 +322,7 @@ class MetricsLogger:
                     name = f"eval/{key.removeprefix('eval_')}" if key.startswith("eval_") else f"train/{key}"
                     self.writer.add_scalar(name, value, record["step"])
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
-        self.bar.write(format_line(record, self.total_steps))
+        self.bar.write(format_line(record, self.total_steps, objective_text))
 
     def close(self) -> None:
         if self.enabled:
@@ -303,23 +332,23 @@ class MetricsLogger:
                 self.writer.close()
 
 
-def write_summary(plan: RunPlan, totals: dict, start_step: int, total_steps: int, wall_time_s: float, data: dict,
-                  flops: FlopsMeter | None) -> dict | None:
-    """summary.json (the run's layout, totals, data statistics and DeepSpeed config) and its table; rank 0, which
-    gets it back (for the trackers)."""
+def write_summary(plan: RunPlan, totals: RunTotals, start_step: int, total_steps: int, wall_time_s: float, data: dict,
+                  flops: FlopsMeter | None, objective_rows: Callable[[dict], list[tuple[str, str]]]) -> dict | None:
+    """summary.json (the run's layout, totals, data statistics and DeepSpeed config) and its table, with the
+    objective's rows of summary.json's fields; rank 0, which gets it back (for the trackers)."""
     if dist.get_rank() != 0:
         return None
     summary = {"recipe": plan.recipe.name, "device": device_name(),
                **({"peak_tflops": flops.peak_tflops} if flops else {}), **plan.layout().model_dump(),
                "activation_checkpointing": plan.recipe.activation_checkpointing, "steps": total_steps,
-               "start_step": start_step, **totals, "wall_time_s": wall_time_s, "output_dir": str(plan.output_dir),
+               "start_step": start_step, **totals.fields(), "wall_time_s": wall_time_s, "output_dir": str(plan.output_dir),
                "data": data, "ds_config": plan.ds_config}
     (plan.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print_summary(summary)
+    print_summary(summary, objective_rows(summary))
     return summary
 
 
-def print_summary(summary: dict) -> None:
+def print_summary(summary: dict, objective_rows: list[tuple[str, str]]) -> None:
     table = Table(title=f"{summary['recipe']}: {summary['steps']} steps", show_header=False)
     rows = [
         ("device", summary["device"]),
@@ -327,13 +356,7 @@ def print_summary(summary: dict) -> None:
         *([("pipeline stages x data-parallel", f"{summary['pipeline_stages']} x "
             f"{summary['world_size'] // summary['pipeline_stages']}")] if summary["pipeline_stages"] > 1 else []),
         ("loss (first -> final)", f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}"),
-        *([("eval loss (perplexity)", f"{summary['eval_loss']:.4f} ({summary['eval_perplexity']:.1f})")]
-          if "eval_perplexity" in summary else []),
-        *([("DPO reward margin / accuracy (last step)", f"{summary['rewards/margins']:.3f} / "
-            f"{summary['rewards/accuracies']:.0%}")] if "rewards/margins" in summary else []),
-        *([("DPO eval loss / reward accuracy", f"{summary['eval_loss']:.4f} / "
-            f"{summary['eval_rewards/accuracies']:.0%}")] if "eval_rewards/accuracies" in summary else []),
-        *([("DPO reference pass", f"{summary['reference_pass_s']:.1f} s")] if "reference_pass_s" in summary else []),
+        *objective_rows,
         ("tokens seen", f"{summary['tokens_seen']:,}"),
         ("mean tokens/s (after step 1)", f"{summary['mean_tokens_per_s']:,.0f}"),
         ("first step (warm-up, compile)", f"{summary['first_step_s']:.1f} s"),

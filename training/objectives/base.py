@@ -1,6 +1,7 @@
-"""What a training objective is to the loop (train.py): the batches it trains on, the loss of a micro-batch and what
-the loss is a mean over, what it does before step 1, the metrics of a logged step, its evaluation and what it adds to
-summary.json. docs/objectives.md says how to add one."""
+"""What a training objective is to train.py and its loop (training/trainer.py): what it refuses, what it adds to the
+plan, the batches it trains on, the loss of a micro-batch and what the loss is a mean over, what it does before step 1,
+the metrics of a logged step and their console text, its evaluation, and what it adds to summary.json and its table.
+docs/objectives.md says how to add one."""
 import deepspeed
 import torch
 from transformers import PretrainedConfig
@@ -10,8 +11,9 @@ from training.planning.plan import RunPlan
 
 
 class Objective:
-    """The language model's defaults where an objective has nothing of its own to add."""
+    """What every objective shares; where an objective has nothing of its own to add, nothing is added."""
     name = ""
+    carried = ("eval_",)  # the prefixes of the last logged record's fields that summary.json keeps
 
     def __init__(self, plan: RunPlan):
         self.plan = plan
@@ -19,7 +21,13 @@ class Objective:
     @staticmethod
     def check(recipe: Recipe, model_config: PretrainedConfig) -> None:
         """What the objective refuses to train with this model and layout, before anything is built (a ConfigError
-        that names the setting and the fix). The recipe's own checks of its section: training/config/recipe.py."""
+        that names the setting and the fix). The schema's checks of its section alone: training/config/recipe.py.
+        `python -m data_pipeline` calls it with no model_config (its refusals of the data settings)."""
+
+    @staticmethod
+    def describe(plan: RunPlan) -> list[str]:
+        """--dry-run's lines of the objective's own: its batch, and what it costs beside the training step."""
+        raise NotImplementedError
 
     def batches(self, prepared, rank: int) -> tuple:
         """(training batches, evaluation batches or None) over the prepared data set, for data-parallel `rank`."""
@@ -47,6 +55,10 @@ class Objective:
         """A logged step's fields of the objective's own (every rank calls it)."""
         return {}
 
+    def console(self, record: dict) -> str:
+        """The console text of a logged step's (or evaluation's) fields of the objective's own."""
+        return ""
+
     def evaluate(self, engine: deepspeed.DeepSpeedEngine, evaluation, shard: tuple[int, int]) -> dict:
         """The evaluation's fields (eval_loss and the objective's own) over the evaluation batches."""
         raise NotImplementedError
@@ -54,3 +66,7 @@ class Objective:
     def summary(self) -> dict:
         """summary.json's fields of the objective's own."""
         return {}
+
+    def table(self, summary: dict) -> list[tuple[str, str]]:
+        """The summary table's rows of the objective's own, from summary.json's fields."""
+        return []

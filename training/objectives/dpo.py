@@ -200,19 +200,59 @@ def read_reference(path: Path, batches: PairBatches) -> dict[str, np.ndarray]:
 class Dpo(Objective):
     """training.objective=dpo: preference pairs, the loss against the reference (PreferenceLoss), TRL's rewards."""
     name = "dpo"
+    carried = ("eval_", "rewards/", "logps/")
 
     def __init__(self, plan: RunPlan):
         super().__init__(plan)
         self.preference: PreferenceLoss | None = None
 
     @staticmethod
-    def check(recipe: Recipe, model_config: PretrainedConfig) -> None:
+    def check(recipe: Recipe, model_config: PretrainedConfig | None) -> None:
+        data, parallelism, tiles = recipe.data, recipe.parallelism, recipe.long_context.logits_tile_tokens
+        refused = [reason for condition, reason in (
+            (data.packing == "concat", "data.packing=concat: it would cut sequences across rows; use bfd (pairs "
+                                       "packed whole) or none (one sequence per row)"),
+            (data.long_documents == "split", "data.long_documents=split: a pair's sequence cut in two has no whole "
+                                             "log-probability; use truncate or drop"),
+            (bool(data.filters), "data.filters: the quality filters judge documents, not pairs; filter the sources "
+                                 "first"),
+            (parallelism.pipeline_stages > 1, "parallelism.pipeline_stages > 1: the pipeline's last stage would need "
+                                              "each pair's sequences and reference values"),
+            (parallelism.tensor_parallel > 1, "parallelism.tensor_parallel > 1"),
+            (parallelism.sequence_parallel > 1, "parallelism.sequence_parallel > 1: the loss is a function of each "
+                                                "sequence's whole log-probability, which sequence parallelism splits "
+                                                "across ranks"),
+            (tiles is not None, "long_context.logits_tile_tokens: the loss needs every sequence's log-probability, "
+                                "which the tiled loss does not return")) if condition]
+        if refused:
+            raise ConfigError(f"training.objective=dpo does not support {refused[0]}")
+        if model_config is None:
+            return
         if recipe.parallelism.expert_parallel > 1:
             raise ConfigError(f"parallelism.expert_parallel={recipe.parallelism.expert_parallel}:\n  DPO with expert "
                               f"parallelism is not built: use expert_parallel=1")
         if getattr(model_config, "output_router_logits", False):
             raise ConfigError("training.objective=dpo with the router's load-balancing loss: DPO's loss has no place "
                               "for it; set moe.aux_loss_coef=0")
+
+    @staticmethod
+    def describe(plan: RunPlan) -> list[str]:
+        """Its batch (pairs) and what its reference costs."""
+        training, seq_len, section = plan.recipe.training, plan.recipe.data.seq_len, plan.recipe.dpo
+        if plan.recipe.lora.enabled:
+            reference = ("the base with the adapters disabled: one more forward pass per micro-batch, without "
+                         "gradients (2N FLOPs per token more than the training FLOPs below); no second model, no pass "
+                         "before step 1")
+        else:
+            reference = ("the starting model: one forward pass over every training and evaluation pair before step 1, "
+                         "in this layout (2N FLOPs per token: a third of an epoch's 6N training FLOPs, at most a "
+                         "training step's memory: no gradients, no second model), stored with the run (16 bytes per "
+                         "pair)")
+        return [f"batch: {training.micro_batch_size} pairs/rank x {plan.accumulation_steps} accumulation x "
+                f"{plan.dp_size} data-parallel ranks = {training.global_batch_size} pairs per step, each micro-batch's "
+                f"2 x {training.micro_batch_size} sequences packed into rows of {seq_len} tokens (at most "
+                f"{2 * training.micro_batch_size} rows, which the memory below assumes)",
+                f"DPO: loss {section.loss}, beta {section.beta:g}; reference: {reference}"]
 
     def batches(self, prepared, rank: int) -> tuple[PairBatches, EvalPairBatches | None]:
         """Batches of pairs, packed when fetched."""
@@ -245,5 +285,19 @@ class Dpo(Objective):
     def evaluate(self, engine: deepspeed.DeepSpeedEngine, evaluation: EvalPairBatches, shard: tuple[int, int]) -> dict:
         return self.preference.evaluate(engine, evaluation)
 
+    def console(self, record: dict) -> str:
+        return ((f"  reward margin {record['rewards/margins']:.3f}  accuracy {record['rewards/accuracies']:.0%}"
+                 if "rewards/margins" in record else "")
+                + (f"  eval loss {record['eval_loss']:.4f} (accuracy {record['eval_rewards/accuracies']:.0%})"
+                   if "eval_loss" in record else ""))
+
     def summary(self) -> dict:
         return self.preference.summary()
+
+    def table(self, summary: dict) -> list[tuple[str, str]]:
+        return [*([("DPO reward margin / accuracy (last step)", f"{summary['rewards/margins']:.3f} / "
+                    f"{summary['rewards/accuracies']:.0%}")] if "rewards/margins" in summary else []),
+                *([("DPO eval loss / reward accuracy", f"{summary['eval_loss']:.4f} / "
+                    f"{summary['eval_rewards/accuracies']:.0%}")] if "eval_rewards/accuracies" in summary else []),
+                *([("DPO reference pass", f"{summary['reference_pass_s']:.1f} s")] if "reference_pass_s" in summary
+                  else [])]

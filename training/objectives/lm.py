@@ -6,10 +6,20 @@ from data_pipeline.loader import EvalBatches, StepBatches, model_inputs, target_
 from training.base.errors import DataError
 from training.loop.evaluation import evaluate
 from training.objectives.base import Objective
+from training.planning.plan import RunPlan
 
 
 class LanguageModel(Objective):
     name = "lm"
+
+    @staticmethod
+    def describe(plan: RunPlan) -> list[str]:
+        training, seq_len = plan.recipe.training, plan.recipe.data.seq_len
+        return [f"batch: {training.micro_batch_size} rows/rank x {plan.accumulation_steps} accumulation x "
+                f"{plan.dp_size} data-parallel ranks = {training.global_batch_size} rows x {seq_len} tokens = "
+                f"{training.global_batch_size * seq_len:,} tokens per step"
+                + (f"; each row split over {plan.sequence_parallel} ranks, {seq_len // plan.sequence_parallel:,} "
+                   f"tokens each" if plan.sequence_parallel > 1 else "")]
 
     def batches(self, prepared, rank: int) -> tuple[StepBatches, EvalBatches | None]:
         data, training, plan = self.plan.recipe.data, self.plan.recipe.training, self.plan
@@ -31,3 +41,11 @@ class LanguageModel(Objective):
 
     def evaluate(self, engine: deepspeed.DeepSpeedEngine, evaluation: EvalBatches, shard: tuple[int, int]) -> dict:
         return evaluate(engine, evaluation, shard)
+
+    def console(self, record: dict) -> str:
+        return (f"  eval loss {record['eval_loss']:.4f} (perplexity {record['eval_perplexity']:.1f})"
+                if "eval_loss" in record else "")
+
+    def table(self, summary: dict) -> list[tuple[str, str]]:
+        return [("eval loss (perplexity)", f"{summary['eval_loss']:.4f} ({summary['eval_perplexity']:.1f})")] \
+            if "eval_perplexity" in summary else []

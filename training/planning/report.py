@@ -38,8 +38,9 @@ def shown(path: str | Path) -> str:
         return str(path)
 
 
-def print_plan(plan: RunPlan, machine: Machine) -> None:
-    recipe, training = plan.recipe, plan.recipe.training
+def print_plan(plan: RunPlan, machine: Machine, objective_lines: list[str]) -> None:
+    """objective_lines: the objective's batch and what it adds (training/objectives/, describe)."""
+    recipe = plan.recipe
     shape = plan.shape
     print(f"{recipe.name} ({shown(recipe.path)})")
     print(f"model: {shown(recipe.model.config or recipe.model.name_or_path)} ({type(plan.model_config).__name__}), "
@@ -53,14 +54,8 @@ def print_plan(plan: RunPlan, machine: Machine) -> None:
           + (f"; experts: {plan.expert_parallel} expert-parallel x {plan.world_size // plan.expert_parallel} "
              f"expert-data-parallel ({shape.num_experts // plan.expert_parallel} of each layer's {shape.num_experts} "
              f"experts per rank)" if plan.expert_parallel > 1 else ""))
-    if recipe.data.preference:
-        print_preference_plan(plan)
-    else:
-        print(f"batch: {training.micro_batch_size} rows/rank x {plan.accumulation_steps} accumulation x {plan.dp_size} "
-              f"data-parallel ranks = {training.global_batch_size} rows x {recipe.data.seq_len} tokens = "
-              f"{training.global_batch_size * recipe.data.seq_len:,} tokens per step"
-              + (f"; each row split over {plan.sequence_parallel} ranks, {recipe.data.seq_len // plan.sequence_parallel:,} "
-                 f"tokens each" if plan.sequence_parallel > 1 else ""))
+    for line in objective_lines:
+        print(line)
     if plan.micro_batch:
         print_micro_batch_choice(plan)
     chosen = " chosen by deepspeed.config=auto: the least-sharded that fits" if plan.chosen_for else ""
@@ -81,23 +76,6 @@ def print_plan(plan: RunPlan, machine: Machine) -> None:
         print_memory_plan(plan, shape, machine)
         print_checkpoint_size(plan, shape)
     print(f"output: {plan.output_dir}")
-
-
-def print_preference_plan(plan: RunPlan) -> None:
-    """DPO's batch (pairs) and what its reference costs (training/objectives/dpo.py)."""
-    training, seq_len, beta = plan.recipe.training, plan.recipe.data.seq_len, plan.recipe.dpo.beta
-    print(f"batch: {training.micro_batch_size} pairs/rank x {plan.accumulation_steps} accumulation x {plan.dp_size} "
-          f"data-parallel ranks = {training.global_batch_size} pairs per step, each micro-batch's 2 x "
-          f"{training.micro_batch_size} sequences packed into rows of {seq_len} tokens (at most "
-          f"{2 * training.micro_batch_size} rows, which the memory below assumes)")
-    if plan.recipe.lora.enabled:
-        reference = ("the base with the adapters disabled: one more forward pass per micro-batch, without gradients "
-                     "(2N FLOPs per token more than the training FLOPs below); no second model, no pass before step 1")
-    else:
-        reference = ("the starting model: one forward pass over every training and evaluation pair before step 1, in "
-                     "this layout (2N FLOPs per token: a third of an epoch's 6N training FLOPs, at most a training "
-                     "step's memory: no gradients, no second model), stored with the run (16 bytes per pair)")
-    print(f"DPO: loss {plan.recipe.dpo.loss}, beta {beta:g}; reference: {reference}")
 
 
 def print_micro_batch_choice(plan: RunPlan) -> None:

@@ -41,7 +41,7 @@ def saved_micro_batch(output_dir: Path) -> int | None:
 def resume_engine(engine: DeepSpeedEngine, batches: StepBatches | StreamingBatches, plan: RunPlan,
                   total_steps: int) -> RunState:
     """Load the latest checkpoint into the engine and the batches, once saves a kill interrupted past it are removed.
-    Returns its run state: where the run starts."""
+    Returns where the run starts: the checkpoint's run state, in this run's layout (its states now are)."""
     checkpoints = plan.output_dir / "checkpoints"
     remove_unfinished_tags(checkpoints)
     start, data_state = load_checkpoint(engine, checkpoints, plan.layout())
@@ -49,4 +49,4 @@ def resume_engine(engine: DeepSpeedEngine, batches: StepBatches | StreamingBatch
     if start.step >= total_steps:
         raise ConfigError(f"--resume: the checkpoint is at step {start.step}; the recipe ends at {total_steps} "
                           f"steps, so there is nothing left to train")
-    return start
+    return start.model_copy(update=plan.layout().model_dump())

@@ -102,18 +102,6 @@ def test_invalid_yaml_names_the_file(tmp_path):
         load_recipe(str(path))
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("parallelism.pipeline_stages=2", "objective=dpo does not support parallelism.pipeline_stages > 1"),
-    ("parallelism.sequence_parallel=2", "sequence's whole log-probability"),
-    ("data.packing=concat", "use bfd .* or none"),
-    ("data.long_documents=split", "use truncate or drop"),
-    ("long_context.logits_tile_tokens=1024", "logits_tile_tokens"),
-])
-def test_dpo_refuses_what_it_cannot_do_and_says_why(override, expected):
-    with pytest.raises(ConfigError, match=expected):
-        load_recipe("tiny_llama_dpo", [override])
-
-
 def test_dpo_settings_need_the_dpo_objective():
     with pytest.raises(ConfigError, match="dpo.* is set but training.objective is lm"):
         load_recipe("tiny_llama", ["dpo.beta=0.5"])

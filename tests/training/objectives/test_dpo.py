@@ -8,8 +8,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from data_pipeline.preference import pack_pairs
-from training.config.recipe import DpoSection
-from training.objectives.dpo import pair_logps, pair_losses
+from training.base.errors import ConfigError
+from training.config.recipe import DpoSection, load_recipe
+from training.objectives.dpo import Dpo, pair_logps, pair_losses
 from tests.conftest import REPO
 
 
@@ -58,3 +59,16 @@ def test_ipo_loss_uses_per_token_mean_log_ratios():
     tokens = torch.tensor([[4.0, 2.0]])
     losses, _ = pair_losses(policy, reference, tokens, DpoSection(beta=0.1, loss="ipo"))
     torch.testing.assert_close(losses, torch.tensor([(1 / 4 - -1 / 2 - 1 / (2 * 0.1)) ** 2]))
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("parallelism.pipeline_stages=2", "objective=dpo does not support parallelism.pipeline_stages > 1"),
+    ("parallelism.sequence_parallel=2", "sequence's whole log-probability"),
+    ("data.packing=concat", "use bfd .* or none"),
+    ("data.long_documents=split", "use truncate or drop"),
+    ("long_context.logits_tile_tokens=1024", "logits_tile_tokens"),
+])
+def test_dpo_refuses_what_it_cannot_do_and_says_why(override, expected):
+    """Before anything is built: train.py's checks, and `python -m data_pipeline` (with no model config)."""
+    with pytest.raises(ConfigError, match=expected):
+        Dpo.check(load_recipe("tiny_llama_dpo", [override]), None)

@@ -173,6 +173,6 @@ def test_a_resume_keeps_the_checkpoints_micro_batch(earlier_run, no_model_buildi
     plan = train.make_plan(train.parse_args(args))
     assert plan.recipe.training.micro_batch_size == expected and plan.micro_batch.kept == (saved == 2)
     assert plan.recipe.training.global_batch_size == 16 and plan.accumulation_steps == 16 // expected
-    train.print_plan(plan, plan.planned_for)
+    train.show_plan(plan, plan.planned_for)
     said = "2, the checkpoint's, kept by" if saved == 2 else "16 chosen by"
     assert f"micro-batch: {said} training.micro_batch_size=auto" in capsys.readouterr().out
