@@ -86,9 +86,9 @@ def prepare(args: argparse.Namespace) -> int:
     if recipe.data.prepared or recipe.data.streaming:
         raise DataError("the recipe's data is already prepared (data.prepared) or streamed (data.streaming); to "
                         "prepare a streamed recipe's sources anyway, add data.streaming=false")
-    if recipe.data.preference and args.engine == "datatrove":
-        raise DataError("--engine datatrove prepares documents; preference pairs (training.objective=dpo) are prepared "
-                        "by --engine datasets")
+    if recipe.data.examples != "documents" and args.engine == "datatrove":
+        raise DataError(f"--engine datatrove prepares documents; {recipe.data.examples} (training.objective="
+                        f"{recipe.training.objective}) are prepared by --engine datasets")
     check_prepare_output(args.output, recipe_inputs(recipe), args.engine)
     tokenizer = load_tokenizer(recipe.tokenizer_path, recipe.model.trust_remote_code)  # as train.py loads it
     if args.engine == "datatrove" or recipe.data.filters:

@@ -90,9 +90,14 @@ def check_prepared(folder: Path, fix: str) -> None:
             read(folder / split / name, read_arrow)
 
 
-def holds_pairs(folder: Path) -> bool:
-    """Whether a prepared folder holds preference pairs (training.objective=dpo) rather than packed rows."""
-    return "chosen_ids" in read_json(folder / "train" / "dataset_info.json")["features"]
+Examples = Literal["documents", "pairs", "prompts"]  # what a training example is: see DataConfig.examples
+
+
+def prepared_examples(folder: Path) -> Examples:
+    """What a prepared folder holds: packed rows of documents, preference pairs (training.objective=dpo) or prompts
+    (grpo)."""
+    features = read_json(folder / "train" / "dataset_info.json")["features"]
+    return "pairs" if "chosen_ids" in features else "prompts" if "prompt_ids" in features else "documents"
 
 
 LocalPath = Annotated[str, AfterValidator(resolve_path)]
@@ -107,7 +112,7 @@ class DataSource(StrictModel):
     split: str = "train"
     text_field: str | None = None  # default "text" unless messages_field is set
     messages_field: str | None = None
-    prompt_field: str = "prompt"  # training.objective=dpo: a string or chat messages; without it in the data,
+    prompt_field: str = "prompt"  # training.objective=dpo and grpo: a string or chat messages; dpo without it,
     # conversational chosen/rejected carry the prompt as their shared first messages (TRL's implicit prompt)
     chosen_field: str = "chosen"  # dpo: the preferred completion (a string, or chat messages)
     rejected_field: str = "rejected"  # dpo: the other completion
@@ -201,7 +206,9 @@ class DataConfig(StrictModel):
     seed: int = 1234  # mixture sampling and the evaluation split
     num_proc: PositiveInt = 1
     streaming: bool = False
-    preference: bool = False  # set from training.objective=dpo: the sources hold preference pairs
+    examples: Examples = "documents"  # set from training.objective: documents (lm), preference pairs (dpo) or
+    # prompts (grpo, each row's other fields passed to the reward functions)
+    completion_tokens: NonNegativeInt = 0  # set from grpo.max_completion_length: what a prompt leaves of seq_len
     shuffle_buffer: NonNegativeInt = 10_000  # streaming only: documents held for shuffling (0: read in order)
     cache_dir: LocalPath = Field("~/.cache/deepspeed-recipes/data", validate_default=True)
 

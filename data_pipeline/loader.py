@@ -164,3 +164,31 @@ def fetch_pairs(source: PairBatches | EvalPairBatches, indices: np.ndarray, real
     if source.reference is not None:
         batch["reference"] = torch.from_numpy(source.reference[indices])
     return batch
+
+
+class PromptBatches(StepBatches):
+    """Prompts (training.objective=grpo). A generation takes the next global_batch_size / num_generations prompts of
+    the epoch's order, and rank r samples the groups of its contiguous share of them, so that every layout sees the
+    same prompts and a group never spans ranks. num_iterations consecutive optimizer steps train on one generation:
+    the data position p reads generation p // num_iterations. A batch is the rank's prompts, whose completions the
+    objective generates (training/objectives/grpo.py), with each prompt's row in the data set (which seeds its
+    sampling) and the generation's index."""
+    unit = "prompts"
+
+    def __init__(self, prompts: datasets.Dataset, prompts_per_rank: int, dp_rank: int, dp_size: int, seed: int,
+                 num_iterations: int):
+        super().__init__(prompts, prompts_per_rank, 1, dp_rank, dp_size, seed)
+        self.num_iterations = num_iterations
+        self.generations_per_epoch, self.steps_per_epoch = self.steps_per_epoch, self.steps_per_epoch * num_iterations
+
+    def micro_batches(self, position: int) -> list[dict]:
+        generation = position // self.num_iterations
+        epoch, index = divmod(generation, self.generations_per_epoch)
+        start = index * self.global_batch_size + self.dp_rank * self.micro_batch_size
+        rows = self.epoch_order(epoch)[start:start + self.micro_batch_size]
+        batch = self.rows[rows]
+        return [{"prompt_ids": [ids.astype(np.int64) for ids in batch["prompt_ids"]], "prompt": list(batch["prompt"]),
+                 "fields": list(batch["fields"]), "rows": rows, "generation": generation}]
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "num_iterations": self.num_iterations}

@@ -23,6 +23,7 @@ from data_pipeline.config import PREPARE_AGAIN, DataConfig, DataSource, DedupCon
 from data_pipeline.dedup import EncodedAt, NearDuplicates, normalized_bytes, repeated_mask, text_hashes
 from data_pipeline.pack import fit_to_length, pack_bfd, pack_concat, pack_padded
 from data_pipeline.preference import load_pairs, pair_stats, tokenize_pairs
+from data_pipeline.prompts import load_prompts, prompt_stats, tokenize_prompts
 from data_pipeline.sources import load_documents
 from data_pipeline.tokenize import token_stream, tokenize_documents
 from training.compat.datasets import save_with_linked_split
@@ -120,7 +121,7 @@ def split_eval(documents: datasets.Dataset, config: DataConfig, stats: dict) -> 
     """Hold out `eval.fraction` of the documents at random, or load `eval.sources`; with decontaminate,
     drop training documents that near-duplicate an evaluation document."""
     if config.eval.sources:
-        evaluation = load_pairs(config.eval.sources) if config.preference else \
+        evaluation = load_pairs(config.eval.sources) if config.examples == "pairs" else \
             drop_empty(load_documents(config.eval.sources), {}, config.num_proc)
     elif config.eval.fraction:
         order = np.random.default_rng([config.seed, 1]).permutation(len(documents))
@@ -256,10 +257,32 @@ def build_pair_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -
     return datasets.DatasetDict(splits), stats
 
 
+def build_prompt_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[datasets.DatasetDict, dict]:
+    """Prompts (training.objective=grpo): read, deduplicated as whole prompts, tokenized and fitted to the budget the
+    completions leave; the training split is the sources' mixture. The completions are generated in training."""
+    documents = load_prompts(config.sources)
+    stats = {"documents_in": len(documents), "exact_duplicates_removed": 0, "near_duplicates_removed": 0}
+    per_source = np.bincount(np.asarray(documents["source"]), minlength=len(config.sources))
+    documents = deduplicate(documents, config.dedup, config.num_proc, stats)
+    tokenized = tokenize_prompts(documents, tokenizer, config.seq_len, config.completion_tokens,
+                                 config.long_documents, config.num_proc, config.sources, stats)
+    if len(tokenized) == 0:
+        raise DataError(f"no prompts are left after fitting them to data.seq_len={config.seq_len} "
+                        f"({json.dumps(stats)}); raise data.seq_len or lower grpo.max_completion_length")
+    sources = np.asarray(tokenized["source"])
+    rows = mixture_rows(sources, [s.weight for s in config.sources], config.seed)
+    splits = {"train": tokenized.select(rows).flatten_indices()}
+    stats.update(prompt_stats(splits["train"]), seq_len=config.seq_len, completion_tokens=config.completion_tokens,
+                 sources=source_counts(config, per_source, sources, rows))
+    return datasets.DatasetDict(splits), stats
+
+
 def build_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[datasets.DatasetDict, dict, list]:
     """The prepared splits, their stats and the sample of documents each quality filter removed."""
-    if config.preference:
+    if config.examples == "pairs":
         return *build_pair_dataset(config, tokenizer), []
+    if config.examples == "prompts":
+        return *build_prompt_dataset(config, tokenizer), []
     key = fingerprint(config, tokenizer)
     documents = load_documents(config.sources)
     stats = {"documents_in": len(documents), "exact_duplicates_removed": 0, "near_duplicates_removed": 0}

@@ -80,7 +80,7 @@ def test_ultrafeedback_layout_a_string_prompt_beside_full_conversations(tmp_path
     user = {"role": "user", "content": "Hi?"}
     path = write_jsonl(tmp_path / "uf.jsonl", [{"prompt": "Hi?", "chosen": [user, {"role": "assistant", "content": "Hello."}],
                                                 "rejected": [user, {"role": "assistant", "content": "No."}]}])
-    pair = load_pairs(DataConfig(sources=[{"path": path}], seq_len=64, preference=True).sources)[0]
+    pair = load_pairs(DataConfig(sources=[{"path": path}], seq_len=64, examples="pairs").sources)[0]
     assert json.loads(pair["prompt"]) == [user] and json.loads(pair["chosen"])[0]["content"] == "Hello."
 
 
@@ -92,7 +92,7 @@ def test_ultrafeedback_layout_a_string_prompt_beside_full_conversations(tmp_path
 def test_a_bad_pair_is_named_by_row_and_field(tmp_path, row, message):
     path = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "Q", "chosen": "A", "rejected": "B"}, row])
     with pytest.raises(DataError, match=message):
-        load_pairs(DataConfig(sources=[{"path": path}], seq_len=64, preference=True).sources)
+        load_pairs(DataConfig(sources=[{"path": path}], seq_len=64, examples="pairs").sources)
 
 
 def test_a_pairs_file_that_is_not_utf8_names_the_file_and_line(tmp_path):
@@ -100,7 +100,7 @@ def test_a_pairs_file_that_is_not_utf8_names_the_file_and_line(tmp_path):
     path.write_bytes(b'{"prompt": "Q", "chosen": "A", "rejected": "B"}\n{"prompt": "caf\xe9", "chosen": "A", '
                      b'"rejected": "B"}\n')
     with pytest.raises(DataError, match=f"{path}:2: not UTF-8 .*convert the file to UTF-8"):
-        load_pairs(DataConfig(sources=[{"path": str(path)}], seq_len=64, preference=True).sources)
+        load_pairs(DataConfig(sources=[{"path": str(path)}], seq_len=64, examples="pairs").sources)
 
 
 @pytest.mark.parametrize("role", ["assistent", "user"])
@@ -112,16 +112,16 @@ def test_a_chat_reply_in_another_role_than_assistant_is_refused_with_its_row(tmp
     path = write_jsonl(tmp_path / "pairs.jsonl", rows)
     with pytest.raises(DataError, match=f"pairs.jsonl: row 2: field 'rejected' ends in a '{role}' turn, not the "
                                         f"'assistant' reply"):
-        load_pairs(DataConfig(sources=[{"path": path}], seq_len=64, preference=True).sources)
+        load_pairs(DataConfig(sources=[{"path": path}], seq_len=64, examples="pairs").sources)
 
 
 def test_pairs_with_nothing_to_prefer_are_refused_and_some_are_counted(tmp_path, capsys):
     same = [{"prompt": f"Q{i}", "chosen": " A", "rejected": " A"} for i in range(3)]
-    config = DataConfig(sources=[{"path": write_jsonl(tmp_path / "same.jsonl", same)}], seq_len=64, preference=True)
+    config = DataConfig(sources=[{"path": write_jsonl(tmp_path / "same.jsonl", same)}], seq_len=64, examples="pairs")
     with pytest.raises(DataError, match=r"in every pair \(3\) the chosen reply equals the rejected one"):
         load_pairs(config.sources)
     mixed = [*same, {"prompt": "Q", "chosen": " A", "rejected": " B"}]
-    config = DataConfig(sources=[{"path": write_jsonl(tmp_path / "mixed.jsonl", mixed)}], seq_len=64, preference=True)
+    config = DataConfig(sources=[{"path": write_jsonl(tmp_path / "mixed.jsonl", mixed)}], seq_len=64, examples="pairs")
     assert len(load_pairs(config.sources)) == 4
     assert capsys.readouterr().err.count("3 of 4 pairs have the same chosen and rejected reply") == 1
 
@@ -129,7 +129,7 @@ def test_pairs_with_nothing_to_prefer_are_refused_and_some_are_counted(tmp_path,
 def test_a_missing_field_names_the_setting(tmp_path):
     path = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "Q", "good": "A", "rejected": "B"}])
     with pytest.raises(DataError, match="no field 'chosen'.*set chosen_field"):
-        load_pairs(DataConfig(sources=[{"path": path}], seq_len=64, preference=True).sources)
+        load_pairs(DataConfig(sources=[{"path": path}], seq_len=64, examples="pairs").sources)
 
 
 @pytest.mark.parametrize("policy, kept, counted", [("truncate", 4, "long_documents_truncated"),
@@ -138,7 +138,7 @@ def test_prepared_pairs_are_deduplicated_and_fitted_to_seq_len(tmp_path, tokeniz
     rows = [{"prompt": f"Question {i}?", "chosen": f" Answer {i}.", "rejected": f" Not {i}."} for i in range(4)]
     rows += [rows[1], {"prompt": "Q" * 400, "chosen": " A", "rejected": " B"}]  # a duplicate; a prompt over seq_len
     rows[2]["chosen"] = " word" * 100  # longer than seq_len, its prompt within
-    config = DataConfig(sources=[{"path": write_jsonl(tmp_path / "pairs.jsonl", rows)}], seq_len=48, preference=True,
+    config = DataConfig(sources=[{"path": write_jsonl(tmp_path / "pairs.jsonl", rows)}], seq_len=48, examples="pairs",
                         long_documents=policy, cache_dir=str(tmp_path / "cache"))
     prepared, stats, _ = build_dataset(config, tokenizer)
     train = prepared["train"]
@@ -156,7 +156,7 @@ def test_prepared_pairs_are_deduplicated_and_fitted_to_seq_len(tmp_path, tokeniz
 def test_pairs_that_all_go_name_the_fix_the_policy_leaves(tmp_path, tokenizer, policy, fix):
     """Every prompt fills seq_len: truncate cannot keep them, so it is not offered where it is already set."""
     rows = [{"prompt": f"Q{i} " * 60, "chosen": " A", "rejected": " B"} for i in range(3)]
-    config = DataConfig(sources=[{"path": write_jsonl(tmp_path / "pairs.jsonl", rows)}], seq_len=48, preference=True,
+    config = DataConfig(sources=[{"path": write_jsonl(tmp_path / "pairs.jsonl", rows)}], seq_len=48, examples="pairs",
                         long_documents=policy, cache_dir=str(tmp_path / "cache"))
     with pytest.raises(DataError, match="no pairs are left after fitting them to data.seq_len=48") as refused:
         build_dataset(config, tokenizer)
@@ -168,7 +168,7 @@ def test_prepared_pairs_are_refused_by_a_language_model_run(tmp_path, tokenizer)
     from training.base.errors import ConfigError
     from training.config.recipe import load_recipe
     rows = [{"prompt": f"Question {i}?", "chosen": f" Answer {i}.", "rejected": f" Not {i}."} for i in range(4)]
-    config = DataConfig(sources=[{"path": write_jsonl(tmp_path / "pairs.jsonl", rows)}], seq_len=48, preference=True)
+    config = DataConfig(sources=[{"path": write_jsonl(tmp_path / "pairs.jsonl", rows)}], seq_len=48, examples="pairs")
     save_prepared(*build_dataset(config, tokenizer), tmp_path / "prepared")
     assert load_recipe("tiny_llama_dpo", [f"data.prepared={tmp_path / 'prepared'}", "data.sources=[]",
                                           "data.eval.fraction=0"]).data.prepared

@@ -16,7 +16,7 @@ import yaml
 from pydantic import (AfterValidator, BaseModel, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat,
                       PositiveInt, PrivateAttr, ValidationError, ValidationInfo, WrapValidator, model_validator)
 
-from data_pipeline.config import DataConfig, LocalPath, holds_pairs, matching_files
+from data_pipeline.config import DataConfig, Examples, LocalPath, matching_files, prepared_examples
 from training.base.schema import StrictModel
 from training.base.errors import ConfigError, read_text
 
@@ -103,10 +103,12 @@ class ObjectiveTraits:
     model_loss: bool  # its loss is the model's next-token loss over target tokens, which the fused loss may replace
     rows_per_example: int  # the rows a training example takes at most, for the memory plan (a DPO pair: 2)
     unit: str  # what micro_batch_size and global_batch_size count
+    examples: Examples  # what the data holds (data_pipeline/config.py)
 
 
-OBJECTIVES = {"lm": ObjectiveTraits(model_loss=True, rows_per_example=1, unit="rows"),
-              "dpo": ObjectiveTraits(model_loss=False, rows_per_example=2, unit="pairs")}
+OBJECTIVES = {"lm": ObjectiveTraits(model_loss=True, rows_per_example=1, unit="rows", examples="documents"),
+              "dpo": ObjectiveTraits(model_loss=False, rows_per_example=2, unit="pairs", examples="pairs"),
+              "grpo": ObjectiveTraits(model_loss=False, rows_per_example=1, unit="completions", examples="prompts")}
 
 
 def known_objective(name: str) -> str:
@@ -226,6 +228,34 @@ class DpoSection(StrictModel):
     # per-token mean log-ratios, squared distance from 1 / (2 beta)
 
 
+class RewardSpec(StrictModel):
+    """One reward function of grpo.rewards (training/objectives/rewards.py)."""
+    function: str  # a built-in (exact_answer, format_regex, length_penalty) or module:function, TRL's signature;
+    # a module beside the recipe's YAML is found by its name
+    weight: float = 1.0  # the rewards' weighted sum is the reward the advantages are taken of
+    params: dict[str, Any] = {}  # keyword arguments: a built-in's settings, or passed to the callable
+
+
+class GrpoSection(StrictModel):
+    """training.objective=grpo (training/objectives/grpo.py): online RL with verifiable rewards. TRL's GRPOConfig names
+    and defaults; training.global_batch_size and micro_batch_size count completions."""
+    num_generations: int = Field(8, ge=2)  # completions sampled per prompt: a group, whose rewards make the advantages
+    max_completion_length: PositiveInt = 512
+    temperature: PositiveFloat = 1.0
+    top_p: float = Field(1.0, gt=0, le=1)
+    beta: NonNegativeFloat = 0.0  # the KL term's weight, against the starting model (LoRA: the base); 0: no reference
+    epsilon: PositiveFloat = 0.2  # clipping of the probability ratio, below
+    epsilon_high: PositiveFloat | None = None  # and above (None: epsilon; DAPO: 0.28)
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = "dapo"
+    scale_rewards: Literal["group", "batch", "none"] = "group"  # the advantages divided by the group's reward std,
+    # the global batch's, or not at all (Dr. GRPO)
+    num_iterations: PositiveInt = 1  # optimizer steps on each generation (with >1, the old log-probabilities kept)
+    mask_truncated_completions: bool = False  # completions cut at max_completion_length take no loss
+    rewards: list[RewardSpec] = []
+    log_completions_every: PositiveInt | None = None  # steps between samples of prompts, completions and rewards
+    # in completions.jsonl; None: never
+
+
 class ExportSection(StrictModel):
     merge: bool = False  # with lora: also write the base weights with the adapters merged into them (hf/)
 
@@ -309,6 +339,7 @@ class Recipe(StrictModel):
     lora: LoraSection = LoraSection()
     moe: MoeSection = MoeSection()
     dpo: DpoSection = DpoSection()
+    grpo: GrpoSection = GrpoSection()
     export: ExportSection = ExportSection()
     long_context: LongContextSection = LongContextSection()
     checkpointing: CheckpointingSection = CheckpointingSection()
@@ -355,16 +386,36 @@ class Recipe(StrictModel):
             raise ValueError("lora.enabled trains adapters on a frozen base model: set model.name_or_path to the "
                              "checkpoint to adapt (from model.config alone the frozen weights would be random)")
         if self.dpo.model_fields_set and self.training.objective != "dpo":
-            raise ValueError("dpo.* is set but training.objective is lm: set training.objective=dpo to train on "
-                             "preference pairs, or remove the dpo section")
-        self.data.preference = self.training.objective == "dpo"  # how the data stage reads and prepares the sources
-        if self.data.prepared and holds_pairs(Path(self.data.prepared)) != self.data.preference:
-            raise ValueError(f"data.prepared={self.data.prepared} holds "
-                             f"{'packed rows' if self.data.preference else 'preference pairs'}, but training.objective "
-                             f"is {self.training.objective}; prepare the data with this recipe")
+            raise ValueError(f"dpo.* is set but training.objective is {self.training.objective}: set "
+                             f"training.objective=dpo to train on preference pairs, or remove the dpo section")
+        if self.grpo.model_fields_set and self.training.objective != "grpo":
+            raise ValueError(f"grpo.* is set but training.objective is {self.training.objective}: set "
+                             f"training.objective=grpo to train on generated completions, or remove the grpo section")
+        if self.training.objective == "grpo":
+            self.check_grpo()
+        self.data.examples = self.training.traits.examples  # how the data stage reads and prepares the sources
+        held = prepared_examples(Path(self.data.prepared)) if self.data.prepared else self.data.examples
+        if held != self.data.examples:
+            raise ValueError(f"data.prepared={self.data.prepared} holds {held}, but training.objective "
+                             f"{self.training.objective} trains on {self.data.examples}; prepare the data with this "
+                             f"recipe")
         if self.data.streaming and self.training.max_steps is None:
             raise ValueError("data.streaming needs training.max_steps: the length of a stream is not known ahead")
         return self
+
+    def check_grpo(self) -> None:
+        """The grpo section against the batch and the data's length."""
+        grpo, training = self.grpo, self.training
+        if not grpo.rewards:
+            raise ValueError("training.objective=grpo needs grpo.rewards: at least one reward function (a built-in "
+                             "such as exact_answer, or module:function)")
+        if training.global_batch_size % grpo.num_generations:
+            raise ValueError(f"training.global_batch_size={training.global_batch_size} counts completions: it must "
+                             f"be a multiple of grpo.num_generations={grpo.num_generations} (each prompt's group)")
+        if grpo.max_completion_length >= self.data.seq_len:
+            raise ValueError(f"grpo.max_completion_length={grpo.max_completion_length} leaves no room for a prompt "
+                             f"in data.seq_len={self.data.seq_len}: raise seq_len or lower max_completion_length")
+        self.data.completion_tokens = grpo.max_completion_length
 
     @property
     def tokenizer_path(self) -> str:

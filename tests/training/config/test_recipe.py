@@ -105,4 +105,4 @@ def test_invalid_yaml_names_the_file(tmp_path):
 def test_dpo_settings_need_the_dpo_objective():
     with pytest.raises(ConfigError, match="dpo.* is set but training.objective is lm"):
         load_recipe("tiny_llama", ["dpo.beta=0.5"])
-    assert load_recipe("tiny_llama_dpo").data.preference and not load_recipe("tiny_llama").data.preference
+    assert load_recipe("tiny_llama_dpo").data.examples == "pairs" and load_recipe("tiny_llama").data.examples == "documents"

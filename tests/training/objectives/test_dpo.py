@@ -11,7 +11,7 @@ from data_pipeline.preference import pack_pairs
 from training.base.errors import ConfigError
 from training.config.recipe import DpoSection, load_recipe
 from training.objectives.dpo import Dpo, pair_logps, pair_losses
-from tests.conftest import REPO
+from tests.conftest import REPO, save_small_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -72,3 +72,17 @@ def test_dpo_refuses_what_it_cannot_do_and_says_why(override, expected):
     """Before anything is built: train.py's checks, and `python -m data_pipeline` (with no model config)."""
     with pytest.raises(ConfigError, match=expected):
         Dpo.check(load_recipe("tiny_llama_dpo", [override]), None)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_dry_run_shows_the_batch_in_pairs_and_what_the_reference_costs(lora, tmp_path, capsys):
+    import train
+    save_small_checkpoint(tmp_path / "base")
+    assert train.main(["--recipe", "tiny_llama_dpo", "--dry-run", "--output-dir", str(tmp_path / "out"),
+                       f"model.name_or_path={tmp_path / 'base'}", f"lora.enabled={lora}"]) == 0, \
+        capsys.readouterr().err
+    out = capsys.readouterr().out
+    recipe = load_recipe("tiny_llama_dpo")
+    assert f"batch: {recipe.training.micro_batch_size} pairs/rank" in out and "rows/rank" not in out
+    assert f"DPO: loss {recipe.dpo.loss}, beta {recipe.dpo.beta:g}; reference: " \
+           + ("the base with the adapters disabled" if lora else "the starting model") in out
