@@ -1,0 +1,122 @@
+"""GRPO's reward functions: the built-ins on plain and chat completions, module:function rewards, and the named
+errors for what cannot be loaded or scored."""
+import math
+import sys
+
+import pytest
+import torch
+
+from training.base.errors import ConfigError, DataError
+from training.objectives.rewards import exact_answer, format_regex, length_penalty, load_reward, score
+
+
+def chat(text: str) -> list[dict]:
+    return [{"role": "assistant", "content": text}]
+
+
+def test_exact_answer_reads_the_final_answer_and_compares_numbers_exactly():
+    completions = ["so the sum is \\boxed{1,000}.", "#### 0.5", "<answer> 7 </answer>", "Paris.", "$12$",
+                   "\\boxed{\\frac{1}{2}} and later 9", "the answer is 4", "it is 3"]
+    answers = ["1000", "1/2", "7.0", "paris", 12, "\\frac{1}{2}", "4", None]
+    assert exact_answer(["p"] * 8, completions, answer=answers) == [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, None]
+
+
+def test_exact_answer_reads_a_gsm8k_solution_and_chat_completions():
+    solutions = ["48 / 2 = 24 clips in May.\n#### 72", "#### 72", "#### 1,250"]
+    parts = [{"role": "assistant", "content": [{"type": "text", "text": "#### 70"}]}]
+    completions = [chat("In all \\boxed{72}"), parts, chat("<answer>1250</answer>")]
+    assert exact_answer(["p"] * 3, completions, solution=solutions) == [1.0, 0.0, 1.0]
+    with pytest.raises(DataError, match="exact_answer: the rows have neither an `answer` nor a `solution`"):
+        exact_answer(["p"], ["1"], question=["q"])
+
+
+def test_format_regex_matches_the_whole_completion():
+    pattern = r"<think>.*?</think>\s*<answer>.*?</answer>"
+    completions = ["<think>a\nb</think>\n<answer>4</answer>", "<think>a</think><answer>4</answer> extra",
+                   chat("<think></think><answer>x</answer>")]
+    assert format_regex(["p"] * 3, completions, pattern=pattern) == [1.0, 0.0, 1.0]
+
+
+def test_length_penalty_is_zero_at_the_target_and_minus_one_far_from_it():
+    completions = ["x" * 10, "x" * 5, "", "x" * 30, chat("x" * 15)]
+    assert length_penalty(["p"] * 5, completions, target=10) == [0.0, -0.5, -1.0, -1.0, -0.5]
+
+
+def test_load_reward_binds_a_builtins_parameters_and_keeps_its_name():
+    reward = load_reward("format_regex", {"pattern": "a+"})
+    assert reward.__name__ == "format_regex"
+    assert reward(prompts=["p", "p"], completions=["aaa", "ab"], answer=["x", "y"]) == [1.0, 0.0]
+    assert load_reward("exact_answer", {})(prompts=["p"], completions=["\\boxed{2}"], answer=["2"]) == [1.0]
+
+
+@pytest.mark.parametrize("name, params, message", [
+    ("exact_answers", {}, "reward 'exact_answers': not a built-in .* nor module:function"),
+    ("format_regex", {}, "reward format_regex: missing parameter\\(s\\) pattern; format_regex takes pattern"),
+    ("length_penalty", {"target": 5, "unit": "words"}, "unknown parameter\\(s\\) unit; length_penalty takes target"),
+    ("format_regex", {"pattern": "(a"}, "pattern '\\(a' is not a regular expression"),
+    ("length_penalty", {"target": 0}, "length_penalty: target=0; .* a number above 0"),
+])
+def test_load_reward_names_what_is_wrong_with_a_builtin(name, params, message):
+    with pytest.raises(ConfigError, match=message):
+        load_reward(name, params)
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """my_rewards.py on sys.path: a reward with a parameter, a constant that is not callable, and broken.py, whose
+    own import fails."""
+    (tmp_path / "my_rewards.py").write_text(
+        "def contains(prompts, completions, word='yes', **kwargs):\n"
+        "    return [float(word in c) for c in completions]\n"
+        "NOT_A_FUNCTION = 3\n")
+    (tmp_path / "broken.py").write_text("import a_dependency_that_is_missing\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    for name in ("my_rewards", "broken"):
+        sys.modules.pop(name, None)
+
+
+def test_load_reward_imports_module_function(user_module):
+    reward = load_reward("my_rewards:contains", {"word": "no"})
+    assert reward.__name__ == "contains"
+    assert reward(prompts=["p", "p"], completions=["no way", "yes"], answer=["a", "b"]) == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("name, message", [
+    ("not_my_rewards:contains", "reward not_my_rewards:contains: no module named 'not_my_rewards' on the Python path"),
+    ("my_rewards.sub:contains", "no module named 'my_rewards.sub'"),
+    ("my_rewards:missing", "reward my_rewards:missing: 'missing' is not defined there \\(module my_rewards, "),
+    ("my_rewards:NOT_A_FUNCTION", "'NOT_A_FUNCTION' is not callable"),
+])
+def test_load_reward_names_the_module_or_function_not_found(user_module, name, message):
+    with pytest.raises(ConfigError, match=message):
+        load_reward(name, {})
+
+
+def test_a_reward_modules_own_failing_import_keeps_its_traceback(user_module):
+    with pytest.raises(ModuleNotFoundError, match="a_dependency_that_is_missing"):
+        load_reward("broken:anything", {})
+
+
+def test_score_gives_one_column_per_function_none_as_nan():
+    def half(prompts, completions, answer, **kwargs):
+        return [0.5 if a == "1" else None for a in answer]
+
+    rewards = score([load_reward("exact_answer"), half], ["p"] * 3, ["1", chat("2"), "3"], {"answer": ["1", "2", "4"]})
+    assert rewards.dtype == torch.float32 and rewards.shape == (3, 2)
+    assert rewards[:, 0].tolist() == [1.0, 1.0, 0.0]
+    assert rewards[0, 1].item() == 0.5 and math.isnan(rewards[1, 1]) and math.isnan(rewards[2, 1])
+
+
+@pytest.mark.parametrize("returned, message", [
+    ([1.0], "reward function bad returned 1 rewards for 2 completions"),
+    ([1.0, "1.0"], "reward function bad returned '1.0' \\(str\\) for completion 1; return a number"),
+    ([1.0, [1.0]], "reward function bad returned \\[1.0\\] \\(list\\) for completion 1"),
+    (None, "reward function bad returned a NoneType; return a list of 2 rewards"),
+])
+def test_score_names_the_function_that_returns_the_wrong_rewards(returned, message):
+    def bad(prompts, completions, **kwargs):
+        return returned
+
+    with pytest.raises(DataError, match=message):
+        score([bad], ["p", "p"], ["a", "b"], {})

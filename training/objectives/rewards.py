@@ -1,0 +1,183 @@
+"""GRPO's reward functions, in TRL's form: f(prompts, completions, **row_fields) -> one float, or None (no opinion:
+TRL's NaN), per completion. prompts and completions are lists of N (each prompt repeated once per generation); a
+completion is a string or, for chat, a list of messages ({"role": ..., "content": ...}) whose last message's text is
+what the built-ins read; row_fields are the data set's other columns, each a list of N.
+
+Built-ins, each named by load_reward with its parameters:
+- exact_answer: 1.0 where the completion's final answer equals the row's reference (its `answer` field, else its
+  `solution`), else 0.0; None where the row's reference is None. A final answer is the last \\boxed{...}, else the
+  text after the last "####", else the last <answer>...</answer>, else the whole text; the reference's is taken the
+  same way (a GSM8K solution "... #### 72" gives 72). Both are stripped of whitespace, enclosing $...$ and a final
+  period, then compared as exact numbers when both read as one (3 = 3.0 = 6/2, 1,000 = 1000, 0.5 = 1/2), else as
+  text with case and runs of whitespace ignored.
+- format_regex(pattern): 1.0 where the regular expression matches the whole completion (re.fullmatch, "." matching
+  newlines too), else 0.0.
+- length_penalty(target): -min(1, |characters - target| / target): 0 at the target length in characters, down to -1
+  at an empty completion or at twice the target and beyond.
+"""
+import functools
+import importlib
+import inspect
+import math
+import numbers
+import re
+from collections.abc import Callable, Sequence
+from fractions import Fraction
+
+import torch
+
+from training.base.errors import ConfigError, DataError
+
+RewardFunction = Callable[..., list[float | None]]
+BOXED = re.compile(r"\\boxed\s*\{")
+ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+THOUSANDS = re.compile(r"-?\d{1,3}(,\d{3})+(\.\d+)?")
+
+
+def completion_text(completion: str | list[dict]) -> str:
+    """A completion's text: the string, or a chat completion's last message's content (its text parts)."""
+    if isinstance(completion, str):
+        return completion
+    content = completion[-1]["content"]
+    return content if isinstance(content, str) else "".join(part.get("text", "") for part in content
+                                                            if part.get("type") == "text")
+
+
+def boxed(text: str) -> str | None:
+    """The content of the last \\boxed{...}, braces balanced; None if there is none (or it is not closed)."""
+    starts = list(BOXED.finditer(text))
+    if not starts:
+        return None
+    depth, begin = 1, starts[-1].end()
+    for position in range(begin, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[position], 0)
+        if depth == 0:
+            return text[begin:position]
+    return None
+
+
+def final_answer(text: str) -> str:
+    """The last \\boxed{...}, else what follows the last ####, else the last <answer>...</answer>, else the text."""
+    if (found := boxed(text)) is not None:
+        return found
+    if "####" in text:
+        return text.rsplit("####", 1)[1]
+    tags = ANSWER_TAG.findall(text)
+    return tags[-1] if tags else text
+
+
+def normalized(answer: str) -> Fraction | str:
+    """An answer as an exact number when it reads as one, else as lower-case text with single spaces."""
+    answer = answer.strip()
+    if len(answer) > 1 and answer[0] == answer[-1] == "$":
+        answer = answer[1:-1].strip()
+    answer = answer.removesuffix(".").strip()
+    number = answer.replace(",", "") if THOUSANDS.fullmatch(answer) else answer
+    try:
+        return Fraction(number)
+    except (ValueError, ZeroDivisionError):
+        return " ".join(answer.split()).casefold()
+
+
+def exact_answer(prompts: list, completions: list, answer: list | None = None, solution: list | None = None,
+                 **_) -> list[float | None]:
+    references = answer if answer is not None else solution
+    if references is None:
+        raise DataError("reward exact_answer: the rows have neither an `answer` nor a `solution` field; add the "
+                        "reference answer as one of them, or use another reward")
+    return [None if reference is None else
+            float(normalized(final_answer(completion_text(completion))) == normalized(final_answer(str(reference))))
+            for completion, reference in zip(completions, references, strict=True)]
+
+
+def format_regex(prompts: list, completions: list, *, pattern: str, **_) -> list[float | None]:
+    return [float(re.fullmatch(pattern, completion_text(completion), re.DOTALL) is not None)
+            for completion in completions]
+
+
+def length_penalty(prompts: list, completions: list, *, target: int, **_) -> list[float | None]:
+    return [-min(1.0, abs(len(completion_text(completion)) - target) / target) for completion in completions]
+
+
+BUILTINS: dict[str, RewardFunction] = {"exact_answer": exact_answer, "format_regex": format_regex,
+                                       "length_penalty": length_penalty}
+
+
+def check_builtin(name: str, params: dict) -> None:
+    """A built-in's parameters: its keyword-only ones, those without a default required, and their values usable."""
+    accepted = {parameter.name: parameter for parameter in inspect.signature(BUILTINS[name]).parameters.values()
+                if parameter.kind is parameter.KEYWORD_ONLY}
+    unknown = sorted(set(params) - set(accepted))
+    missing = [key for key, parameter in accepted.items() if parameter.default is parameter.empty and key not in params]
+    if unknown or missing:
+        raise ConfigError(f"reward {name}: " + "; ".join(
+            ([f"unknown parameter(s) {', '.join(unknown)}"] if unknown else []) +
+            ([f"missing parameter(s) {', '.join(missing)}"] if missing else [])) +
+            f"; {name} takes {', '.join(accepted) or 'no parameters'}")
+    if name == "format_regex":
+        try:
+            re.compile(params["pattern"])
+        except (re.error, TypeError) as error:
+            raise ConfigError(f"reward format_regex: pattern {params['pattern']!r} is not a regular expression "
+                              f"({error}); fix the pattern") from None
+    if name == "length_penalty" and not (isinstance(params["target"], numbers.Real) and params["target"] > 0):
+        raise ConfigError(f"reward length_penalty: target={params['target']!r}; give the target length in "
+                          f"characters, a number above 0")
+
+
+def imported(name: str) -> RewardFunction:
+    """`module:function`, imported; a ConfigError naming the part that is not found."""
+    module_name, _, function_name = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name is None or not (module_name == error.name or module_name.startswith(error.name + ".")):
+            raise  # the module was found, and an import of its own failed: its traceback says where
+        raise ConfigError(f"reward {name}: no module named {error.name!r} on the Python path; fix the name, or run "
+                          f"from the folder that holds it (or add that folder to PYTHONPATH)") from None
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        found = "is not callable" if hasattr(module, function_name) else "is not defined there"
+        raise ConfigError(f"reward {name}: {function_name!r} {found} (module {module_name}, {module.__file__}); "
+                          f"name a function f(prompts, completions, **row_fields) of that module")
+    return function
+
+
+def load_reward(name: str, params: dict | None = None) -> RewardFunction:
+    """A built-in reward (see the module's docstring) or `module:function`, with `params` bound as keyword
+    arguments; it keeps the function's __name__, which names it in errors and in TRL's metrics
+    (rewards/<name>/mean)."""
+    params = params or {}
+    if name in BUILTINS:
+        check_builtin(name, params)
+        function = BUILTINS[name]
+    elif ":" in name:
+        function = imported(name)
+    else:
+        raise ConfigError(f"reward {name!r}: not a built-in ({', '.join(BUILTINS)}) nor module:function; name one "
+                          f"of those")
+    return functools.update_wrapper(functools.partial(function, **params), function)
+
+
+def checked(values, name: str, count: int) -> list[float]:
+    """A reward function's output as floats (None: NaN), or a DataError naming the function."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise DataError(f"reward function {name} returned a {type(values).__name__}; return a list of {count} "
+                        f"rewards, one per completion (a number, or None where it has no opinion)")
+    if len(values) != count:
+        raise DataError(f"reward function {name} returned {len(values)} rewards for {count} completions; return "
+                        f"one per completion (None where it has no opinion)")
+    for index, value in enumerate(values):
+        if value is not None and not isinstance(value, numbers.Real):
+            raise DataError(f"reward function {name} returned {value!r} ({type(value).__name__}) for completion "
+                            f"{index}; return a number, or None where it has no opinion")
+    return [math.nan if value is None else float(value) for value in values]
+
+
+def score(functions: Sequence[RewardFunction], prompts: list, completions: list,
+          row_fields: dict[str, list]) -> torch.Tensor:
+    """[N, F] float32: each function's rewards for the N completions, None as NaN (as TRL's)."""
+    columns = [checked(function(prompts=prompts, completions=completions, **row_fields),
+                       getattr(function, "__name__", type(function).__name__), len(prompts))
+               for function in functions]
+    return torch.tensor(columns, dtype=torch.float32).reshape(len(functions), len(prompts)).T
