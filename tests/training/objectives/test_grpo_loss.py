@@ -1,0 +1,164 @@
+"""GRPO's math against TRL 1.16's GRPOTrainer itself, built in-process on CPU around a small random Llama
+(conftest's save_small_checkpoint), nothing generated:
+
+- the loss: two micro-batches of one optimizer step (gradient_accumulation_steps=2, one off-policy with
+  old_per_token_logps, one on-policy without) go through TRL's _compute_loss and through the model's logits ->
+  token_logps -> grpo_loss; each micro-batch's loss (ours / 2, DeepSpeed's averaging) within 1e-6, the step's
+  accumulated gradient within 1e-5, and the metrics TRL records per micro-batch;
+- the advantages: _generate_and_score_completions with _generate stubbed to return fixed completions, two reward
+  functions that return crafted values (None among them, a group whose rewards are all equal); TRL's advantages,
+  frac_reward_zero_std and per-function rewards against score -> weighted_rewards -> group_advantages.
+"""
+import pytest
+import torch
+
+from tests.conftest import save_small_checkpoint
+from tests.test_dpo_trl import left_as_found
+from training.objectives.grpo_loss import grpo_loss, group_advantages, metric_means, token_logps, weighted_rewards
+from training.objectives.rewards import score
+
+BATCH, ACCUMULATION, GENERATIONS, MAX_COMPLETION, TEMPERATURE = 4, 2, 4, 8, 0.7
+EPSILON, EPSILON_HIGH, PAD = 0.2, 0.28, 3
+METRICS = ("entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("base")
+    save_small_checkpoint(path)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def restored():
+    """TRL's Trainer seeds the global generators and sets accelerate's process-wide state: put them back."""
+    with left_as_found():
+        yield
+
+
+def trainer(checkpoint, tmp_path, reward_funcs=None, **options):
+    import datasets
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=BATCH,
+                      gradient_accumulation_steps=ACCUMULATION, num_generations=GENERATIONS,
+                      max_completion_length=MAX_COMPLETION, temperature=TEMPERATURE, epsilon=EPSILON,
+                      epsilon_high=EPSILON_HIGH, use_cpu=True, bf16=False, fp16=False, report_to="none",
+                      save_strategy="no", **options)
+    rows = datasets.Dataset.from_list([{"prompt": "x"}] * BATCH * ACCUMULATION)
+    built = GRPOTrainer(model=str(checkpoint), reward_funcs=reward_funcs or [lambda completions, **_: [0.0]],
+                        args=args, train_dataset=rows, processing_class=AutoTokenizer.from_pretrained(checkpoint))
+    built.model.train()
+    built.current_gradient_accumulation_steps = ACCUMULATION  # what Trainer's loop sets per step
+    return built
+
+
+def completion_logits(model, batch: dict) -> torch.Tensor:
+    """The logits that predict each completion token, from the model's own forward (TRL's fused head not asked)."""
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    prompt = batch["prompt_ids"].size(1)
+    return model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, prompt - 1:-1]
+
+
+# old log-probabilities this far above the model's (ratios 0.61 to 1.65): by position, above 1 + epsilon_high, below
+# 1 - epsilon, inside; each clipped where the advantage's sign makes it count, and where it does not
+OLD_OFFSETS = torch.tensor([-0.5, 0.5, -0.1, 0.3, 0.1, -0.35])
+
+
+def micro_batch(model, generator: torch.Generator, completion_lengths: list[int], off_policy: bool,
+                beta: float) -> dict:
+    """Left-padded prompts, right-padded completions, advantages of both signs, old log-probabilities OLD_OFFSETS
+    off the model's and reference ones a random 0.5 nats (std) off (both zero on padding, as TRL's are)."""
+    prompt_mask = torch.tensor([[0] * (5 - n) + [1] * n for n in [5, 3, 4, 2]])
+    completion_mask = (torch.arange(6)[None] < torch.tensor(completion_lengths)[:, None]).long()
+    batch = {"prompt_ids": torch.randint(4, 4096, (BATCH, 5), generator=generator).masked_fill(prompt_mask == 0, PAD),
+             "prompt_mask": prompt_mask, "completion_mask": completion_mask,
+             "completion_ids": torch.randint(4, 4096, (BATCH, 6), generator=generator).masked_fill(
+                 completion_mask == 0, PAD),
+             "advantages": torch.tensor([1.3, -0.7, 0.4, -1.1])}
+    with torch.no_grad():
+        logps = token_logps(completion_logits(model, batch), batch["completion_ids"], TEMPERATURE)[0]
+    if off_policy:
+        batch["old_per_token_logps"] = (logps + OLD_OFFSETS) * completion_mask
+    if beta:
+        batch["ref_per_token_logps"] = (logps + 0.5 * torch.randn(logps.shape, generator=generator)) * completion_mask
+    return batch
+
+
+def gradients(model) -> list[torch.Tensor]:
+    found = [parameter.grad.clone() for parameter in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return found
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "bnpo"])
+def test_loss_gradient_and_metrics_equal_trl(checkpoint, tmp_path, loss_type, beta):
+    theirs = trainer(checkpoint, tmp_path, loss_type=loss_type, beta=beta)
+    model, generator = theirs.model, torch.Generator().manual_seed(0)
+    batches = [micro_batch(model, generator, [6, 2, 4, 1], True, beta), micro_batch(model, generator, [3, 6, 1, 5],
+                                                                                  False, beta)]
+    step_tokens = sum(batch["completion_mask"].sum() for batch in batches)
+    for batch in batches:
+        batch["num_items_in_batch"] = step_tokens  # TRL's: the completion tokens of the generation batch
+
+    trl_losses = []
+    for batch in batches:
+        loss = theirs._compute_loss(model, batch)
+        loss.backward()
+        trl_losses.append(loss.item())
+    trl_gradients, trl_metrics = gradients(model), theirs._metrics["train"]
+
+    for index, batch in enumerate(batches):
+        logps, entropies = token_logps(completion_logits(model, batch), batch["completion_ids"], TEMPERATURE)
+        share, sums = grpo_loss(logps, batch.get("old_per_token_logps"), batch.get("ref_per_token_logps"),
+                                batch["advantages"], batch["completion_mask"], loss_type=loss_type, beta=beta,
+                                epsilon_low=EPSILON, epsilon_high=EPSILON_HIGH,
+                                max_completion_length=MAX_COMPLETION,
+                                tokens_per_micro_batch=float(step_tokens) / ACCUMULATION, entropies=entropies)
+        (share / ACCUMULATION).backward()  # DeepSpeed's averaging over the step's micro-batches (one rank)
+        assert share.item() / ACCUMULATION == pytest.approx(trl_losses[index], abs=1e-6), f"micro-batch {index}"
+        means = metric_means(sums)
+        for name in METRICS + (("kl",) if beta else ()):
+            assert means[name] == pytest.approx(trl_metrics[name][index], abs=1e-6), f"{name}, micro-batch {index}"
+        assert ("kl" in means) == bool(beta) == ("kl" in trl_metrics)
+    for theirs_gradient, ours in zip(trl_gradients, gradients(model)):
+        torch.testing.assert_close(ours, theirs_gradient, rtol=0, atol=1e-5)
+    assert max(gradient.abs().max() for gradient in trl_gradients) > 1e-2, "a gradient worth comparing"
+    assert any(value > 0 for value in trl_metrics["clip_ratio/region_mean"]), "clipping exercised"
+
+
+def reward_a(prompts, completions, a, **_):
+    return a
+
+
+def reward_b(prompts, completions, b, **_):
+    return b
+
+
+# per row (two groups of 4): row 1 only b, row 2 only a, row 5 neither (unscorable); the second group's rewards are
+# all equal (zero std)
+A = [1.0, None, 0.0, 1.0, 0.5, None, 0.5, 0.5]
+B = [0.2, 0.3, None, 2.0, None, None, None, None]
+
+
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none", True, False])
+def test_advantages_equal_trl(checkpoint, tmp_path, scale_rewards):
+    weights = [1.0, 0.5]
+    theirs = trainer(checkpoint, tmp_path, reward_funcs=[reward_a, reward_b], reward_weights=weights,
+                     scale_rewards=scale_rewards)
+    rows = [{"prompt": "x", "a": a, "b": b} for a, b in zip(A, B)]
+    completions = [f"completion {i}" for i in range(len(rows))]
+    theirs._generate = lambda prompts: ([[5, 6]] * len(rows), [[7, 8, 2]] * len(rows), None, completions, None,
+                                        {}, None, None)
+    output = theirs._generate_and_score_completions(rows)
+
+    per_function = score([reward_a, reward_b], ["x"] * len(rows), completions, {"a": A, "b": B})
+    trl_per_function = torch.tensor([theirs._logs["rewards"][name] for name in ("reward_a", "reward_b")]).T
+    torch.testing.assert_close(per_function, trl_per_function, equal_nan=True, rtol=0, atol=0)
+    advantages, std = group_advantages(weighted_rewards(per_function, weights), GENERATIONS, scale_rewards)
+    torch.testing.assert_close(advantages, output["advantages"], rtol=1e-6, atol=1e-6)
+    assert torch.isclose(std, torch.zeros_like(std)).float().mean().item() == \
+        theirs._metrics["train"]["frac_reward_zero_std"][0]
+    assert advantages[5] == 0, "an unscorable completion has no advantage"
