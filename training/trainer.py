@@ -163,9 +163,9 @@ class Loop:
             self.watch.remember()
         lr = guard.set_lr(engine, state.step + 1) if guard else engine.get_lr()[0]
         skipped_before = engine.skipped_steps
-        loss_share, grad_norm, tokens, stop = train_step(engine, self.batches.micro_batches(state.data_position),
-                                                         self.plan.dp_size, self.objective, guard,
-                                                         self.plan.sequence_shard(dist.get_rank()))
+        micro_batches = self.objective.step_batches(engine, self.batches.micro_batches(state.data_position))
+        loss_share, grad_norm, tokens, stop = train_step(engine, micro_batches, self.plan.dp_size, self.objective,
+                                                         guard, self.plan.sequence_shard(dist.get_rank()))
         state.data_position += 1
         event = guard.after_step(state.step + 1, state.data_position - 1, float(grad_norm),
                                  engine.skipped_steps > skipped_before) if guard else None

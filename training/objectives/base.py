@@ -36,6 +36,11 @@ class Objective:
     def start(self, engine: deepspeed.DeepSpeedEngine, batches, evaluation, resume: bool) -> None:
         """What runs once the engine holds the starting (or resumed) weights, before step 1."""
 
+    def step_batches(self, engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict]) -> list[dict]:
+        """The micro-batches a step trains on, from the data's: the same (lm, dpo), or what the model generates from
+        them (grpo)."""
+        return micro_batches
+
     def count(self, batch: dict) -> int:
         """What a micro-batch's loss is a sum over (target tokens, pairs): the step's loss is its mean over the
         global batch."""

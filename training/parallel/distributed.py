@@ -129,6 +129,13 @@ def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> t
     return tensor
 
 
+def all_gather(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's tensor (of the same shape), concatenated along the first dimension in rank order."""
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, tensor.contiguous())
+    return torch.cat(parts)
+
+
 @cache
 def host_group() -> dist.ProcessGroup | None:
     """A gloo group for small host-side values (token counts, a stop flag). Reducing them over nccl would

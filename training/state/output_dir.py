@@ -15,12 +15,13 @@ from training.planning.plan import RunPlan
 OUTPUT_ROOT = Path("outputs")
 COMMAND = "train.py"
 REFERENCE_FILE = "reference_logps.npz"  # a DPO run's reference log-probabilities (training/objectives/dpo.py)
+COMPLETIONS_FILE = "completions.jsonl"  # a GRPO run's samples of prompts, completions and rewards (objectives/grpo.py)
 RUN_FILES = ("metrics.jsonl", "summary.json", "resolved_recipe.yaml", "ds_config.json", "checkpoints", "hf", "adapter",
-             "tensorboard", "wandb", "mlruns", "benchmarks", REFERENCE_FILE)  # wandb, mlruns: training/loop/trackers.py
+             "tensorboard", "wandb", "mlruns", "benchmarks", REFERENCE_FILE, COMPLETIONS_FILE)  # wandb, mlruns: training/loop/trackers.py
 
 
 # what a run writes by name, or as a whole folder (hf/, adapter/, a checkpoint): a file of another's there is refused
-NAMED_FILES = {"metrics.jsonl", "summary.json", "resolved_recipe.yaml", "ds_config.json", REFERENCE_FILE,
+NAMED_FILES = {"metrics.jsonl", "summary.json", "resolved_recipe.yaml", "ds_config.json", REFERENCE_FILE, COMPLETIONS_FILE,
                "checkpoints/latest"}
 WHOLE_FOLDERS = ("hf/", "adapter/", "checkpoints/global_step")
 

@@ -1,0 +1,345 @@
+"""training.objective=grpo: online RL with verifiable rewards (GRPO, Dr. GRPO, DAPO, BNPO), TRL's GRPOTrainer in this
+loop: the same DeepSpeed engine, gradient accumulation and ZeRO stages as the language model's loss.
+
+A step: the rank's prompts (data_pipeline/loader.py PromptBatches) are sampled num_generations times each with
+transformers' `generate` on the current weights, all of the rank's completions in one batch (under ZeRO-3 each layer's
+weights are gathered as its forward pass needs them, as the training step does: no second full copy, every rank
+stepping together, `synced_gpus`). Each completion draws from a random stream of its own, seeded by (training.seed,
+the generation, the prompt's row, its index in the group) (SeededSampling), so the completions are the same under any
+layout and after a resume. The reward functions score them (rewards.py), the
+rewards of the whole global batch make each group's advantages (grpo_loss.py), and the completions, one per row
+(prompt + completion, right-padded), are the step's micro-batches. Their loss is grpo_loss's, with the old
+log-probabilities kept from the generation when num_iterations > 1 and the reference's when beta > 0 (LoRA: the base
+with the adapters disabled; else the starting checkpoint, loaded again, frozen).
+"""
+import json
+import sys
+from pathlib import Path
+
+import deepspeed
+import numpy as np
+import torch
+import torch.distributed as dist
+from transformers import (AutoModelForCausalLM, GenerationConfig, LogitsProcessor, LogitsProcessorList, PretrainedConfig,
+                          TopPLogitsWarper)
+
+from data_pipeline.loader import PromptBatches
+from data_pipeline.prepare import pad_token_id
+from training.base.errors import ConfigError
+from training.config.recipe import GrpoSection, Recipe
+from training.objectives.base import Objective
+from training.objectives.grpo_loss import group_advantages, grpo_loss, metric_means, token_logps, weighted_rewards
+from training.objectives.rewards import load_reward, score
+from training.parallel import distributed
+from training.planning.plan import RunPlan
+from training.planning.precision import DTYPES
+from training.state.output_dir import COMPLETIONS_FILE
+
+
+def reward_functions(recipe: Recipe) -> list:
+    """grpo.rewards loaded (a module beside the recipe's YAML found by its name); a ConfigError names a bad one."""
+    folder = str(Path(recipe.path).resolve().parent)
+    if folder not in sys.path:
+        sys.path.append(folder)
+    return [load_reward(spec.function, spec.params) for spec in recipe.grpo.rewards]
+
+
+def sampling_seed(seed: int, generation: int, row: int, index: int) -> int:
+    """The random stream of completion `index` of the prompt at `row` of the data set, in a generation."""
+    return int(np.random.SeedSequence([seed, 3, generation, row, index]).generate_state(1)[0])
+
+
+class SeededSampling(LogitsProcessor):
+    """Sampling at `temperature` within `top_p` with a random stream per completion, for `generate`'s greedy search:
+    the Gumbel-max draw, argmax(logits / temperature + Gumbel noise), is a sample of softmax(logits / temperature)
+    (tokens outside top_p stay at -inf). transformers' own sampling draws every row from one stream, so a completion
+    would depend on which others share its batch, that is on the layout; here it depends on its seed alone."""
+
+    def __init__(self, seeds: list[int], temperature: float, top_p: float, device: torch.device):
+        self.generators = [torch.Generator(device).manual_seed(seed) for seed in seeds]
+        self.temperature, self.top_p = temperature, TopPLogitsWarper(top_p) if top_p < 1 else None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.float() / self.temperature
+        if self.top_p:
+            scores = self.top_p(input_ids, scores)
+        noise = torch.stack([torch.empty(scores.shape[1], device=scores.device).exponential_(generator=generator)
+                             for generator in self.generators])
+        return scores - noise.log()
+
+
+def sample(model: torch.nn.Module, prompts: list[torch.Tensor], seeds: list[int], section: GrpoSection,
+           eos_id: int, pad_id: int, synced: bool) -> tuple[list[torch.Tensor], list[bool]]:
+    """One completion per prompt (1-D tensors; the same prompt repeated for a group), sampled in one batch, the
+    prompts left-padded: each completion ends at its first EOS (kept) or at max_completion_length (truncated)."""
+    device, width = prompts[0].device, max(len(p) for p in prompts)
+    inputs = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros_like(inputs)
+    for row, prompt in enumerate(prompts):
+        inputs[row, width - len(prompt):], mask[row, width - len(prompt):] = prompt, 1
+    config = GenerationConfig(do_sample=False, max_new_tokens=section.max_completion_length, eos_token_id=eos_id,
+                              pad_token_id=pad_id, use_cache=True)
+    with torch.no_grad():
+        out = model.generate(input_ids=inputs, attention_mask=mask, generation_config=config, synced_gpus=synced,
+                             logits_processor=LogitsProcessorList([SeededSampling(seeds, section.temperature,
+                                                                                  section.top_p, device)]))
+    completions, truncated = [], []
+    for sequence in out[:, width:]:
+        ends = (sequence == eos_id).nonzero()
+        length = int(ends[0]) + 1 if len(ends) else min(len(sequence), section.max_completion_length)
+        completions.append(sequence[:length].cpu())
+        truncated.append(not len(ends))
+    return completions, truncated
+
+
+def completion_rows(prompts: list[torch.Tensor], completions: list[torch.Tensor], pad_id: int) -> dict:
+    """Each prompt + completion as a row, right-padded to the longest: the model's inputs, `labels` (-100 but on the
+    completion's tokens) and `length` (real tokens)."""
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
+    width = max(lengths)
+    input_ids = torch.full((len(lengths), width), pad_id, dtype=torch.long)
+    labels = torch.full_like(input_ids, -100)
+    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+        input_ids[row, :len(prompt) + len(completion)] = torch.cat([prompt, completion])
+        labels[row, len(prompt):len(prompt) + len(completion)] = completion
+    return {"input_ids": input_ids, "labels": labels, "position_ids": torch.arange(width).expand(len(lengths), -1),
+            "length": torch.tensor(lengths)}
+
+
+def completion_logps(model: torch.nn.Module, batch: dict, device: torch.device,
+                     temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token log-probabilities of a micro-batch's tokens after the first (each from the logits before it), their
+    entropies, and the mask of the completion's tokens among them."""
+    logits = model(input_ids=batch["input_ids"].to(device), position_ids=batch["position_ids"].to(device)).logits
+    logps, entropies = token_logps(logits[:, :-1], batch["input_ids"][:, 1:].to(device), temperature)
+    return logps, entropies, batch["labels"][:, 1:].to(device) != -100
+
+
+class Grpo(Objective):
+    """training.objective=grpo: a step's completions generated, scored and trained on (module docstring)."""
+    name = "grpo"
+    carried = ("reward", "rewards/", "completions/", "kl", "clip_ratio/", "entropy", "frac_reward_zero_std")
+
+    def __init__(self, plan: RunPlan):
+        super().__init__(plan)
+        self.section: GrpoSection = plan.recipe.grpo
+        self.rollout, self.reference, self.first_reward = None, None, None
+        self.sums, self.step_metrics, self.logged_up_to = [], {}, None
+
+    @staticmethod
+    def check(recipe: Recipe, model_config: PretrainedConfig | None) -> None:
+        data, parallelism, grpo = recipe.data, recipe.parallelism, recipe.grpo
+        refused = [reason for condition, reason in (
+            (parallelism.pipeline_stages > 1, "parallelism.pipeline_stages > 1: generation runs the whole model on "
+                                              "each rank"),
+            (parallelism.tensor_parallel > 1, "parallelism.tensor_parallel > 1"),
+            (parallelism.sequence_parallel > 1, "parallelism.sequence_parallel > 1: a completion is sampled whole"),
+            (parallelism.expert_parallel > 1, "parallelism.expert_parallel > 1"),
+            (recipe.long_context.logits_tile_tokens is not None, "long_context.logits_tile_tokens: the loss needs "
+                                                                 "each token's log-probability"),
+            (bool(data.filters), "data.filters: the quality filters judge documents; filter the prompts first"),
+            (data.streaming, "data.streaming: prompts are prepared (deduplicated, fitted to seq_len) before the run"),
+            (bool(data.eval.fraction or data.eval.sources), "data.eval: evaluation by generation is not built yet; "
+                                                            "remove data.eval"),
+            (grpo.beta > 0 and not recipe.lora.enabled and not recipe.model.name_or_path,
+             "grpo.beta > 0 from model.config alone: the reference is the starting checkpoint, loaded again; set "
+             "model.name_or_path, or beta=0")) if condition]
+        if refused:
+            raise ConfigError(f"training.objective=grpo does not support {refused[0]}")
+        reward_functions(recipe)
+        if model_config is not None and getattr(model_config, "output_router_logits", False):
+            raise ConfigError("training.objective=grpo with the router's load-balancing loss: GRPO's loss has no "
+                              "place for it; set moe.aux_loss_coef=0")
+
+    @staticmethod
+    def describe(plan: RunPlan) -> list[str]:
+        """The batch in prompts and completions, and what generation adds: its KV cache, and its time in tokens."""
+        training, grpo, config = plan.recipe.training, plan.recipe.grpo, plan.model_config
+        prompts = training.global_batch_size // grpo.num_generations
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_bytes = (2 * config.num_hidden_layers * heads * head_dim * DTYPES[plan.precision].itemsize
+                    * plan.recipe.data.seq_len * grpo.num_generations)
+        gathered = ("ZeRO-3: each layer's weights gathered for its forward pass, as in training (no full copy)"
+                    if plan.zero_stage == 3 else "the rank's own full weights")
+        reference = ("none (beta 0)" if grpo.beta == 0 else "the base with the adapters disabled"
+                     if plan.recipe.lora.enabled else "the starting checkpoint, a frozen copy on each rank")
+        return [f"batch: {prompts} prompts x {grpo.num_generations} generations = {training.global_batch_size} "
+                f"completions per step; {training.micro_batch_size} completions/rank x {plan.accumulation_steps} "
+                f"accumulation x {plan.dp_size} data-parallel ranks, each a row of prompt + completion (at most "
+                f"{plan.recipe.data.seq_len} tokens)",
+                f"GRPO: loss {grpo.loss_type}, beta {grpo.beta:g}, epsilon {grpo.epsilon:g}/"
+                f"{grpo.epsilon_high or grpo.epsilon:g}, scale_rewards {grpo.scale_rewards}, {grpo.num_iterations} "
+                f"step(s) per generation; rewards: "
+                + ", ".join(f"{spec.function} x {spec.weight:g}" for spec in plan.recipe.grpo.rewards),
+                f"generation: {prompts // plan.dp_size} prompt(s) per rank, one group of {grpo.num_generations} at a "
+                f"time, up to {grpo.max_completion_length} new tokens each (as many decoding passes per group); KV "
+                f"cache {kv_bytes / 2**20:,.1f} MiB per rank at most, beside the training step's memory (not at the "
+                f"same time); weights: {gathered}; reference: {reference}"]
+
+    def batches(self, prepared, rank: int) -> tuple[PromptBatches, None]:
+        plan, grpo = self.plan, self.section
+        per_rank = plan.recipe.training.global_batch_size // plan.dp_size
+        if per_rank % grpo.num_generations:
+            raise ConfigError(f"training.global_batch_size={plan.recipe.training.global_batch_size} over "
+                              f"{plan.dp_size} data-parallel ranks is {per_rank} completions per rank, not whole "
+                              f"groups of grpo.num_generations={grpo.num_generations}: make the global batch a "
+                              f"multiple of {grpo.num_generations * plan.dp_size}")
+        return PromptBatches(prepared["train"], per_rank // grpo.num_generations, rank, plan.dp_size,
+                             plan.recipe.training.seed, grpo.num_iterations), None
+
+    def start(self, engine: deepspeed.DeepSpeedEngine, batches, evaluation, resume: bool) -> None:
+        plan, grpo = self.plan, self.section
+        self.functions, self.names = reward_functions(plan.recipe), [f.__name__ for f in reward_functions(plan.recipe)]
+        self.weights = [spec.weight for spec in grpo.rewards]
+        self.eos_id, self.pad_id = plan.tokenizer.eos_token_id, pad_token_id(plan.tokenizer)
+        if grpo.beta > 0 and not plan.recipe.lora.enabled:
+            self.reference = AutoModelForCausalLM.from_pretrained(
+                plan.recipe.model.name_or_path, dtype=next(engine.module.parameters()).dtype).to(engine.device).eval()
+            self.reference.requires_grad_(False)
+
+    def step_batches(self, engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict]) -> list[dict]:
+        [prompts] = micro_batches
+        if self.rollout is None or self.rollout[0] != prompts["generation"]:
+            self.rollout = prompts["generation"], self.generate(engine, prompts)
+        return self.rollout[1]
+
+    def generate(self, engine: deepspeed.DeepSpeedEngine, prompts: dict) -> list[dict]:
+        """The rank's completions of its prompts, scored, with their advantages, as the step's micro-batches."""
+        grpo, model, seed = self.section, engine.module, self.plan.recipe.training.seed
+        prompt_ids = [torch.from_numpy(ids) for ids in prompts["prompt_ids"] for _ in range(grpo.num_generations)]
+        seeds = [sampling_seed(seed, prompts["generation"], int(row), index) for row in prompts["rows"]
+                 for index in range(grpo.num_generations)]
+        model.eval()
+        completions, truncated = sample(model, [ids.to(engine.device) for ids in prompt_ids], seeds, grpo,
+                                        self.eos_id, self.pad_id, engine.zero_optimization_stage() == 3)
+        model.train()
+        texts = [self.plan.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+        given = [json.loads(p) for p in prompts["prompt"] for _ in range(grpo.num_generations)]
+        replies = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(given, texts)]
+        fields = [json.loads(f) for f in prompts["fields"] for _ in range(grpo.num_generations)]
+        row_fields = {name: [f.get(name) for f in fields] for name in (fields[0] if fields else {})}
+        per_function = score(self.functions, given, replies, row_fields)
+        everyone = distributed.all_gather(per_function.to(engine.device))  # the global batch, in prompt order
+        rewards = weighted_rewards(everyone, self.weights)
+        advantages, std = group_advantages(rewards, grpo.num_generations, grpo.scale_rewards)
+        share = slice(self.plan.dp_rank(dist.get_rank()) * len(completions), (self.plan.dp_rank(dist.get_rank()) + 1)
+                      * len(completions))
+        lengths = torch.tensor([len(c) for c in completions], dtype=torch.float32, device=engine.device)
+        cut = torch.tensor(truncated, device=engine.device)
+        self.note_generation(everyone, rewards, std, distributed.all_gather(lengths), distributed.all_gather(cut))
+        self.log_samples(prompts["generation"], given, texts, per_function, rewards[share])
+        micro = self.plan.recipe.training.micro_batch_size
+        batches = []
+        for start in range(0, len(completions), micro):
+            part = slice(start, start + micro)
+            batch = completion_rows(prompt_ids[part], completions[part], self.pad_id)
+            batch.update(advantages=advantages[share][part].cpu(), truncated=cut[part].cpu())
+            batches.append(self.with_fixed_logps(engine, batch))
+        return batches
+
+    def with_fixed_logps(self, engine: deepspeed.DeepSpeedEngine, batch: dict) -> dict:
+        """The batch with the log-probabilities that stay fixed over its steps: the old policy's (num_iterations > 1)
+        and the reference's (beta > 0)."""
+        grpo, model = self.section, engine.module
+        with torch.no_grad():
+            if grpo.num_iterations > 1:
+                batch["old_logps"] = completion_logps(model, batch, engine.device, grpo.temperature)[0]
+            if grpo.beta > 0 and self.reference is not None:
+                batch["ref_logps"] = completion_logps(self.reference, batch, engine.device, grpo.temperature)[0]
+            elif grpo.beta > 0:
+                with model.disable_adapter():
+                    batch["ref_logps"] = completion_logps(model, batch, engine.device, grpo.temperature)[0]
+        return batch
+
+    def count(self, batch: dict) -> int:
+        """dapo: the completion tokens (its loss is their global mean); the others normalize within the micro-batch."""
+        if self.section.loss_type != "dapo":
+            return 1
+        mask = batch["labels"][:, 1:] != -100
+        if self.section.mask_truncated_completions:
+            mask &= ~batch["truncated"].unsqueeze(1)
+        return int(mask.sum())
+
+    def start_step(self) -> None:
+        self.sums = []
+
+    def loss(self, engine: deepspeed.DeepSpeedEngine, batch: dict, per_micro_batch: float,
+             shard: tuple[int, int]) -> torch.Tensor:
+        grpo = self.section
+        logps, entropies, mask = completion_logps(engine, batch, engine.device, grpo.temperature)
+        if grpo.mask_truncated_completions:
+            mask = mask & ~batch["truncated"].to(engine.device).unsqueeze(1)
+        loss, sums = grpo_loss(logps, batch.get("old_logps"), batch.get("ref_logps"),
+                               batch["advantages"].to(engine.device), mask, loss_type=grpo.loss_type, beta=grpo.beta,
+                               epsilon_low=grpo.epsilon, epsilon_high=grpo.epsilon_high or grpo.epsilon,
+                               max_completion_length=grpo.max_completion_length,
+                               tokens_per_micro_batch=max(per_micro_batch, 1e-8), entropies=entropies)
+        self.sums.append(sums)
+        return loss
+
+    def note_generation(self, per_function: torch.Tensor, rewards: torch.Tensor, std: torch.Tensor,
+                        lengths: torch.Tensor, truncated: torch.Tensor) -> None:
+        """TRL's metrics of a generation, over the global batch."""
+        ended = lengths[~truncated]
+        self.step_metrics = {
+            "reward": rewards.nanmean().item(),
+            "reward_std": std.view(-1, self.section.num_generations)[:, 0].nanmean().item(),
+            "frac_reward_zero_std": (std.view(-1, self.section.num_generations)[:, 0] < 1e-6).float().mean().item(),
+            **{f"rewards/{name}/mean": per_function[:, i].nanmean().item() for i, name in enumerate(self.names)},
+            **{f"rewards/{name}/std": per_function[:, i][~per_function[:, i].isnan()].std().nan_to_num().item()
+               for i, name in enumerate(self.names)},
+            "completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
+            "completions/max_length": lengths.max().item(), "completions/clipped_ratio": truncated.float().mean().item(),
+            **({"completions/mean_terminated_length": ended.mean().item(),
+                "completions/min_terminated_length": ended.min().item(),
+                "completions/max_terminated_length": ended.max().item()} if len(ended) else {})}
+        if self.first_reward is None:
+            self.first_reward = self.step_metrics["reward"]
+
+    def metrics(self) -> dict:
+        """The generation's metrics and the loss's: per micro-batch the token means over every rank, averaged over
+        the step's micro-batches (as TRL logs them)."""
+        names = list(self.sums[0])
+        stacked = torch.stack([torch.stack([sums[name].float() for name in names]) for sums in self.sums])
+        stacked = distributed.all_reduce(stacked)
+        means = [metric_means(dict(zip(names, row))) for row in stacked]
+        return {**self.step_metrics, **{name: float(np.mean([m[name] for m in means])) for name in means[0]}}
+
+    def log_samples(self, generation: int, prompts: list, completions: list[str], per_function: torch.Tensor,
+                    rewards: torch.Tensor) -> None:
+        """Every grpo.log_completions_every generations, every rank's prompts, completions and rewards appended to
+        completions.jsonl by rank 0 (lines of a generation at or past this one, from before a resume, replaced)."""
+        every = self.section.log_completions_every
+        if not every or generation % every:
+            return
+        records = [{"generation": generation, "prompt": p, "completion": c, "reward": float(r),
+                    **{name: float(v) for name, v in zip(self.names, values)}}
+                   for p, c, r, values in zip(prompts, completions, rewards.tolist(), per_function.tolist())]
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, records)
+        if dist.get_rank() != 0:
+            return
+        path = self.plan.output_dir / COMPLETIONS_FILE
+        if self.logged_up_to is None or self.logged_up_to >= generation:
+            kept = [line for line in path.read_text().splitlines()
+                    if json.loads(line)["generation"] < generation] if path.exists() else []
+            path.write_text("".join(line + "\n" for line in kept))
+        with path.open("a") as file:
+            for rank_records in gathered[::self.plan.world_size // self.plan.dp_size]:
+                file.writelines(json.dumps(record) + "\n" for record in rank_records)
+        self.logged_up_to = generation
+
+    def console(self, record: dict) -> str:
+        return (f"  reward {record['reward']:.3f} (std {record['reward_std']:.3f})  completion length "
+                f"{record['completions/mean_length']:.1f}" + (f"  kl {record['kl']:.4f}" if "kl" in record else ""))
+
+    def summary(self) -> dict:
+        return {"first_reward": self.first_reward} if self.first_reward is not None else {}
+
+    def table(self, summary: dict) -> list[tuple[str, str]]:
+        return [("GRPO reward (first -> last logged)", f"{summary['first_reward']:.3f} -> {summary['reward']:.3f}")] \
+            if "first_reward" in summary and "reward" in summary else []
+
+    def evaluate(self, engine: deepspeed.DeepSpeedEngine, evaluation, shard: tuple[int, int]) -> dict:
+        raise NotImplementedError("grpo has no evaluation (check refuses data.eval)")
