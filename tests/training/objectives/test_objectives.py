@@ -32,7 +32,7 @@ class TokenLossFromLogits(LanguageModel):
 @pytest.mark.slow
 def test_a_toy_objective_added_in_a_few_lines_trains_as_the_language_model(tmp_path, data_cache, monkeypatch):
     monkeypatch.setitem(schema.OBJECTIVES, "toy", schema.ObjectiveTraits(model_loss=False, rows_per_example=1,
-                                                                         unit="rows"))
+                                                                         unit="rows", examples="documents"))
     monkeypatch.setitem(OBJECTIVES, "toy", TokenLossFromLogits)
     losses = {}
     for objective in ("lm", "toy"):
