@@ -1,0 +1,155 @@
+"""training.objective=grpo, its parts without a run: sampling, the prompts' batches, the reference under LoRA, what it
+refuses and the dry run's lines. The loss and advantages against TRL: test_grpo_loss.py; runs: tests/test_grpo.py."""
+import json
+from types import SimpleNamespace
+
+import datasets
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer, TopPLogitsWarper
+
+from data_pipeline.config import DataConfig
+from data_pipeline.loader import PromptBatches
+from data_pipeline.prepare import build_dataset
+from tests.conftest import REPO, save_small_checkpoint
+from training.base.errors import ConfigError, DataError
+from training.config.recipe import GrpoSection, load_recipe
+from training.objectives.grpo import Grpo, SeededSampling, completion_logps, completion_rows, sample
+
+SECTION = GrpoSection(num_generations=4, max_completion_length=12, temperature=0.9, top_p=0.95)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    path = tmp_path_factory.mktemp("small")
+    save_small_checkpoint(path)
+    return path, AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def test_a_completion_depends_on_its_seed_alone_not_on_its_batch(small):
+    """Under any layout a rank samples its own prompts in one batch: each completion must be the one its seed gives
+    when it is sampled alone (prompts of other lengths left-padded beside it)."""
+    _, model, tokenizer = small
+    prompts = [torch.tensor(tokenizer(text)["input_ids"]) for text in ("1=", "17+25=", "Write a function that")]
+    assert len({len(p) for p in prompts}) == 3
+    seeds = [11, 22, 33]
+    together, cut = sample(model, prompts, seeds, SECTION, tokenizer.eos_token_id, 0, False)
+    for prompt, seed, completion in zip(prompts, seeds, together):
+        [alone], _ = sample(model, [prompt], [seed], SECTION, tokenizer.eos_token_id, 0, False)
+        assert torch.equal(alone, completion)
+    assert all(len(c) == SECTION.max_completion_length for c, truncated in zip(together, cut) if truncated)
+    again, _ = sample(model, prompts, seeds, SECTION, tokenizer.eos_token_id, 0, False)
+    assert all(map(torch.equal, together, again))
+    other, _ = sample(model, prompts, [12, 23, 34], SECTION, tokenizer.eos_token_id, 0, False)
+    assert not all(map(torch.equal, together, other))
+
+
+def test_seeded_sampling_draws_from_the_tempered_top_p_distribution():
+    """The Gumbel-max draw's token frequencies equal softmax(logits / temperature) renormalized within top_p, which is
+    what transformers' sampling draws from (TopPLogitsWarper then a multinomial draw)."""
+    torch.manual_seed(0)
+    scores, draws = torch.randn(1, 12) * 2, 20_000
+    expected = TopPLogitsWarper(0.9)(None, scores / 0.7).softmax(-1)[0]
+    sampler = SeededSampling(list(range(draws)), temperature=0.7, top_p=0.9, device=torch.device("cpu"))
+    picked = sampler(None, scores.expand(draws, -1)).argmax(-1)
+    frequencies = torch.bincount(picked, minlength=12).float() / draws
+    assert frequencies[expected == 0].sum() == 0  # nothing outside top_p
+    torch.testing.assert_close(frequencies, expected, atol=0.012, rtol=0)  # 4 standard errors at p = 0.5
+
+
+def test_each_rank_samples_whole_groups_of_the_same_global_batch_under_any_layout():
+    prompts = datasets.Dataset.from_dict({"prompt_ids": [[i, i + 1] for i in range(12)],
+                                          "prompt": [json.dumps(f"p{i}") for i in range(12)],
+                                          "fields": [json.dumps({"answer": str(i)}) for i in range(12)],
+                                          "source": [0] * 12})
+    one = PromptBatches(prompts, 4, 0, 1, seed=5, num_iterations=2)
+    two = [PromptBatches(prompts, 2, rank, 2, seed=5, num_iterations=2) for rank in range(2)]
+    assert one.steps_per_epoch == 6  # 3 generations of 4 prompts, 2 steps each
+    for position in range(8):
+        [whole] = one.micro_batches(position)
+        halves = [ranks.micro_batches(position)[0] for ranks in two]
+        assert whole["generation"] == position // 2 == halves[0]["generation"]
+        assert list(whole["rows"]) == [*halves[0]["rows"], *halves[1]["rows"]]
+        assert whole["prompt"] == halves[0]["prompt"] + halves[1]["prompt"]
+    assert list(one.micro_batches(0)[0]["rows"]) == list(one.micro_batches(1)[0]["rows"])  # one generation, 2 steps
+
+
+def test_completion_rows_take_the_loss_on_the_completion_alone(small):
+    _, model, _ = small
+    prompts, completions = [torch.tensor([5, 6, 7]), torch.tensor([8])], [torch.tensor([9, 2]), torch.tensor([3, 4, 2])]
+    batch = completion_rows(prompts, completions, pad_id=0)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 9, 2], [8, 3, 4, 2, 0]]
+    assert batch["labels"].tolist() == [[-100, -100, -100, 9, 2], [-100, 3, 4, 2, -100]]
+    assert batch["length"].tolist() == [5, 4]
+    logps, _, mask = completion_logps(model, batch, torch.device("cpu"), 1.0)
+    with torch.no_grad():
+        alone = model(input_ids=torch.tensor([[8, 3, 4, 2]])).logits[0, :-1].log_softmax(-1)
+    torch.testing.assert_close(logps[1][mask[1]], alone.gather(1, torch.tensor([[3], [4], [2]]))[:, 0])
+
+
+def test_under_lora_the_reference_is_the_base_with_the_adapters_disabled(small):
+    path, model, _ = small
+    torch.manual_seed(0)
+    lora = get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                                                 init_lora_weights=False))
+    objective = Grpo.__new__(Grpo)
+    objective.section, objective.reference = GrpoSection(beta=0.04), None
+    batch = completion_rows([torch.tensor([5, 6, 7])], [torch.tensor([9, 10, 2])], pad_id=0)
+    fixed = objective.with_fixed_logps(SimpleNamespace(module=lora, device=torch.device("cpu")), batch)
+    base = completion_logps(model, batch, torch.device("cpu"), 1.0)[0]
+    with torch.no_grad():
+        adapted = completion_logps(lora, batch, torch.device("cpu"), 1.0)[0]
+    torch.testing.assert_close(fixed["ref_logps"], base, rtol=0, atol=1e-6)
+    assert (adapted - base).abs().max() > 1e-3  # the adapters do change the policy
+
+
+def grpo_recipe(tmp_path, *overrides):
+    save_small_checkpoint(tmp_path / "base")
+    return load_recipe("tiny_llama_grpo", [f"model.name_or_path={tmp_path / 'base'}", *overrides])
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["grpo.rewards=[]"], "needs grpo.rewards"),
+    (["training.global_batch_size=60"], "multiple of grpo.num_generations=8"),
+    (["grpo.max_completion_length=32"], "leaves no room for a prompt"),
+    (["dpo.beta=0.2"], "dpo.* is set but training.objective is grpo"),
+])
+def test_the_recipe_refuses_a_grpo_section_that_cannot_run(tmp_path, overrides, expected):
+    with pytest.raises(ConfigError, match=expected):
+        grpo_recipe(tmp_path, *overrides)
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["grpo.rewards=[{function: no_such_module:score}]"], "no module named 'no_such_module'"),
+    (["grpo.rewards=[{function: rewards:nothing_here}]"], "'nothing_here' is not defined there"),
+    (["grpo.rewards=[{function: format_regex}]"], "missing parameter"),
+    (["parallelism.pipeline_stages=2"], "does not support parallelism.pipeline_stages"),
+    (["data.eval={fraction: 0.1}"], "data.eval: evaluation by generation is not built yet"),
+])
+def test_grpo_refuses_before_anything_is_built(tmp_path, overrides, expected):
+    with pytest.raises(ConfigError, match=expected):
+        Grpo.check(grpo_recipe(tmp_path, *overrides), None)
+
+
+def test_a_prompt_over_the_budget_is_named_or_dropped(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": text, "answer": "1"}) + "\n" for text in ["1+0=", "word " * 40, "0+1="]))
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "recipes/tiny_llama/tokenizer")
+    config = DataConfig(sources=[{"path": str(path)}], seq_len=32, examples="prompts", completion_tokens=16)
+    with pytest.raises(DataError, match=rf"{path}: row 2: the prompt is \d+ tokens, over the 16 .*data.long_documents=drop"):
+        build_dataset(config, tokenizer)
+    prepared, stats, _ = build_dataset(config.model_copy(update={"long_documents": "drop"}), tokenizer)
+    assert stats["long_documents_dropped"] == 1 and len(prepared["train"]) == 2
+    assert {json.loads(f)["answer"] for f in prepared["train"]["fields"]} == {"1"}
+
+
+def test_the_dry_run_shows_prompts_generations_and_generation_memory(tmp_path, capsys):
+    import train
+    save_small_checkpoint(tmp_path / "base")
+    assert train.main(["--recipe", "tiny_llama_grpo", "--dry-run", "--output-dir", str(tmp_path / "out"),
+                       f"model.name_or_path={tmp_path / 'base'}"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "batch: 8 prompts x 8 generations = 64 completions per step; 32 completions/rank x 2 accumulation" in out
+    assert "GRPO: loss dapo, beta 0, epsilon 0.2/0.2" in out and "rewards: rewards:digits x 1, exact_answer x 1" in out
+    assert "KV cache" in out and "reference: none (beta 0)" in out
