@@ -19,7 +19,8 @@ from training.models.attention import attention_for
 from training.models.model import load_model_config
 from training.config.recipe import available_recipes, load_recipe
 
-RECIPES = [name for name in available_recipes() if name not in ("tiny_llama", "tiny_llama_sft", "tiny_llama_dpo")]
+RECIPES = [name for name in available_recipes()
+           if name not in ("tiny_llama", "tiny_llama_sft", "tiny_llama_dpo", "tiny_llama_grpo")]
 
 # Parameter counts of the published checkpoints (tied embeddings counted once).
 PUBLISHED_PARAMETERS = {
@@ -32,6 +33,7 @@ PUBLISHED_PARAMETERS = {
     "llama3_70b": 70_553_706_496,  # meta-llama/Meta-Llama-3-70B
     "mistral_7b": 7_241_732_096,  # mistralai/Mistral-7B-v0.1
     "qwen2_5_1_5b": 1_543_714_304,  # Qwen/Qwen2.5-1.5B
+    "qwen2_5_1_5b_grpo": 1_543_714_304,  # the same checkpoint
     "gpt2": 124_439_808,  # openai-community/gpt2
     "mixtral_8x7b": 46_702_792_704,  # mistralai/Mixtral-8x7B-v0.1
     "qwen3_30b_a3b": 30_532_122_624,  # Qwen/Qwen3-30B-A3B-Base
@@ -39,7 +41,8 @@ PUBLISHED_PARAMETERS = {
 
 # The GPUs each recipe is written for (its header and README): H100s, 80 GB.
 TARGET_GPUS = {"llama2_7b": 8, "llama2_7b_sft": 8, "llama3_8b": 8, "llama3_8b_long": 8, "llama3_8b_lora": 1,
-               "llama3_8b_dpo": 8, "llama3_70b": 32, "mistral_7b": 8, "qwen2_5_1_5b": 1, "gpt2": 1, "mixtral_8x7b": 32,
+               "llama3_8b_dpo": 8, "llama3_70b": 32, "mistral_7b": 8, "qwen2_5_1_5b": 1,
+               "qwen2_5_1_5b_grpo": 8, "gpt2": 1, "mixtral_8x7b": 32,
                "qwen3_30b_a3b": 16}
 
 TINY_TOKENIZER = str(REPO / "recipes/tiny_llama/tokenizer")  # 4,096 tokens: fits every model's vocabulary
@@ -148,7 +151,12 @@ def local_data(name: str, folder) -> list[str]:
     """The repository's own files in place of the hub data sets: chat for SFT recipes, text for pretraining, and for
     DPO tiny_llama_dpo's pairs in UltraFeedback binarized's layout (written to `folder`), with 5% held out."""
     recipe = load_recipe(name)
-    if recipe.training.objective == "dpo":
+    if recipe.training.objective == "grpo":  # GSM8K's layout: `question`, `answer` ending "#### N"
+        prompts = folder / "prompts.jsonl"
+        prompts.write_text("".join(json.dumps({"question": f"What is {a} plus {a + 1}?", "answer": f"#### {2 * a + 1}"})
+                                   + "\n" for a in range(8)))
+        return [f"data.sources=[{{path: {prompts}, prompt_field: question}}]", "data.seq_len=48", "data.num_proc=1",
+                "grpo.num_generations=2", "grpo.max_completion_length=16"]
         pairs = folder / "pairs.jsonl"
         pairs.write_text("".join(json.dumps(ultrafeedback_layout(json.loads(line))) + "\n" for line in
                                  (REPO / "recipes/tiny_llama_dpo/pairs.jsonl").read_text().splitlines()))

@@ -20,7 +20,7 @@ from training.parallel.tensor_parallel import check_tensor_parallel
 def check_layout(recipe: Recipe, model_config: PretrainedConfig, raw_ds_config: dict, precision: str,
                  world_size: int, for_gpus: bool = False) -> None:
     """The checks of the ranks' layout, the ZeRO stage, the precision, the optimizer and the objective together."""
-    OBJECTIVES[recipe.training.objective].check(recipe, model_config)
+    OBJECTIVES[recipe.training.objective].check(recipe, model_config, world_size)
     stage, parallelism = zero_stage(raw_ds_config), recipe.parallelism
     if precision == "fp8" and stage == 0:
         raise ConfigError(f"precision=fp8 with ZeRO-0 ({ds_config_file(recipe.deepspeed.config).name}): ZeRO-0 runs "

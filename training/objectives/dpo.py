@@ -207,7 +207,7 @@ class Dpo(Objective):
         self.preference: PreferenceLoss | None = None
 
     @staticmethod
-    def check(recipe: Recipe, model_config: PretrainedConfig | None) -> None:
+    def check(recipe: Recipe, model_config: PretrainedConfig | None, world_size: int | None = None) -> None:
         data, parallelism, tiles = recipe.data, recipe.parallelism, recipe.long_context.logits_tile_tokens
         refused = [reason for condition, reason in (
             (data.packing == "concat", "data.packing=concat: it would cut sequences across rows; use bfd (pairs "

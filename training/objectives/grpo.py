@@ -127,7 +127,7 @@ class Grpo(Objective):
         self.sums, self.step_metrics, self.logged_up_to = [], {}, None
 
     @staticmethod
-    def check(recipe: Recipe, model_config: PretrainedConfig | None) -> None:
+    def check(recipe: Recipe, model_config: PretrainedConfig | None, world_size: int | None = None) -> None:
         data, parallelism, grpo = recipe.data, recipe.parallelism, recipe.grpo
         refused = [reason for condition, reason in (
             (parallelism.pipeline_stages > 1, "parallelism.pipeline_stages > 1: generation runs the whole model on "
@@ -141,12 +141,21 @@ class Grpo(Objective):
             (data.streaming, "data.streaming: prompts are prepared (deduplicated, fitted to seq_len) before the run"),
             (bool(data.eval.fraction or data.eval.sources), "data.eval: evaluation by generation is not built yet; "
                                                             "remove data.eval"),
+            (bool(recipe.checkpointing.every_steps and recipe.checkpointing.every_steps % grpo.num_iterations),
+             f"checkpointing.every_steps={recipe.checkpointing.every_steps} with grpo.num_iterations="
+             f"{grpo.num_iterations}: a checkpoint inside a generation would resume without its completions; save "
+             f"every multiple of num_iterations"),
             (grpo.beta > 0 and not recipe.lora.enabled and not recipe.model.name_or_path,
              "grpo.beta > 0 from model.config alone: the reference is the starting checkpoint, loaded again; set "
              "model.name_or_path, or beta=0")) if condition]
         if refused:
             raise ConfigError(f"training.objective=grpo does not support {refused[0]}")
         reward_functions(recipe)
+        per_rank = recipe.training.global_batch_size // (world_size or 1)  # every rank is data-parallel (above)
+        if world_size and (recipe.training.global_batch_size % world_size or per_rank % grpo.num_generations):
+            raise ConfigError(f"training.global_batch_size={recipe.training.global_batch_size} over {world_size} "
+                              f"data-parallel ranks is not whole groups of grpo.num_generations={grpo.num_generations} "
+                              f"on each rank: make it a multiple of {grpo.num_generations * world_size}")
         if model_config is not None and getattr(model_config, "output_router_logits", False):
             raise ConfigError("training.objective=grpo with the router's load-balancing loss: GRPO's loss has no "
                               "place for it; set moe.aux_loss_coef=0")
@@ -158,8 +167,9 @@ class Grpo(Objective):
         prompts = training.global_batch_size // grpo.num_generations
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        per_rank = training.global_batch_size // plan.dp_size
         kv_bytes = (2 * config.num_hidden_layers * heads * head_dim * DTYPES[plan.precision].itemsize
-                    * plan.recipe.data.seq_len * grpo.num_generations)
+                    * plan.recipe.data.seq_len * per_rank)
         gathered = ("ZeRO-3: each layer's weights gathered for its forward pass, as in training (no full copy)"
                     if plan.zero_stage == 3 else "the rank's own full weights")
         reference = ("none (beta 0)" if grpo.beta == 0 else "the base with the adapters disabled"
@@ -172,19 +182,14 @@ class Grpo(Objective):
                 f"{grpo.epsilon_high or grpo.epsilon:g}, scale_rewards {grpo.scale_rewards}, {grpo.num_iterations} "
                 f"step(s) per generation; rewards: "
                 + ", ".join(f"{spec.function} x {spec.weight:g}" for spec in plan.recipe.grpo.rewards),
-                f"generation: {prompts // plan.dp_size} prompt(s) per rank, one group of {grpo.num_generations} at a "
-                f"time, up to {grpo.max_completion_length} new tokens each (as many decoding passes per group); KV "
-                f"cache {kv_bytes / 2**20:,.1f} MiB per rank at most, beside the training step's memory (not at the "
-                f"same time); weights: {gathered}; reference: {reference}"]
+                f"generation: {prompts // plan.dp_size} prompt(s) x {grpo.num_generations} per rank in one batch, up "
+                f"to {grpo.max_completion_length} decoding passes (new tokens); KV cache at most "
+                f"{kv_bytes / 2**20:,.1f} MiB per rank, not at the same time as the training step's activations; "
+                f"weights: {gathered}; reference: {reference}"]
 
     def batches(self, prepared, rank: int) -> tuple[PromptBatches, None]:
         plan, grpo = self.plan, self.section
-        per_rank = plan.recipe.training.global_batch_size // plan.dp_size
-        if per_rank % grpo.num_generations:
-            raise ConfigError(f"training.global_batch_size={plan.recipe.training.global_batch_size} over "
-                              f"{plan.dp_size} data-parallel ranks is {per_rank} completions per rank, not whole "
-                              f"groups of grpo.num_generations={grpo.num_generations}: make the global batch a "
-                              f"multiple of {grpo.num_generations * plan.dp_size}")
+        per_rank = plan.recipe.training.global_batch_size // plan.dp_size  # whole groups: check
         return PromptBatches(prepared["train"], per_rank // grpo.num_generations, rank, plan.dp_size,
                              plan.recipe.training.seed, grpo.num_iterations), None
 
