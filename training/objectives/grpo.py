@@ -189,13 +189,14 @@ class Grpo(Objective):
 
     def batches(self, prepared, rank: int) -> tuple[PromptBatches, None]:
         plan, grpo = self.plan, self.section
-        per_rank = plan.recipe.training.global_batch_size // plan.dp_size  # whole groups: check
+        per_rank = plan.recipe.training.global_batch_size // plan.dp_size  # whole groups (check)
         return PromptBatches(prepared["train"], per_rank // grpo.num_generations, rank, plan.dp_size,
                              plan.recipe.training.seed, grpo.num_iterations), None
 
     def start(self, engine: deepspeed.DeepSpeedEngine, batches, evaluation, resume: bool) -> None:
         plan, grpo = self.plan, self.section
-        self.functions, self.names = reward_functions(plan.recipe), [f.__name__ for f in reward_functions(plan.recipe)]
+        self.functions = reward_functions(plan.recipe)
+        self.names = [function.__name__ for function in self.functions]
         self.weights = [spec.weight for spec in grpo.rewards]
         self.eos_id, self.pad_id = plan.tokenizer.eos_token_id, pad_token_id(plan.tokenizer)
         if grpo.beta > 0 and not plan.recipe.lora.enabled:
