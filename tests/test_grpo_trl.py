@@ -1,0 +1,219 @@
+"""train.py's GRPO (training.objective=grpo) against TRL 1.16's GRPOTrainer, step by step: the same checkpoint,
+prompts, reward functions and settings, and the same completions on both sides (generation stubbed: ours
+training.objectives.grpo.sample, TRL's _generate_single_turn, so that TRL's own prompt tokenization, decoding,
+truncation detection and length metrics still run), fp32, one rank, ZeRO-0, 3 optimizer steps.
+
+The prompts are exactly one global batch (2 prompts x 4 generations), so every step sees both prompts on both sides,
+whatever order each draws them in. A completion is chosen by (its prompt's token ids, its index in the group): some
+end with EOS, some are cut at max_completion_length, of different lengths. Two reward functions (exact_answer and
+length_penalty, weighted 1 and 0.5) give rewards that differ within each group.
+
+What is matched, and how (tolerance 1e-5 throughout: absolute, relative for grad_norm; measured at most 1.0e-6):
+- loss: TRL logs the sum of its micro-batches' losses (each already scaled for accumulation, loss_is_scaled_for_ga)
+  over a logging window of one step, that is the step's loss; ours logs the mean of the shares, the same;
+- grad_norm: both the norm before clipping (transformers' clip_grad_norm_, ours zero0_grad_norm); every step's is
+  above grad_clip, so clipping shapes the later steps;
+- the optimizer: torch's AdamW on both sides, the same hyper-parameters, a constant learning rate. TRL's is built here
+  over our parameter groups (training/planning/shape.py weight_decay_groups): the HF Trainer also decays the
+  embeddings, which ours does not (a choice of ours, documented there), and weight decay is on;
+- kl (beta > 0; the reference the checkpoint loaded again on both sides), entropy, clip_ratio/{low,high,region}_mean:
+  per micro-batch token means, averaged over the step's micro-batches on both sides;
+- reward, rewards/<fn>/{mean,std}, frac_reward_zero_std, completions/*: of the generation; TRL logs them only on
+  steps that generate (with num_iterations=2 every other step), ours repeats them: compared where TRL has them;
+- gradient accumulation 2 (dapo): TRL shuffles the generation batch before cutting it into micro-batches
+  (shuffle_sequence_dict); made the identity here so that each micro-batch is one prompt's group on both sides
+  (dapo's loss and gradient do not depend on the cut, the per-micro-batch metric means do);
+- num_iterations=2: TRL generates every steps_per_generation x num_iterations = 2 steps and takes the old
+  log-probabilities at generation time (as gradient_accumulation_steps % 2 != 0), as ours does;
+- TRL's GRPOConfig turns gradient checkpointing on by default: off here (the same numbers, half the time).
+
+reward_std differs (ours the mean of the groups' stds, TRL 1.16 the std over the whole batch): a product bug,
+RewardStdDiffers, checked last so that every other comparison still holds each case to the tolerance.
+"""
+import json
+
+import pytest
+import torch
+
+from tests.conftest import save_small_checkpoint, train_in_process
+from tests.test_dpo_trl import left_as_found
+
+GENERATIONS, MAX_COMPLETION, TEMPERATURE, STEPS = 4, 6, 0.7, 3
+# lr 5e-3: enough for the policy to move (KL up to about 1, three quarters of the off-policy tokens clipped); at 2e-2
+# Adam's first steps turn the two layouts' fp32 rounding of gradient entries near zero into weights 2e-5 apart, and
+# the third step's grad_norm differs by 1.4e-5 relative
+LR, WEIGHT_DECAY, BETAS, EPS, GRAD_CLIP, EPSILON, EPSILON_HIGH = 5e-3, 0.1, (0.9, 0.99), 1e-8, 1.0, 0.2, 0.28
+PROMPTS = [{"prompt": "17+25=", "answer": "42"}, {"prompt": "3+4=", "answer": "7"}]
+# per prompt, the completions of its group by index: (text, ends with EOS); the others are cut at
+# MAX_COMPLETION tokens
+COMPLETIONS = {"17+25=": [(" 42", True), (" 41", True), (" 42 is the sum of the two numbers", False), ("42", True)],
+               "3+4=": [(" 7", True), (" 7 and then some more words follow", False), (" 8", True),
+                        (" 7 and more", True)]}
+REWARDS = [("exact_answer", {}, 1.0), ("length_penalty", {"target": 4}, 0.5)]
+GENERATION_METRICS = ("reward", "frac_reward_zero_std", "rewards/exact_answer/mean", "rewards/exact_answer/std",
+                      "rewards/length_penalty/mean", "rewards/length_penalty/std", "completions/mean_length",
+                      "completions/min_length", "completions/max_length", "completions/clipped_ratio",
+                      "completions/mean_terminated_length", "completions/min_terminated_length",
+                      "completions/max_terminated_length")
+LOSS_METRICS = ("entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+
+
+class RewardStdDiffers(AssertionError):
+    """Product bug: our reward_std is the mean of the groups' reward stds; TRL 1.16 logs the std of all the
+    generation's rewards, nanstd(rewards) (grpo_trainer.py, _generate_and_score_completions). The fix:
+    training/objectives/grpo.py, Grpo.note_generation, "reward_std": nanstd(rewards).item() (grpo_loss.nanstd);
+    then drop this mark (strict: once fixed, the cases fail as XPASS(strict) until it is dropped)."""
+
+
+REWARD_STD = pytest.mark.xfail(raises=RewardStdDiffers, strict=True, reason=RewardStdDiffers.__doc__)
+CASES = [  # loss_type, beta, num_iterations, gradient accumulation steps
+    pytest.param("grpo", 0.04, 1, 1, id="grpo-beta0.04", marks=REWARD_STD),
+    pytest.param("dr_grpo", 0.0, 2, 1, id="dr_grpo-beta0-iterations2", marks=REWARD_STD),
+    pytest.param("dapo", 0.04, 1, 2, id="dapo-beta0.04-accumulation2", marks=REWARD_STD),
+    pytest.param("bnpo", 0.04, 2, 1, id="bnpo-beta0.04-iterations2", marks=REWARD_STD),
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("base")
+    save_small_checkpoint(path)
+    return path
+
+
+def completion_table(tokenizer) -> dict[tuple[int, ...], list[list[int]]]:
+    """Per prompt's token ids (as both sides tokenize a string prompt: with BOS), its group's completion ids."""
+    table = {}
+    for prompt, group in COMPLETIONS.items():
+        ids = []
+        for text, ends in group:
+            tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if ends:
+                assert len(tokens) < MAX_COMPLETION
+                ids.append(tokens + [tokenizer.eos_token_id])
+            else:
+                assert len(tokens) > MAX_COMPLETION
+                ids.append(tokens[:MAX_COMPLETION])
+                assert ids[-1][-1] not in (tokenizer.eos_token_id, tokenizer.pad_token_id)
+        table[tuple(tokenizer(prompt)["input_ids"])] = ids
+    return table
+
+
+def fixed_completions(table, prompt_ids: list) -> list[list[int]]:
+    """The completion of each row: prompts come num_generations times in a row on both sides."""
+    return [table[tuple(int(t) for t in ids)][row % GENERATIONS] for row, ids in enumerate(prompt_ids)]
+
+
+def recipe_yaml(base, prompts, cache, loss_type, beta, iterations, accumulation) -> str:
+    rewards = ", ".join(f"{{function: {name}, params: {json.dumps(params)}, weight: {weight}}}"
+                        for name, params, weight in REWARDS)
+    batch = len(PROMPTS) * GENERATIONS
+    return f"""
+model: {{name_or_path: {base}}}
+data: {{sources: [{{path: {prompts}}}], seq_len: 32, dedup: {{exact: false}}, cache_dir: {cache}}}
+training: {{objective: grpo, micro_batch_size: {batch // accumulation}, global_batch_size: {batch},
+           max_steps: {STEPS}, lr: {LR}, schedule: constant, warmup_steps: 0, weight_decay: {WEIGHT_DECAY},
+           betas: {list(BETAS)}, eps: {EPS}, grad_clip: {GRAD_CLIP}, seed: 1234}}
+grpo: {{num_generations: {GENERATIONS}, max_completion_length: {MAX_COMPLETION}, temperature: {TEMPERATURE},
+       beta: {beta}, epsilon: {EPSILON}, epsilon_high: {EPSILON_HIGH}, loss_type: {loss_type},
+       scale_rewards: group, num_iterations: {iterations}, rewards: [{rewards}]}}
+deepspeed: {{config: zero0}}
+precision: fp32
+logging: {{every_steps: 1, report_to: []}}
+checkpointing: {{every_steps: null}}
+stability: {{enabled: false}}
+"""
+
+
+def our_logs(tmp_path, monkeypatch, base, loss_type, beta, iterations, accumulation) -> list[dict]:
+    import training.objectives.grpo as grpo
+    from transformers import AutoTokenizer
+    table = completion_table(AutoTokenizer.from_pretrained(base))
+
+    def sample(model, prompts, seeds, section, eos_id, pad_id, synced):
+        completions = fixed_completions(table, prompts)
+        return ([torch.tensor(ids) for ids in completions],
+                [ids[-1] != eos_id and len(ids) == section.max_completion_length for ids in completions])
+
+    monkeypatch.setattr(grpo, "sample", sample)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in PROMPTS))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(recipe_yaml(base, data, tmp_path / "cache", loss_type, beta, iterations, accumulation))
+    result = train_in_process(["--recipe", str(recipe), "--output-dir", str(tmp_path / "run")])
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-2000:]
+    return [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+
+
+def trl_logs(tmp_path, monkeypatch, base, loss_type, beta, iterations, accumulation) -> list[dict]:
+    import datasets
+    import trl.trainer.grpo_trainer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+    from training.objectives.rewards import load_reward
+    from training.planning.shape import weight_decay_groups
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    table = completion_table(tokenizer)
+    monkeypatch.setattr(trl.trainer.grpo_trainer, "shuffle_sequence_dict", lambda batch: batch)
+    batch = len(PROMPTS) * GENERATIONS
+    args = GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=batch // accumulation,
+                      gradient_accumulation_steps=accumulation, num_generations=GENERATIONS,
+                      max_completion_length=MAX_COMPLETION, temperature=TEMPERATURE, loss_type=loss_type, beta=beta,
+                      epsilon=EPSILON, epsilon_high=EPSILON_HIGH, scale_rewards="group", num_iterations=iterations,
+                      reward_weights=[weight for *_, weight in REWARDS], max_steps=STEPS, learning_rate=LR,
+                      lr_scheduler_type="constant", warmup_steps=0, weight_decay=WEIGHT_DECAY, adam_beta1=BETAS[0],
+                      adam_beta2=BETAS[1], adam_epsilon=EPS, optim="adamw_torch", max_grad_norm=GRAD_CLIP,
+                      logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False, fp16=False,
+                      seed=1234, shuffle_dataset=False, dataloader_num_workers=0, gradient_checkpointing=False)
+    with left_as_found():
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        optimizer = torch.optim.AdamW(weight_decay_groups(model, WEIGHT_DECAY), lr=LR, betas=BETAS, eps=EPS)
+        trainer = GRPOTrainer(model=model, reward_funcs=[load_reward(name, params) for name, params, _ in REWARDS],
+                              args=args, train_dataset=datasets.Dataset.from_list(PROMPTS), processing_class=tokenizer,
+                              optimizers=(optimizer, None))
+        trainer._generate_single_turn = lambda prompt_ids, *_, **__: (fixed_completions(table, prompt_ids), None)
+        trainer.train()
+    return [log for log in trainer.state.log_history if "loss" in log]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_type, beta, iterations, accumulation", CASES)
+def test_grpo_matches_trl_step_by_step(tmp_path, monkeypatch, checkpoint, loss_type, beta, iterations, accumulation):
+    case = (loss_type, beta, iterations, accumulation)
+    ours = our_logs(tmp_path, monkeypatch, checkpoint, *case)
+    theirs = trl_logs(tmp_path, monkeypatch, checkpoint, *case)
+    assert [r["step"] for r in ours] == [log["step"] for log in theirs] == list(range(1, STEPS + 1))
+
+    differences = {}  # the largest of each quantity, printed (pytest -s) for the record
+
+    def compare(name: str, step: int, relative: bool = False, tolerance: float = 1e-5) -> None:
+        mine, trl = ours[step - 1][name], theirs[step - 1][name]
+        difference = abs(mine - trl) / (abs(trl) if relative else 1.0)
+        differences[name] = max(differences.get(name, 0.0), difference)
+        assert difference <= tolerance, f"step {step}: {name}: ours {mine!r}, TRL {trl!r}"
+
+    for step in range(1, STEPS + 1):
+        compare("loss", step)
+        compare("grad_norm", step, relative=True)
+        for name in LOSS_METRICS + (("kl",) if beta else ()):
+            compare(name, step)
+        assert ("kl" in ours[step - 1]) == bool(beta) == ("kl" in theirs[step - 1]), f"step {step}"
+        generated = (step - 1) % iterations == 0
+        assert ("reward" in theirs[step - 1]) == generated, f"step {step}: TRL generates every {iterations} step(s)"
+        for name in GENERATION_METRICS if generated else ():
+            compare(name, step)
+    print(f"\n{'-'.join(map(str, case))}: " + ", ".join(f"{name} {value:.1e}" for name, value in differences.items()))
+
+    assert len({round(r["loss"], 6) for r in ours}) > 1 or iterations > 1, "the steps must differ"
+    assert len({round(r["grad_norm"], 4) for r in ours}) == STEPS, "each step's gradient its own"
+    assert all(r["grad_norm"] > GRAD_CLIP for r in ours), "clipping exercised"
+    assert ours[0]["frac_reward_zero_std"] == 0, "rewards differ within each group"
+    assert ours[0]["completions/clipped_ratio"] == 0.25, "truncated completions among them"
+    if beta:
+        assert ours[-1]["kl"] > 0.1, "the policy moved away from the reference"
+    if iterations > 1:
+        assert ours[1]["clip_ratio/region_mean"] > 0.1, "the off-policy step clips"
+
+    reward_std = [(r["reward_std"], log["reward_std"]) for r, log in zip(ours, theirs) if "reward_std" in log]
+    if any(abs(mine - trl) > 1e-5 for mine, trl in reward_std):
+        raise RewardStdDiffers(f"reward_std (ours, TRL): {reward_std}")
