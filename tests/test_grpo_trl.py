@@ -27,8 +27,8 @@ What is matched, and how (tolerance 1e-5 throughout: absolute, relative for grad
   log-probabilities at generation time (as gradient_accumulation_steps % 2 != 0), as ours does;
 - TRL's GRPOConfig turns gradient checkpointing on by default: off here (the same numbers, half the time).
 
-reward_std differs (ours the mean of the groups' stds, TRL 1.16 the std over the whole batch): a product bug,
-RewardStdDiffers, checked last so that every other comparison still holds each case to the tolerance.
+reward_std: TRL 1.16's std over the whole generation's rewards (this test found ours logging the mean of the groups'
+stds).
 """
 import json
 
@@ -50,7 +50,7 @@ COMPLETIONS = {"17+25=": [(" 42", True), (" 41", True), (" 42 is the sum of the 
                "3+4=": [(" 7", True), (" 7 and then some more words follow", False), (" 8", True),
                         (" 7 and more", True)]}
 REWARDS = [("exact_answer", {}, 1.0), ("length_penalty", {"target": 4}, 0.5)]
-GENERATION_METRICS = ("reward", "frac_reward_zero_std", "rewards/exact_answer/mean", "rewards/exact_answer/std",
+GENERATION_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "rewards/exact_answer/mean", "rewards/exact_answer/std",
                       "rewards/length_penalty/mean", "rewards/length_penalty/std", "completions/mean_length",
                       "completions/min_length", "completions/max_length", "completions/clipped_ratio",
                       "completions/mean_terminated_length", "completions/min_terminated_length",
@@ -58,19 +58,11 @@ GENERATION_METRICS = ("reward", "frac_reward_zero_std", "rewards/exact_answer/me
 LOSS_METRICS = ("entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
 
-class RewardStdDiffers(AssertionError):
-    """Product bug: our reward_std is the mean of the groups' reward stds; TRL 1.16 logs the std of all the
-    generation's rewards, nanstd(rewards) (grpo_trainer.py, _generate_and_score_completions). The fix:
-    training/objectives/grpo.py, Grpo.note_generation, "reward_std": nanstd(rewards).item() (grpo_loss.nanstd);
-    then drop this mark (strict: once fixed, the cases fail as XPASS(strict) until it is dropped)."""
-
-
-REWARD_STD = pytest.mark.xfail(raises=RewardStdDiffers, strict=True, reason=RewardStdDiffers.__doc__)
 CASES = [  # loss_type, beta, num_iterations, gradient accumulation steps
-    pytest.param("grpo", 0.04, 1, 1, id="grpo-beta0.04", marks=REWARD_STD),
-    pytest.param("dr_grpo", 0.0, 2, 1, id="dr_grpo-beta0-iterations2", marks=REWARD_STD),
-    pytest.param("dapo", 0.04, 1, 2, id="dapo-beta0.04-accumulation2", marks=REWARD_STD),
-    pytest.param("bnpo", 0.04, 2, 1, id="bnpo-beta0.04-iterations2", marks=REWARD_STD),
+    pytest.param("grpo", 0.04, 1, 1, id="grpo-beta0.04"),
+    pytest.param("dr_grpo", 0.0, 2, 1, id="dr_grpo-beta0-iterations2"),
+    pytest.param("dapo", 0.04, 1, 2, id="dapo-beta0.04-accumulation2"),
+    pytest.param("bnpo", 0.04, 2, 1, id="bnpo-beta0.04-iterations2"),
 ]
 
 
@@ -214,6 +206,3 @@ def test_grpo_matches_trl_step_by_step(tmp_path, monkeypatch, checkpoint, loss_t
     if iterations > 1:
         assert ours[1]["clip_ratio/region_mean"] > 0.1, "the off-policy step clips"
 
-    reward_std = [(r["reward_std"], log["reward_std"]) for r, log in zip(ours, theirs) if "reward_std" in log]
-    if any(abs(mine - trl) > 1e-5 for mine, trl in reward_std):
-        raise RewardStdDiffers(f"reward_std (ours, TRL): {reward_std}")

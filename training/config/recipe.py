@@ -396,9 +396,10 @@ class Recipe(StrictModel):
         self.data.examples = self.training.traits.examples  # how the data stage reads and prepares the sources
         held = prepared_examples(Path(self.data.prepared)) if self.data.prepared else self.data.examples
         if held != self.data.examples:
-            raise ValueError(f"data.prepared={self.data.prepared} holds {held}, but training.objective "
-                             f"{self.training.objective} trains on {self.data.examples}; prepare the data with this "
-                             f"recipe")
+            shown = {"documents": "packed rows", "pairs": "preference pairs", "prompts": "prompts"}
+            raise ValueError(f"data.prepared={self.data.prepared} holds {shown[held]}, but training.objective is "
+                             f"{self.training.objective}, which trains on {shown[self.data.examples]}; prepare the "
+                             f"data with this recipe")
         if self.data.streaming and self.training.max_steps is None:
             raise ValueError("data.streaming needs training.max_steps: the length of a stream is not known ahead")
         return self

@@ -28,7 +28,8 @@ from data_pipeline.prepare import pad_token_id
 from training.base.errors import ConfigError
 from training.config.recipe import GrpoSection, Recipe
 from training.objectives.base import Objective
-from training.objectives.grpo_loss import group_advantages, grpo_loss, metric_means, token_logps, weighted_rewards
+from training.objectives.grpo_loss import (group_advantages, grpo_loss, metric_means, nanstd, token_logps,
+                                           weighted_rewards)
 from training.objectives.rewards import load_reward, score
 from training.parallel import distributed
 from training.planning.plan import RunPlan
@@ -212,37 +213,44 @@ class Grpo(Objective):
 
     def generate(self, engine: deepspeed.DeepSpeedEngine, prompts: dict) -> list[dict]:
         """The rank's completions of its prompts, scored, with their advantages, as the step's micro-batches."""
-        grpo, model, seed = self.section, engine.module, self.plan.recipe.training.seed
+        grpo = self.section
         prompt_ids = [torch.from_numpy(ids) for ids in prompts["prompt_ids"] for _ in range(grpo.num_generations)]
-        seeds = [sampling_seed(seed, prompts["generation"], int(row), index) for row in prompts["rows"]
-                 for index in range(grpo.num_generations)]
-        model.eval()
-        completions, truncated = sample(model, [ids.to(engine.device) for ids in prompt_ids], seeds, grpo,
+        seeds = [sampling_seed(self.plan.recipe.training.seed, prompts["generation"], int(row), index)
+                 for row in prompts["rows"] for index in range(grpo.num_generations)]
+        engine.module.eval()
+        completions, truncated = sample(engine.module, [ids.to(engine.device) for ids in prompt_ids], seeds, grpo,
                                         self.eos_id, self.pad_id, engine.zero_optimization_stage() == 3)
-        model.train()
-        texts = [self.plan.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
-        given = [json.loads(p) for p in prompts["prompt"] for _ in range(grpo.num_generations)]
-        replies = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(given, texts)]
-        fields = [json.loads(f) for f in prompts["fields"] for _ in range(grpo.num_generations)]
-        row_fields = {name: [f.get(name) for f in fields] for name in (fields[0] if fields else {})}
-        per_function = score(self.functions, given, replies, row_fields)
-        everyone = distributed.all_gather(per_function.to(engine.device))  # the global batch, in prompt order
-        rewards = weighted_rewards(everyone, self.weights)
-        advantages, std = group_advantages(rewards, grpo.num_generations, grpo.scale_rewards)
-        share = slice(self.plan.dp_rank(dist.get_rank()) * len(completions), (self.plan.dp_rank(dist.get_rank()) + 1)
-                      * len(completions))
-        lengths = torch.tensor([len(c) for c in completions], dtype=torch.float32, device=engine.device)
-        cut = torch.tensor(truncated, device=engine.device)
-        self.note_generation(everyone, rewards, std, distributed.all_gather(lengths), distributed.all_gather(cut))
-        self.log_samples(prompts["generation"], given, texts, per_function, rewards[share])
-        micro = self.plan.recipe.training.micro_batch_size
-        batches = []
+        engine.module.train()
+        advantages = self.advantages(engine, prompts, completions, truncated)
+        micro, batches = self.plan.recipe.training.micro_batch_size, []
         for start in range(0, len(completions), micro):
             part = slice(start, start + micro)
             batch = completion_rows(prompt_ids[part], completions[part], self.pad_id)
-            batch.update(advantages=advantages[share][part].cpu(), truncated=cut[part].cpu())
+            batch.update(advantages=advantages[part], truncated=torch.tensor(truncated[part]))
             batches.append(self.with_fixed_logps(engine, batch))
         return batches
+
+    def advantages(self, engine: deepspeed.DeepSpeedEngine, prompts: dict, completions: list[torch.Tensor],
+                   truncated: list[bool]) -> torch.Tensor:
+        """The rank's completions' advantages, from the rewards of the whole global batch (gathered in prompt
+        order); notes the generation's metrics and logs its samples."""
+        grpo, generations = self.section, self.section.num_generations
+        texts = [self.plan.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+        given = [json.loads(p) for p in prompts["prompt"] for _ in range(generations)]
+        replies = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(given, texts)]
+        fields = [json.loads(f) for f in prompts["fields"] for _ in range(generations)]
+        row_fields = {name: [f.get(name) for f in fields] for name in (fields[0] if fields else {})}
+        per_function = score(self.functions, given, replies, row_fields)
+        everyone = distributed.all_gather(per_function.to(engine.device))
+        rewards = weighted_rewards(everyone, self.weights)
+        advantages, std = group_advantages(rewards, generations, grpo.scale_rewards)
+        rank = self.plan.dp_rank(dist.get_rank())
+        share = slice(rank * len(completions), (rank + 1) * len(completions))
+        lengths = torch.tensor([len(c) for c in completions], dtype=torch.float32, device=engine.device)
+        self.note_generation(everyone, rewards, std, distributed.all_gather(lengths),
+                             distributed.all_gather(torch.tensor(truncated, device=engine.device)))
+        self.log_samples(prompts["generation"], given, texts, per_function, rewards[share])
+        return advantages[share].cpu()
 
     def with_fixed_logps(self, engine: deepspeed.DeepSpeedEngine, batch: dict) -> dict:
         """The batch with the log-probabilities that stay fixed over its steps: the old policy's (num_iterations > 1)
@@ -290,7 +298,7 @@ class Grpo(Objective):
         ended = lengths[~truncated]
         self.step_metrics = {
             "reward": rewards.nanmean().item(),
-            "reward_std": std.view(-1, self.section.num_generations)[:, 0].nanmean().item(),
+            "reward_std": nanstd(rewards).item(),  # TRL's: over the whole generation, not the groups' mean
             "frac_reward_zero_std": (std.view(-1, self.section.num_generations)[:, 0] < 1e-6).float().mean().item(),
             **{f"rewards/{name}/mean": per_function[:, i].nanmean().item() for i, name in enumerate(self.names)},
             **{f"rewards/{name}/std": per_function[:, i][~per_function[:, i].isnan()].std().nan_to_num().item()

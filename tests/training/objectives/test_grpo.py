@@ -151,8 +151,8 @@ def test_the_dry_run_shows_prompts_generations_and_generation_memory(tmp_path, c
                        f"model.name_or_path={tmp_path / 'base'}"]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "batch: 8 prompts x 8 generations = 64 completions per step; 32 completions/rank x 2 accumulation" in out
-    assert "GRPO: loss dapo, beta 0, epsilon 0.2/0.2" in out and "rewards: rewards:closeness x 1, exact_answer x 1" in out
-    assert "KV cache" in out and "reference: none (beta 0)" in out
+    assert "GRPO: loss dapo, beta 0.04, epsilon 0.2/0.2" in out and "rewards: rewards:closeness x 1, exact_answer x 1" in out
+    assert "KV cache" in out and "reference: the starting checkpoint, a frozen copy on each rank" in out
 
 
 def test_each_rank_must_hold_whole_groups(tmp_path):
