@@ -230,6 +230,15 @@ def source_counts(config: DataConfig, read: np.ndarray, kept: np.ndarray, rows: 
              "documents_in_mixture": int((kept[rows] == i).sum())} for i, s in enumerate(config.sources)]
 
 
+def example_mixture(tokenized: datasets.Dataset, config: DataConfig,
+                    per_source: np.ndarray) -> tuple[datasets.Dataset, list[dict]]:
+    """The training split of whole examples (pairs, prompts): the sources' mixture of the tokenized ones, and the
+    per-source counts (`per_source`: the examples read from each)."""
+    sources = np.asarray(tokenized["source"])
+    rows = mixture_rows(sources, [s.weight for s in config.sources], config.seed)
+    return tokenized.select(rows).flatten_indices(), source_counts(config, per_source, sources, rows)
+
+
 def build_pair_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[datasets.DatasetDict, dict]:
     """Preference pairs (training.objective=dpo): read, deduplicated and decontaminated as whole pairs, held out,
     tokenized and fitted to seq_len; the training split is the sources' mixture. Packed when batched."""
@@ -244,11 +253,9 @@ def build_pair_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -
                "leaves no reply token to learn from")
         raise DataError(f"no pairs are left after fitting them to data.seq_len={config.seq_len} ({json.dumps(stats)}); "
                         f"{fix}")
-    sources = np.asarray(tokenized["source"])
-    rows = mixture_rows(sources, [s.weight for s in config.sources], config.seed)
-    splits = {"train": tokenized.select(rows).flatten_indices()}
-    stats.update(pair_stats(splits["train"]), seq_len=config.seq_len, packing=config.packing,
-                 sources=source_counts(config, per_source, sources, rows))
+    train, counts = example_mixture(tokenized, config, per_source)
+    splits = {"train": train}
+    stats.update(pair_stats(train), seq_len=config.seq_len, packing=config.packing, sources=counts)
     if evaluation is not None:
         eval_stats = {}
         splits["eval"] = tokenize_pairs(evaluation, tokenizer, config.seq_len, config.long_documents, config.num_proc,
@@ -269,12 +276,10 @@ def build_prompt_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase)
     if len(tokenized) == 0:
         raise DataError(f"no prompts are left after fitting them to data.seq_len={config.seq_len} "
                         f"({json.dumps(stats)}); raise data.seq_len or lower grpo.max_completion_length")
-    sources = np.asarray(tokenized["source"])
-    rows = mixture_rows(sources, [s.weight for s in config.sources], config.seed)
-    splits = {"train": tokenized.select(rows).flatten_indices()}
-    stats.update(prompt_stats(splits["train"]), seq_len=config.seq_len, completion_tokens=config.completion_tokens,
-                 sources=source_counts(config, per_source, sources, rows))
-    return datasets.DatasetDict(splits), stats
+    train, counts = example_mixture(tokenized, config, per_source)
+    stats.update(prompt_stats(train), seq_len=config.seq_len, completion_tokens=config.completion_tokens,
+                 sources=counts)
+    return datasets.DatasetDict({"train": train}), stats
 
 
 def build_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[datasets.DatasetDict, dict, list]:

@@ -13,15 +13,12 @@ Hence, measured on tiny_llama_dpo's first pairs (chat / string):
   relative (measured 2e-6 / 5.8e-6); accuracies: equal.
 """
 import json
-import os
-import random
-from contextlib import contextmanager
 
-import numpy as np
 import pytest
 import torch
 
 from tests.conftest import REPO, run_train, save_small_checkpoint
+from tests.helpers.trl_state import left_as_found
 
 PAIRS, STEPS, LR, BETA = 8, 4, 1e-3, 0.1
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins")
@@ -55,25 +52,6 @@ precision: fp32
 logging: {{every_steps: 1}}
 stability: {{enabled: false}}
 """
-
-
-@contextmanager
-def left_as_found():
-    """TRL's Trainer seeds the global generators and makes accelerate's process-wide state: the next test sees
-    neither (nor any environment variable or thread count it might set)."""
-    from accelerate.state import AcceleratorState
-    environ, threads = dict(os.environ), torch.get_num_threads()
-    python_state, numpy_state = random.getstate(), np.random.get_state()
-    try:
-        with torch.random.fork_rng(devices=[]):
-            yield
-    finally:
-        os.environ.clear()
-        os.environ.update(environ)
-        torch.set_num_threads(threads)
-        random.setstate(python_state)
-        np.random.set_state(numpy_state)
-        AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def trl_logs(base, pairs: list[dict], out) -> list[dict]:

@@ -108,3 +108,27 @@ def test_the_grpo_export_loads_in_transformers_and_keeps_the_trained_weights(run
     moved = max((a - b).abs().max().item() for a, b in zip(model.state_dict().values(), base.state_dict().values()))
     assert moved > 1e-4
     assert torch.isfinite(model(input_ids=torch.tensor([[1, 2, 3]])).logits).all()
+
+
+def test_a_reward_function_that_returns_the_wrong_count_ends_the_run_by_name(tmp_path):
+    """A reward function that goes wrong at the third generation: every rank stops with one named error, printed
+    once, and the checkpoint saved at step 2 is the latest, whole."""
+    save_small_checkpoint(tmp_path / "base")
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    (tmp_path / "flaky.py").write_text("calls = []\n\n\ndef flaky(prompts, completions, **row_fields):\n"
+                                       "    calls.append(1)\n"
+                                       "    return [0.0] * (len(completions) - (len(calls) == 3))\n")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text((REPO / "recipes/tiny_llama_grpo/recipe.yaml").read_text())
+    out = tmp_path / "run"
+    result = run_train(["--recipe", str(recipe), "--output-dir", str(out), f"model.name_or_path={tmp_path / 'base'}",
+                        f"data.sources=[{{path: {tmp_path / 'prompts.jsonl'}}}]", "data.seq_len=20",
+                        "grpo.num_generations=4", "grpo.max_completion_length=10", "training.micro_batch_size=8",
+                        "training.global_batch_size=16", "grpo.rewards=[{function: flaky:flaky}]", "grpo.beta=0",
+                        "checkpointing.every_steps=2", "training.max_steps=4", "logging.report_to=[]",
+                        f"data.cache_dir={tmp_path / 'cache'}"], ranks=2)
+    assert result.returncode != 0
+    message = "reward function flaky returned 7 rewards for 8 completions"
+    assert result.stderr.count(message) == 1, result.stderr[-3000:]
+    assert (out / "checkpoints/latest").read_text() == "global_step2"
+    assert json.loads((out / "checkpoints/global_step2/run_state.json").read_text())["step"] == 2

@@ -36,7 +36,7 @@ import pytest
 import torch
 
 from tests.conftest import save_small_checkpoint, train_in_process
-from tests.test_dpo_trl import left_as_found
+from tests.helpers.trl_state import left_as_found
 
 GENERATIONS, MAX_COMPLETION, TEMPERATURE, STEPS = 4, 6, 0.7, 3
 # lr 5e-3: enough for the policy to move (KL up to about 1, three quarters of the off-policy tokens clipped); at 2e-2
@@ -50,7 +50,8 @@ COMPLETIONS = {"17+25=": [(" 42", True), (" 41", True), (" 42 is the sum of the 
                "3+4=": [(" 7", True), (" 7 and then some more words follow", False), (" 8", True),
                         (" 7 and more", True)]}
 REWARDS = [("exact_answer", {}, 1.0), ("length_penalty", {"target": 4}, 0.5)]
-GENERATION_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "rewards/exact_answer/mean", "rewards/exact_answer/std",
+GENERATION_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "rewards/exact_answer/mean",
+                      "rewards/exact_answer/std",
                       "rewards/length_penalty/mean", "rewards/length_penalty/std", "completions/mean_length",
                       "completions/min_length", "completions/max_length", "completions/clipped_ratio",
                       "completions/mean_terminated_length", "completions/min_terminated_length",

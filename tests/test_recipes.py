@@ -148,8 +148,9 @@ def test_full_size_plan_fits_the_target_gpus(name, capsys, tmp_path):
 
 
 def local_data(name: str, folder) -> list[str]:
-    """The repository's own files in place of the hub data sets: chat for SFT recipes, text for pretraining, and for
-    DPO tiny_llama_dpo's pairs in UltraFeedback binarized's layout (written to `folder`), with 5% held out."""
+    """The repository's own files in place of the hub data sets: chat for SFT recipes, text for pretraining, for DPO
+    tiny_llama_dpo's pairs in UltraFeedback binarized's layout (written to `folder`), with 5% held out, and for GRPO
+    sums in GSM8K's layout."""
     recipe = load_recipe(name)
     if recipe.training.objective == "grpo":  # GSM8K's layout: `question`, `answer` ending "#### N"
         prompts = folder / "prompts.jsonl"
@@ -157,6 +158,7 @@ def local_data(name: str, folder) -> list[str]:
                                    + "\n" for a in range(8)))
         return [f"data.sources=[{{path: {prompts}, prompt_field: question}}]", "data.seq_len=48", "data.num_proc=1",
                 "grpo.num_generations=2", "grpo.max_completion_length=16"]
+    if recipe.training.objective == "dpo":
         pairs = folder / "pairs.jsonl"
         pairs.write_text("".join(json.dumps(ultrafeedback_layout(json.loads(line))) + "\n" for line in
                                  (REPO / "recipes/tiny_llama_dpo/pairs.jsonl").read_text().splitlines()))

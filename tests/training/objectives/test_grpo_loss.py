@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import save_small_checkpoint
-from tests.test_dpo_trl import left_as_found
+from tests.helpers.trl_state import left_as_found
 from training.objectives.grpo_loss import grpo_loss, group_advantages, metric_means, token_logps, weighted_rewards
 from training.objectives.rewards import score
 
