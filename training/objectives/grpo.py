@@ -32,8 +32,10 @@ from training.objectives.grpo_loss import (group_advantages, grpo_loss, metric_m
                                            weighted_rewards)
 from training.objectives.rewards import load_reward, score
 from training.parallel import distributed
+from training.planning.flops import flops_per_token
 from training.planning.plan import RunPlan
 from training.planning.precision import DTYPES
+from training.planning.report import format_bytes
 from training.state.output_dir import COMPLETIONS_FILE
 
 
@@ -116,6 +118,21 @@ def completion_logps(model: torch.nn.Module, batch: dict, device: torch.device,
     return logps, entropies, batch["labels"][:, 1:].to(device) != -100
 
 
+def generation_cost(plan: RunPlan, completions: int) -> str:
+    """What generating a step's `completions` per rank costs beside training on them: its FLOPs (2N per prompt and
+    completion token, against training's) and the weights each decoding pass reads, which under ZeRO-3 it gathers
+    from the ranks every pass (decoding is bound by memory and, there, by the network, not by FLOPs)."""
+    shape, section, seq_len = plan.shape, plan.recipe.grpo, plan.recipe.data.seq_len
+    training_flops = flops_per_token(shape, seq_len, plan.recipe.activation_checkpointing)[0]
+    weights = shape.parameters * DTYPES[plan.precision].itemsize
+    passes = section.max_completion_length
+    gathered = (f"; under ZeRO-3 every pass gathers them: {format_bytes(passes * weights)} gathered per step"
+                if plan.zero_stage == 3 else "")
+    return (f"generation cost per step and rank: {2 * shape.matmul_parameters * completions * seq_len:.3e} FLOPs at "
+            f"most ({2 * shape.matmul_parameters / training_flops:.0%} of training on the same tokens), in {passes} "
+            f"decoding passes that each read the weights ({format_bytes(weights)}){gathered}")
+
+
 class Grpo(Objective):
     """training.objective=grpo: a step's completions generated, scored and trained on (module docstring)."""
     name = "grpo"
@@ -185,8 +202,9 @@ class Grpo(Objective):
                 + ", ".join(f"{spec.function} x {spec.weight:g}" for spec in plan.recipe.grpo.rewards),
                 f"generation: {prompts // plan.dp_size} prompt(s) x {grpo.num_generations} per rank in one batch, up "
                 f"to {grpo.max_completion_length} decoding passes (new tokens); KV cache at most "
-                f"{kv_bytes / 2**20:,.1f} MiB per rank, not at the same time as the training step's activations; "
-                f"weights: {gathered}; reference: {reference}"]
+                f"{format_bytes(kv_bytes)} per rank, not at the same time as the training step's activations; "
+                f"weights: {gathered}; reference: {reference}",
+                generation_cost(plan, per_rank)]
 
     def batches(self, prepared, rank: int) -> tuple[PromptBatches, None]:
         plan, grpo = self.plan, self.section

@@ -1,6 +1,7 @@
 """training.objective=grpo, its parts without a run: sampling, the prompts' batches, the reference under LoRA, what it
 refuses and the dry run's lines. The loss and advantages against TRL: test_grpo_loss.py; runs: tests/test_grpo.py."""
 import json
+import re
 from types import SimpleNamespace
 
 import datasets
@@ -153,6 +154,8 @@ def test_the_dry_run_shows_prompts_generations_and_generation_memory(tmp_path, c
     assert "batch: 8 prompts x 8 generations = 64 completions per step; 32 completions/rank x 2 accumulation" in out
     assert "GRPO: loss dapo, beta 0.04, epsilon 0.2/0.2" in out and "rewards: rewards:closeness x 1, exact_answer x 1" in out
     assert "KV cache" in out and "reference: the starting checkpoint, a frozen copy on each rank" in out
+    assert re.search(r"generation cost per step and rank: [\d.e+]+ FLOPs at most \(33% of training on the same tokens\), "
+                     r"in 16 decoding passes", out)
 
 
 def test_each_rank_must_hold_whole_groups(tmp_path):
