@@ -129,10 +129,11 @@ def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> t
     return tensor
 
 
-def all_gather(tensor: torch.Tensor) -> torch.Tensor:
-    """Every rank's tensor (of the same shape), concatenated along the first dimension in rank order."""
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, tensor.contiguous())
+def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Every rank's tensor (of the same shape) in `group` (default: all), concatenated along the first dimension in
+    rank order."""
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
     return torch.cat(parts)
 
 

@@ -12,13 +12,13 @@ The layouts built here: ZeRO-1 and ZeRO-2 without offload, the layouts proven to
 losses, router losses and gradient norms (tests/test_expert_parallel.py).
 """
 import torch
-import torch.distributed as dist
 from deepspeed import DeepSpeedEngine
 from transformers import PretrainedConfig
 
 from training.compat.deepspeed import autoep_layers
 from training.base.errors import ConfigError
 from training.config.recipe import Recipe
+from training.parallel import distributed
 from training.planning.ds_config import PRESETS
 from training.planning.layout import EXPERT_PARALLEL_STAGES
 from training.planning.shape import expert_count, rank_groups_problem
@@ -59,7 +59,9 @@ def hf_weights(engine: DeepSpeedEngine, state_dict: dict[str, torch.Tensor]) -> 
     its expert-parallel group. Every rank calls it (the gather)."""
     weights = dict(state_dict)
     for name, layer in autoep_layers(engine.module):
-        experts = {w: gather_experts(weights.pop(f"{name}.experts.{w}"), layer.ep_group) for w in ("w1", "w2", "w3")}
+        # one layer's weights of every expert, from each rank's (ranks of the group hold consecutive experts)
+        experts = {w: distributed.all_gather(weights.pop(f"{name}.experts.{w}"), layer.ep_group)
+                   for w in ("w1", "w2", "w3")}
         as_original(weights, name, experts)
     return weights
 
@@ -91,8 +93,3 @@ def original_weights(module: dict[str, torch.Tensor], expert_files: list[dict[st
     return weights
 
 
-def gather_experts(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """One layer's weights of every expert, from each rank's (ranks of the group hold consecutive experts)."""
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, local.contiguous(), group=group)
-    return torch.cat(parts, dim=0)
