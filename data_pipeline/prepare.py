@@ -121,7 +121,8 @@ def split_eval(documents: datasets.Dataset, config: DataConfig, stats: dict) -> 
     """Hold out `eval.fraction` of the documents at random, or load `eval.sources`; with decontaminate,
     drop training documents that near-duplicate an evaluation document."""
     if config.eval.sources:
-        evaluation = load_pairs(config.eval.sources) if config.examples == "pairs" else \
+        loader = {"pairs": load_pairs, "prompts": load_prompts}.get(config.examples)
+        evaluation = loader(config.eval.sources) if loader else \
             drop_empty(load_documents(config.eval.sources), {}, config.num_proc)
     elif config.eval.fraction:
         order = np.random.default_rng([config.seed, 1]).permutation(len(documents))
@@ -265,12 +266,13 @@ def build_pair_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -
 
 
 def build_prompt_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[datasets.DatasetDict, dict]:
-    """Prompts (training.objective=grpo): read, deduplicated as whole prompts, tokenized and fitted to the budget the
-    completions leave; the training split is the sources' mixture. The completions are generated in training."""
+    """Prompts (training.objective=grpo): read, deduplicated as whole prompts, held out (and decontaminated) like
+    documents, tokenized and fitted to the budget the completions leave; the training split is the sources'
+    mixture. The completions are generated in training (and evaluation)."""
     documents = load_prompts(config.sources)
     stats = {"documents_in": len(documents), "exact_duplicates_removed": 0, "near_duplicates_removed": 0}
     per_source = np.bincount(np.asarray(documents["source"]), minlength=len(config.sources))
-    documents = deduplicate(documents, config.dedup, config.num_proc, stats)
+    documents, evaluation = split_eval(deduplicate(documents, config.dedup, config.num_proc, stats), config, stats)
     tokenized = tokenize_prompts(documents, tokenizer, config.seq_len, config.completion_tokens,
                                  config.long_documents, config.num_proc, config.sources, stats)
     if len(tokenized) == 0:
@@ -279,7 +281,17 @@ def build_prompt_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase)
     train, counts = example_mixture(tokenized, config, per_source)
     stats.update(prompt_stats(train), seq_len=config.seq_len, completion_tokens=config.completion_tokens,
                  sources=counts)
-    return datasets.DatasetDict({"train": train}), stats
+    splits = {"train": train}
+    if evaluation is not None:
+        eval_stats = {}
+        splits["eval"] = tokenize_prompts(evaluation, tokenizer, config.seq_len, config.completion_tokens,
+                                          config.long_documents, config.num_proc,
+                                          config.eval.sources or config.sources, eval_stats)
+        if len(splits["eval"]) == 0:
+            raise DataError(f"no evaluation prompts are left after fitting them to data.seq_len={config.seq_len} "
+                            f"({json.dumps(eval_stats)}); raise data.seq_len or lower grpo.max_completion_length")
+        stats["eval"] = {**eval_stats, **prompt_stats(splits["eval"])}
+    return datasets.DatasetDict(splits), stats
 
 
 def build_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tuple[datasets.DatasetDict, dict, list]:

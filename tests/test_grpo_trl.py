@@ -1,7 +1,8 @@
 """train.py's GRPO (training.objective=grpo) against TRL 1.16's GRPOTrainer, step by step: the same checkpoint,
 prompts, reward functions and settings, and the same completions on both sides (generation stubbed: ours
 training.objectives.grpo.sample, TRL's _generate_single_turn, so that TRL's own prompt tokenization, decoding,
-truncation detection and length metrics still run), fp32, one rank, ZeRO-0, 3 optimizer steps.
+truncation detection and length metrics still run), fp32, one rank, ZeRO-0, 3 optimizer steps. Ours packs each
+micro-batch's completions into rows (data.packing=bfd), TRL runs one per row: the same numbers.
 
 The prompts are exactly one global batch (2 prompts x 4 generations), so every step sees both prompts on both sides,
 whatever order each draws them in. A completion is chosen by (its prompt's token ids, its index in the group): some
@@ -103,7 +104,7 @@ def recipe_yaml(base, prompts, cache, loss_type, beta, iterations, accumulation)
     batch = len(PROMPTS) * GENERATIONS
     return f"""
 model: {{name_or_path: {base}}}
-data: {{sources: [{{path: {prompts}}}], seq_len: 32, dedup: {{exact: false}}, cache_dir: {cache}}}
+data: {{sources: [{{path: {prompts}}}], seq_len: 32, packing: bfd, dedup: {{exact: false}}, cache_dir: {cache}}}
 training: {{objective: grpo, micro_batch_size: {batch // accumulation}, global_batch_size: {batch},
            max_steps: {STEPS}, lr: {LR}, schedule: constant, warmup_steps: 0, weight_decay: {WEIGHT_DECAY},
            betas: {list(BETAS)}, eps: {EPS}, grad_clip: {GRAD_CLIP}, seed: 1234}}

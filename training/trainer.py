@@ -26,7 +26,8 @@ from training.planning.plan import RunPlan
 from training.state.checkpoint import latest_tag, record_position, save_checkpoint
 from training.state.run_state import RunState
 
-stop_requested = threading.Event()  # set by SIGTERM: the run saves a checkpoint at the end of the step and exits
+stop_requested = threading.Event()  # set by SIGTERM: the run saves a checkpoint at the end of the step (grpo: of its
+# generation, Objective.may_stop_after) and exits
 
 
 def grad_norm_before_step(engine: deepspeed.DeepSpeedEngine) -> torch.Tensor | None:
@@ -138,6 +139,7 @@ class Loop:
             if event:
                 self.logger.event(event)
             self.state.step, self.state.tokens_seen = self.state.step + 1, self.state.tokens_seen + tokens
+            stop = stop and self.objective.may_stop_after(self.state.data_position)
             self.interval.add(Throughput(tokens, 1))
             self.logger.advance()
             log_now, save_now = self.log_at(self.state.step) or stop, stop or self.save_at(self.state.step)

@@ -1,7 +1,8 @@
 """train.py with test probes, run through the deepspeed launcher like train.py itself:
 
     deepspeed tests/helpers/train_with_probes.py [--kill-after-deepspeed-save STEP] [--record-logits]
-        [--fail-on-rank RANK] [--blind-node-on-rank RANK] [--slow-save SECONDS] <train.py args>
+        [--fail-on-rank RANK] [--blind-node-on-rank RANK] [--slow-save SECONDS] [--sigterm-in-step STEP]
+        <train.py args>
 
 --kill-after-deepspeed-save STEP: every rank SIGKILLs itself once DeepSpeed has written its files for
     that step's checkpoint, after truncating them: a kill in the middle of a save, before `latest` moves.
@@ -12,6 +13,7 @@
 --blind-node-on-rank RANK: that rank acts as the first rank of another node, one that cannot see the output
     folder (a node-local disk).
 --slow-save SECONDS: DeepSpeed takes that much longer to write every checkpoint.
+--sigterm-in-step STEP: rank 0 is sent SIGTERM as that step begins.
 --record-routing [--route-by-rank | --route-across]: the experts each MoE router picks in the first step, per rank
     (routing_rank{r}.json); with --route-by-rank the ranks' tokens go to disjoint experts, with --route-across to
     the next rank's experts.
@@ -67,6 +69,19 @@ def fail_on_rank(rank: int) -> None:
         return step(engine, *args, **kwargs)
 
     trainer.train_step = step_or_fail
+
+
+def sigterm_in_step(step: int) -> None:
+    """Rank 0 is sent SIGTERM as step `step` begins, as a preemption would (train.py's handler sets the flag that
+    the step's all-reduce spreads to the other ranks)."""
+    run_step = trainer.train_step
+
+    def step_with_sigterm(engine, *args, **kwargs):
+        if dist.get_rank() == 0 and engine.global_steps == step - 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return run_step(engine, *args, **kwargs)
+
+    trainer.train_step = step_with_sigterm
 
 
 def blind_node_on_rank(rank: int) -> None:
@@ -186,6 +201,7 @@ PROBES = {"--kill-after-deepspeed-save": lambda value: kill_after_deepspeed_save
           "--fail-on-rank": lambda value: fail_on_rank(int(value)),
           "--blind-node-on-rank": lambda value: blind_node_on_rank(int(value)),
           "--slow-save": lambda value: slow_save(float(value)),
+          "--sigterm-in-step": lambda value: sigterm_in_step(int(value)),
           "--insert-poisoned-batches": insert_poisoned_batches}
 
 

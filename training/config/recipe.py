@@ -136,7 +136,7 @@ class TrainingSection(StrictModel):
     grad_clip: NonNegativeFloat = 1.0  # 0 turns clipping off
     seed: int = 1234
     eval_every_steps: PositiveInt | None = None  # with an eval split (data.eval): also at the end of the run
-    eval_max_rows: PositiveInt | None = None  # None: every evaluation row (dpo: pair)
+    eval_max_rows: PositiveInt | None = None  # None: every evaluation row (dpo: pair; grpo: prompt)
 
     @property
     def traits(self) -> ObjectiveTraits:

@@ -41,6 +41,11 @@ class Objective:
         them (grpo)."""
         return micro_batches
 
+    def may_stop_after(self, data_position: int) -> bool:
+        """Whether a stop asked for by SIGTERM may save and end the run once the data is at `data_position`, or
+        must wait for a later step (grpo: the end of a generation, whose completions a checkpoint does not hold)."""
+        return True
+
     def count(self, batch: dict) -> int:
         """What a micro-batch's loss is a sum over (target tokens, pairs): the step's loss is its mean over the
         global batch."""

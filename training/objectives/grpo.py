@@ -15,6 +15,7 @@ with the adapters disabled; else the starting checkpoint, loaded again, frozen).
 import json
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import deepspeed
 import numpy as np
@@ -23,7 +24,8 @@ import torch.distributed as dist
 from transformers import (AutoModelForCausalLM, GenerationConfig, LogitsProcessor, LogitsProcessorList, PretrainedConfig,
                           TopPLogitsWarper)
 
-from data_pipeline.loader import PromptBatches
+from data_pipeline.loader import EvalPromptBatches, PromptBatches
+from data_pipeline.pack import best_fit_decreasing
 from data_pipeline.prepare import pad_token_id
 from training.base.errors import ConfigError
 from training.config.recipe import GrpoSection, Recipe
@@ -47,9 +49,20 @@ def reward_functions(recipe: Recipe) -> list:
     return [load_reward(spec.function, spec.params) for spec in recipe.grpo.rewards]
 
 
-def sampling_seed(seed: int, generation: int, row: int, index: int) -> int:
-    """The random stream of completion `index` of the prompt at `row` of the data set, in a generation."""
-    return int(np.random.SeedSequence([seed, 3, generation, row, index]).generate_state(1)[0])
+def sampling_seed(seed: int, generation: int, row: int, index: int, evaluation: bool = False) -> int:
+    """The random stream of completion `index` of the prompt at `row` of the training split in a generation, or of
+    the evaluation split (the same streams at every evaluation: what changes is the model)."""
+    return int(np.random.SeedSequence([seed, 4 if evaluation else 3, generation, row, index]).generate_state(1)[0])
+
+
+class Rollout(NamedTuple):
+    """A rank's prompts (each repeated for its group), their completions and every reward function's scores."""
+    prompt_ids: list[torch.Tensor]
+    prompts: list  # as the data gave them (strings or chat messages)
+    completions: list[torch.Tensor]
+    texts: list[str]
+    truncated: list[bool]
+    per_function: torch.Tensor  # [completions, functions], NaN: no opinion
 
 
 class SeededSampling(LogitsProcessor):
@@ -95,27 +108,57 @@ def sample(model: torch.nn.Module, prompts: list[torch.Tensor], seeds: list[int]
     return completions, truncated
 
 
-def completion_rows(prompts: list[torch.Tensor], completions: list[torch.Tensor], pad_id: int) -> dict:
-    """Each prompt + completion as a row, right-padded to the longest: the model's inputs, `labels` (-100 but on the
-    completion's tokens) and `length` (real tokens)."""
-    lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
-    width = max(lengths)
-    input_ids = torch.full((len(lengths), width), pad_id, dtype=torch.long)
-    labels = torch.full_like(input_ids, -100)
-    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
-        input_ids[row, :len(prompt) + len(completion)] = torch.cat([prompt, completion])
-        labels[row, len(prompt):len(prompt) + len(completion)] = completion
-    return {"input_ids": input_ids, "labels": labels, "position_ids": torch.arange(width).expand(len(lengths), -1),
-            "length": torch.tensor(lengths)}
+def completion_rows(prompts: list[torch.Tensor], completions: list[torch.Tensor], pad_id: int, seq_len: int,
+                    packing: str) -> dict:
+    """A micro-batch's completions, each after its prompt, as the model's rows: one per row right-padded to the
+    longest (packing none), or packed whole into rows of at most seq_len, best-fit decreasing (bfd), each keeping
+    its own positions (restarting at 0), so no token attends to another sequence's. `slots` maps every position
+    whose next token is a completion's to that token's place in the completions' own [completions, longest
+    completion] layout (-1 elsewhere), where the loss is computed (unpack): packed or not, the loss sees the same
+    tensors. `length` is each row's real tokens."""
+    lengths = np.array([len(p) + len(c) for p, c in zip(prompts, completions)], dtype=np.int64)
+    if packing == "bfd":
+        rows, offsets = best_fit_decreasing(lengths, seq_len)
+    else:
+        rows, offsets = np.arange(len(lengths)), np.zeros(len(lengths), dtype=np.int64)
+    fill = np.bincount(rows, weights=lengths).astype(np.int64)
+    width, longest = int((offsets + lengths).max()), max(len(c) for c in completions)
+    input_ids = torch.full((len(fill), width), pad_id, dtype=torch.long)
+    position_ids = torch.arange(width).repeat(len(fill), 1)  # a row's padding continues its last sequence's
+    if packing == "bfd":  # or, packed, restarts at 0: the padding is a sequence of its own, seen by none
+        position_ids = (position_ids - torch.from_numpy(fill)[:, None]).clamp(min=0)
+    slots = torch.full((len(fill), width - 1), -1, dtype=torch.long)
+    mask = torch.zeros(len(completions), longest, dtype=torch.bool)
+    for index, (prompt, completion, row, offset) in enumerate(zip(prompts, completions, rows.tolist(),
+                                                                  offsets.tolist())):
+        end = offset + len(prompt) + len(completion)
+        input_ids[row, offset:end] = torch.cat([prompt, completion])
+        position_ids[row, offset:end] = torch.arange(end - offset)
+        slots[row, offset + len(prompt) - 1:end - 1] = index * longest + torch.arange(len(completion))
+        mask[index, :len(completion)] = True
+    return {"input_ids": input_ids, "position_ids": position_ids, "slots": slots, "completion_mask": mask,
+            "length": torch.from_numpy(fill)}
+
+
+def unpack(values: torch.Tensor, batch: dict) -> torch.Tensor:
+    """Per-position values of the rows ([rows, width - 1], position t scoring token t + 1) in the completions' own
+    layout [completions, longest completion], zero where a completion has ended (completion_rows' `slots`)."""
+    slots = batch["slots"].to(values.device)
+    taken = slots >= 0
+    shape = batch["completion_mask"].shape
+    flat = values.new_zeros(shape.numel()).index_put((slots[taken],), values[taken])
+    return flat.view(shape)
 
 
 def completion_logps(model: torch.nn.Module, batch: dict, device: torch.device,
-                     temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token log-probabilities of a micro-batch's tokens after the first (each from the logits before it), their
-    entropies, and the mask of the completion's tokens among them."""
-    logits = model(input_ids=batch["input_ids"].to(device), position_ids=batch["position_ids"].to(device)).logits
+                     temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each completion token's log-probability (from the logits before it) and the entropy of the distribution it
+    was drawn from, in the completions' layout [completions, longest completion] (batch["completion_mask"] marks
+    the tokens)."""
+    logits = model(input_ids=batch["input_ids"].to(device), position_ids=batch["position_ids"].to(device),
+                   use_cache=False).logits  # with a cache transformers would not mask packed sequences apart
     logps, entropies = token_logps(logits[:, :-1], batch["input_ids"][:, 1:].to(device), temperature)
-    return logps, entropies, batch["labels"][:, 1:].to(device) != -100
+    return unpack(logps, batch), unpack(entropies, batch)
 
 
 def generation_cost(plan: RunPlan, completions: int) -> str:
@@ -136,7 +179,7 @@ def generation_cost(plan: RunPlan, completions: int) -> str:
 class Grpo(Objective):
     """training.objective=grpo: a step's completions generated, scored and trained on (module docstring)."""
     name = "grpo"
-    carried = ("reward", "rewards/", "completions/", "kl", "clip_ratio/", "entropy", "frac_reward_zero_std")
+    carried = ("reward", "rewards/", "completions/", "kl", "clip_ratio/", "entropy", "frac_reward_zero_std", "eval_")
 
     def __init__(self, plan: RunPlan):
         super().__init__(plan)
@@ -155,10 +198,10 @@ class Grpo(Objective):
             (parallelism.expert_parallel > 1, "parallelism.expert_parallel > 1"),
             (recipe.long_context.logits_tile_tokens is not None, "long_context.logits_tile_tokens: the loss needs "
                                                                  "each token's log-probability"),
+            (data.packing == "concat", "data.packing=concat: it would cut completions across rows; use bfd "
+                                       "(each micro-batch's completions packed whole) or none (one per row)"),
             (bool(data.filters), "data.filters: the quality filters judge documents; filter the prompts first"),
             (data.streaming, "data.streaming: prompts are prepared (deduplicated, fitted to seq_len) before the run"),
-            (bool(data.eval.fraction or data.eval.sources), "data.eval: evaluation by generation is not built yet; "
-                                                            "remove data.eval"),
             (bool(recipe.checkpointing.every_steps and recipe.checkpointing.every_steps % grpo.num_iterations),
              f"checkpointing.every_steps={recipe.checkpointing.every_steps} with grpo.num_iterations="
              f"{grpo.num_iterations}: a checkpoint inside a generation would resume without its completions; save "
@@ -206,11 +249,15 @@ class Grpo(Objective):
                 f"weights: {gathered}; reference: {reference}",
                 generation_cost(plan, per_rank)]
 
-    def batches(self, prepared, rank: int) -> tuple[PromptBatches, None]:
-        plan, grpo = self.plan, self.section
-        per_rank = plan.recipe.training.global_batch_size // plan.dp_size  # whole groups (check)
-        return PromptBatches(prepared["train"], per_rank // grpo.num_generations, rank, plan.dp_size,
-                             plan.recipe.training.seed, grpo.num_iterations), None
+    def batches(self, prepared, rank: int) -> tuple[PromptBatches, EvalPromptBatches | None]:
+        """The training prompts, a generation's share per step, and the evaluation prompts in batches of the same
+        size (every one each evaluation, or training.eval_max_rows of them)."""
+        plan, grpo, training = self.plan, self.section, self.plan.recipe.training
+        prompts_per_rank = training.global_batch_size // plan.dp_size // grpo.num_generations  # whole groups (check)
+        evaluation = EvalPromptBatches(prepared["eval"], prompts_per_rank, rank, plan.dp_size,
+                                       training.eval_max_rows) if "eval" in prepared else None
+        return PromptBatches(prepared["train"], prompts_per_rank, rank, plan.dp_size, training.seed,
+                             grpo.num_iterations), evaluation
 
     def start(self, engine: deepspeed.DeepSpeedEngine, batches, evaluation, resume: bool) -> None:
         plan, grpo = self.plan, self.section
@@ -231,44 +278,56 @@ class Grpo(Objective):
 
     def generate(self, engine: deepspeed.DeepSpeedEngine, prompts: dict) -> list[dict]:
         """The rank's completions of its prompts, scored, with their advantages, as the step's micro-batches."""
-        grpo = self.section
-        prompt_ids = [torch.from_numpy(ids) for ids in prompts["prompt_ids"] for _ in range(grpo.num_generations)]
         seeds = [sampling_seed(self.plan.recipe.training.seed, prompts["generation"], int(row), index)
-                 for row in prompts["rows"] for index in range(grpo.num_generations)]
+                 for row in prompts["rows"] for index in range(self.section.num_generations)]
+        rollout = self.rollout_of(engine, prompts, seeds)
+        advantages = self.advantages(engine, prompts["generation"], rollout)
+        micro, data, batches = self.plan.recipe.training.micro_batch_size, self.plan.recipe.data, []
+        for start in range(0, len(rollout.completions), micro):
+            part = slice(start, start + micro)
+            batch = completion_rows(rollout.prompt_ids[part], rollout.completions[part], self.pad_id, data.seq_len,
+                                    data.packing)
+            batch.update(advantages=advantages[part], truncated=torch.tensor(rollout.truncated[part]))
+            batches.append(self.with_fixed_logps(engine, batch))
+        return batches
+
+    def rollout_of(self, engine: deepspeed.DeepSpeedEngine, prompts: dict, seeds: list[int]) -> Rollout:
+        """num_generations completions of each of the rank's prompts, sampled in one batch with their seeds, and the
+        reward functions' scores of them (each given the prompt, the completion and the row's other fields)."""
+        grpo, generations = self.section, self.section.num_generations
+        prompt_ids = [torch.from_numpy(ids) for ids in prompts["prompt_ids"] for _ in range(generations)]
         engine.module.eval()
         completions, truncated = sample(engine.module, [ids.to(engine.device) for ids in prompt_ids], seeds, grpo,
                                         self.eos_id, self.pad_id, engine.zero_optimization_stage() == 3)
         engine.module.train()
-        advantages = self.advantages(engine, prompts, completions, truncated)
-        micro, batches = self.plan.recipe.training.micro_batch_size, []
-        for start in range(0, len(completions), micro):
-            part = slice(start, start + micro)
-            batch = completion_rows(prompt_ids[part], completions[part], self.pad_id)
-            batch.update(advantages=advantages[part], truncated=torch.tensor(truncated[part]))
-            batches.append(self.with_fixed_logps(engine, batch))
-        return batches
-
-    def advantages(self, engine: deepspeed.DeepSpeedEngine, prompts: dict, completions: list[torch.Tensor],
-                   truncated: list[bool]) -> torch.Tensor:
-        """The rank's completions' advantages, from the rewards of the whole global batch (gathered in prompt
-        order); notes the generation's metrics and logs its samples."""
-        grpo, generations = self.section, self.section.num_generations
         texts = [self.plan.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
         given = [json.loads(p) for p in prompts["prompt"] for _ in range(generations)]
         replies = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(given, texts)]
         fields = [json.loads(f) for f in prompts["fields"] for _ in range(generations)]
         row_fields = {name: [f.get(name) for f in fields] for name in (fields[0] if fields else {})}
         per_function = score(self.functions, given, replies, row_fields)
-        everyone = distributed.all_gather(per_function.to(engine.device))
+        return Rollout(prompt_ids, given, completions, texts, truncated, per_function)
+
+    def advantages(self, engine: deepspeed.DeepSpeedEngine, generation: int, rollout: Rollout) -> torch.Tensor:
+        """The rank's completions' advantages, from the rewards of the whole global batch (gathered in prompt
+        order); notes the generation's metrics and logs its samples."""
+        everyone, lengths, truncated = self.gathered(engine, rollout)
         rewards = weighted_rewards(everyone, self.weights)
-        advantages, std = group_advantages(rewards, generations, grpo.scale_rewards)
-        rank = self.plan.dp_rank(dist.get_rank())
-        share = slice(rank * len(completions), (rank + 1) * len(completions))
-        lengths = torch.tensor([len(c) for c in completions], dtype=torch.float32, device=engine.device)
-        self.note_generation(everyone, rewards, std, distributed.all_gather(lengths),
-                             distributed.all_gather(torch.tensor(truncated, device=engine.device)))
-        self.log_samples(prompts["generation"], given, texts, per_function, rewards[share])
+        advantages, std = group_advantages(rewards, self.section.num_generations, self.section.scale_rewards)
+        rank, count = self.plan.dp_rank(dist.get_rank()), len(rollout.completions)
+        share = slice(rank * count, (rank + 1) * count)
+        self.step_metrics = self.generation_metrics(everyone, rewards, std, lengths, truncated)
+        if self.first_reward is None:
+            self.first_reward = self.step_metrics["reward"]
+        self.log_samples(generation, rollout.prompts, rollout.texts, rollout.per_function, rewards[share])
         return advantages[share].cpu()
+
+    @staticmethod
+    def gathered(engine: deepspeed.DeepSpeedEngine, rollout: Rollout) -> tuple[torch.Tensor, ...]:
+        """Every rank's scores, completion lengths and truncation, in rank order (the prompts' order)."""
+        lengths = torch.tensor([len(c) for c in rollout.completions], dtype=torch.float32, device=engine.device)
+        return (distributed.all_gather(rollout.per_function.to(engine.device)), distributed.all_gather(lengths),
+                distributed.all_gather(torch.tensor(rollout.truncated, device=engine.device)))
 
     def with_fixed_logps(self, engine: deepspeed.DeepSpeedEngine, batch: dict) -> dict:
         """The batch with the log-probabilities that stay fixed over its steps: the old policy's (num_iterations > 1)
@@ -284,14 +343,21 @@ class Grpo(Objective):
                     batch["ref_logps"] = completion_logps(model, batch, engine.device, grpo.temperature)[0]
         return batch
 
+    def may_stop_after(self, data_position: int) -> bool:
+        """At the end of a generation only (its num_iterations steps done): a resumed run would sample it again."""
+        return data_position % self.section.num_iterations == 0
+
     def count(self, batch: dict) -> int:
         """dapo: the completion tokens (its loss is their global mean); the others normalize within the micro-batch."""
         if self.section.loss_type != "dapo":
             return 1
-        mask = batch["labels"][:, 1:] != -100
+        return int(self.completion_mask(batch).sum())
+
+    def completion_mask(self, batch: dict) -> torch.Tensor:
+        """The completion tokens that take the loss: all, or with mask_truncated_completions the ended ones'."""
         if self.section.mask_truncated_completions:
-            mask &= ~batch["truncated"].unsqueeze(1)
-        return int(mask.sum())
+            return batch["completion_mask"] & ~batch["truncated"].unsqueeze(1)
+        return batch["completion_mask"]
 
     def start_step(self) -> None:
         self.sums = []
@@ -299,9 +365,8 @@ class Grpo(Objective):
     def loss(self, engine: deepspeed.DeepSpeedEngine, batch: dict, per_micro_batch: float,
              shard: tuple[int, int]) -> torch.Tensor:
         grpo = self.section
-        logps, entropies, mask = completion_logps(engine, batch, engine.device, grpo.temperature)
-        if grpo.mask_truncated_completions:
-            mask = mask & ~batch["truncated"].to(engine.device).unsqueeze(1)
+        logps, entropies = completion_logps(engine, batch, engine.device, grpo.temperature)
+        mask = self.completion_mask(batch).to(engine.device)
         loss, sums = grpo_loss(logps, batch.get("old_logps"), batch.get("ref_logps"),
                                batch["advantages"].to(engine.device), mask, loss_type=grpo.loss_type, beta=grpo.beta,
                                epsilon_low=grpo.epsilon, epsilon_high=grpo.epsilon_high or grpo.epsilon,
@@ -310,11 +375,11 @@ class Grpo(Objective):
         self.sums.append(sums)
         return loss
 
-    def note_generation(self, per_function: torch.Tensor, rewards: torch.Tensor, std: torch.Tensor,
-                        lengths: torch.Tensor, truncated: torch.Tensor) -> None:
+    def generation_metrics(self, per_function: torch.Tensor, rewards: torch.Tensor, std: torch.Tensor,
+                           lengths: torch.Tensor, truncated: torch.Tensor) -> dict:
         """TRL's metrics of a generation, over the global batch."""
         ended = lengths[~truncated]
-        self.step_metrics = {
+        return {
             "reward": rewards.nanmean().item(),
             "reward_std": nanstd(rewards).item(),  # TRL's: over the whole generation, not the groups' mean
             "frac_reward_zero_std": (std.view(-1, self.section.num_generations)[:, 0] < 1e-6).float().mean().item(),
@@ -326,8 +391,6 @@ class Grpo(Objective):
             **({"completions/mean_terminated_length": ended.mean().item(),
                 "completions/min_terminated_length": ended.min().item(),
                 "completions/max_terminated_length": ended.max().item()} if len(ended) else {})}
-        if self.first_reward is None:
-            self.first_reward = self.step_metrics["reward"]
 
     def metrics(self) -> dict:
         """The generation's metrics and the loss's: per micro-batch the token means over every rank, averaged over
@@ -364,14 +427,33 @@ class Grpo(Objective):
 
     def console(self, record: dict) -> str:
         return (f"  reward {record['reward']:.3f} (std {record['reward_std']:.3f})  completion length "
-                f"{record['completions/mean_length']:.1f}" + (f"  kl {record['kl']:.4f}" if "kl" in record else ""))
+                f"{record['completions/mean_length']:.1f}" + (f"  kl {record['kl']:.4f}" if "kl" in record else "")
+                + (f"  eval reward {record['eval_reward']:.3f}" if "eval_reward" in record else ""))
 
     def summary(self) -> dict:
         return {"first_reward": self.first_reward} if self.first_reward is not None else {}
 
     def table(self, summary: dict) -> list[tuple[str, str]]:
-        return [("GRPO reward (first -> last logged)", f"{summary['first_reward']:.3f} -> {summary['reward']:.3f}")] \
+        rows = [("GRPO reward (first -> last logged)", f"{summary['first_reward']:.3f} -> {summary['reward']:.3f}")] \
             if "first_reward" in summary and "reward" in summary else []
+        return rows + ([("GRPO eval reward (last evaluation)", f"{summary['eval_reward']:.3f}")]
+                       if "eval_reward" in summary else [])
 
-    def evaluate(self, engine: deepspeed.DeepSpeedEngine, evaluation, shard: tuple[int, int]) -> dict:
-        raise NotImplementedError("grpo has no evaluation (check refuses data.eval)")
+    def evaluate(self, engine: deepspeed.DeepSpeedEngine, evaluation: EvalPromptBatches,
+                 shard: tuple[int, int]) -> dict:
+        """The evaluation prompts' completions, num_generations each, sampled as in training (with streams of
+        their own, the same at every evaluation) and scored: TRL's generation metrics, named eval_*."""
+        generations, seed = self.section.num_generations, self.plan.recipe.training.seed
+        parts = []
+        for prompts in evaluation:
+            seeds = [sampling_seed(seed, 0, int(row), index, evaluation=True)
+                     for row in prompts["rows"] for index in range(generations)]
+            real = torch.from_numpy(prompts["real"]).repeat_interleave(generations).to(engine.device)
+            parts.append((*self.gathered(engine, self.rollout_of(engine, prompts, seeds)),
+                          distributed.all_gather(real)))
+        per_function, lengths, truncated, real = (torch.cat(values) for values in zip(*parts))
+        per_function, lengths, truncated = per_function[real], lengths[real], truncated[real]
+        rewards = weighted_rewards(per_function, self.weights)
+        _, std = group_advantages(rewards, generations, self.section.scale_rewards)
+        metrics = self.generation_metrics(per_function, rewards, std, lengths, truncated)
+        return {f"eval_{name}": value for name, value in metrics.items()}

@@ -11,12 +11,13 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, TopPLogitsWarper
 
 from data_pipeline.config import DataConfig
-from data_pipeline.loader import PromptBatches
+from data_pipeline.loader import EvalPromptBatches, PromptBatches
 from data_pipeline.prepare import build_dataset
 from tests.conftest import REPO, save_small_checkpoint
 from training.base.errors import ConfigError, DataError
 from training.config.recipe import GrpoSection, load_recipe
 from training.objectives.grpo import Grpo, SeededSampling, completion_logps, completion_rows, sample
+from training.objectives.grpo_loss import grpo_loss
 
 SECTION = GrpoSection(num_generations=4, max_completion_length=12, temperature=0.9, top_p=0.95)
 
@@ -79,14 +80,50 @@ def test_each_rank_samples_whole_groups_of_the_same_global_batch_under_any_layou
 def test_completion_rows_take_the_loss_on_the_completion_alone(small):
     _, model, _ = small
     prompts, completions = [torch.tensor([5, 6, 7]), torch.tensor([8])], [torch.tensor([9, 2]), torch.tensor([3, 4, 2])]
-    batch = completion_rows(prompts, completions, pad_id=0)
+    batch = completion_rows(prompts, completions, pad_id=0, seq_len=8, packing="none")
     assert batch["input_ids"].tolist() == [[5, 6, 7, 9, 2], [8, 3, 4, 2, 0]]
-    assert batch["labels"].tolist() == [[-100, -100, -100, 9, 2], [-100, 3, 4, 2, -100]]
+    assert batch["slots"].tolist() == [[-1, -1, 0, 1], [3, 4, 5, -1]]  # position t scores token t + 1
+    assert batch["completion_mask"].tolist() == [[True, True, False], [True, True, True]]
     assert batch["length"].tolist() == [5, 4]
-    logps, _, mask = completion_logps(model, batch, torch.device("cpu"), 1.0)
+    logps, _ = completion_logps(model, batch, torch.device("cpu"), 1.0)
     with torch.no_grad():
         alone = model(input_ids=torch.tensor([[8, 3, 4, 2]])).logits[0, :-1].log_softmax(-1)
-    torch.testing.assert_close(logps[1][mask[1]], alone.gather(1, torch.tensor([[3], [4], [2]]))[:, 0])
+    torch.testing.assert_close(logps[1], alone.gather(1, torch.tensor([[3], [4], [2]]))[:, 0])
+    assert logps[0, 2] == 0  # past the first completion's end
+
+
+def test_packed_completions_take_the_loss_and_gradient_they_take_one_per_row(small):
+    """bfd packs a micro-batch's completions whole into rows of seq_len, each with its own positions: no token sees
+    another sequence's, so the log-probabilities, the loss of every loss type and its gradient equal those of one
+    completion per row."""
+    path, _, _ = small
+    model = AutoModelForCausalLM.from_pretrained(path)
+    generator = torch.Generator().manual_seed(0)
+    lengths = [(3, 7), (6, 2), (2, 9), (4, 1), (5, 5), (1, 3)]
+    prompts = [torch.randint(3, 100, (p,), generator=generator) for p, _ in lengths]
+    completions = [torch.randint(3, 100, (c,), generator=generator) for _, c in lengths]
+    advantages = torch.randn(len(lengths), generator=generator)
+    alone = completion_rows(prompts, completions, pad_id=0, seq_len=16, packing="none")
+    packed = completion_rows(prompts, completions, pad_id=0, seq_len=16, packing="bfd")
+    assert packed["input_ids"].shape == (4, 16) and packed["length"].sum() == alone["length"].sum()  # 6 rows alone
+    assert torch.equal(packed["completion_mask"], alone["completion_mask"])
+    for loss_type in ("grpo", "dr_grpo", "dapo", "bnpo"):
+        results = []
+        for batch in (alone, packed):
+            model.zero_grad()
+            logps, entropies = completion_logps(model, batch, torch.device("cpu"), 0.9)
+            ref = (logps.detach() + 0.1).where(batch["completion_mask"], 0)
+            loss, sums = grpo_loss(logps, None, ref, advantages, batch["completion_mask"], loss_type=loss_type,
+                                   beta=0.04, max_completion_length=9, tokens_per_micro_batch=20.0,
+                                   entropies=entropies)
+            loss.backward()
+            results.append((loss.detach(), logps.detach(), sums, [p.grad.clone() for p in model.parameters()]))
+        (loss, logps, sums, grads), (packed_loss, packed_logps, packed_sums, packed_grads) = results
+        torch.testing.assert_close(packed_logps, logps, rtol=0, atol=1e-6)
+        torch.testing.assert_close(packed_loss, loss, rtol=0, atol=1e-7)
+        torch.testing.assert_close(packed_sums, sums, rtol=1e-6, atol=1e-6)
+        for packed_grad, grad in zip(packed_grads, grads):
+            torch.testing.assert_close(packed_grad, grad, rtol=1e-5, atol=1e-7)
 
 
 def test_under_lora_the_reference_is_the_base_with_the_adapters_disabled(small):
@@ -96,7 +133,8 @@ def test_under_lora_the_reference_is_the_base_with_the_adapters_disabled(small):
                                                                                  init_lora_weights=False))
     objective = Grpo.__new__(Grpo)
     objective.section, objective.reference = GrpoSection(beta=0.04), None
-    batch = completion_rows([torch.tensor([5, 6, 7])], [torch.tensor([9, 10, 2])], pad_id=0)
+    batch = completion_rows([torch.tensor([5, 6, 7])], [torch.tensor([9, 10, 2])], pad_id=0, seq_len=8,
+                            packing="none")
     fixed = objective.with_fixed_logps(SimpleNamespace(module=lora, device=torch.device("cpu")), batch)
     base = completion_logps(model, batch, torch.device("cpu"), 1.0)[0]
     with torch.no_grad():
@@ -126,7 +164,7 @@ def test_the_recipe_refuses_a_grpo_section_that_cannot_run(tmp_path, overrides, 
     (["grpo.rewards=[{function: rewards:nothing_here}]"], "'nothing_here' is not defined there"),
     (["grpo.rewards=[{function: format_regex}]"], "missing parameter"),
     (["parallelism.pipeline_stages=2"], "does not support parallelism.pipeline_stages"),
-    (["data.eval={fraction: 0.1}"], "data.eval: evaluation by generation is not built yet"),
+    (["data.packing=concat"], "data.packing=concat: it would cut completions across rows"),
 ])
 def test_grpo_refuses_before_anything_is_built(tmp_path, overrides, expected):
     with pytest.raises(ConfigError, match=expected):
@@ -143,6 +181,27 @@ def test_a_prompt_over_the_budget_is_named_or_dropped(tmp_path):
     prepared, stats, _ = build_dataset(config.model_copy(update={"long_documents": "drop"}), tokenizer)
     assert stats["long_documents_dropped"] == 1 and len(prepared["train"]) == 2
     assert {json.loads(f)["answer"] for f in prepared["train"]["fields"]} == {"1"}
+
+
+def test_evaluation_prompts_are_held_out_and_every_rank_generates_the_same_batches(tmp_path):
+    """data.eval holds prompts out (training sees none of them); EvalPromptBatches gives every evaluation prompt to
+    one rank once, in batches of the same count and size on every rank (ZeRO-3 gathers weights in each decoding
+    pass), the last padded with copies marked not real."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(20)))
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "recipes/tiny_llama/tokenizer")
+    config = DataConfig(sources=[{"path": str(path)}], seq_len=32, examples="prompts", completion_tokens=16,
+                        eval={"fraction": 0.25})
+    prepared, stats, _ = build_dataset(config, tokenizer)
+    assert len(prepared["eval"]) == 5 == stats["eval"]["prompts"] and len(prepared["train"]) == 15
+    assert not set(prepared["eval"]["prompt"]) & set(prepared["train"]["prompt"])
+    ranks = [EvalPromptBatches(prepared["eval"], 2, rank, 2) for rank in range(2)]
+    batches = [list(batches) for batches in ranks]
+    assert [len(b) for b in batches] == [2, 2] and all(len(batch["prompt_ids"]) == 2 for b in batches for batch in b)
+    real = [row for b in batches for batch in b for row, kept in zip(batch["rows"], batch["real"]) if kept]
+    assert sorted(real) == [0, 1, 2, 3, 4]  # each once
+    assert [list(batch["real"]) for batch in batches[1]] == [[True, True], [False, False]]
+    assert len(list(EvalPromptBatches(prepared["eval"], 2, 0, 2, max_prompts=3))) == 1
 
 
 def test_the_dry_run_shows_prompts_generations_and_generation_memory(tmp_path, capsys):
