@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
+import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed import DeepSpeedEngine, set_optimizer_flags
@@ -106,6 +107,13 @@ PATCHES = (
                     "test_zero_cuts_are_deepspeeds_partitions",
                     proofs=("tests/test_optimizers.py::test_memory_lean_optimizers_equal_the_library_on_zeros_parts",
                             "tests/tools/test_compare_zero.py::test_compare_stages_on_tiny_llama")),
+    deepspeed_patch("zero3_whole_weights", "ZeRO-3's per-module hooks (DeepSpeedZeRoOffload.forward_hooks and "
+                    "backward_hooks, registered by its private _register_deepspeed_module) fetch a module's weights "
+                    "before its forward pass and release them after, also inside GatheredParameters: whole weights "
+                    "for a whole generation need the hooks taken off and put back (as TRL's "
+                    "unwrap_model_for_generation does), the coordinator's recorded trace invalidated",
+                    "test_zero3_hooks_release_gathered_weights_unless_taken_off",
+                    proofs=("tests/test_grpo.py::test_a_killed_grpo_run_resumes_in_another_layout_on_the_same_curve",)),
     deepspeed_patch("gathered_16bit_state_dict", "the whole 16-bit weights under ZeRO-3 and AutoTP come from the "
                     "private engine._consolidated_16bit_state_dict (save_16bit_model writes a file instead)",
                     "test_save_16bit_model_still_gathers_through_the_private_method",
@@ -345,6 +353,26 @@ def autoep_output_recorders() -> Iterator[None]:
 def autoep_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """(name, layer) of each layer AutoEP put in place of an MoE block, in the model's order (none without it)."""
     return [(name, module) for name, module in model.named_modules() if getattr(module, "_is_autoep_layer", False)]
+
+
+@contextmanager
+def zero3_whole_weights(engine: DeepSpeedEngine) -> Iterator[None]:
+    """Under ZeRO-3, every weight whole on every rank for the duration (a full copy per rank, gathered once), the
+    per-module fetch and release hooks off; both back as they were after."""
+    offload = engine.optimizer.parameter_offload
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        for parameter in engine.module.parameters():
+            parameter.ds_active_sub_modules.clear()
+        for hook in offload.forward_hooks + offload.backward_hooks:
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield
+        finally:
+            coordinator = offload.get_param_coordinator()
+            if not coordinator.is_invalid_trace():
+                coordinator._invalidate_trace()
+            offload._register_deepspeed_module(offload.module)
 
 
 def gathered_16bit_state_dict(engine: DeepSpeedEngine, exclude_frozen_parameters: bool = False) -> dict:

@@ -251,6 +251,8 @@ class GrpoSection(StrictModel):
     # the global batch's, or not at all (Dr. GRPO)
     num_iterations: PositiveInt = 1  # optimizer steps on each generation (with >1, the old log-probabilities kept)
     mask_truncated_completions: bool = False  # completions cut at max_completion_length take no loss
+    ds3_gather_for_generation: bool = False  # ZeRO-3: the whole weights gathered once per generation (a full copy on
+    # each rank while it generates) in place of each layer's in every decoding pass (TRL's default is true)
     rewards: list[RewardSpec] = []
     log_completions_every: PositiveInt | None = None  # steps between samples of prompts, completions and rewards
     # in completions.jsonl; None: never

@@ -4,16 +4,19 @@ loop: the same DeepSpeed engine, gradient accumulation and ZeRO stages as the la
 A step: the rank's prompts (data_pipeline/loader.py PromptBatches) are sampled num_generations times each with
 transformers' `generate` on the current weights, all of the rank's completions in one batch (under ZeRO-3 each layer's
 weights are gathered as its forward pass needs them, as the training step does: no second full copy, every rank
-stepping together, `synced_gpus`). Each completion draws from a random stream of its own, seeded by (training.seed,
-the generation, the prompt's row, its index in the group) (SeededSampling), so the completions are the same under any
-layout and after a resume. The reward functions score them (rewards.py), the
-rewards of the whole global batch make each group's advantages (grpo_loss.py), and the completions, one per row
-(prompt + completion, right-padded), are the step's micro-batches. Their loss is grpo_loss's, with the old
+stepping together, `synced_gpus`; with grpo.ds3_gather_for_generation the whole weights once per generation). Each
+completion draws from a random stream of its own, seeded by (training.seed, the generation, the prompt's row, its
+index in the group) (SeededSampling), so the completions are the same under any layout and after a resume. The
+reward functions score them (rewards.py), the rewards of the whole global batch make each group's advantages
+(grpo_loss.py), and the completions, each after its prompt, one per row or packed whole into rows (completion_rows),
+are the step's micro-batches. Their loss is grpo_loss's, on the completions' own layout (unpack), with the old
 log-probabilities kept from the generation when num_iterations > 1 and the reference's when beta > 0 (LoRA: the base
-with the adapters disabled; else the starting checkpoint, loaded again, frozen).
+with the adapters disabled; else the starting checkpoint, loaded again, frozen). Evaluation samples the held-out
+prompts alike and scores them (evaluate).
 """
 import json
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 from typing import NamedTuple
 
@@ -28,6 +31,7 @@ from data_pipeline.loader import EvalPromptBatches, PromptBatches
 from data_pipeline.pack import best_fit_decreasing
 from data_pipeline.prepare import pad_token_id
 from training.base.errors import ConfigError
+from training.compat.deepspeed import zero3_whole_weights
 from training.config.recipe import GrpoSection, Recipe
 from training.objectives.base import Objective
 from training.objectives.grpo_loss import (group_advantages, grpo_loss, metric_means, nanstd, token_logps,
@@ -169,8 +173,11 @@ def generation_cost(plan: RunPlan, completions: int) -> str:
     training_flops = flops_per_token(shape, seq_len, plan.recipe.activation_checkpointing)[0]
     weights = shape.parameters * DTYPES[plan.precision].itemsize
     passes = section.max_completion_length
-    gathered = (f"; under ZeRO-3 every pass gathers them: {format_bytes(passes * weights)} gathered per step"
-                if plan.zero_stage == 3 else "")
+    gathered = "" if plan.zero_stage != 3 else (
+        f"; under ZeRO-3 gathered once per generation ({format_bytes(weights)}, held whole on each rank while it "
+        f"generates)" if section.ds3_gather_for_generation else
+        f"; under ZeRO-3 every pass gathers them: {format_bytes(passes * weights)} gathered per step "
+        f"(grpo.ds3_gather_for_generation: once, holding them whole)")
     return (f"generation cost per step and rank: {2 * shape.matmul_parameters * completions * seq_len:.3e} FLOPs at "
             f"most ({2 * shape.matmul_parameters / training_flops:.0%} of training on the same tokens), in {passes} "
             f"decoding passes that each read the weights ({format_bytes(weights)}){gathered}")
@@ -231,8 +238,10 @@ class Grpo(Objective):
         per_rank = training.global_batch_size // plan.dp_size
         kv_bytes = (2 * config.num_hidden_layers * heads * head_dim * DTYPES[plan.precision].itemsize
                     * plan.recipe.data.seq_len * per_rank)
-        gathered = ("ZeRO-3: each layer's weights gathered for its forward pass, as in training (no full copy)"
-                    if plan.zero_stage == 3 else "the rank's own full weights")
+        gathered = ("the rank's own full weights" if plan.zero_stage != 3 else
+                    "ZeRO-3, gathered whole once per generation (grpo.ds3_gather_for_generation)"
+                    if grpo.ds3_gather_for_generation else
+                    "ZeRO-3: each layer's weights gathered for its forward pass, as in training (no full copy)")
         reference = ("none (beta 0)" if grpo.beta == 0 else "the base with the adapters disabled"
                      if plan.recipe.lora.enabled else "the starting checkpoint, a frozen copy on each rank")
         return [f"batch: {prompts} prompts x {grpo.num_generations} generations = {training.global_batch_size} "
@@ -296,9 +305,12 @@ class Grpo(Objective):
         reward functions' scores of them (each given the prompt, the completion and the row's other fields)."""
         grpo, generations = self.section, self.section.num_generations
         prompt_ids = [torch.from_numpy(ids) for ids in prompts["prompt_ids"] for _ in range(generations)]
+        per_layer = engine.zero_optimization_stage() == 3 and not grpo.ds3_gather_for_generation
+        whole = engine.zero_optimization_stage() == 3 and grpo.ds3_gather_for_generation
         engine.module.eval()
-        completions, truncated = sample(engine.module, [ids.to(engine.device) for ids in prompt_ids], seeds, grpo,
-                                        self.eos_id, self.pad_id, engine.zero_optimization_stage() == 3)
+        with zero3_whole_weights(engine) if whole else nullcontext():
+            completions, truncated = sample(engine.module, [ids.to(engine.device) for ids in prompt_ids], seeds, grpo,
+                                            self.eos_id, self.pad_id, synced=per_layer)
         engine.module.train()
         texts = [self.plan.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
         given = [json.loads(p) for p in prompts["prompt"] for _ in range(generations)]

@@ -18,7 +18,7 @@ from deepspeed.runtime.zero import stage3
 from tests.conftest import REPO, run_train
 from training.compat.deepspeed import (autoep_layers, autoep_output_recorders, expert_files, local_fp32_shares,
                                        muon_flags, pipeline_layer_file, weight_shape, withheld_step, zero0_grad_norm,
-                                       zero_cuts)
+                                       zero3_whole_weights, zero_cuts)
 from training.planning.shape import weight_decay_groups
 
 STAGE3 = stage3.DeepSpeedZeroOptimizer_Stage3
@@ -161,6 +161,27 @@ def test_zero3_weights_keep_their_shape_for_the_weight_decay_groups(one_rank):
     assert all(p.ndim == 1 and p.numel() == 0 for p in engine.module.parameters())
     decay, no_decay = weight_decay_groups(engine.module, 0.1)
     assert [weight_shape(p) for p in decay["params"]] == [(8, 8), (1, 8)] and len(no_decay["params"]) == 2
+
+
+def test_zero3_hooks_release_gathered_weights_unless_taken_off(one_rank):
+    """Inside GatheredParameters a module's forward pass still releases its weights (the hooks partition them
+    after it): zero3_whole_weights takes the hooks off, so they stay whole through any number of passes, and puts
+    them back: after it the weights are partitioned, and training steps as before."""
+    engine, inputs = tiny_engine(3), torch.arange(8.0).reshape(1, 8)
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        engine.module(inputs)
+        released = [p.numel() == 0 for p in engine.module.parameters()]
+    assert any(released), "DeepSpeed's hooks no longer release gathered weights: zero3_whole_weights can go"
+    with zero3_whole_weights(engine):
+        for _ in range(3):
+            output = engine.module(inputs)
+            assert [tuple(p.shape) for p in engine.module.parameters()] == [(8, 8), (8,), (1, 8), (1,)]
+    assert all(p.numel() == 0 for p in engine.module.parameters())
+    before = output.detach().clone()
+    backward(engine)
+    engine.step()
+    with torch.no_grad():
+        assert not torch.equal(engine(inputs), before)  # the hooks gathered the stepped weights again
 
 
 def test_save_16bit_model_still_gathers_through_the_private_method():
