@@ -1,6 +1,8 @@
-"""training.objective=grpo, run by train.py: the same curve on 1 rank (ZeRO-0) and 2 ranks (ZeRO-3), after a kill -9 and
-a resume in another layout, and with LoRA (the reference: the base with the adapters disabled); the completions'
-samples; the export loaded by transformers. Against TRL's GRPOTrainer step by step: tests/test_grpo_trl.py.
+"""training.objective=grpo, run by train.py: the same curve on 1 rank (ZeRO-0, one completion per row) and 2 ranks
+(ZeRO-3, completions packed into rows), after a kill -9 and a resume in another layout (ZeRO-3 with the whole weights
+gathered for generation), and with LoRA (the reference: the base with the adapters disabled); the same evaluation by
+generation on held-out prompts; the completions' samples; the export loaded by transformers; a SIGTERM inside a
+generation. Against TRL's GRPOTrainer step by step: tests/test_grpo_trl.py.
 
 Sixteen sums from tiny_llama_grpo, 4 prompts x 4 generations a step, 8 completions per micro-batch, fp32, rewarded for
 a length near 40 characters (the small random model's completions differ in length: each group has something to
@@ -44,9 +46,11 @@ def runs(tmp_path_factory) -> dict:
               "training.schedule=constant", "training.warmup_steps=0", "logging.every_steps=1", "precision=fp32",
               "logging.report_to=[]", "grpo.log_completions_every=1", f"training.max_steps={STEPS}",
               # the small random model's answers are rarely numbers: a length penalty makes every group's rewards differ
-              "grpo.rewards=[{function: length_penalty, params: {target: 40}}, {function: exact_answer}]"]
+              "grpo.rewards=[{function: length_penalty, params: {target: 40}}, {function: exact_answer}]",
+              # 3 prompts held out, evaluated by generation at steps 2 and 4 (on 2 ranks the second's batch padded)
+              "data.eval={fraction: 0.2}", "training.eval_every_steps=2"]
     whole, zero3, killed, resumed, lora = (folder / name for name in ("whole", "zero3", "killed", "resumed", "lora"))
-    result = run_train(["--output-dir", str(whole), *common, "deepspeed.config=zero0"], ranks=1)
+    result = run_train(["--output-dir", str(whole), *common, "deepspeed.config=zero0", "data.packing=none"], ranks=1)
     assert result.returncode == 0, result.stderr[-3000:]
     result = run_train(["--output-dir", str(zero3), *common, "deepspeed.config=zero3"], ranks=2)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -55,7 +59,8 @@ def runs(tmp_path_factory) -> dict:
                        ranks=1, script="tests/helpers/train_with_probes.py")
     assert result.returncode != 0 and (killed / "checkpoints/latest").read_text() == "global_step2"
     shutil.copytree(killed, resumed)
-    result = run_train(["--output-dir", str(resumed), "--resume", *common, "deepspeed.config=zero3"], ranks=2)
+    result = run_train(["--output-dir", str(resumed), "--resume", *common, "deepspeed.config=zero3",
+                        "grpo.ds3_gather_for_generation=true"], ranks=2)
     assert result.returncode == 0, result.stderr[-3000:]
     result = run_train(["--output-dir", str(lora), *common, "deepspeed.config=zero2", "lora.enabled=true",
                         "grpo.beta=0.04", "grpo.loss_type=grpo", "training.max_steps=2"], ranks=2)
@@ -67,7 +72,7 @@ def assert_same_curve(records: list[dict], expected: list[dict]) -> None:
     assert [r["step"] for r in records] == [e["step"] for e in expected]
     for record, reference in zip(records, expected):
         for key, value in reference.items():
-            if key.startswith(("reward", "completions/", "frac_")):
+            if key.startswith(("reward", "completions/", "frac_", "eval_")):
                 assert record[key] == value, (record["step"], key)  # the same completions, scored alike
             elif key in ("loss", "entropy", "param_norm", "clip_ratio/low_mean", "clip_ratio/high_mean",
                          "clip_ratio/region_mean"):
@@ -81,6 +86,8 @@ def test_grpo_takes_the_same_steps_on_one_rank_and_under_zero3(runs):
     whole = metrics(runs["whole"])
     assert len(whole) == STEPS and all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in whole)
     assert any(r["reward_std"] > 0 for r in whole)  # the groups' rewards differ: there is something to learn
+    assert [r["step"] for r in whole if "eval_reward" in r] == [2, 4]
+    assert json.loads((runs["whole"] / "summary.json").read_text())["eval_reward"] == whole[-1]["eval_reward"]
     assert_same_curve(metrics(runs["zero3"]), whole)
 
 
@@ -132,3 +139,23 @@ def test_a_reward_function_that_returns_the_wrong_count_ends_the_run_by_name(tmp
     assert result.stderr.count(message) == 1, result.stderr[-3000:]
     assert (out / "checkpoints/latest").read_text() == "global_step2"
     assert json.loads((out / "checkpoints/global_step2/run_state.json").read_text())["step"] == 2
+
+
+def test_a_sigterm_inside_a_generation_saves_at_its_end(tmp_path):
+    """With num_iterations=2 a checkpoint inside a generation would resume without its completions: a SIGTERM in step
+    3 (the first of generation 1) trains step 4 on the same completions, then saves and stops."""
+    save_small_checkpoint(tmp_path / "base")
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    out = tmp_path / "out"
+    result = run_train(["--sigterm-in-step", "3", "--recipe", "tiny_llama_grpo", "--output-dir", str(out),
+                        f"model.name_or_path={tmp_path / 'base'}", f"data.sources=[{{path: {tmp_path / 'prompts.jsonl'}}}]",
+                        f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=20", "grpo.num_generations=4",
+                        "grpo.max_completion_length=6", "grpo.num_iterations=2", "training.micro_batch_size=16",
+                        "training.global_batch_size=16", "training.max_steps=8", "checkpointing.every_steps=null",
+                        "logging.every_steps=1", "logging.report_to=[]", "precision=fp32", "deepspeed.config=zero1"],
+                       ranks=1, script="tests/helpers/train_with_probes.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "stopped by SIGTERM after step 4 of 8" in result.stdout + result.stderr
+    assert (out / "checkpoints/latest").read_text() == "global_step4"
+    records = metrics(out)
+    assert [r["step"] for r in records] == [1, 2, 3, 4] and records[2]["reward"] == records[3]["reward"]
