@@ -44,7 +44,7 @@ def runs(tmp_path_factory) -> dict:
               "data.seq_len=20", "grpo.num_generations=4", "grpo.max_completion_length=10",
               "training.micro_batch_size=8", "training.global_batch_size=16", "training.lr=1e-3",
               "training.schedule=constant", "training.warmup_steps=0", "logging.every_steps=1", "precision=fp32",
-              "logging.report_to=[]", "grpo.log_completions_every=1", f"training.max_steps={STEPS}",
+              "logging.report_to=[]", "grpo.log_completions_every=1", f"training.max_steps={STEPS}", "grpo.beta=0.04",
               # the small random model's answers are rarely numbers: a length penalty makes every group's rewards differ
               "grpo.rewards=[{function: length_penalty, params: {target: 40}}, {function: exact_answer}]",
               # 3 prompts held out, evaluated by generation at steps 2 and 4 (on 2 ranks the second's batch padded)
@@ -74,7 +74,7 @@ def assert_same_curve(records: list[dict], expected: list[dict]) -> None:
         for key, value in reference.items():
             if key.startswith(("reward", "completions/", "frac_", "eval_")):
                 assert record[key] == value, (record["step"], key)  # the same completions, scored alike
-            elif key in ("loss", "entropy", "param_norm", "clip_ratio/low_mean", "clip_ratio/high_mean",
+            elif key in ("loss", "entropy", "kl", "param_norm", "clip_ratio/low_mean", "clip_ratio/high_mean",
                          "clip_ratio/region_mean"):
                 assert record[key] == pytest.approx(value, rel=1e-5, abs=1e-5), (record["step"], key)
             elif key == "grad_norm":  # ZeRO's norm over its flat buffers, ZeRO-0's torch's over each weight: the

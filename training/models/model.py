@@ -13,7 +13,7 @@ from training.planning.ds_config import zero_stage
 from training.base.errors import ConfigError
 from training.models.lora import nf4_quantization
 from training.models.attention import attention_for
-from training.planning.precision import DTYPES, device_type
+from training.planning.precision import DTYPES, device_type, weights_dtype
 from training.config.recipe import ModelSection, Recipe
 
 
@@ -179,12 +179,6 @@ def weights_digest(name_or_path: str) -> str | None:
                 file.seek(offset)
                 digest.update(file.read(BLOCK_BYTES))
     return digest.hexdigest()[:32]
-
-
-def weights_dtype(precision: str, stage: int) -> torch.dtype:
-    """Checkpoint weights load in the run's precision; DeepSpeed keeps the fp32 master copy in its optimizer.
-    ZeRO-0 bf16/fp16 (torch autocast over fp32 weights) keeps fp32 weights."""
-    return DTYPES[precision] if stage > 0 else torch.float32
 
 
 def build_model(recipe: Recipe, config: PretrainedConfig, ds_config: dict, precision: str) -> PreTrainedModel:

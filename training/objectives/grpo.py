@@ -11,8 +11,9 @@ reward functions score them (rewards.py), the rewards of the whole global batch 
 (grpo_loss.py), and the completions, each after its prompt, one per row or packed whole into rows (completion_rows),
 are the step's micro-batches. Their loss is grpo_loss's, on the completions' own layout (unpack), with the old
 log-probabilities kept from the generation when num_iterations > 1 and the reference's when beta > 0 (LoRA: the base
-with the adapters disabled; else the starting checkpoint, loaded again, frozen). Evaluation samples the held-out
-prompts alike and scores them (evaluate).
+with the adapters disabled; else the starting checkpoint, loaded again, frozen: a full copy per rank at ZeRO 0-2,
+partitioned over the ranks under ZeRO-3, load_reference). Evaluation samples the held-out prompts alike and scores
+them (evaluate).
 """
 import json
 import sys
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 from transformers import (AutoModelForCausalLM, GenerationConfig, LogitsProcessor, LogitsProcessorList, PretrainedConfig,
                           TopPLogitsWarper)
+from transformers.integrations import HfDeepSpeedConfig
 
 from data_pipeline.loader import EvalPromptBatches, PromptBatches
 from data_pipeline.pack import best_fit_decreasing
@@ -33,14 +35,17 @@ from data_pipeline.prepare import pad_token_id
 from training.base.errors import ConfigError
 from training.compat.deepspeed import zero3_whole_weights
 from training.config.recipe import GrpoSection, Recipe
+from training.models.attention import attention_for
 from training.objectives.base import Objective
 from training.objectives.grpo_loss import (group_advantages, grpo_loss, metric_means, nanstd, token_logps,
                                            weighted_rewards)
 from training.objectives.rewards import load_reward, score
 from training.parallel import distributed
+from training.planning.ds_config import params_offloaded
 from training.planning.flops import flops_per_token
+from training.planning.memory import reference_bytes
 from training.planning.plan import RunPlan
-from training.planning.precision import DTYPES
+from training.planning.precision import DTYPES, device_type
 from training.planning.report import format_bytes
 from training.state.output_dir import COMPLETIONS_FILE
 
@@ -183,6 +188,49 @@ def generation_cost(plan: RunPlan, completions: int) -> str:
             f"decoding passes that each read the weights ({format_bytes(weights)}){gathered}")
 
 
+def reference_place(plan: RunPlan) -> str:
+    """Where a full fine-tune's reference lives (load_reference) and what it takes per rank (reference_bytes)."""
+    per_rank = format_bytes(reference_bytes(plan.recipe, plan.precision, plan.shape, plan.zero_stage, plan.dp_size))
+    if plan.zero_stage != 3:
+        return f"the starting checkpoint, a frozen copy on each rank ({per_rank})"
+    where = "in CPU memory (offload_param)" if params_offloaded(plan.ds_config) else "on the device"
+    return (f"the starting checkpoint, frozen, partitioned over the {plan.dp_size} ranks by ZeRO-3: {per_rank} per "
+            f"rank, {where}")
+
+
+def reference_ds_config(ds_config: dict) -> dict:
+    """The run's DeepSpeed config for the frozen reference, as TRL's prepare_deepspeed makes it: without the optimizer
+    and its offload (DeepSpeed would build an optimizer from them); ZeRO-3's partitioning, bucket sizes and parameter
+    offload as the run's."""
+    zero = {key: value for key, value in ds_config["zero_optimization"].items() if key != "offload_optimizer"}
+    return {**{key: value for key, value in ds_config.items() if key not in ("optimizer", "scheduler")},
+            "zero_optimization": zero}
+
+
+def load_reference(plan: RunPlan, engine: deepspeed.DeepSpeedEngine) -> torch.nn.Module:
+    """A full fine-tune's reference (beta > 0): the starting checkpoint, frozen, built as the trained model is (its
+    config, attention and dtype). At ZeRO 0-2 a full copy on each rank. Under ZeRO-3 partitioned over the ranks as the
+    trained model is: loaded inside zero.Init (transformers loads there while an HfDeepSpeedConfig is alive), so that
+    no rank holds it whole, and run by a DeepSpeed engine without an optimizer, whose forward gathers each layer's
+    weights from every rank: so every rank must run it together, which they do (each rank's generation makes the same
+    number of micro-batches: as many completions over the same micro_batch_size)."""
+    recipe = plan.recipe
+    options = {"config": plan.model_config, "dtype": next(engine.module.parameters()).dtype,
+               "attn_implementation": attention_for(recipe.model.attn_implementation, plan.model_config,
+                                                    on_gpu=device_type() == "cuda"),
+               "trust_remote_code": recipe.model.trust_remote_code}
+    if engine.zero_optimization_stage() != 3:
+        model = AutoModelForCausalLM.from_pretrained(recipe.model.name_or_path, **options)
+        return model.to(engine.device).eval().requires_grad_(False)
+    config = reference_ds_config(plan.ds_config)
+    zero3 = HfDeepSpeedConfig(config)  # held by a weak reference: transformers loads in zero.Init while it lives
+    model = AutoModelForCausalLM.from_pretrained(recipe.model.name_or_path, **options).requires_grad_(False)
+    del zero3
+    reference, *_ = deepspeed.initialize(model=model, config=config)
+    reference.eval()  # DeepSpeedEngine.eval returns None
+    return reference
+
+
 class Grpo(Objective):
     """training.objective=grpo: a step's completions generated, scored and trained on (module docstring)."""
     name = "grpo"
@@ -243,7 +291,7 @@ class Grpo(Objective):
                     if grpo.ds3_gather_for_generation else
                     "ZeRO-3: each layer's weights gathered for its forward pass, as in training (no full copy)")
         reference = ("none (beta 0)" if grpo.beta == 0 else "the base with the adapters disabled"
-                     if plan.recipe.lora.enabled else "the starting checkpoint, a frozen copy on each rank")
+                     if plan.recipe.lora.enabled else reference_place(plan))
         return [f"batch: {prompts} prompts x {grpo.num_generations} generations = {training.global_batch_size} "
                 f"completions per step; {training.micro_batch_size} completions/rank x {plan.accumulation_steps} "
                 f"accumulation x {plan.dp_size} data-parallel ranks, each a row of prompt + completion (at most "
@@ -275,9 +323,7 @@ class Grpo(Objective):
         self.weights = [spec.weight for spec in grpo.rewards]
         self.eos_id, self.pad_id = plan.tokenizer.eos_token_id, pad_token_id(plan.tokenizer)
         if grpo.beta > 0 and not plan.recipe.lora.enabled:
-            self.reference = AutoModelForCausalLM.from_pretrained(
-                plan.recipe.model.name_or_path, dtype=next(engine.module.parameters()).dtype).to(engine.device).eval()
-            self.reference.requires_grad_(False)
+            self.reference = load_reference(plan, engine)
 
     def step_batches(self, engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict]) -> list[dict]:
         [prompts] = micro_batches

@@ -167,6 +167,12 @@ def zero_setting(ds_config: dict) -> str:
     return f"{zero_stage(ds_config)}{'_offload' if offload not in ('none', None) else ''}"
 
 
+def params_offloaded(ds_config: dict) -> bool:
+    """Whether ZeRO-3 keeps the parameters' partitions in host memory (offload_param; zero3_offload.json does)."""
+    offload = ds_config.get("zero_optimization", {}).get("offload_param", {}).get("device", "none")
+    return zero_stage(ds_config) == 3 and offload not in ("none", None)
+
+
 def accumulation_steps(training: TrainingSection, dp_size: int) -> int:
     """global = micro x accumulation x data-parallel ranks, with accumulation a whole number."""
     per_pass = training.micro_batch_size * dp_size

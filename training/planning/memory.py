@@ -4,7 +4,8 @@ checkpointing, and whether they fit.
 Model states use DeepSpeed's own estimators for ZeRO-2 and ZeRO-3 (with and without CPU offload) in mixed
 precision; ZeRO-0/1, and fp32 runs (the estimators assume 16-bit weights), use the ZeRO paper's arithmetic, fp32 under
 ZeRO on DeepSpeed's layout of the weights (fp32_zero_states). DeepSpeed's own buffers (its gradient buckets, sized by
-the resolved config, and Muon's staged momentum) are added to each (with_deepspeed_buffers).
+the resolved config, and Muon's staged momentum) are added to each (with_deepspeed_buffers), and so is GRPO's frozen
+reference model (with_reference).
 
 Activations are the bytes autograd saves for the backward pass, per token, as transformers' Llama-family and
 GPT-2 modules save them with PyTorch's scaled-dot-product attention. The rules below were read off those
@@ -48,13 +49,13 @@ from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
 from training.compat.deepspeed import zero_cuts
-from training.planning.ds_config import ds_config_file, zero_setting, zero_stage
+from training.planning.ds_config import ds_config_file, params_offloaded, zero_setting, zero_stage
 from training.config.recipe import Recipe
 from training.planning.kernels import CHUNK_TOKENS, uses_fused_loss
 from training.planning.layout import EXPERT_PARALLEL_STAGES
 from training.planning.optimizer_states import optimizer_state_bytes
 from training.planning.plan import Machine, RunPlan
-from training.planning.precision import DTYPES, is_mixed
+from training.planning.precision import DTYPES, is_mixed, weights_dtype
 from training.planning.shape import ModelShape
 
 ZERO_SETTINGS = ("0", "1", "2", "3", "2_offload", "3_offload")  # named as the ds_configs/zero*.json files
@@ -173,6 +174,27 @@ def with_deepspeed_buffers(states: ModelStates, ds_config: dict, precision: str,
     stage = zero_stage(ds_config)
     extra = gradient_bucket_bytes(ds_config, precision) + muon_staging_bytes(optimizer, shape, stage, ranks)
     return replace(states, device_bytes=states.device_bytes + extra)
+
+
+def reference_bytes(recipe: Recipe, precision: str, shape: ModelShape, stage: int, ranks: int) -> float:
+    """GRPO's reference model per rank (training/objectives/grpo.py, load_reference): with beta > 0 and no LoRA, the
+    starting checkpoint, frozen, in the trained weights' dtype (weights_dtype: fp32 at ZeRO-0, where 16-bit precision
+    is torch autocast), partitioned over the `ranks` data-parallel ranks at ZeRO-3 and a full copy on each at 0-2.
+    0 where there is none to hold: beta 0, another objective, or LoRA (the base with its adapters disabled)."""
+    if recipe.training.objective != "grpo" or recipe.grpo.beta == 0 or recipe.lora.enabled:
+        return 0.0
+    whole = shape.parameters * weights_dtype(precision, stage).itemsize
+    return whole / ranks if stage == 3 else whole
+
+
+def with_reference(states: ModelStates, ds_config: dict, recipe: Recipe, precision: str, shape: ModelShape,
+                   ranks: int, nodes: int) -> ModelStates:
+    """`states` with GRPO's reference (reference_bytes) under `ds_config`: on the device, or, where ZeRO-3 offloads
+    the parameters (zero3_offload.json does; the reference's config keeps it), in the nodes' memory."""
+    per_rank = reference_bytes(recipe, precision, shape, zero_stage(ds_config), ranks)
+    if params_offloaded(ds_config):
+        return replace(states, host_bytes=states.host_bytes + per_rank * ranks / nodes)
+    return replace(states, device_bytes=states.device_bytes + per_rank)
 
 
 def model_states(setting: str, shape: ModelShape, gpus_per_node: int, nodes: int, precision: str,
@@ -438,7 +460,7 @@ def states_per_setting(recipe: Recipe, precision: str, shape: ModelShape, machin
     the data-parallel ranks; with LoRA, the shape's lora_parameters on frozen weights; under expert parallelism only
     the settings it runs with, a rank's share of the experts); offload only in mixed precision (DeepSpeed's offload
     keeps 16-bit weights on the GPU). Each with the gradient buckets of the setting's shipped ds_configs file, or
-    of `ds_config` (the run's resolved config) for the setting it is."""
+    of `ds_config` (the run's resolved config) for the setting it is, and GRPO's reference model (with_reference)."""
     tp, ep = recipe.parallelism.tensor_parallel, recipe.parallelism.expert_parallel
     settings = [setting for setting in ZERO_SETTINGS if not (precision == "fp32" and setting.endswith("_offload"))]
     if ep > 1:
@@ -458,18 +480,21 @@ def states_per_setting(recipe: Recipe, precision: str, shape: ModelShape, machin
                                         machine.nodes, precision, zero_init=recipe.model.name_or_path is not None,
                                         state_bytes=optimizer[setting]) for setting in settings}
     own = zero_setting(ds_config) if ds_config else None
-    return {setting: with_deepspeed_buffers(state, ds_config if setting == own else
-                                            shipped_ds_config(setting, shape.hidden_size), precision,
-                                            recipe.optimizer.name, shape, ranks) for setting, state in states.items()}
+    for setting, state in states.items():
+        config = ds_config if setting == own else shipped_ds_config(setting, shape.hidden_size)
+        state = with_deepspeed_buffers(state, config, precision, recipe.optimizer.name, shape, ranks)
+        states[setting] = with_reference(state, config, recipe, precision, shape, ranks, machine.nodes)
+    return states
 
 
 def planned_model_states(plan: RunPlan) -> ModelStates:
     """The run's model-state estimate per rank: its ZeRO setting over its data-parallel ranks (one node), a rank's
     share of the experts under expert parallelism, or with pipeline stages the largest stage's share; with the
-    gradient buckets of its resolved DeepSpeed config (and Muon's staged momentum). ValueError where there is no
-    estimate (offload in fp32)."""
-    return with_deepspeed_buffers(weights_gradients_and_states(plan), plan.ds_config, plan.precision,
-                                  plan.recipe.optimizer.name, plan.shape, plan.dp_size)
+    gradient buckets of its resolved DeepSpeed config (and Muon's staged momentum) and GRPO's reference model
+    (with_reference). ValueError where there is no estimate (offload in fp32)."""
+    states = with_deepspeed_buffers(weights_gradients_and_states(plan), plan.ds_config, plan.precision,
+                                    plan.recipe.optimizer.name, plan.shape, plan.dp_size)
+    return with_reference(states, plan.ds_config, plan.recipe, plan.precision, plan.shape, plan.dp_size, 1)
 
 
 def weights_gradients_and_states(plan: RunPlan) -> ModelStates:

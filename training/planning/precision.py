@@ -18,6 +18,12 @@ def is_mixed(precision: str) -> bool:
     return DTYPES[precision].itemsize == 2
 
 
+def weights_dtype(precision: str, stage: int) -> torch.dtype:
+    """Checkpoint weights load in the run's precision; DeepSpeed keeps the fp32 master copy in its optimizer.
+    ZeRO-0 bf16/fp16 (torch autocast over fp32 weights) keeps fp32 weights."""
+    return DTYPES[precision] if stage > 0 else torch.float32
+
+
 def device_type() -> str:
     """DeepSpeed's accelerator: 'cuda' on NVIDIA GPUs, 'cpu' where it falls back to its CPU accelerator."""
     return get_accelerator().device_name()

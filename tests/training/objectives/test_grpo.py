@@ -18,6 +18,7 @@ from training.base.errors import ConfigError, DataError
 from training.config.recipe import GrpoSection, load_recipe
 from training.objectives.grpo import Grpo, SeededSampling, completion_logps, completion_rows, sample
 from training.objectives.grpo_loss import grpo_loss
+from training.planning.precision import DTYPES
 
 SECTION = GrpoSection(num_generations=4, max_completion_length=12, temperature=0.9, top_p=0.95)
 
@@ -212,7 +213,8 @@ def test_the_dry_run_shows_prompts_generations_and_generation_memory(tmp_path, c
     out = capsys.readouterr().out
     assert "batch: 8 prompts x 8 generations = 64 completions per step; 32 completions/rank x 2 accumulation" in out
     assert "GRPO: loss dapo, beta 0.04, epsilon 0.2/0.2" in out and "rewards: rewards:closeness x 1, exact_answer x 1" in out
-    assert "KV cache" in out and "reference: the starting checkpoint, a frozen copy on each rank" in out
+    assert "KV cache" in out
+    assert re.search(r"reference: the starting checkpoint, a frozen copy on each rank \([\d.]+ MiB\)", out)
     assert re.search(r"generation cost per step and rank: [\d.e+]+ FLOPs at most \(33% of training on the same tokens\), "
                      r"in 16 decoding passes", out)
 
@@ -222,3 +224,39 @@ def test_each_rank_must_hold_whole_groups(tmp_path):
     Grpo.check(recipe, None, world_size=8)
     with pytest.raises(ConfigError, match="over 16 data-parallel ranks is not whole groups .* multiple of 128"):
         Grpo.check(recipe, None, world_size=16)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_the_memory_plan_holds_the_reference_whole_at_zero_0_to_2_and_a_share_of_it_at_zero_3(tmp_path, precision):
+    """beta > 0 without LoRA: the starting checkpoint in the trained weights' dtype (fp32 at ZeRO-0, which runs 16-bit
+    precision as autocast over fp32 weights), whole on every rank at ZeRO 0-2, 1/ranks of it at ZeRO-3 (in the node's
+    memory where zero3_offload.json offloads the parameters); nothing with beta 0 or under LoRA (the base with the
+    adapters disabled). In the run's own plan, every row of the table and the dry run's reference line."""
+    import train
+    from training.planning.memory import planned_model_states, states_per_setting
+    from training.planning.plan import Machine
+    from training.planning.report import format_bytes
+    save_small_checkpoint(tmp_path / "base")
+    ranks, itemsize = 4, DTYPES[precision].itemsize
+
+    def plan(config, *overrides):
+        args = train.parse_args(["--recipe", "tiny_llama_grpo", "--dry-run", f"model.name_or_path={tmp_path / 'base'}",
+                                 f"precision={precision}", f"deepspeed.config={config}", "training.micro_batch_size=16",
+                                 *overrides])
+        return train.make_plan(args, world_size=ranks)
+
+    whole = plan("zero2").shape.parameters * itemsize
+    for config, grown in (("zero2", whole), ("zero3", whole / ranks)):
+        kl, none = plan(config), plan(config, "grpo.beta=0")
+        assert planned_model_states(kl).device_bytes - planned_model_states(none).device_bytes == grown
+        lora = [plan(config, "lora.enabled=true", *beta) for beta in ([], ["grpo.beta=0"])]
+        assert planned_model_states(lora[0]) == planned_model_states(lora[1])
+    rows = [states_per_setting(p.recipe, precision, p.shape, Machine(ranks, 1, 2**34, "test"), p.ds_config)
+            for p in (kl, none)]  # the ZeRO-3 plans' tables, every setting a row
+    device = {setting: rows[0][setting].device_bytes - rows[1][setting].device_bytes for setting in rows[0]}
+    host = {setting: rows[0][setting].host_bytes - rows[1][setting].host_bytes for setting in rows[0]}
+    offloaded = {"2_offload": whole, "3_offload": 0} if precision == "bf16" else {}  # no offload in fp32
+    assert device == {"0": whole * 4 / itemsize, "1": whole, "2": whole, "3": whole / ranks, **offloaded}
+    assert host == {**dict.fromkeys(rows[0], 0), **({"3_offload": whole} if offloaded else {})}  # ranks x 1/ranks
+    assert (f"reference: the starting checkpoint, frozen, partitioned over the {ranks} ranks by ZeRO-3: "
+            f"{format_bytes(whole / ranks)} per rank, on the device") in " ".join(Grpo.describe(kl))
