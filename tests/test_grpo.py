@@ -48,7 +48,8 @@ def runs(tmp_path_factory) -> dict:
               # the small random model's answers are rarely numbers: a length penalty makes every group's rewards differ
               "grpo.rewards=[{function: length_penalty, params: {target: 40}}, {function: exact_answer}]",
               # 3 prompts held out, evaluated by generation at steps 2 and 4 (on 2 ranks the second's batch padded)
-              "data.eval={fraction: 0.2}", "training.eval_every_steps=2"]
+              "data.eval={fraction: 0.2}", "training.eval_every_steps=2",
+              "data.packing=bfd"]  # but in `whole`: one completion per row
     whole, zero3, killed, resumed, lora = (folder / name for name in ("whole", "zero3", "killed", "resumed", "lora"))
     result = run_train(["--output-dir", str(whole), *common, "deepspeed.config=zero0", "data.packing=none"], ranks=1)
     assert result.returncode == 0, result.stderr[-3000:]
