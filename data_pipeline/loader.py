@@ -122,30 +122,16 @@ class EvalBatches:
         return batch
 
 
-class EvalPromptBatches:
-    """The evaluation prompts (training.objective=grpo) in a fixed order, split across data-parallel ranks as
-    EvalBatches splits rows: batch b of rank r holds prompts [(b * ranks + r) * per_rank, ... + per_rank). Every
-    rank generates the same number of batches of the same size (under ZeRO-3 each decoding pass gathers weights
-    from all ranks): prompts past the end are copies of the last, marked not `real`."""
+class EvalPromptBatches(EvalBatches):
+    """The evaluation prompts (training.objective=grpo), split across data-parallel ranks as EvalBatches splits rows,
+    a batch being `micro_batch_size` prompts: every rank generates the same number of batches of the same size (under
+    ZeRO-3 each decoding pass gathers weights from all ranks); prompts past the end are copies of the last, marked not
+    `real`."""
 
-    def __init__(self, prompts: datasets.Dataset, prompts_per_rank: int, dp_rank: int, dp_size: int,
-                 max_prompts: int | None = None):
-        self.rows = prompts.with_format("numpy")
-        self.count = min(len(prompts), max_prompts or len(prompts))
-        self.prompts_per_rank, self.dp_rank, self.dp_size = prompts_per_rank, dp_rank, dp_size
-
-    def __len__(self) -> int:
-        """Batches per rank."""
-        return -(-self.count // (self.prompts_per_rank * self.dp_size))
-
-    def __iter__(self) -> Iterator[dict]:
-        for b in range(len(self)):
-            first = (b * self.dp_size + self.dp_rank) * self.prompts_per_rank
-            wanted = np.arange(first, first + self.prompts_per_rank)
-            rows = np.minimum(wanted, self.count - 1)
-            batch = self.rows[rows]
-            yield {"prompt_ids": [ids.astype(np.int64) for ids in batch["prompt_ids"]], "prompt": list(batch["prompt"]),
-                   "fields": list(batch["fields"]), "rows": rows, "real": wanted < self.count}
+    def fetch(self, positions: np.ndarray, real: np.ndarray) -> dict:
+        batch = self.rows[positions]
+        return {"prompt_ids": [ids.astype(np.int64) for ids in batch["prompt_ids"]], "prompt": list(batch["prompt"]),
+                "fields": list(batch["fields"]), "rows": positions, "real": real}
 
 
 class PairBatches(StepBatches):

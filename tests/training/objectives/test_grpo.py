@@ -202,7 +202,7 @@ def test_evaluation_prompts_are_held_out_and_every_rank_generates_the_same_batch
     real = [row for b in batches for batch in b for row, kept in zip(batch["rows"], batch["real"]) if kept]
     assert sorted(real) == [0, 1, 2, 3, 4]  # each once
     assert [list(batch["real"]) for batch in batches[1]] == [[True, True], [False, False]]
-    assert len(list(EvalPromptBatches(prepared["eval"], 2, 0, 2, max_prompts=3))) == 1
+    assert len(list(EvalPromptBatches(prepared["eval"], 2, 0, 2, max_rows=3))) == 1
 
 
 def test_the_dry_run_shows_prompts_generations_and_generation_memory(tmp_path, capsys):
