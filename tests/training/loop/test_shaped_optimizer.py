@@ -23,7 +23,9 @@ CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_
 # ZeRO-3 reduces the gradients through its own hooks, whose float sums differ from autograd's in the last bits:
 # measured 3e-8 on the embedding (rows Adam divides by tiny second moments) and, where that flips an 8-bit code
 # of AdamW8bit's moments, 3e-7 on one weight (steps of lr = 3e-3)
-TOLERANCE = {"zero0": 0.0, "zero2": 0.0, "zero3": 1e-5}
+TOLERANCE = {"zero0": 0.0, "zero2": 0.0, "zero3": 1e-4}  # ZeRO-3 sums the gradients in its own order, and a
+# last-bit difference can move an 8-bit state across a quantization step: on an AVX2 CPU (AMD EPYC) one weight in
+# thousands lands 1.2e-5 and 3.3e-5 away (under 1e-5 on the AVX-512 machine first measured)
 
 
 def shaped_engine(name: str, ds_config_name: str) -> tuple[deepspeed.DeepSpeedEngine, torch.nn.Module, object]:
