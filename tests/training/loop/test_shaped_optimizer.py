@@ -25,7 +25,7 @@ CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_
 # of AdamW8bit's moments, 3e-7 on one weight (steps of lr = 3e-3)
 TOLERANCE = {"zero0": 0.0, "zero2": 0.0, "zero3": 1e-4}  # ZeRO-3 sums the gradients in its own order, and a
 # last-bit difference can move an 8-bit state across a quantization step: on an AVX2 CPU (AMD EPYC) one weight in
-# thousands lands 1.2e-5 and 3.3e-5 away (under 1e-5 on the AVX-512 machine first measured)
+# thousands lands 1.2e-5 and 3.3e-5 away (under 1e-5 on the machine where it was first measured)
 
 
 def shaped_engine(name: str, ds_config_name: str) -> tuple[deepspeed.DeepSpeedEngine, torch.nn.Module, object]:
