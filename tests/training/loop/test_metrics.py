@@ -27,16 +27,15 @@ def test_model_states_are_measured_when_the_second_step_starts():
 
 
 def test_held_tensors_count_shared_storage_once():
-    """Earlier tests' garbage (tensors in reference cycles) is collected first: the census counts what the collector
-    still tracks, and a collection between the two counts would free some of it (this failed 1 run in 6 beside
-    other tests, 24 bytes short)."""
+    """An 8 MB storage and three views of it add 8 MB, not 16 or 32. The census counts every tensor of the process,
+    and beside other tests other threads free or make tensors between the two counts (CI at 9dfcec1: 100 KB fewer,
+    after gc.collect), so the sum is checked to within 1 MB: a view counted twice would add 8 MB more."""
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))])
     gc.collect()
     before = held_tensor_bytes(optimizer)["cpu"]
     big = torch.zeros(2_000_000)
     views = [big[:10], big[5:], big.view(1000, 2000)]  # noqa: F841 (held)
-    gc.collect()
-    assert held_tensor_bytes(optimizer)["cpu"] - before == 8_000_000
+    assert held_tensor_bytes(optimizer)["cpu"] - before == pytest.approx(8_000_000, abs=1_000_000)
 
 
 def test_the_census_passes_over_compiles_fake_tensors():
