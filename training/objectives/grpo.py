@@ -351,12 +351,12 @@ class Grpo(Objective):
         reward functions' scores of them (each given the prompt, the completion and the row's other fields)."""
         grpo, generations = self.section, self.section.num_generations
         prompt_ids = [torch.from_numpy(ids) for ids in prompts["prompt_ids"] for _ in range(generations)]
-        per_layer = engine.zero_optimization_stage() == 3 and not grpo.ds3_gather_for_generation
-        whole = engine.zero_optimization_stage() == 3 and grpo.ds3_gather_for_generation
+        zero3 = engine.zero_optimization_stage() == 3
+        whole = zero3 and grpo.ds3_gather_for_generation
         engine.module.eval()
         with zero3_whole_weights(engine) if whole else nullcontext():
             completions, truncated = sample(engine.module, [ids.to(engine.device) for ids in prompt_ids], seeds, grpo,
-                                            self.eos_id, self.pad_id, synced=per_layer)
+                                            self.eos_id, self.pad_id, synced=zero3 and not whole)
         engine.module.train()
         texts = [self.plan.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
         given = [json.loads(p) for p in prompts["prompt"] for _ in range(generations)]
