@@ -104,11 +104,13 @@ class ObjectiveTraits:
     rows_per_example: int  # the rows a training example takes at most, for the memory plan (a DPO pair: 2)
     unit: str  # what micro_batch_size and global_batch_size count
     examples: Examples  # what the data holds (data_pipeline/config.py)
+    generates: bool = False  # it samples from the trained model (grpo:): the plan counts the generation and reference
 
 
 OBJECTIVES = {"lm": ObjectiveTraits(model_loss=True, rows_per_example=1, unit="rows", examples="documents"),
               "dpo": ObjectiveTraits(model_loss=False, rows_per_example=2, unit="pairs", examples="pairs"),
-              "grpo": ObjectiveTraits(model_loss=False, rows_per_example=1, unit="completions", examples="prompts")}
+              "grpo": ObjectiveTraits(model_loss=False, rows_per_example=1, unit="completions", examples="prompts",
+                                      generates=True)}
 
 
 def known_objective(name: str) -> str:

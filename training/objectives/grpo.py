@@ -43,7 +43,7 @@ from training.objectives.rewards import load_reward, score
 from training.parallel import distributed
 from training.planning.ds_config import params_offloaded
 from training.planning.flops import flops_per_token
-from training.planning.memory import reference_bytes
+from training.planning.memory import generation, reference_bytes
 from training.planning.plan import RunPlan
 from training.planning.precision import DTYPES, device_type
 from training.planning.report import format_bytes
@@ -278,14 +278,11 @@ class Grpo(Objective):
 
     @staticmethod
     def describe(plan: RunPlan) -> list[str]:
-        """The batch in prompts and completions, and what generation adds: its KV cache, and its time in tokens."""
-        training, grpo, config = plan.recipe.training, plan.recipe.grpo, plan.model_config
+        """The batch in prompts and completions, and what generation adds: its memory (memory.generation) and its cost."""
+        training, grpo = plan.recipe.training, plan.recipe.grpo
         prompts = training.global_batch_size // grpo.num_generations
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         per_rank = training.global_batch_size // plan.dp_size
-        kv_bytes = (2 * config.num_hidden_layers * heads * head_dim * DTYPES[plan.precision].itemsize
-                    * plan.recipe.data.seq_len * per_rank)
+        memory = generation(plan.recipe, plan.precision, plan.shape, plan.zero_stage, plan.dp_size)
         gathered = ("the rank's own full weights" if plan.zero_stage != 3 else
                     "ZeRO-3, gathered whole once per generation (grpo.ds3_gather_for_generation)"
                     if grpo.ds3_gather_for_generation else
@@ -301,9 +298,14 @@ class Grpo(Objective):
                 f"step(s) per generation; rewards: "
                 + ", ".join(f"{spec.function} x {spec.weight:g}" for spec in plan.recipe.grpo.rewards),
                 f"generation: {prompts // plan.dp_size} prompt(s) x {grpo.num_generations} per rank in one batch, up "
-                f"to {grpo.max_completion_length} decoding passes (new tokens); KV cache at most "
-                f"{format_bytes(kv_bytes)} per rank, not at the same time as the training step's activations; "
-                f"weights: {gathered}; reference: {reference}",
+                f"to {grpo.max_completion_length} decoding passes (new tokens); weights: {gathered}; reference: "
+                f"{reference}",
+                f"generation memory per rank, between the steps (in the memory table's peak where larger than the "
+                f"activations): {format_bytes(memory.total)} = the larger of the prompts' pass "
+                f"({format_bytes(memory.prefill)}) and the last decoding pass ({format_bytes(memory.decoding)}, of "
+                f"which KV cache {format_bytes(memory.kv_cache)})"
+                + (f" + the whole weights gathered ({format_bytes(memory.gathered_weights)})"
+                   if memory.gathered_weights else ""),
                 generation_cost(plan, per_rank)]
 
     def batches(self, prepared, rank: int) -> tuple[PromptBatches, EvalPromptBatches | None]:

@@ -5,7 +5,8 @@ Model states use DeepSpeed's own estimators for ZeRO-2 and ZeRO-3 (with and with
 precision; ZeRO-0/1, and fp32 runs (the estimators assume 16-bit weights), use the ZeRO paper's arithmetic, fp32 under
 ZeRO on DeepSpeed's layout of the weights (fp32_zero_states). DeepSpeed's own buffers (its gradient buckets, sized by
 the resolved config, and Muon's staged momentum) are added to each (with_deepspeed_buffers), and so is GRPO's frozen
-reference model (with_reference).
+reference model (with_objective). A GRPO generation's own memory (its KV cache, generation) comes between the steps,
+in place of the activations: the peak counts the larger (ModelStates.peak_with).
 
 Activations are the bytes autograd saves for the backward pass, per token, as transformers' Llama-family and
 GPT-2 modules save them with PyTorch's scaled-dot-product attention. The rules below were read off those
@@ -70,13 +71,17 @@ class ModelStates:
     host_bytes: float  # per node (CPU memory with offload; DeepSpeed also counts its loading buffers)
     source: str  # which estimator
     made_in_backward: float = 0.0  # of device_bytes: the whole gradients autograd makes in the backward pass
+    generation_bytes: float = 0.0  # GRPO: what a generation holds beside them, while no activations are (generation)
 
     def peak_with(self, activation_bytes: float) -> float:
-        """Peak bytes per rank with a micro-batch's activations. Where the model states count whole gradients (ZeRO-0,
-        and ZeRO-1's 16-bit ones), autograd makes them in the backward pass as it frees the saved activations: at the
-        end of the forward pass they do not exist yet, and they outgrow the activations only where those are
-        smaller (measured on an H200, bf16 ZeRO-1: the peak within 1% of states - 16-bit gradients + activations)."""
-        return self.device_bytes + max(activation_bytes - self.made_in_backward, 0.0)
+        """Peak bytes per rank with a micro-batch's activations, or with a generation's memory where that is larger
+        (it comes between the steps, when neither activations nor whole gradients exist). Where the model states
+        count whole gradients (ZeRO-0, and ZeRO-1's 16-bit ones), autograd makes them in the backward pass as it
+        frees the saved activations: at the end of the forward pass they do not exist yet, and they outgrow the
+        activations only where those are smaller (measured on an H200, bf16 ZeRO-1: the peak within 1% of states -
+        16-bit gradients + activations)."""
+        return self.device_bytes + max(activation_bytes - self.made_in_backward,
+                                       self.generation_bytes - self.made_in_backward, 0.0)
 
 
 def zero_arithmetic(params: float, stage: int, ranks: int, precision: str, state_bytes: float = 8.0) -> float:
@@ -180,18 +185,68 @@ def reference_bytes(recipe: Recipe, precision: str, shape: ModelShape, stage: in
     """GRPO's reference model per rank (training/objectives/grpo.py, load_reference): with beta > 0 and no LoRA, the
     starting checkpoint, frozen, in the trained weights' dtype (weights_dtype: fp32 at ZeRO-0, where 16-bit precision
     is torch autocast), partitioned over the `ranks` data-parallel ranks at ZeRO-3 and a full copy on each at 0-2.
-    0 where there is none to hold: beta 0, another objective, or LoRA (the base with its adapters disabled)."""
-    if recipe.training.objective != "grpo" or recipe.grpo.beta == 0 or recipe.lora.enabled:
+    0 where there is none to hold: beta 0, an objective that does not generate, or LoRA (the base with its adapters
+    disabled)."""
+    if not recipe.training.traits.generates or recipe.grpo.beta == 0 or recipe.lora.enabled:
         return 0.0
     whole = shape.parameters * weights_dtype(precision, stage).itemsize
     return whole / ranks if stage == 3 else whole
 
 
-def with_reference(states: ModelStates, ds_config: dict, recipe: Recipe, precision: str, shape: ModelShape,
+@dataclass(frozen=True)
+class Generation:
+    """What a GRPO generation holds per rank beside the model states (generation)."""
+    kv_cache: float  # at its longest: prompts and completions of seq_len tokens
+    prefill: float  # the prompts' pass: their KV cache and one layer's working set
+    decoding: float  # the last decoding pass: the whole KV cache, its growth and the sampling's buffers
+    gathered_weights: float  # ZeRO-3 with grpo.ds3_gather_for_generation: the whole weights, gathered
+
+    @property
+    def total(self) -> float:
+        return max(self.prefill, self.decoding) + self.gathered_weights
+
+
+def generation(recipe: Recipe, precision: str, shape: ModelShape, stage: int, ranks: int) -> Generation:
+    """A generation's memory per rank (training/objectives/grpo.py, sample): the rank's B = global_batch_size / ranks
+    completions in one batch, each after a prompt of at most p = seq_len - max_completion_length tokens (what the
+    data stage lets in), with c = kv_heads x head_dim, L layers, a the weights' bytes (weights_dtype):
+      KV cache of t tokens:  2*L*c*a*B*t
+      prefill:   KV(p) + B*p*((3i + 4h + 2d)*a + p)   (the MLP's three intermediates of width i; the residual
+                                              stream, the normed input, the attention's output and the embedding's, of
+                                              width h; the rotary cosines and sines, of the head's width d; the
+                                              padding's p x p mask of booleans)
+      decoding:  KV(seq_len)*(1 + 1/(2L)) + B*V*4*k   (the cache grows by concatenation: a layer's keys, or values,
+                                              are copied at a time; the last position's logits in fp32, k copies:
+                                              transformers' and SeededSampling's, 7, and top_p's sort, 10)
+      the larger of the two, plus the whole weights (P*a) under ZeRO-3 with grpo.ds3_gather_for_generation.
+    Read off transformers' Llama modules and generate, and checked against a measurement of the allocations on CPU
+    (tests/training/planning/test_memory.py). Not counted: the attention's p x p scores, which CPU's math kernel
+    makes for a padded batch and CUDA's memory-efficient kernel does not."""
+    if not recipe.training.traits.generates:
+        return Generation(0.0, 0.0, 0.0, 0.0)
+    grpo, seq_len = recipe.grpo, recipe.data.seq_len
+    completions, prompt = recipe.training.global_batch_size // ranks, seq_len - grpo.max_completion_length
+    a = weights_dtype(precision, stage).itemsize
+
+    def kv_cache(tokens: int) -> float:
+        return 2 * shape.num_layers * shape.kv_dim * a * completions * tokens
+
+    sampling = completions * shape.vocab_size * 4 * (10 if grpo.top_p < 1 else 7)
+    whole = shape.parameters * a if stage == 3 and grpo.ds3_gather_for_generation else 0.0
+    return Generation(kv_cache(seq_len),
+                      kv_cache(prompt) + completions * prompt * ((3 * shape.intermediate_size + 4 * shape.hidden_size
+                                                                  + 2 * shape.head_dim) * a + prompt),
+                      kv_cache(seq_len) * (1 + 1 / (2 * shape.num_layers)) + sampling, whole)
+
+
+def with_objective(states: ModelStates, ds_config: dict, recipe: Recipe, precision: str, shape: ModelShape,
                    ranks: int, nodes: int) -> ModelStates:
-    """`states` with GRPO's reference (reference_bytes) under `ds_config`: on the device, or, where ZeRO-3 offloads
-    the parameters (zero3_offload.json does; the reference's config keeps it), in the nodes' memory."""
-    per_rank = reference_bytes(recipe, precision, shape, zero_stage(ds_config), ranks)
+    """`states` with what the objective holds beside the trained model under `ds_config`: GRPO's reference
+    (reference_bytes) on the device, or, where ZeRO-3 offloads the parameters (zero3_offload.json does; the
+    reference's config keeps it), in the nodes' memory; and its generation's memory (generation)."""
+    stage = zero_stage(ds_config)
+    per_rank = reference_bytes(recipe, precision, shape, stage, ranks)
+    states = replace(states, generation_bytes=generation(recipe, precision, shape, stage, ranks).total)
     if params_offloaded(ds_config):
         return replace(states, host_bytes=states.host_bytes + per_rank * ranks / nodes)
     return replace(states, device_bytes=states.device_bytes + per_rank)
@@ -460,7 +515,8 @@ def states_per_setting(recipe: Recipe, precision: str, shape: ModelShape, machin
     the data-parallel ranks; with LoRA, the shape's lora_parameters on frozen weights; under expert parallelism only
     the settings it runs with, a rank's share of the experts); offload only in mixed precision (DeepSpeed's offload
     keeps 16-bit weights on the GPU). Each with the gradient buckets of the setting's shipped ds_configs file, or
-    of `ds_config` (the run's resolved config) for the setting it is, and GRPO's reference model (with_reference)."""
+    of `ds_config` (the run's resolved config) for the setting it is, and GRPO's reference and generation
+    (with_objective)."""
     tp, ep = recipe.parallelism.tensor_parallel, recipe.parallelism.expert_parallel
     settings = [setting for setting in ZERO_SETTINGS if not (precision == "fp32" and setting.endswith("_offload"))]
     if ep > 1:
@@ -483,18 +539,18 @@ def states_per_setting(recipe: Recipe, precision: str, shape: ModelShape, machin
     for setting, state in states.items():
         config = ds_config if setting == own else shipped_ds_config(setting, shape.hidden_size)
         state = with_deepspeed_buffers(state, config, precision, recipe.optimizer.name, shape, ranks)
-        states[setting] = with_reference(state, config, recipe, precision, shape, ranks, machine.nodes)
+        states[setting] = with_objective(state, config, recipe, precision, shape, ranks, machine.nodes)
     return states
 
 
 def planned_model_states(plan: RunPlan) -> ModelStates:
     """The run's model-state estimate per rank: its ZeRO setting over its data-parallel ranks (one node), a rank's
     share of the experts under expert parallelism, or with pipeline stages the largest stage's share; with the
-    gradient buckets of its resolved DeepSpeed config (and Muon's staged momentum) and GRPO's reference model
-    (with_reference). ValueError where there is no estimate (offload in fp32)."""
+    gradient buckets of its resolved DeepSpeed config (and Muon's staged momentum) and GRPO's reference and
+    generation (with_objective). ValueError where there is no estimate (offload in fp32)."""
     states = with_deepspeed_buffers(weights_gradients_and_states(plan), plan.ds_config, plan.precision,
                                     plan.recipe.optimizer.name, plan.shape, plan.dp_size)
-    return with_reference(states, plan.ds_config, plan.recipe, plan.precision, plan.shape, plan.dp_size, 1)
+    return with_objective(states, plan.ds_config, plan.recipe, plan.precision, plan.shape, plan.dp_size, 1)
 
 
 def weights_gradients_and_states(plan: RunPlan) -> ModelStates:

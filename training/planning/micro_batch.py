@@ -66,7 +66,8 @@ def choose_micro_batch(recipe: Recipe, config: PretrainedConfig, precision: str,
 def peak_per_rank(recipe: Recipe, shape: ModelShape, precision: str, setting: str,
                   machine: Machine) -> Callable[[int], float]:
     """micro-batch -> the plan's peak bytes per rank: the setting's model states plus that micro-batch's activations,
-    with activation checkpointing as the recipe says (the numbers --dry-run's memory table adds up)."""
+    with activation checkpointing as the recipe says, or GRPO's generation where that is larger (the numbers
+    --dry-run's memory table adds up)."""
     states = states_per_setting(recipe, precision, shape, machine).get(setting)
     if states is None:
         raise ConfigError(f"training.micro_batch_size=auto: the memory plan has no estimate for ZeRO-{setting} in "
@@ -108,4 +109,9 @@ def nothing_fits(recipe: Recipe, shape: ModelShape, precision: str, setting: str
     if len(lines) == 1:
         lines.append("  none of a more sharded ZeRO setting, checkpointing or shorter rows alone: deepspeed.config=auto "
                      "(each ZeRO setting, with checkpointing where needed), more GPUs or a smaller model")
+    generating = states[setting].generation_bytes
+    if generating > acts.peak(checkpointing):
+        lines.append(f"  a generation holds more than the activations, between the steps ("
+                     f"{format_bytes(generating)}): fewer completions per rank in training.global_batch_size, or a "
+                     f"shorter data.seq_len or grpo.max_completion_length")
     return "\n".join(lines)

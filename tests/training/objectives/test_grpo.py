@@ -260,3 +260,51 @@ def test_the_memory_plan_holds_the_reference_whole_at_zero_0_to_2_and_a_share_of
     assert host == {**dict.fromkeys(rows[0], 0), **({"3_offload": whole} if offloaded else {})}  # ranks x 1/ranks
     assert (f"reference: the starting checkpoint, frozen, partitioned over the {ranks} ranks by ZeRO-3: "
             f"{format_bytes(whole / ranks)} per rank, on the device") in " ".join(Grpo.describe(kl))
+
+
+def test_the_memory_plan_counts_a_generation_in_place_of_the_activations(tmp_path):
+    """A generation's memory (memory.generation) comes between the steps: the peak is the model states plus the
+    larger of it and a micro-batch's activations, in the run's plan, every row of the table and micro_batch_size=auto's
+    refusal. Under ZeRO-3 with grpo.ds3_gather_for_generation it holds the whole weights too; an lm run holds none."""
+    import train
+    from training.planning.memory import activations, generation, planned_model_states, states_per_setting
+    from training.planning.auto_config import with_training
+    from training.planning.micro_batch import choose_micro_batch
+    from training.planning.plan import Machine
+    save_small_checkpoint(tmp_path / "base")
+    ranks = 2
+
+    def plan(config, *overrides):
+        args = train.parse_args(["--recipe", "tiny_llama_grpo", "--dry-run", f"model.name_or_path={tmp_path / 'base'}",
+                                 "precision=bf16", f"deepspeed.config={config}", *overrides])
+        return train.make_plan(args, world_size=ranks)
+
+    small = ["training.micro_batch_size=1", "training.global_batch_size=512", "data.seq_len=512",
+             "grpo.max_completion_length=448"]
+    gathered, sharded = (plan("zero3", *small, f"grpo.ds3_gather_for_generation={gather}") for gather in ("true", "false"))
+    zero2 = plan("zero2", *small, "grpo.ds3_gather_for_generation=true")
+    memory = {name: generation(p.recipe, "bf16", p.shape, p.zero_stage, ranks)
+              for name, p in (("gathered", gathered), ("sharded", sharded), ("zero2", zero2))}
+    assert memory["gathered"].gathered_weights == gathered.shape.parameters * 2
+    assert memory["sharded"].gathered_weights == memory["zero2"].gathered_weights == 0
+    assert memory["gathered"].total == memory["sharded"].total + gathered.shape.parameters * 2
+    acts = activations(sharded.recipe, "bf16", sharded.shape, "3").peak(False)
+    assert memory["sharded"].total > acts  # 256 completions of 512 tokens against one row's activations
+    states = planned_model_states(sharded)
+    assert states.generation_bytes == memory["sharded"].total
+    assert states.peak_with(acts) == states.device_bytes + memory["sharded"].total
+    for p in (sharded, gathered):
+        table = states_per_setting(p.recipe, "bf16", p.shape, Machine(ranks, 1, 2**34, "test"), p.ds_config)
+        expected = {setting: memory["gathered" if p is gathered and setting.startswith("3") else "sharded"].total
+                    for setting in table}
+        expected["0"] = generation(p.recipe, "bf16", p.shape, 0, ranks).total  # autocast over fp32 weights
+        assert expected["0"] > expected["1"]
+        assert {setting: states.generation_bytes for setting, states in table.items()} == expected
+    language_model = train.make_plan(train.parse_args(["--recipe", "tiny_llama", "--dry-run"]), world_size=ranks)
+    assert planned_model_states(language_model).generation_bytes == 0
+    needed = states.peak_with(acts) / 0.9
+    with pytest.raises(ConfigError, match=r"a generation holds more than the activations, between the steps"):
+        choose_micro_batch(with_training(sharded.recipe, micro_batch_size="auto"), sharded.model_config, "bf16", "3",
+                           Machine(ranks, 1, 0.99 * needed, "test"), ranks)
+    assert "generation memory per rank, between the steps" in " ".join(Grpo.describe(gathered))
+    assert "+ the whole weights gathered" in " ".join(Grpo.describe(gathered))

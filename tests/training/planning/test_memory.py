@@ -259,3 +259,47 @@ def test_whole_gradients_grow_as_the_activations_are_freed():
     shape = model_shape(AutoConfig.from_pretrained("recipes/tiny_llama/config.json"))
     assert model_states("1", shape, 1, 1, "bf16", zero_init=False).made_in_backward == 2 * shape.parameters
     assert model_states("2", shape, 8, 1, "bf16", zero_init=False).made_in_backward == 0
+
+
+def allocated_peak(run) -> int:
+    """The most bytes CPU tensors held at once, beyond those alive before, while `run` ran: the running sum of the
+    profiler's allocation events (kineto's records, in time order)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profiler:
+        run()
+    events = sorted((event for event in profiler.profiler.kineto_results.events() if event.name() == "[memory]"),
+                    key=lambda event: event.start_ns())
+    live = peak = 0
+    for event in events:
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("shape_of, dtype, seq_len, completion, top_p", [
+    (dict(num_hidden_layers=6, hidden_size=128, intermediate_size=256, vocab_size=256), torch.float32, 80, 64, 1.0),
+    (dict(num_hidden_layers=6, hidden_size=128, intermediate_size=256, vocab_size=256), torch.bfloat16, 80, 64, 1.0),
+    (dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, vocab_size=8000), torch.float32, 32, 16, 0.9),
+    (dict(num_hidden_layers=2, hidden_size=512, intermediate_size=2048, vocab_size=256), torch.float32, 204, 4, 1.0),
+], ids=["kv-cache", "kv-cache-bf16", "sampling-top-p", "prefill"])
+def test_the_generation_rule_matches_the_allocations(tmp_path, shape_of, dtype, seq_len, completion, top_p):
+    """A GRPO generation's memory (memory.generation) against what generate allocates on CPU, with prompts at the
+    budget and no completion ending early: a bound within 10% where the KV cache, the sampling's buffers over a large
+    vocabulary, or the prompts' pass is the most."""
+    from tests.conftest import save_small_checkpoint
+    from training.config.recipe import load_recipe
+    from training.objectives.grpo import sample
+    from training.planning.memory import generation
+    config = AutoConfig.for_model("llama", num_attention_heads=4, num_key_value_heads=2, **shape_of)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype).eval()
+    save_small_checkpoint(tmp_path / "base")
+    completions = 8
+    recipe = load_recipe("tiny_llama_grpo", [
+        f"model.name_or_path={tmp_path / 'base'}", f"training.global_batch_size={completions}",
+        f"training.micro_batch_size={completions}", f"data.seq_len={seq_len}",
+        f"grpo.max_completion_length={completion}", f"grpo.top_p={top_p}"])
+    prompts = [torch.randint(3, config.vocab_size, (seq_len - completion,)) for _ in range(completions)]
+    never = config.vocab_size  # no token ends a completion early
+    measured = allocated_peak(lambda: sample(model, prompts, list(range(completions)), recipe.grpo, never, 0, False))
+    planned = generation(recipe, "fp32" if dtype == torch.float32 else "bf16", model_shape(config), 1, 1)
+    assert measured <= planned.total <= 1.1 * measured, (measured, planned)
