@@ -88,7 +88,10 @@ def test_grpo_takes_the_same_steps_on_one_rank_and_under_zero3(runs):
     assert len(whole) == STEPS and all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in whole)
     assert any(r["reward_std"] > 0 for r in whole)  # the groups' rewards differ: there is something to learn
     assert [r["step"] for r in whole if "eval_reward" in r] == [2, 4]
-    assert json.loads((runs["whole"] / "summary.json").read_text())["eval_reward"] == whole[-1]["eval_reward"]
+    assert all(0 < r["generation_time_s"] < r["step_time_s"] for r in whole)  # sampling is inside the step
+    summary = json.loads((runs["whole"] / "summary.json").read_text())
+    assert summary["eval_reward"] == whole[-1]["eval_reward"]
+    assert summary["generation_time_s"] == whole[-1]["generation_time_s"]
     assert_same_curve(metrics(runs["zero3"]), whole)
 
 

@@ -17,6 +17,7 @@ them (evaluate).
 """
 import json
 import sys
+import time
 from contextlib import nullcontext
 from pathlib import Path
 from typing import NamedTuple
@@ -234,13 +235,15 @@ def load_reference(plan: RunPlan, engine: deepspeed.DeepSpeedEngine) -> torch.nn
 class Grpo(Objective):
     """training.objective=grpo: a step's completions generated, scored and trained on (module docstring)."""
     name = "grpo"
-    carried = ("reward", "rewards/", "completions/", "kl", "clip_ratio/", "entropy", "frac_reward_zero_std", "eval_")
+    carried = ("reward", "rewards/", "completions/", "kl", "clip_ratio/", "entropy", "frac_reward_zero_std",
+               "generation_time_s", "eval_")
 
     def __init__(self, plan: RunPlan):
         super().__init__(plan)
         self.section: GrpoSection = plan.recipe.grpo
         self.rollout, self.reference, self.first_reward = None, None, None
         self.sums, self.step_metrics, self.logged_up_to = [], {}, None
+        self.generation_seconds, self.steps = 0.0, 0  # since the last logged step
 
     @staticmethod
     def check(recipe: Recipe, model_config: PretrainedConfig | None, world_size: int | None = None) -> None:
@@ -330,7 +333,9 @@ class Grpo(Objective):
     def step_batches(self, engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict]) -> list[dict]:
         [prompts] = micro_batches
         if self.rollout is None or self.rollout[0] != prompts["generation"]:
+            started = time.perf_counter()
             self.rollout = prompts["generation"], self.generate(engine, prompts)
+            self.generation_seconds += time.perf_counter() - started
         return self.rollout[1]
 
     def generate(self, engine: deepspeed.DeepSpeedEngine, prompts: dict) -> list[dict]:
@@ -420,7 +425,7 @@ class Grpo(Objective):
         return batch["completion_mask"]
 
     def start_step(self) -> None:
-        self.sums = []
+        self.sums, self.steps = [], self.steps + 1
 
     def loss(self, engine: deepspeed.DeepSpeedEngine, batch: dict, per_micro_batch: float,
              shard: tuple[int, int]) -> torch.Tensor:
@@ -454,12 +459,16 @@ class Grpo(Objective):
 
     def metrics(self) -> dict:
         """The generation's metrics and the loss's: per micro-batch the token means over every rank, averaged over
-        the step's micro-batches (as TRL logs them)."""
+        the step's micro-batches (as TRL logs them); and generation_time_s, the seconds a step spent generating
+        (sampling, scoring, the fixed log-probabilities) on rank 0, a mean over the steps since the last logged one,
+        as step_time_s is."""
         names = list(self.sums[0])
         stacked = torch.stack([torch.stack([sums[name].float() for name in names]) for sums in self.sums])
         stacked = distributed.all_reduce(stacked)
         means = [metric_means(dict(zip(names, row))) for row in stacked]
-        return {**self.step_metrics, **{name: float(np.mean([m[name] for m in means])) for name in means[0]}}
+        timing = {"generation_time_s": self.generation_seconds / self.steps}
+        self.generation_seconds, self.steps = 0.0, 0
+        return {**self.step_metrics, **{name: float(np.mean([m[name] for m in means])) for name in means[0]}, **timing}
 
     def log_samples(self, generation: int, prompts: list, completions: list[str], per_function: torch.Tensor,
                     rewards: torch.Tensor) -> None:
@@ -488,6 +497,7 @@ class Grpo(Objective):
     def console(self, record: dict) -> str:
         return (f"  reward {record['reward']:.3f} (std {record['reward_std']:.3f})  completion length "
                 f"{record['completions/mean_length']:.1f}" + (f"  kl {record['kl']:.4f}" if "kl" in record else "")
+                + f"  generation {record['generation_time_s'] / record['step_time_s']:.0%} of the step"
                 + (f"  eval reward {record['eval_reward']:.3f}" if "eval_reward" in record else ""))
 
     def summary(self) -> dict:
@@ -496,6 +506,8 @@ class Grpo(Objective):
     def table(self, summary: dict) -> list[tuple[str, str]]:
         rows = [("GRPO reward (first -> last logged)", f"{summary['first_reward']:.3f} -> {summary['reward']:.3f}")] \
             if "first_reward" in summary and "reward" in summary else []
+        rows += [("GRPO generation time per step (last logged)", f"{summary['generation_time_s']:.2f} s")] \
+            if "generation_time_s" in summary else []
         return rows + ([("GRPO eval reward (last evaluation)", f"{summary['eval_reward']:.3f}")]
                        if "eval_reward" in summary else [])
 
