@@ -15,6 +15,10 @@ with its process group, recorded as such, and the next one starts:
     stages      tools/compare_zero.py on tiny_llama in fp32, ZeRO 0, 1, 2, 3, 2+offload, 3+offload on one GPU:
                 its table and picture, and the invariant that every stage's loss curve equals ZeRO-0's within
                 1e-5 relative.
+    grpo        (only when named: python benchmarks/gpu_validate.py --parts grpo ...) tools/compare.py on
+                tiny_llama_grpo's prompts with the 1.24B Llama (random weights, so every completion runs to
+                max_completion_length, beta 0), packing none and bfd under ZeRO-2 and ZeRO-3: tokens/s, the seconds
+                a step spends in transformers' generate, and peak memory, per cell.
 
 validate.md in the output folder names the device and versions and says, per part, what ran, how long it took
 and what it found; each part's own files are beside it. Nothing outside the output folder is written.
@@ -39,6 +43,7 @@ STAGES = "0,1,2,3,2_offload,3_offload"
 # checkpoint, 70 s for the Trainer's compiled run)
 THROUGHPUT_RUNS = ["hf-bf16-noac-zero1", "bf16-noac-zero1-compile", "fp8-noac-zero1-compile", "hf-bf16-noac-zero1-compile"]
 STAGE_TOLERANCE = 1e-5  # relative, fp32
+PARTS = ("tests", "throughput", "stages", "grpo")
 
 
 @dataclass
@@ -57,6 +62,11 @@ def parts(args: argparse.Namespace) -> list[Part]:
             "--micro-batch-size", "2", "--only", "bf16-noac-zero1,hf-bf16-noac-zero1"] if args.smoke else \
         ["--only", args.throughput_runs, "--steps", str(args.throughput_steps), "--timeout", "300"]
     small = ["model.config_overrides={num_hidden_layers: 1, hidden_size: 32, intermediate_size: 64}"]
+    model = REPO / ("recipes/tiny_llama/config.json" if args.smoke else "benchmarks/llama_1b/config.json")
+    grpo = ["--vary", "data.packing=none,bfd", "deepspeed.config=zero3", "data.seq_len=32",
+            "grpo.max_completion_length=16"] if args.smoke else \
+        ["--vary", "data.packing=none,bfd", "--vary", "deepspeed.config=zero2,zero3", "data.seq_len=160",
+         "grpo.max_completion_length=128"]
     return [
         Part("tests", args.tests_budget, [python, "-m", "pytest", "-v", "-rs", "-p", "no:cacheprovider", *GPU_TESTS,
                                           "--junitxml", str(out / "tests.xml")]),
@@ -67,6 +77,11 @@ def parts(args: argparse.Namespace) -> list[Part]:
                                             "3" if args.smoke else str(args.stage_steps), "--output-dir",
                                             str(out / "stages"), "precision=fp32", "checkpointing.every_steps=null",
                                             *(small if args.smoke else [])]),
+        Part("grpo", args.grpo_budget, [python, "tools/compare.py", "--recipe", "tiny_llama_grpo", "--num-gpus", "1",
+                                        "--steps", "2" if args.smoke else str(args.grpo_steps), "--output-dir",
+                                        str(out / "grpo"), "model.name_or_path=null", f"model.config={model}",
+                                        f"tokenizer.name_or_path={REPO / 'recipes/tiny_llama/tokenizer'}", "grpo.beta=0",
+                                        *grpo]),
     ]
 
 
@@ -130,12 +145,31 @@ def stage_curves(stages_dir: Path) -> str:
     return "\n".join([verdict, *lines])
 
 
+def generation_share(grpo_dir: Path) -> str:
+    """Per GRPO cell: tokens/s, the seconds a step spent generating and peak memory, from compare.py's CSV and
+    table."""
+    table = grpo_dir / "comparison.csv"
+    if not table.exists():
+        return "no comparison.csv (the comparison did not finish)"
+    lines = []
+    for row in csv.DictReader(table.open()):
+        if row["status"] != "ok":
+            lines.append(f"- {row['cell']}: {row['status']} {row.get('error', '')}")
+            continue
+        lines.append(f"- {row['cell']}: {float(row['tokens_per_s']):,.0f} tokens/s, generation "
+                     f"{float(row['generation_time_s']):.2f} s per step, peak memory "
+                     f"{int(row['peak_mem_bytes']) / 2**30:.2f} GiB")
+    return "\n".join(lines + ["", (grpo_dir / "comparison.md").read_text()])
+
+
 def findings(part: Part, out: Path) -> str:
     if part.name == "tests":
         return test_counts(out / "tests.xml")
     if part.name == "throughput":
         results = out / "throughput" / "results.md"
         return results.read_text() if results.exists() else "no results.md (no run finished)"
+    if part.name == "grpo":
+        return generation_share(out / "grpo")
     return stage_curves(out / "stages")
 
 
@@ -160,24 +194,27 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", type=Path, required=True, help="a new or empty folder for every result")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, runs on a CPU: checks the plumbing only")
-    parser.add_argument("--parts", default="tests,throughput,stages", help="comma-separated, in this order")
+    parser.add_argument("--parts", default="tests,throughput,stages",
+                        help=f"comma-separated, run in the order {', '.join(PARTS)}")
     parser.add_argument("--budget", type=int, default=590, help="seconds for all parts together")
     parser.add_argument("--tests-budget", type=int, default=100)
     parser.add_argument("--throughput-budget", type=int, default=380)
     parser.add_argument("--stages-budget", type=int, default=110)
+    parser.add_argument("--grpo-budget", type=int, default=300)
     parser.add_argument("--throughput-runs", default=",".join(THROUGHPUT_RUNS),
                         help=f"gpu_throughput.py's --only (default: {','.join(THROUGHPUT_RUNS)})")
     parser.add_argument("--throughput-steps", type=int, default=20)
     parser.add_argument("--stage-steps", type=int, default=20)
+    parser.add_argument("--grpo-steps", type=int, default=3)
     args = parser.parse_args()
     args.output = args.output.resolve()
     if args.output.exists() and any(args.output.iterdir()):
         parser.error(f"--output {args.output} is not empty: name a new folder")
     args.output.mkdir(parents=True, exist_ok=True)
     chosen = args.parts.split(",")
-    unknown = [name for name in chosen if name not in ("tests", "throughput", "stages")]
+    unknown = [name for name in chosen if name not in PARTS]
     if unknown:
-        parser.error(f"--parts: unknown {', '.join(unknown)}; choose from tests, throughput, stages")
+        parser.error(f"--parts: unknown {', '.join(unknown)}; choose from {', '.join(PARTS)}")
     start, done = time.perf_counter(), []
     head = device()
     print(f"gpu_validate: {head}", flush=True)

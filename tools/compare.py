@@ -9,8 +9,9 @@ several --vary make a grid, every combination a cell. Every cell runs the same r
 the real `deepspeed` launcher and train.py, for --steps steps, logging every step. Written to --output-dir:
   comparison.md / comparison.csv  per cell: tokens/s (mean after step 1), TFLOP/s and MFU (GPU), peak memory per
                                   rank (GPU: allocated and reserved; CPU: resident set size), model-state memory
-                                  measured in the run, the plan's estimate for the same cell, final loss and the
-                                  largest loss difference from the first cell that ran
+                                  measured in the run, the plan's estimate for the same cell, (GRPO) the seconds a
+                                  step spent generating, final loss and the largest loss difference from the first
+                                  cell that ran
   comparison.png                  loss curves, throughput and memory bars
   <cell>/, <cell>.log             each run's own output folder and console log
 The default --output-dir is outputs/compare-<recipe>, or outputs/compare-<recipe>-2, -3, ... when earlier
@@ -50,7 +51,7 @@ OUTPUT_ROOT = REPO / "outputs"
 REPORTS = ("comparison.csv", "comparison.md", "comparison.png")
 COLUMNS = ("cell", "status", "tokens_per_s", "tflops", "mfu", "peak_mem_bytes", "peak_mem_reserved_bytes",
            "model_states_bytes", "model_states_host_bytes", "estimated_model_states_bytes", "estimate_source",
-           "final_loss", "max_loss_diff", "error")
+           "generation_time_s", "final_loss", "max_loss_diff", "error")
 
 
 def parse_args(argv: list[str] | None, labels: dict[str, str] | None = None) -> argparse.Namespace:
@@ -315,7 +316,7 @@ def read_run(run_dir: Path) -> tuple[dict, dict[int, float]]:
            "peak_mem_reserved_bytes": summary.get("peak_mem_reserved_bytes"),
            "model_states_bytes": measured.get(device),
            "model_states_host_bytes": measured.get("cpu") if device == "cuda" else None,
-           "final_loss": summary["final_loss"]}
+           "generation_time_s": summary.get("generation_time_s"), "final_loss": summary["final_loss"]}
     return row, losses
 
 
@@ -355,9 +356,11 @@ def gib(value: float | None) -> str:
 
 def markdown(rows: list[dict], args: argparse.Namespace, reference: str | None) -> str:
     on_gpu = any(row.get("tflops") is not None for row in rows)
+    generating = any(row.get("generation_time_s") is not None for row in rows)
     memory = "peak alloc. / reserved GiB" if on_gpu else "peak RSS GiB"
     header = ["setting", "tokens/s", *(["TFLOP/s", "MFU"] if on_gpu else []), memory, "model states GiB (measured)",
-              "estimated GiB (by)", "final loss", f"max loss diff vs {reference}"]
+              "estimated GiB (by)", *(["generation s/step"] if generating else []), "final loss",
+              f"max loss diff vs {reference}"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         if row["status"] != "ok":
@@ -370,14 +373,17 @@ def markdown(rows: list[dict], args: argparse.Namespace, reference: str | None) 
                     if row.get("estimated_model_states_bytes") is not None else row.get("estimate_source", "-"))
         cells = [row["cell"], f"{row['tokens_per_s']:,.0f}",
                  *([f"{row['tflops']:.1f}", f"{row['mfu']:.1%}" if row.get("mfu") else "-"] if on_gpu else []),
-                 peak, states, estimate, f"{row['final_loss']:.4f}", f"{row['max_loss_diff']:.2e}"]
+                 peak, states, estimate, *([f"{row['generation_time_s']:.2f}"] if generating else []),
+                 f"{row['final_loss']:.4f}", f"{row['max_loss_diff']:.2e}"]
         lines.append("| " + " | ".join(cells) + " |")
     command = " ".join(["python tools/compare.py", "--recipe", args.recipe, *[f"--vary {vary}" for vary in args.vary],
                         "--num-gpus", str(args.num_gpus), "--steps", str(args.steps), *args.overrides])
     return (f"# {args.recipe} compared: {args.num_gpus} rank(s), {args.steps} steps\n\n`{command}`\n\n"
             + "\n".join(lines) + "\n\nModel states measured: every tensor the rank holds as its second optimizer "
             "step starts (weights, gradients, master weights, optimizer states), largest rank. Peak memory on a "
-            "CPU is the process's resident set (libraries included).\n")
+            "CPU is the process's resident set (libraries included)."
+            + (" Generation s/step (GRPO): the seconds the last logged step spent generating, of its step time."
+               if generating else "") + "\n")
 
 
 def plot(rows: list[dict], curves: dict[str, dict[int, float]], reference: str | None, path: Path,

@@ -1,6 +1,7 @@
 """benchmarks/gpu_validate.py: its CPU smoke end to end (every part runs and reports), and the checks it makes of
 what the parts wrote: a stage that departs from ZeRO-0 is named, a part past its budget is stopped."""
 import csv
+import re
 import subprocess
 import sys
 
@@ -18,13 +19,16 @@ HEADER = "cell,status,tokens_per_s,final_loss,max_loss_diff,error"
 def test_the_cpu_smoke_runs_every_part_and_reports_it(tmp_path):
     out = tmp_path / "validate"
     # the default budgets are sized for the GPU run; on a busy 2-core CPU the smoke's stages took more than its 110 s
-    budgets = ["--budget", "840", "--tests-budget", "240", "--throughput-budget", "300", "--stages-budget", "300"]
-    result = subprocess.run([sys.executable, "benchmarks/gpu_validate.py", "--smoke", "--output", str(out), *budgets],
-                            cwd=REPO, env=TRAIN_ENV, capture_output=True, text=True, timeout=900)
+    budgets = ["--budget", "1040", "--tests-budget", "240", "--throughput-budget", "300", "--stages-budget", "300",
+               "--grpo-budget", "200"]
+    result = subprocess.run([sys.executable, "benchmarks/gpu_validate.py", "--smoke", "--output", str(out),
+                             "--parts", "tests,throughput,stages,grpo", *budgets],
+                            cwd=REPO, env=TRAIN_ENV, capture_output=True, text=True, timeout=1100)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = (out / "validate.md").read_text()
-    for part in ("tests", "throughput", "stages"):
+    for part in ("tests", "throughput", "stages", "grpo"):
         assert f"## {part}: passed" in report, report
+    assert re.search(r"- data.packing=bfd: [\d,]+ tokens/s, generation [\d.]+ s per step", report)
     assert "0 failed" in report and "skipped test_resumed_fp16_run_continues_its_loss_scale[zero0]" in report
     assert "every stage equals ZeRO-0 within 1e-05 relative" in report
     ours, trainer = csv.DictReader((out / "throughput" / "results.csv").open())
