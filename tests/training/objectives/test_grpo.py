@@ -308,3 +308,27 @@ def test_the_memory_plan_counts_a_generation_in_place_of_the_activations(tmp_pat
                            Machine(ranks, 1, 0.99 * needed, "test"), ranks)
     assert "generation memory per rank, between the steps" in " ".join(Grpo.describe(gathered))
     assert "+ the whole weights gathered" in " ".join(Grpo.describe(gathered))
+
+
+def test_under_flex_attention_generation_and_packed_log_probabilities_equal_sdpas():
+    """flex_attention, what `auto` picks on a GPU: a left-padded batch sampled with the KV cache gives sdpa's
+    completions, and their log-probabilities packed into rows (bfd, transformers' document BlockMask) equal sdpa's.
+    Run by FlexAttention's reference implementation (its kernel compiles for CUDA: tests/test_gpu_invariants.py)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    shape = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=128)  # heads of 16, FlexAttention's least
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 97, (length,), generator=generator) for length in (3, 7, 5, 9) for _ in range(2)]
+    results = {}
+    with torch.compiler.set_stance("force_eager"):
+        for attention in ("sdpa", "flex_attention"):
+            torch.manual_seed(0)
+            model = LlamaForCausalLM(LlamaConfig(**shape, attn_implementation=attention)).eval()
+            completions, _ = sample(model, prompts, list(range(len(prompts))), SECTION, eos_id=2, pad_id=0,
+                                    synced=False)
+            batch = completion_rows(prompts, completions, 0, 32, "bfd")
+            assert len(batch["input_ids"]) < len(prompts)  # packed: rows of several completions
+            with torch.no_grad():
+                results[attention] = completions, completion_logps(model, batch, torch.device("cpu"), 0.9)[0]
+    assert [c.tolist() for c in results["flex_attention"][0]] == [c.tolist() for c in results["sdpa"][0]]
+    torch.testing.assert_close(results["flex_attention"][1], results["sdpa"][1], rtol=1e-5, atol=1e-5)
