@@ -146,8 +146,8 @@ def stage_curves(stages_dir: Path) -> str:
 
 
 def generation_share(grpo_dir: Path) -> str:
-    """Per GRPO cell: tokens/s, the seconds a step spent generating and peak memory, from compare.py's CSV and
-    table."""
+    """Per GRPO cell: tokens/s, the seconds a step spent generating and peak memory against the plan's, from
+    compare.py's CSV and table."""
     table = grpo_dir / "comparison.csv"
     if not table.exists():
         return "no comparison.csv (the comparison did not finish)"
@@ -156,9 +156,10 @@ def generation_share(grpo_dir: Path) -> str:
         if row["status"] != "ok":
             lines.append(f"- {row['cell']}: {row['status']} {row.get('error', '')}")
             continue
+        planned = f" (planned {float(row['planned_peak_bytes']) / 2**30:.2f})" if row["planned_peak_bytes"] else ""
         lines.append(f"- {row['cell']}: {float(row['tokens_per_s']):,.0f} tokens/s, generation "
                      f"{float(row['generation_time_s']):.2f} s per step, peak memory "
-                     f"{int(row['peak_mem_bytes']) / 2**30:.2f} GiB")
+                     f"{int(row['peak_mem_bytes']) / 2**30:.2f} GiB{planned}")
     return "\n".join(lines + ["", (grpo_dir / "comparison.md").read_text()])
 
 

@@ -9,9 +9,9 @@ several --vary make a grid, every combination a cell. Every cell runs the same r
 the real `deepspeed` launcher and train.py, for --steps steps, logging every step. Written to --output-dir:
   comparison.md / comparison.csv  per cell: tokens/s (mean after step 1), TFLOP/s and MFU (GPU), peak memory per
                                   rank (GPU: allocated and reserved; CPU: resident set size), model-state memory
-                                  measured in the run, the plan's estimate for the same cell, (GRPO) the seconds a
-                                  step spent generating, final loss and the largest loss difference from the first
-                                  cell that ran
+                                  measured in the run, the plan's estimate for the same cell and its peak, (GRPO) the
+                                  seconds a step spent generating, final loss and the largest loss difference from
+                                  the first cell that ran
   comparison.png                  loss curves, throughput and memory bars
   <cell>/, <cell>.log             each run's own output folder and console log
 The default --output-dir is outputs/compare-<recipe>, or outputs/compare-<recipe>-2, -3, ... when earlier
@@ -41,7 +41,7 @@ from training.base.errors import ConfigError, exit_code, positive_int  # noqa: E
 from training.parallel.launch import failure_reason, launcher_command  # noqa: E402
 from training.base.output_guard import (MARKER, begin_in_place, check_output, files_under, finish_in_place,  # noqa: E402
                                          kept_line, lists_files, owned_files, remove_owned, written_by)
-from training.planning.memory import planned_model_states  # noqa: E402
+from training.planning.memory import ModelStates, activations, planned_model_states  # noqa: E402
 from training.config.recipe import load_recipe, parse_override, recipe_inputs  # noqa: E402
 
 import train  # noqa: E402
@@ -51,7 +51,7 @@ OUTPUT_ROOT = REPO / "outputs"
 REPORTS = ("comparison.csv", "comparison.md", "comparison.png")
 COLUMNS = ("cell", "status", "tokens_per_s", "tflops", "mfu", "peak_mem_bytes", "peak_mem_reserved_bytes",
            "model_states_bytes", "model_states_host_bytes", "estimated_model_states_bytes", "estimate_source",
-           "generation_time_s", "final_loss", "max_loss_diff", "error")
+           "planned_peak_bytes", "generation_time_s", "final_loss", "max_loss_diff", "error")
 
 
 def parse_args(argv: list[str] | None, labels: dict[str, str] | None = None) -> argparse.Namespace:
@@ -221,10 +221,21 @@ def check_cell(args: argparse.Namespace, cell: list[str]) -> CellCheck:
                       recipe=json.dumps(plan.recipe.model_dump(mode="json"), sort_keys=True))
     try:
         states = planned_model_states(plan)
-        check.estimate = {"estimated_model_states_bytes": states.device_bytes, "estimate_source": states.source}
+        check.estimate = {"estimated_model_states_bytes": states.device_bytes, "estimate_source": states.source,
+                          "planned_peak_bytes": planned_peak(plan, states)}
     except ValueError:
         check.estimate = {"estimate_source": f"none for {plan.precision}"}
     return check
+
+
+def planned_peak(plan, states: ModelStates) -> float | None:
+    """The plan's peak per rank: the model states with one micro-batch's activations, or GRPO's generation where
+    larger (what --dry-run's table shows for the run's setting); None under pipeline parallelism (per stage there)
+    or for a model type without an activation rule."""
+    acts = activations(plan.recipe, plan.precision, plan.shape, plan.zero_setting)
+    if acts is None or plan.pipeline_stages > 1:
+        return None
+    return states.peak_with(acts.peak(plan.recipe.activation_checkpointing))
 
 
 def check_cells(args: argparse.Namespace) -> list[CellCheck]:
@@ -358,9 +369,9 @@ def markdown(rows: list[dict], args: argparse.Namespace, reference: str | None) 
     on_gpu = any(row.get("tflops") is not None for row in rows)
     generating = any(row.get("generation_time_s") is not None for row in rows)
     memory = "peak alloc. / reserved GiB" if on_gpu else "peak RSS GiB"
-    header = ["setting", "tokens/s", *(["TFLOP/s", "MFU"] if on_gpu else []), memory, "model states GiB (measured)",
-              "estimated GiB (by)", *(["generation s/step"] if generating else []), "final loss",
-              f"max loss diff vs {reference}"]
+    header = ["setting", "tokens/s", *(["TFLOP/s", "MFU"] if on_gpu else []), memory, "planned peak GiB",
+              "model states GiB (measured)", "estimated GiB (by)", *(["generation s/step"] if generating else []),
+              "final loss", f"max loss diff vs {reference}"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         if row["status"] != "ok":
@@ -373,7 +384,8 @@ def markdown(rows: list[dict], args: argparse.Namespace, reference: str | None) 
                     if row.get("estimated_model_states_bytes") is not None else row.get("estimate_source", "-"))
         cells = [row["cell"], f"{row['tokens_per_s']:,.0f}",
                  *([f"{row['tflops']:.1f}", f"{row['mfu']:.1%}" if row.get("mfu") else "-"] if on_gpu else []),
-                 peak, states, estimate, *([f"{row['generation_time_s']:.2f}"] if generating else []),
+                 peak, gib(row.get("planned_peak_bytes")), states, estimate,
+                 *([f"{row['generation_time_s']:.2f}"] if generating else []),
                  f"{row['final_loss']:.4f}", f"{row['max_loss_diff']:.2e}"]
         lines.append("| " + " | ".join(cells) + " |")
     command = " ".join(["python tools/compare.py", "--recipe", args.recipe, *[f"--vary {vary}" for vary in args.vary],
@@ -381,7 +393,8 @@ def markdown(rows: list[dict], args: argparse.Namespace, reference: str | None) 
     return (f"# {args.recipe} compared: {args.num_gpus} rank(s), {args.steps} steps\n\n`{command}`\n\n"
             + "\n".join(lines) + "\n\nModel states measured: every tensor the rank holds as its second optimizer "
             "step starts (weights, gradients, master weights, optimizer states), largest rank. Peak memory on a "
-            "CPU is the process's resident set (libraries included)."
+            "CPU is the process's resident set (libraries included); the planned peak (model states with one "
+            "micro-batch's activations, or a GRPO generation where larger) compares with a GPU's allocated peak."
             + (" Generation s/step (GRPO): the seconds the last logged step spent generating, of its step time."
                if generating else "") + "\n")
 

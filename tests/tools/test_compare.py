@@ -217,3 +217,23 @@ def test_a_runs_loss_curve_leaves_out_its_event_lines(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     row, losses = compare.read_run(tmp_path)
     assert losses == {1: 8.0, 2: 7.5} and row["final_loss"] == 7.5
+
+
+def test_each_cell_carries_the_plans_peak(tmp_path):
+    """A cell's planned peak is the --dry-run table's for its setting: the model states with one micro-batch's
+    activations, or a GRPO generation where that is larger (micro-batch 1 of tiny_llama_grpo's 64 completions)."""
+    import train
+    from tests.conftest import save_small_checkpoint
+    from training.planning.memory import activations, generation, planned_model_states
+    save_small_checkpoint(tmp_path / "base")
+    args = compare.parse_args(["--recipe", "tiny_llama_grpo", "--vary", "training.micro_batch_size=1,32",
+                               f"model.name_or_path={tmp_path / 'base'}", "grpo.beta=0"])
+    for cell, grows_by in zip(args.cells, ("generation", "activations")):
+        estimate = compare.check_cell(args, cell).estimate
+        plan = train.make_plan(train.parse_args(["--recipe", "tiny_llama_grpo", "--dry-run",
+                                                 *compare.cell_overrides(args, cell)]), world_size=1)
+        states = planned_model_states(plan)
+        added = {"generation": generation(plan.recipe, plan.precision, plan.shape, plan.zero_stage, 1).total,
+                 "activations": activations(plan.recipe, plan.precision, plan.shape, plan.zero_setting).peak(False)}
+        assert added[grows_by] > added[next(other for other in added if other != grows_by)]
+        assert estimate["planned_peak_bytes"] == states.device_bytes + added[grows_by] - states.made_in_backward
