@@ -181,6 +181,17 @@ def weights_digest(name_or_path: str) -> str | None:
     return digest.hexdigest()[:32]
 
 
+def from_checkpoint(recipe: Recipe, config: PretrainedConfig, ds_config: dict, dtype: torch.dtype,
+                    **options) -> PreTrainedModel:
+    """The checkpoint at model.name_or_path with `config`, the run's attention and trust_remote_code, in `dtype`;
+    under a ZeRO-3 `ds_config` loaded inside zero.Init (build_model's docstring), partitioned over the ranks."""
+    zero3 = HfDeepSpeedConfig(ds_config) if zero_stage(ds_config) == 3 else None  # noqa: F841 (held by a weak reference)
+    return AutoModelForCausalLM.from_pretrained(
+        recipe.model.name_or_path, config=config, dtype=dtype, trust_remote_code=recipe.model.trust_remote_code,
+        attn_implementation=attention_for(recipe.model.attn_implementation, config, on_gpu=device_type() == "cuda"),
+        **options)
+
+
 def build_model(recipe: Recipe, config: PretrainedConfig, ds_config: dict, precision: str) -> PreTrainedModel:
     """The model, from `model.config` (random weights from the training seed, so that every rank and every
     ZeRO stage starts from the same weights) or from the checkpoint at `model.name_or_path`.
@@ -191,17 +202,13 @@ def build_model(recipe: Recipe, config: PretrainedConfig, ds_config: dict, preci
     `model.config` is built whole on every rank: under zero.Init transformers initializes the weights in
     another order, so ZeRO-3 would start from other random weights than the other stages."""
     torch.manual_seed(recipe.training.seed)
-    attention = attention_for(recipe.model.attn_implementation, config, on_gpu=device_type() == "cuda")
-    options = {"config": config, "attn_implementation": attention,
-               "trust_remote_code": recipe.model.trust_remote_code}
     if recipe.model.name_or_path:
-        stage = zero_stage(ds_config)
-        zero3 = HfDeepSpeedConfig(ds_config) if stage == 3 else None  # noqa: F841 (held by a weak reference)
         quantized = {"quantization_config": nf4_quantization(DTYPES[precision])} if recipe.lora.quantize == "nf4" else {}
-        model = AutoModelForCausalLM.from_pretrained(recipe.model.name_or_path, dtype=weights_dtype(precision, stage),
-                                                     **options, **quantized)
+        model = from_checkpoint(recipe, config, ds_config, weights_dtype(precision, zero_stage(ds_config)), **quantized)
     else:
-        model = AutoModelForCausalLM.from_config(dtype=torch.float32, **options)
+        model = AutoModelForCausalLM.from_config(
+            config=config, dtype=torch.float32, trust_remote_code=recipe.model.trust_remote_code,
+            attn_implementation=attention_for(recipe.model.attn_implementation, config, on_gpu=device_type() == "cuda"))
     if recipe.activation_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model

@@ -26,9 +26,7 @@ import deepspeed
 import numpy as np
 import torch
 import torch.distributed as dist
-from transformers import (AutoModelForCausalLM, GenerationConfig, LogitsProcessor, LogitsProcessorList, PretrainedConfig,
-                          TopPLogitsWarper)
-from transformers.integrations import HfDeepSpeedConfig
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, PretrainedConfig, TopPLogitsWarper
 
 from data_pipeline.loader import EvalPromptBatches, PromptBatches
 from data_pipeline.pack import best_fit_decreasing
@@ -36,7 +34,7 @@ from data_pipeline.prepare import pad_token_id
 from training.base.errors import ConfigError
 from training.compat.deepspeed import zero3_whole_weights
 from training.config.recipe import GrpoSection, Recipe
-from training.models.attention import attention_for
+from training.models.model import from_checkpoint
 from training.objectives.base import Objective
 from training.objectives.grpo_loss import (group_advantages, grpo_loss, metric_means, nanstd, token_logps,
                                            weighted_rewards)
@@ -46,7 +44,7 @@ from training.planning.ds_config import params_offloaded
 from training.planning.flops import flops_per_token
 from training.planning.memory import generation, reference_bytes
 from training.planning.plan import RunPlan
-from training.planning.precision import DTYPES, device_type
+from training.planning.precision import DTYPES
 from training.planning.report import format_bytes
 from training.state.output_dir import COMPLETIONS_FILE
 
@@ -215,18 +213,12 @@ def load_reference(plan: RunPlan, engine: deepspeed.DeepSpeedEngine) -> torch.nn
     no rank holds it whole, and run by a DeepSpeed engine without an optimizer, whose forward gathers each layer's
     weights from every rank: so every rank must run it together, which they do (each rank's generation makes the same
     number of micro-batches: as many completions over the same micro_batch_size)."""
-    recipe = plan.recipe
-    options = {"config": plan.model_config, "dtype": next(engine.module.parameters()).dtype,
-               "attn_implementation": attention_for(recipe.model.attn_implementation, plan.model_config,
-                                                    on_gpu=device_type() == "cuda"),
-               "trust_remote_code": recipe.model.trust_remote_code}
-    if engine.zero_optimization_stage() != 3:
-        model = AutoModelForCausalLM.from_pretrained(recipe.model.name_or_path, **options)
-        return model.to(engine.device).eval().requires_grad_(False)
-    config = reference_ds_config(plan.ds_config)
-    zero3 = HfDeepSpeedConfig(config)  # held by a weak reference: transformers loads in zero.Init while it lives
-    model = AutoModelForCausalLM.from_pretrained(recipe.model.name_or_path, **options).requires_grad_(False)
-    del zero3
+    zero3 = engine.zero_optimization_stage() == 3
+    config = reference_ds_config(plan.ds_config) if zero3 else plan.ds_config
+    model = from_checkpoint(plan.recipe, plan.model_config, config, next(engine.module.parameters()).dtype)
+    model.requires_grad_(False)
+    if not zero3:
+        return model.to(engine.device).eval()
     reference, *_ = deepspeed.initialize(model=model, config=config)
     reference.eval()  # DeepSpeedEngine.eval returns None
     return reference
