@@ -174,18 +174,16 @@ def overrides(args: argparse.Namespace, run: Run) -> list[str]:
 
 def planned_peak_bytes(args: argparse.Namespace, run: Run) -> float | None:
     """--dry-run's estimate of this run's peak per GPU: its model states plus one micro-batch's activations
-    (training/planning/memory.py), or None where the plan has no estimate or refuses the run here."""
+    (training/planning/memory.py planned_peak), or None where the plan has no estimate or refuses the run here."""
     import train
-    from training.planning.memory import activations, planned_model_states
+    from training.planning.memory import planned_model_states, planned_peak
 
     try:
         plan = train.make_plan(train.parse_args(["--recipe", "tiny_llama", "--dry-run", *overrides(args, run)]),
                                world_size=args.num_gpus)
-        states = planned_model_states(plan)
+        return planned_peak(plan, planned_model_states(plan))
     except ValueError:  # the plan's refusals (ConfigError) and settings it has no estimate for
         return None
-    acts = activations(plan.recipe, plan.precision, plan.shape, plan.zero_setting)
-    return states.peak_with(acts.peak(run.checkpointing)) if acts else None
 
 
 def command(args: argparse.Namespace, run: Run, out: Path) -> list[str]:

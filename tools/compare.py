@@ -41,7 +41,7 @@ from training.base.errors import ConfigError, exit_code, positive_int  # noqa: E
 from training.parallel.launch import failure_reason, launcher_command  # noqa: E402
 from training.base.output_guard import (MARKER, begin_in_place, check_output, files_under, finish_in_place,  # noqa: E402
                                          kept_line, lists_files, owned_files, remove_owned, written_by)
-from training.planning.memory import ModelStates, activations, planned_model_states  # noqa: E402
+from training.planning.memory import planned_model_states, planned_peak  # noqa: E402
 from training.config.recipe import load_recipe, parse_override, recipe_inputs  # noqa: E402
 
 import train  # noqa: E402
@@ -226,16 +226,6 @@ def check_cell(args: argparse.Namespace, cell: list[str]) -> CellCheck:
     except ValueError:
         check.estimate = {"estimate_source": f"none for {plan.precision}"}
     return check
-
-
-def planned_peak(plan, states: ModelStates) -> float | None:
-    """The plan's peak per rank: the model states with one micro-batch's activations, or GRPO's generation where
-    larger (what --dry-run's table shows for the run's setting); None under pipeline parallelism (per stage there)
-    or for a model type without an activation rule."""
-    acts = activations(plan.recipe, plan.precision, plan.shape, plan.zero_setting)
-    if acts is None or plan.pipeline_stages > 1:
-        return None
-    return states.peak_with(acts.peak(plan.recipe.activation_checkpointing))
 
 
 def check_cells(args: argparse.Namespace) -> list[CellCheck]:

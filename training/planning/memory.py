@@ -553,6 +553,16 @@ def planned_model_states(plan: RunPlan) -> ModelStates:
     return with_objective(states, plan.ds_config, plan.recipe, plan.precision, plan.shape, plan.dp_size, 1)
 
 
+def planned_peak(plan: RunPlan, states: ModelStates) -> float | None:
+    """The run's peak per rank, --dry-run's table cell for its setting: its model states (planned_model_states) with
+    one micro-batch's activations, checkpointed as the recipe says, or GRPO's generation where larger; None under
+    pipeline parallelism (planned per stage) or for a model type without an activation rule."""
+    acts = activations(plan.recipe, plan.precision, plan.shape, plan.zero_setting)
+    if acts is None or plan.pipeline_stages > 1:
+        return None
+    return states.peak_with(acts.peak(plan.recipe.activation_checkpointing))
+
+
 def weights_gradients_and_states(plan: RunPlan) -> ModelStates:
     """planned_model_states without DeepSpeed's own buffers (with_deepspeed_buffers)."""
     shape = plan.shape
