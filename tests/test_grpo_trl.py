@@ -9,16 +9,23 @@ whatever order each draws them in. A completion is chosen by (its prompt's token
 end with EOS, some are cut at max_completion_length, of different lengths. Two reward functions (exact_answer and
 length_penalty, weighted 1 and 0.5) give rewards that differ within each group.
 
-What is matched, and how (tolerance 1e-5 throughout: absolute, relative for grad_norm; measured at most 1.0e-6):
+What is matched, and how (tolerance 1e-5 throughout: absolute, relative for grad_norm; measured at most 4.3e-6,
+sapo's grad_norm):
 - loss: TRL logs the sum of its micro-batches' losses (each already scaled for accumulation, loss_is_scaled_for_ga)
   over a logging window of one step, that is the step's loss; ours logs the mean of the shares, the same;
-- grad_norm: both the norm before clipping (transformers' clip_grad_norm_, ours zero0_grad_norm); every step's is
-  above grad_clip, so clipping shapes the later steps;
+- grad_norm: both the norm before clipping (transformers' clip_grad_norm_, ours zero0_grad_norm); the first step's is
+  above grad_clip, so clipping shapes the later steps (an off-policy step whose tokens are mostly clipped may fall
+  below it);
 - the optimizer: torch's AdamW on both sides, the same hyper-parameters, a constant learning rate. TRL's is built here
   over our parameter groups (training/planning/shape.py weight_decay_groups): the HF Trainer also decays the
   embeddings, which ours does not (a choice of ours, documented there), and weight decay is on;
-- kl (beta > 0; the reference the checkpoint loaded again on both sides), entropy, clip_ratio/{low,high,region}_mean:
-  per micro-batch token means, averaged over the step's micro-batches on both sides;
+- kl (beta > 0; the reference the checkpoint loaded again on both sides), entropy, clip_ratio/{low,high,region}_mean
+  (cispo: cispo_clip_ratio; vespo: vespo/phi_seq_mean): per micro-batch token means (sequence means under GSPO's
+  sequence-level ratio), averaged over the step's micro-batches on both sides, each logged by both sides or neither;
+- the loss types beyond the issue's four (cispo, sapo, luspo, vespo), GSPO's importance_sampling_level=sequence, and
+  GDPO's multi_objective_aggregation=normalize_then_sum, each in a case of its own with num_iterations=2, so that
+  the off-policy step's ratios count; delta is set in one of them (tests/training/objectives/test_grpo_loss.py
+  proves it against TRL where it changes the loss);
 - reward, rewards/<fn>/{mean,std}, frac_reward_zero_std, completions/*: of the generation; TRL logs them only on
   steps that generate (with num_iterations=2 every other step), ours repeats them: compared where TRL has them;
 - gradient accumulation 2 (dapo): TRL shuffles the generation batch before cutting it into micro-batches
@@ -57,14 +64,22 @@ GENERATION_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "rewards/e
                       "completions/min_length", "completions/max_length", "completions/clipped_ratio",
                       "completions/mean_terminated_length", "completions/min_terminated_length",
                       "completions/max_terminated_length")
-LOSS_METRICS = ("entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+LOSS_METRICS = ("entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                "cispo_clip_ratio", "vespo/phi_seq_mean")  # those of them that TRL logs for the case
 
 
-CASES = [  # loss_type, beta, num_iterations, gradient accumulation steps
-    pytest.param("grpo", 0.04, 1, 1, id="grpo-beta0.04"),
-    pytest.param("dr_grpo", 0.0, 2, 1, id="dr_grpo-beta0-iterations2"),
-    pytest.param("dapo", 0.04, 1, 2, id="dapo-beta0.04-accumulation2"),
-    pytest.param("bnpo", 0.04, 2, 1, id="bnpo-beta0.04-iterations2"),
+CASES = [  # loss_type, beta, num_iterations, gradient accumulation steps, other settings (the same names on both sides)
+    pytest.param("grpo", 0.04, 1, 1, {}, id="grpo-beta0.04"),
+    pytest.param("dr_grpo", 0.0, 2, 1, {}, id="dr_grpo-beta0-iterations2"),
+    pytest.param("dapo", 0.04, 1, 2, {}, id="dapo-beta0.04-accumulation2"),
+    pytest.param("bnpo", 0.04, 2, 1, {}, id="bnpo-beta0.04-iterations2"),
+    pytest.param("grpo", 0.04, 2, 2, {"importance_sampling_level": "sequence"}, id="gspo-beta0.04-iterations2-acc2"),
+    pytest.param("cispo", 0.0, 2, 2, {"epsilon_high": 1.1}, id="cispo-iterations2-accumulation2"),
+    pytest.param("sapo", 0.04, 2, 1, {}, id="sapo-beta0.04-iterations2"),
+    pytest.param("luspo", 0.0, 2, 1, {"importance_sampling_level": "sequence"}, id="luspo-iterations2"),
+    pytest.param("vespo", 0.0, 2, 2, {}, id="vespo-iterations2-accumulation2"),
+    pytest.param("dapo", 0.0, 2, 1, {"delta": 1.3, "multi_objective_aggregation": "normalize_then_sum"},
+                 id="dapo-delta-gdpo-iterations2"),
 ]
 
 
@@ -98,7 +113,7 @@ def fixed_completions(table, prompt_ids: list) -> list[list[int]]:
     return [table[tuple(int(t) for t in ids)][row % GENERATIONS] for row, ids in enumerate(prompt_ids)]
 
 
-def recipe_yaml(base, prompts, cache, loss_type, beta, iterations, accumulation) -> str:
+def recipe_yaml(base, prompts, cache, loss_type, beta, iterations, accumulation, settings) -> str:
     rewards = ", ".join(f"{{function: {name}, params: {json.dumps(params)}, weight: {weight}}}"
                         for name, params, weight in REWARDS)
     batch = len(PROMPTS) * GENERATIONS
@@ -109,8 +124,8 @@ training: {{objective: grpo, micro_batch_size: {batch // accumulation}, global_b
            max_steps: {STEPS}, lr: {LR}, schedule: constant, warmup_steps: 0, weight_decay: {WEIGHT_DECAY},
            betas: {list(BETAS)}, eps: {EPS}, grad_clip: {GRAD_CLIP}, seed: 1234}}
 grpo: {{num_generations: {GENERATIONS}, max_completion_length: {MAX_COMPLETION}, temperature: {TEMPERATURE},
-       beta: {beta}, epsilon: {EPSILON}, epsilon_high: {EPSILON_HIGH}, loss_type: {loss_type},
-       scale_rewards: group, num_iterations: {iterations}, rewards: [{rewards}]}}
+       beta: {beta}, epsilon: {EPSILON}, loss_type: {loss_type}, scale_rewards: group, num_iterations: {iterations},
+       rewards: [{rewards}], {json.dumps({"epsilon_high": EPSILON_HIGH, **settings})[1:-1]}}}
 deepspeed: {{config: zero0}}
 precision: fp32
 logging: {{every_steps: 1, report_to: []}}
@@ -119,7 +134,7 @@ stability: {{enabled: false}}
 """
 
 
-def our_logs(tmp_path, monkeypatch, base, loss_type, beta, iterations, accumulation) -> list[dict]:
+def our_logs(tmp_path, monkeypatch, base, loss_type, beta, iterations, accumulation, settings) -> list[dict]:
     import training.objectives.grpo as grpo
     from transformers import AutoTokenizer
     table = completion_table(AutoTokenizer.from_pretrained(base))
@@ -133,13 +148,14 @@ def our_logs(tmp_path, monkeypatch, base, loss_type, beta, iterations, accumulat
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in PROMPTS))
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(recipe_yaml(base, data, tmp_path / "cache", loss_type, beta, iterations, accumulation))
+    recipe.write_text(recipe_yaml(base, data, tmp_path / "cache", loss_type, beta, iterations, accumulation,
+                                  settings))
     result = train_in_process(["--recipe", str(recipe), "--output-dir", str(tmp_path / "run")])
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-2000:]
     return [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
 
 
-def trl_logs(tmp_path, monkeypatch, base, loss_type, beta, iterations, accumulation) -> list[dict]:
+def trl_logs(tmp_path, monkeypatch, base, loss_type, beta, iterations, accumulation, settings) -> list[dict]:
     import datasets
     import trl.trainer.grpo_trainer
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -153,7 +169,8 @@ def trl_logs(tmp_path, monkeypatch, base, loss_type, beta, iterations, accumulat
     args = GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=batch // accumulation,
                       gradient_accumulation_steps=accumulation, num_generations=GENERATIONS,
                       max_completion_length=MAX_COMPLETION, temperature=TEMPERATURE, loss_type=loss_type, beta=beta,
-                      epsilon=EPSILON, epsilon_high=EPSILON_HIGH, scale_rewards="group", num_iterations=iterations,
+                      epsilon=EPSILON, **{"epsilon_high": EPSILON_HIGH, **settings}, scale_rewards="group",
+                      num_iterations=iterations,
                       reward_weights=[weight for *_, weight in REWARDS], max_steps=STEPS, learning_rate=LR,
                       lr_scheduler_type="constant", warmup_steps=0, weight_decay=WEIGHT_DECAY, adam_beta1=BETAS[0],
                       adam_beta2=BETAS[1], adam_epsilon=EPS, optim="adamw_torch", max_grad_norm=GRAD_CLIP,
@@ -171,9 +188,10 @@ def trl_logs(tmp_path, monkeypatch, base, loss_type, beta, iterations, accumulat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss_type, beta, iterations, accumulation", CASES)
-def test_grpo_matches_trl_step_by_step(tmp_path, monkeypatch, checkpoint, loss_type, beta, iterations, accumulation):
-    case = (loss_type, beta, iterations, accumulation)
+@pytest.mark.parametrize("loss_type, beta, iterations, accumulation, settings", CASES)
+def test_grpo_matches_trl_step_by_step(tmp_path, monkeypatch, checkpoint, loss_type, beta, iterations, accumulation,
+                                       settings):
+    case = (loss_type, beta, iterations, accumulation, settings)
     ours = our_logs(tmp_path, monkeypatch, checkpoint, *case)
     theirs = trl_logs(tmp_path, monkeypatch, checkpoint, *case)
     assert [r["step"] for r in ours] == [log["step"] for log in theirs] == list(range(1, STEPS + 1))
@@ -189,22 +207,28 @@ def test_grpo_matches_trl_step_by_step(tmp_path, monkeypatch, checkpoint, loss_t
     for step in range(1, STEPS + 1):
         compare("loss", step)
         compare("grad_norm", step, relative=True)
-        for name in LOSS_METRICS + (("kl",) if beta else ()):
-            compare(name, step)
-        assert ("kl" in ours[step - 1]) == bool(beta) == ("kl" in theirs[step - 1]), f"step {step}"
+        for name in LOSS_METRICS:
+            assert (name in ours[step - 1]) == (name in theirs[step - 1]), f"step {step}: {name} logged by one side"
+            if name in theirs[step - 1]:
+                compare(name, step)
+        assert ("kl" in ours[step - 1]) == bool(beta), f"step {step}"
         generated = (step - 1) % iterations == 0
         assert ("reward" in theirs[step - 1]) == generated, f"step {step}: TRL generates every {iterations} step(s)"
         for name in GENERATION_METRICS if generated else ():
             compare(name, step)
-    print(f"\n{'-'.join(map(str, case))}: " + ", ".join(f"{name} {value:.1e}" for name, value in differences.items()))
+    print(f"\n{'-'.join(map(str, case[:4]))} {settings}: "
+          + ", ".join(f"{name} {value:.1e}" for name, value in differences.items()))
 
     assert len({round(r["loss"], 6) for r in ours}) > 1 or iterations > 1, "the steps must differ"
     assert len({round(r["grad_norm"], 4) for r in ours}) == STEPS, "each step's gradient its own"
-    assert all(r["grad_norm"] > GRAD_CLIP for r in ours), "clipping exercised"
+    assert ours[0]["grad_norm"] > GRAD_CLIP, "clipping exercised, shaping the later steps"
     assert ours[0]["frac_reward_zero_std"] == 0, "rewards differ within each group"
     assert ours[0]["completions/clipped_ratio"] == 0.25, "truncated completions among them"
     if beta:
         assert ours[-1]["kl"] > 0.1, "the policy moved away from the reference"
-    if iterations > 1:
-        assert ours[1]["clip_ratio/region_mean"] > 0.1, "the off-policy step clips"
+    if iterations > 1:  # the off-policy step's ratios are not 1
+        clipped = {"cispo": "cispo_clip_ratio", "sapo": None, "vespo": None}.get(loss_type, "clip_ratio/region_mean")
+        assert clipped is None or ours[1][clipped] > 0.1, "the off-policy step clips"
+        if loss_type == "vespo":
+            assert abs(ours[1]["vespo/phi_seq_mean"] - 1) > 0.01, "the off-policy step weighs its sequences"
 

@@ -247,10 +247,22 @@ class GrpoSection(StrictModel):
     top_p: float = Field(1.0, gt=0, le=1)
     beta: NonNegativeFloat = 0.0  # the KL term's weight, against the starting model (LoRA: the base); 0: no reference
     epsilon: PositiveFloat = 0.2  # clipping of the probability ratio, below
-    epsilon_high: PositiveFloat | None = None  # and above (None: epsilon; DAPO: 0.28)
-    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = "dapo"
+    epsilon_high: PositiveFloat | None = None  # and above (None: epsilon; DAPO: 0.28; cispo: the ratio's cap, 5.0)
+    delta: float | None = Field(None, gt=1)  # two-sided clipping (INTELLECT-2): the unclipped ratio capped too;
+    # TRL recommends it above 1 + epsilon_high
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"] = "dapo"  # the formulas:
+    # training/objectives/grpo_loss.py
+    importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence: one ratio per completion (GSPO)
+    sapo_temperature_pos: PositiveFloat = 1.0  # sapo's gate temperature for positive advantages
+    sapo_temperature_neg: PositiveFloat = 1.05  # and for the others
+    vespo_k_pos: NonNegativeFloat = 2.0  # vespo's gamma weighting, for advantages >= 0: power
+    vespo_lambda_pos: PositiveFloat = 3.0  # and decay
+    vespo_k_neg: NonNegativeFloat = 3.0  # for negative advantages
+    vespo_lambda_neg: PositiveFloat = 2.0
     scale_rewards: Literal["group", "batch", "none"] = "group"  # the advantages divided by the group's reward std,
     # the global batch's, or not at all (Dr. GRPO)
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"  # or
+    # each reward function normalized over the group before the weighted sum (GDPO; scale_rewards unused)
     num_iterations: PositiveInt = 1  # optimizer steps on each generation (with >1, the old log-probabilities kept)
     mask_truncated_completions: bool = False  # completions cut at max_completion_length take no loss
     ds3_gather_for_generation: bool = False  # ZeRO-3: the whole weights gathered once per generation (a full copy on

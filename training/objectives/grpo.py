@@ -1,5 +1,6 @@
-"""training.objective=grpo: online RL with verifiable rewards (GRPO, Dr. GRPO, DAPO, BNPO), TRL's GRPOTrainer in this
-loop: the same DeepSpeed engine, gradient accumulation and ZeRO stages as the language model's loss.
+"""training.objective=grpo: online RL with verifiable rewards (GRPO and TRL's kin of it: Dr. GRPO, DAPO, BNPO, CISPO,
+SAPO, LUSPO, VESPO, GSPO's sequence-level ratio, GDPO's rewards), TRL's GRPOTrainer in this loop: the same DeepSpeed
+engine, gradient accumulation and ZeRO stages as the language model's loss.
 
 A step: the rank's prompts (data_pipeline/loader.py PromptBatches) are sampled num_generations times each with
 transformers' `generate` on the current weights, all of the rank's completions in one batch (under ZeRO-3 each layer's
@@ -36,7 +37,8 @@ from training.compat.deepspeed import zero3_whole_weights
 from training.config.recipe import GrpoSection, Recipe
 from training.models.model import from_checkpoint
 from training.objectives.base import Objective
-from training.objectives.grpo_loss import (group_advantages, grpo_loss, metric_means, nanstd, token_logps,
+from training.objectives.grpo_loss import (CLIPPED, STEP_TOKEN_MEAN, LossSettings, group_advantages, grpo_loss,
+                                           metric_means, nanstd, normalized_sum_advantages, token_logps,
                                            weighted_rewards)
 from training.objectives.rewards import load_reward, score
 from training.parallel import distributed
@@ -169,6 +171,40 @@ def completion_logps(model: torch.nn.Module, batch: dict, device: torch.device,
     return unpack(logps, batch), unpack(entropies, batch)
 
 
+def loss_settings(section: GrpoSection) -> LossSettings:
+    """The grpo section's loss settings (TRL's names; its `epsilon` is the lower bound, epsilon_high defaults to it)."""
+    return LossSettings(epsilon_low=section.epsilon, epsilon_high=section.epsilon_high or section.epsilon,
+                        **section.model_dump(include={
+                            "loss_type", "beta", "delta", "importance_sampling_level", "sapo_temperature_pos",
+                            "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+                            "vespo_lambda_neg", "max_completion_length"}))
+
+
+def loss_lines(section: GrpoSection) -> list[str]:
+    """The plan's lines on the loss: its type and settings, and a note where TRL warns of the combination."""
+    settings = loss_settings(section)
+    extras = [f"{settings.importance_sampling_level}-level ratio"]
+    if settings.delta is not None:
+        extras.append(f"delta {settings.delta:g}" if settings.loss_type in CLIPPED else
+                      f"delta unused by {settings.loss_type}")
+    extras.append(f"rewards {section.multi_objective_aggregation}" if section.multi_objective_aggregation ==
+                  "normalize_then_sum" else f"scale_rewards {section.scale_rewards}")
+    lines = [f"GRPO: loss {settings.loss_type} ({', '.join(extras)}), beta {settings.beta:g}, epsilon "
+             f"{settings.epsilon_low:g}/{settings.epsilon_high:g}, {section.num_iterations} step(s) per generation; "
+             f"rewards: " + ", ".join(f"{spec.function} x {spec.weight:g}" for spec in section.rewards)]
+    level = settings.importance_sampling_level
+    if settings.loss_type == "luspo" and level == "token":
+        lines.append("note (TRL warns alike): luspo is meant with importance_sampling_level=sequence, GSPO's ratio")
+    elif settings.loss_type == "vespo" and level == "sequence":
+        lines.append("note (TRL warns alike): vespo weighs each sequence's whole ratio itself; keep "
+                     "importance_sampling_level=token")
+    elif level == "sequence" and settings.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+        lines.append(f"note (TRL warns alike): {settings.loss_type} sums per-token losses, so a sequence-level ratio "
+                     f"does not optimize the per-sequence objective; GSPO is loss_type=grpo with "
+                     f"importance_sampling_level=sequence")
+    return lines
+
+
 def generation_cost(plan: RunPlan, completions: int) -> str:
     """What generating a step's `completions` per rank costs beside training on them: its FLOPs (2N per prompt and
     completion token, against training's) and the weights each decoding pass reads, which under ZeRO-3 it gathers
@@ -236,6 +272,7 @@ class Grpo(Objective):
         self.rollout, self.reference, self.first_reward = None, None, None
         self.sums, self.step_metrics, self.logged_up_to = [], {}, None
         self.generation_seconds, self.steps = 0.0, 0  # since the last logged step
+        self.loss_settings = loss_settings(self.section)
 
     @staticmethod
     def check(recipe: Recipe, model_config: PretrainedConfig | None, world_size: int | None = None) -> None:
@@ -288,10 +325,7 @@ class Grpo(Objective):
                 f"completions per step; {training.micro_batch_size} completions/rank x {plan.accumulation_steps} "
                 f"accumulation x {plan.dp_size} data-parallel ranks, each a row of prompt + completion (at most "
                 f"{plan.recipe.data.seq_len} tokens)",
-                f"GRPO: loss {grpo.loss_type}, beta {grpo.beta:g}, epsilon {grpo.epsilon:g}/"
-                f"{grpo.epsilon_high or grpo.epsilon:g}, scale_rewards {grpo.scale_rewards}, {grpo.num_iterations} "
-                f"step(s) per generation; rewards: "
-                + ", ".join(f"{spec.function} x {spec.weight:g}" for spec in plan.recipe.grpo.rewards),
+                *loss_lines(grpo),
                 f"generation: {prompts // plan.dp_size} prompt(s) x {grpo.num_generations} per rank in one batch, up "
                 f"to {grpo.max_completion_length} decoding passes (new tokens); weights: {gathered}; reference: "
                 f"{reference}",
@@ -370,7 +404,7 @@ class Grpo(Objective):
         order); notes the generation's metrics and logs its samples."""
         everyone, lengths, truncated = self.gathered(engine, rollout)
         rewards = weighted_rewards(everyone, self.weights)
-        advantages, std = group_advantages(rewards, self.section.num_generations, self.section.scale_rewards)
+        advantages, std = self.advantages_of(everyone, rewards)
         rank, count = self.plan.dp_rank(dist.get_rank()), len(rollout.completions)
         share = slice(rank * count, (rank + 1) * count)
         self.step_metrics = self.generation_metrics(everyone, rewards, std, lengths, truncated)
@@ -378,6 +412,14 @@ class Grpo(Objective):
             self.first_reward = self.step_metrics["reward"]
         self.log_samples(generation, rollout.prompts, rollout.texts, rollout.per_function, rewards[share])
         return advantages[share].cpu()
+
+    def advantages_of(self, per_function: torch.Tensor, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The global batch's advantages, and the std each was scaled by, as grpo.multi_objective_aggregation
+        makes them from the rewards: per function and their weighted sum."""
+        grpo = self.section
+        if grpo.multi_objective_aggregation == "normalize_then_sum":
+            return normalized_sum_advantages(per_function, self.weights, grpo.num_generations)
+        return group_advantages(rewards, grpo.num_generations, grpo.scale_rewards)
 
     @staticmethod
     def gathered(engine: deepspeed.DeepSpeedEngine, rollout: Rollout) -> tuple[torch.Tensor, ...]:
@@ -406,7 +448,7 @@ class Grpo(Objective):
 
     def count(self, batch: dict) -> int:
         """dapo: the completion tokens (its loss is their global mean); the others normalize within the micro-batch."""
-        if self.section.loss_type != "dapo":
+        if self.section.loss_type not in STEP_TOKEN_MEAN:
             return 1
         return int(self.completion_mask(batch).sum())
 
@@ -421,13 +463,10 @@ class Grpo(Objective):
 
     def loss(self, engine: deepspeed.DeepSpeedEngine, batch: dict, per_micro_batch: float,
              shard: tuple[int, int]) -> torch.Tensor:
-        grpo = self.section
-        logps, entropies = completion_logps(engine, batch, engine.device, grpo.temperature)
+        logps, entropies = completion_logps(engine, batch, engine.device, self.section.temperature)
         mask = self.completion_mask(batch).to(engine.device)
         loss, sums = grpo_loss(logps, batch.get("old_logps"), batch.get("ref_logps"),
-                               batch["advantages"].to(engine.device), mask, loss_type=grpo.loss_type, beta=grpo.beta,
-                               epsilon_low=grpo.epsilon, epsilon_high=grpo.epsilon_high or grpo.epsilon,
-                               max_completion_length=grpo.max_completion_length,
+                               batch["advantages"].to(engine.device), mask, self.loss_settings,
                                tokens_per_micro_batch=max(per_micro_batch, 1e-8), entropies=entropies)
         self.sums.append(sums)
         return loss
@@ -518,6 +557,6 @@ class Grpo(Objective):
         per_function, lengths, truncated, real = (torch.cat(values) for values in zip(*parts))
         per_function, lengths, truncated = per_function[real], lengths[real], truncated[real]
         rewards = weighted_rewards(per_function, self.weights)
-        _, std = group_advantages(rewards, generations, self.section.scale_rewards)
+        _, std = self.advantages_of(per_function, rewards)
         metrics = self.generation_metrics(per_function, rewards, std, lengths, truncated)
         return {f"eval_{name}": value for name, value in metrics.items()}

@@ -9,38 +9,56 @@ Bessel's correction):
     none:   A_i = r_i - mean_g(r)
     group:  A_i = (r_i - mean_g(r)) / (std_g(r) + 1e-4)
     batch:  A_i = (r_i - mean_g(r)) / (std(r) + 1e-4)      std over the whole generation batch, mean still the group's
-and A_i = 0 where r_i is NaN. scale_rewards True is "group", False "none" (GRPOConfig's forms).
+and A_i = 0 where r_i is NaN. scale_rewards True is "group", False "none" (GRPOConfig's forms). With
+multi_objective_aggregation "normalize_then_sum" (GDPO) each function's rewards are first normalized over the group,
+n[i, f] = (r[i, f] - mean_g(r[., f])) / (std_g(r[., f]) + 1e-4), summed with the weights, s_i = sum_f w_f n[i, f]
+(NaN where unscorable), and A_i = (s_i - mean(s)) / (std(s) + 1e-4) over the whole batch, scale_rewards unused.
 
 Loss. Per completion token t (mask m_t), with rho_t = exp(logp_t - old_t) (old = logp detached when the samples
-are on-policy, so rho = 1 but its gradient flows) and clip(rho) = clamp(rho, 1 - epsilon_low, 1 + epsilon_high):
-    l_t = -min(rho_t A, clip(rho_t) A) + beta k_t,   k_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1   (k3)
-where k_t is multiplied by rho_t when use_bias_correction_kl (TRL's default). A micro-batch of B sequences gives
-    grpo:    sum_i (sum_t m l / sum_t m) / B         each sequence's token mean, then the mean over sequences
-    bnpo:    sum_it m l / sum_it m                   the micro-batch's token mean
-    dr_grpo: sum_it m l / (B x max_completion_length)
-    dapo:    sum_it m l / tokens_per_micro_batch     (TRL's default)
+are on-policy, so rho = 1 but its gradient flows); with importance_sampling_level "sequence" (GSPO) one rho per
+sequence, rho = exp(sum_t m (logp_t - old_t) / sum_t m), in every place rho_t appears below. clip(rho) =
+clamp(rho, 1 - epsilon_low, 1 + epsilon_high), and delta (INTELLECT-2) caps the unclipped rho_t at delta.
+    grpo, bnpo, dr_grpo, dapo, luspo:  p_t = -min(rho_t A, clip(rho_t) A)
+    cispo:  p_t = -min(rho_t, epsilon_high) A logp_t       the capped ratio detached (MiniMax-M1)
+    sapo:   p_t = -4 sigmoid(tau (rho_t - 1)) / tau A      tau = sapo_temperature_pos if A > 0 else _neg
+    vespo:  p_t = -phi(w) A logp_t    w = exp(sum_t m (logp_t - old_t)) per sequence, phi(w) = e^lambda w^k
+            e^(-lambda w), detached, (k, lambda) = vespo_k/lambda_pos if A >= 0 else _neg
+    l_t = p_t + beta k_t,   k_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1   (k3)
+where k_t is multiplied by rho_t (before delta) when use_bias_correction_kl (TRL's default). A micro-batch of B
+sequences gives
+    grpo, sapo:  sum_i (sum_t m l / sum_t m) / B       each sequence's token mean, then the mean over sequences
+    bnpo:        sum_it m l / sum_it m                 the micro-batch's token mean
+    dr_grpo:     sum_it m l / (B x max_completion_length)
+    luspo:       sum_it m l / B                        each sequence's sum: its length weighs (LUSPO)
+    dapo, cispo, vespo:  sum_it m l / tokens_per_micro_batch     (dapo: TRL's default)
 
 How a caller scales. grpo_loss returns a micro-batch's share such that the MEAN of the shares over the optimizer step's
 micro-batches x data-parallel ranks is TRL's step loss: what DeepSpeed's averaging of gradients (1 / accumulation
 steps, then the mean over ranks) computes, so pass the share to engine.backward as it is. (TRL's own per-micro-batch
-loss is the share / gradient_accumulation_steps, its ranks averaged by DDP.) grpo, bnpo and dr_grpo are normalized
-within the micro-batch, as TRL does: the step is a mean of micro-batch means, and micro-batches of different token
-counts weigh the same. dapo needs the step's count: tokens_per_micro_batch = max(1, the completion tokens of the
-whole step, every micro-batch on every rank) / (micro-batches x ranks), which is TRL's num_items_in_batch /
-num_processes x gradient_accumulation_steps / steps_per_generation when a generation batch is an optimizer step's
-batch, and train.py's per_micro_batch when the objective counts completion tokens.
+loss is the share / gradient_accumulation_steps, its ranks averaged by DDP.) grpo, sapo, bnpo, dr_grpo and luspo are
+normalized within the micro-batch, as TRL does: the step is a mean of micro-batch means, and micro-batches of
+different token counts weigh the same. dapo, cispo and vespo need the step's count: tokens_per_micro_batch =
+max(1, the completion tokens of the whole step, every micro-batch on every rank) / (micro-batches x ranks), which is
+TRL's num_items_in_batch / num_processes x gradient_accumulation_steps / steps_per_generation when a generation batch
+is an optimizer step's batch, and train.py's per_micro_batch when the objective counts completion tokens.
 
-Metrics. grpo_loss returns sums over the micro-batch's completion tokens and their count ("tokens"); TRL logs, per
-micro-batch, the token mean over all ranks (sum the sums over ranks, then metric_means), and the step's value is the
-mean over its micro-batches. Names: kl (beta > 0), entropy, clip_ratio/low_mean, clip_ratio/high_mean,
-clip_ratio/region_mean. Not built: importance_sampling_level="sequence", delta, top_entropy_quantile < 1, the entropy
-bonus, vLLM's importance-sampling correction and the other loss types (cispo, sapo, luspo, vespo).
+Metrics. grpo_loss returns each metric as [sum, count] over the micro-batch's completion tokens, or over its
+sequences where the value is one per sequence (the clip ratios under GSPO, vespo's phi); TRL logs, per micro-batch,
+the mean over all ranks (sum both over ranks, then metric_means), and the step's value is the mean over its
+micro-batches. Names: kl (beta > 0), entropy, and clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean
+(cispo: cispo_clip_ratio; vespo: vespo/phi_seq_mean; sapo: none). Not built: TRL's clip_ratio/low_min and high_max,
+top_entropy_quantile < 1, the entropy bonus, off_policy_mask_threshold and vLLM's importance-sampling correction.
 """
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # PPO's clipped ratio (and delta, where set)
+STEP_TOKEN_MEAN = ("dapo", "cispo", "vespo")  # normalized by the step's completion tokens (tokens_per_micro_batch)
 SCALE_REWARDS = ("group", "batch", "none")
 STD_EPSILON = 1e-4  # TRL's, added to the std before dividing
 
@@ -81,6 +99,20 @@ def group_advantages(rewards: torch.Tensor, num_generations: int,
     return advantages.nan_to_num(nan=0.0), std
 
 
+def normalized_sum_advantages(per_function: torch.Tensor, weights: Sequence[float] | torch.Tensor,
+                              num_generations: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO's advantages (multi_objective_aggregation "normalize_then_sum"): each function's rewards normalized over
+    its group, their weighted sum normalized over the whole batch; and that batch std, per completion."""
+    count = per_function.size(1)
+    groups = per_function.view(-1, num_generations, count)
+    std = nanstd(groups, dim=1).unsqueeze(1) if num_generations > 1 else torch.zeros_like(groups[:, :1])
+    normalized = ((groups - groups.nanmean(dim=1, keepdim=True)) / (std + STD_EPSILON)).view(-1, count)
+    weights = torch.as_tensor(weights, dtype=per_function.dtype, device=per_function.device)
+    sums = (normalized * weights).nansum(dim=1).masked_fill(per_function.isnan().all(dim=1), torch.nan)
+    batch_std = nanstd(sums).expand_as(sums) if sums.numel() > 1 else torch.zeros_like(sums)
+    return ((sums - sums.nanmean()) / (batch_std + STD_EPSILON)).nan_to_num(nan=0.0), batch_std
+
+
 def token_logps(logits: torch.Tensor, completion_ids: torch.Tensor,
                 temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probabilities of completion_ids [B, C] and the entropies of the distributions they were drawn
@@ -92,55 +124,126 @@ def token_logps(logits: torch.Tensor, completion_ids: torch.Tensor,
     return logps.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1), entropies
 
 
+@dataclass(frozen=True)
+class LossSettings:
+    """The loss's settings, with GRPOConfig's names and defaults (epsilon_low is its `epsilon`)."""
+    loss_type: str = "dapo"
+    beta: float = 0.0
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    delta: float | None = None
+    importance_sampling_level: str = "token"
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    max_completion_length: int = 512
+    use_bias_correction_kl: bool = True
+
+    def __post_init__(self):
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type={self.loss_type!r}: expected one of {LOSS_TYPES}")
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(f"importance_sampling_level={self.importance_sampling_level!r}: expected one of "
+                             f"{IMPORTANCE_SAMPLING_LEVELS}")
+
+
+def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """log(pi / pi_old) per token [B, C], or (GSPO) each sequence's token mean of it [B, 1]."""
+    if level == "token":
+        return log_ratio
+    return ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+
+
+@torch.no_grad()
+def gamma_weights(advantages: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor,
+                  settings: LossSettings) -> torch.Tensor:
+    """VESPO's phi(w) = e^lambda w^k e^(-lambda w) (phi(1) = 1) of each sequence's whole importance ratio
+    w = exp(sum_t m log_ratio) (a sum, not a mean), k and lambda by the advantage's sign; [B, 1], no gradient."""
+    lowest = math.log(1e-8)
+    log_w = (log_ratio.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True).clamp(lowest, 20.0)
+    positive = advantages >= 0
+    k = torch.where(positive, settings.vespo_k_pos, settings.vespo_k_neg)
+    lam = torch.where(positive, settings.vespo_lambda_pos, settings.vespo_lambda_neg).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def policy_term(per_token_logps: torch.Tensor, log_ratio: torch.Tensor, ratio: torch.Tensor,
+                advantages: torch.Tensor, mask: torch.Tensor,
+                settings: LossSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The policy's loss per token [B, C] (or per sequence [B, 1], GSPO's ratio) under settings.loss_type, and what
+    TRL logs of it, by name."""
+    loss_type, low, high = settings.loss_type, settings.epsilon_low, settings.epsilon_high
+    if loss_type == "cispo":
+        return (-ratio.clamp(max=high).detach() * advantages * per_token_logps,
+                {"cispo_clip_ratio": (ratio > high) & (advantages > 0)})
+    if loss_type == "sapo":
+        temperatures = torch.where(advantages > 0, settings.sapo_temperature_pos, settings.sapo_temperature_neg)
+        return -torch.sigmoid(temperatures * (ratio - 1)) * 4 / temperatures * advantages, {}
+    if loss_type == "vespo":
+        phi = gamma_weights(advantages, log_ratio, mask, settings)
+        return -phi * advantages * per_token_logps, {"vespo/phi_seq_mean": phi}
+    clipped = torch.clamp(ratio, 1 - low, 1 + high)
+    if settings.delta is not None:  # INTELLECT-2's two-sided clipping: the unclipped ratio capped at delta too
+        ratio = ratio.clamp(max=settings.delta)
+    below, above = (ratio < 1 - low) & (advantages < 0), (ratio > 1 + high) & (advantages > 0)
+    return (-torch.min(ratio * advantages, clipped * advantages),
+            {"clip_ratio/low_mean": below, "clip_ratio/high_mean": above, "clip_ratio/region_mean": below | above})
+
+
 def grpo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor | None,
-              ref_per_token_logps: torch.Tensor | None, advantages: torch.Tensor, completion_mask: torch.Tensor, *,
-              loss_type: str = "dapo", beta: float = 0.0, epsilon_low: float = 0.2, epsilon_high: float = 0.2,
-              max_completion_length: int = 512, tokens_per_micro_batch: float | None = None,
-              use_bias_correction_kl: bool = True,
+              ref_per_token_logps: torch.Tensor | None, advantages: torch.Tensor, completion_mask: torch.Tensor,
+              settings: LossSettings, tokens_per_micro_batch: float | None = None,
               entropies: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A micro-batch's share of the step's loss (see the module's docstring for the formulas and how to scale), and
-    its metrics' sums over the completion tokens. Tensors are [B, C] (advantages [B]); old_per_token_logps None
-    means on-policy; ref_per_token_logps is read only when beta > 0; tokens_per_micro_batch only by dapo."""
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type={loss_type!r}: expected one of {LOSS_TYPES}")
+    its metrics, each [sum, count] over its tokens or sequences. Tensors are [B, C] (advantages [B]);
+    old_per_token_logps None means on-policy; ref_per_token_logps is read only when beta > 0;
+    tokens_per_micro_batch only by the loss types normalized by the step's tokens (STEP_TOKEN_MEAN)."""
     mask = completion_mask.to(per_token_logps.dtype)
     advantages = advantages.unsqueeze(1)
     old = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
-    ratio = torch.exp(per_token_logps - old)
-    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-    per_token_loss = -torch.min(ratio * advantages, clipped * advantages)
-    if beta != 0.0:
+    log_ratio = per_token_logps - old
+    ratio = torch.exp(importance_weights(log_ratio, mask, settings.importance_sampling_level))
+    per_token_loss, logged = policy_term(per_token_logps, log_ratio, ratio, advantages, mask, settings)
+    if settings.beta != 0.0:
         log_ref_ratio = ref_per_token_logps - per_token_logps
         kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1
-        if use_bias_correction_kl:
+        if settings.use_bias_correction_kl:
             kl = kl * ratio
-        per_token_loss = per_token_loss + beta * kl
+        per_token_loss = per_token_loss + settings.beta * kl
+        logged["kl"] = kl
 
-    masked = per_token_loss * mask
-    if loss_type == "grpo":
+    masked = per_token_loss * mask  # [B, 1] per-sequence losses count once per token
+    if settings.loss_type in ("grpo", "sapo"):
         loss = (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-    elif loss_type == "bnpo":
+    elif settings.loss_type == "bnpo":
         loss = masked.sum() / mask.sum().clamp(min=1.0)
-    elif loss_type == "dr_grpo":
-        loss = masked.sum() / (per_token_loss.size(0) * max_completion_length)
-    else:  # dapo
+    elif settings.loss_type == "dr_grpo":
+        loss = masked.sum() / (mask.size(0) * settings.max_completion_length)
+    elif settings.loss_type == "luspo":
+        loss = masked.sum(-1).mean()
+    else:  # dapo, cispo, vespo
         if tokens_per_micro_batch is None:
-            raise ValueError("loss_type='dapo' needs tokens_per_micro_batch (the step's completion tokens / "
-                             "(micro-batches x ranks))")
+            raise ValueError(f"loss_type={settings.loss_type!r} needs tokens_per_micro_batch (the step's completion "
+                             f"tokens / (micro-batches x ranks))")
         loss = masked.sum() / tokens_per_micro_batch
-
-    low = (ratio < 1 - epsilon_low) & (advantages < 0)
-    high = (ratio > 1 + epsilon_high) & (advantages > 0)
-    sums = {"clip_ratio/low_mean": low, "clip_ratio/high_mean": high, "clip_ratio/region_mean": low | high}
-    if beta != 0.0:
-        sums["kl"] = kl
     if entropies is not None:
-        sums["entropy"] = entropies
-    metrics = {name: (value.detach().to(mask.dtype) * mask).sum() for name, value in sums.items()}
-    return loss, {**metrics, "tokens": mask.sum()}
+        logged["entropy"] = entropies
+    return loss, {name: metric_sum(value, mask) for name, value in logged.items()}
+
+
+def metric_sum(value: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[sum, count] of a logged value: over the completion tokens, or over the sequences where it has one value per
+    sequence ([B, 1]: TRL's test of its shape)."""
+    value = value.detach().to(mask.dtype)
+    if value.size(1) == 1:
+        return torch.stack([value.sum(), mask.new_tensor(float(value.size(0)))])
+    return torch.stack([(value * mask).sum(), mask.sum()])
 
 
 def metric_means(sums: dict[str, torch.Tensor]) -> dict[str, float]:
-    """grpo_loss's metric sums (summed over ranks, where there are several) as TRL logs them: token means."""
-    tokens = sums["tokens"].clamp(min=1.0)
-    return {name: (value / tokens).item() for name, value in sums.items() if name != "tokens"}
+    """grpo_loss's metrics, [sum, count] each (summed over ranks, where there are several), as TRL logs them: the
+    means over the tokens (or sequences)."""
+    return {name: (value[0] / value[1].clamp(min=1.0)).item() for name, value in sums.items()}

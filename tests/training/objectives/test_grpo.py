@@ -16,8 +16,8 @@ from data_pipeline.prepare import build_dataset
 from tests.conftest import REPO, save_small_checkpoint
 from training.base.errors import ConfigError, DataError
 from training.config.recipe import GrpoSection, load_recipe
-from training.objectives.grpo import Grpo, SeededSampling, completion_logps, completion_rows, sample
-from training.objectives.grpo_loss import grpo_loss
+from training.objectives.grpo import Grpo, SeededSampling, completion_logps, completion_rows, loss_lines, sample
+from training.objectives.grpo_loss import LOSS_TYPES, LossSettings, grpo_loss
 from training.planning.precision import DTYPES
 
 SECTION = GrpoSection(num_generations=4, max_completion_length=12, temperature=0.9, top_p=0.95)
@@ -95,8 +95,8 @@ def test_completion_rows_take_the_loss_on_the_completion_alone(small):
 
 def test_packed_completions_take_the_loss_and_gradient_they_take_one_per_row(small):
     """bfd packs a micro-batch's completions whole into rows of seq_len, each with its own positions: no token sees
-    another sequence's, so the log-probabilities, the loss of every loss type and its gradient equal those of one
-    completion per row."""
+    another sequence's, so the log-probabilities, the loss of every loss type (and GSPO's sequence-level ratio), off
+    the policy, and its gradient equal those of one completion per row."""
     path, _, _ = small
     model = AutoModelForCausalLM.from_pretrained(path)
     generator = torch.Generator().manual_seed(0)
@@ -108,15 +108,17 @@ def test_packed_completions_take_the_loss_and_gradient_they_take_one_per_row(sma
     packed = completion_rows(prompts, completions, pad_id=0, seq_len=16, packing="bfd")
     assert packed["input_ids"].shape == (4, 16) and packed["length"].sum() == alone["length"].sum()  # 6 rows alone
     assert torch.equal(packed["completion_mask"], alone["completion_mask"])
-    for loss_type in ("grpo", "dr_grpo", "dapo", "bnpo"):
+    for loss_type, level in [(loss_type, "token") for loss_type in LOSS_TYPES] + [("grpo", "sequence")]:
+        settings = LossSettings(loss_type=loss_type, importance_sampling_level=level, beta=0.04,
+                                max_completion_length=9)
         results = []
         for batch in (alone, packed):
             model.zero_grad()
             logps, entropies = completion_logps(model, batch, torch.device("cpu"), 0.9)
             ref = (logps.detach() + 0.1).where(batch["completion_mask"], 0)
-            loss, sums = grpo_loss(logps, None, ref, advantages, batch["completion_mask"], loss_type=loss_type,
-                                   beta=0.04, max_completion_length=9, tokens_per_micro_batch=20.0,
-                                   entropies=entropies)
+            old = (logps.detach() + 0.2 * advantages[:, None]).where(batch["completion_mask"], 0)  # ratios not 1
+            loss, sums = grpo_loss(logps, old, ref, advantages, batch["completion_mask"], settings,
+                                   tokens_per_micro_batch=20.0, entropies=entropies)
             loss.backward()
             results.append((loss.detach(), logps.detach(), sums, [p.grad.clone() for p in model.parameters()]))
         (loss, logps, sums, grads), (packed_loss, packed_logps, packed_sums, packed_grads) = results
@@ -212,11 +214,31 @@ def test_the_dry_run_shows_prompts_generations_and_generation_memory(tmp_path, c
                        f"model.name_or_path={tmp_path / 'base'}"]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "batch: 8 prompts x 8 generations = 64 completions per step; 32 completions/rank x 2 accumulation" in out
-    assert "GRPO: loss dapo, beta 0.04, epsilon 0.2/0.2" in out and "rewards: rewards:closeness x 1, exact_answer x 1" in out
+    assert "GRPO: loss dapo (token-level ratio, scale_rewards group), beta 0.04, epsilon 0.2/0.2" in out
+    assert "rewards: rewards:closeness x 1, exact_answer x 1" in out and "note" not in out
     assert "KV cache" in out
     assert re.search(r"reference: the starting checkpoint, a frozen copy on each rank \([\d.]+ MiB\)", out)
     assert re.search(r"generation cost per step and rank: [\d.e+]+ FLOPs at most \(33% of training on the same tokens\), "
                      r"in 16 decoding passes", out)
+
+
+@pytest.mark.parametrize("settings, expected", [
+    ({"loss_type": "grpo", "importance_sampling_level": "sequence", "delta": 4},
+     ["GRPO: loss grpo (sequence-level ratio, delta 4, scale_rewards group), beta 0, epsilon 0.2/0.2"]),
+    ({"loss_type": "cispo", "epsilon_high": 5, "delta": 4, "multi_objective_aggregation": "normalize_then_sum"},
+     ["GRPO: loss cispo (token-level ratio, delta unused by cispo, rewards normalize_then_sum), beta 0, "
+      "epsilon 0.2/5"]),
+    ({"loss_type": "luspo"}, ["GRPO: loss luspo", "note (TRL warns alike): luspo is meant with "
+                                                  "importance_sampling_level=sequence"]),
+    ({"loss_type": "dapo", "importance_sampling_level": "sequence"},
+     ["GRPO: loss dapo (sequence-level ratio", "note (TRL warns alike): dapo sums per-token losses"]),
+    ({"loss_type": "vespo", "importance_sampling_level": "sequence"},
+     ["GRPO: loss vespo", "note (TRL warns alike): vespo weighs each sequence's whole ratio itself"]),
+])
+def test_the_plan_names_the_loss_and_the_combinations_trl_warns_of(settings, expected):
+    section = GrpoSection(rewards=[{"function": "exact_answer"}], **settings)
+    lines = loss_lines(section)
+    assert len(lines) == len(expected) and all(line.startswith(start) for line, start in zip(lines, expected))
 
 
 def test_each_rank_must_hold_whole_groups(tmp_path):
