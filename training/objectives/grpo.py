@@ -37,7 +37,7 @@ from training.compat.deepspeed import zero3_whole_weights
 from training.config.recipe import GrpoSection, Recipe
 from training.models.model import from_checkpoint
 from training.objectives.base import Objective
-from training.objectives.grpo_loss import (CLIPPED, STEP_TOKEN_MEAN, LossSettings, group_advantages, grpo_loss,
+from training.objectives.grpo_loss import (CLIPPED, EXTREMES, STEP_TOKEN_MEAN, LossSettings, group_advantages, grpo_loss,
                                            metric_means, nanstd, normalized_sum_advantages, token_logps,
                                            weighted_rewards)
 from training.objectives.rewards import load_reward, score
@@ -489,14 +489,19 @@ class Grpo(Objective):
                 "completions/max_terminated_length": ended.max().item()} if len(ended) else {})}
 
     def metrics(self) -> dict:
-        """The generation's metrics and the loss's: per micro-batch the token means over every rank, averaged over
-        the step's micro-batches (as TRL logs them); and generation_time_s, the seconds a step spent generating
+        """The generation's metrics and the loss's: per micro-batch the token means over every rank (and the
+        extremes over every rank's completions), averaged over the step's micro-batches (as TRL logs them); and generation_time_s, the seconds a step spent generating
         (sampling, scoring, the fixed log-probabilities) on rank 0, a mean over the steps since the last logged one,
         as step_time_s is."""
-        names = list(self.sums[0])
-        stacked = torch.stack([torch.stack([sums[name].float() for name in names]) for sums in self.sums])
-        stacked = distributed.all_reduce(stacked)
-        means = [metric_means(dict(zip(names, row))) for row in stacked]
+        names = [name for name in self.sums[0] if name not in EXTREMES]
+        stacked = distributed.all_reduce(torch.stack([torch.stack([sums[name] for name in names])
+                                                      for sums in self.sums]))
+        reduced = [dict(zip(names, row)) for row in stacked]  # per micro-batch
+        for name in [name for name in EXTREMES if name in self.sums[0]]:  # in one order on every rank
+            op = dist.ReduceOp.MIN if EXTREMES[name] == "min" else dist.ReduceOp.MAX
+            for record, value in zip(reduced, distributed.all_reduce(torch.stack([s[name] for s in self.sums]), op)):
+                record[name] = value
+        means = [metric_means(record) for record in reduced]
         timing = {"generation_time_s": self.generation_seconds / self.steps}
         self.generation_seconds, self.steps = 0.0, 0
         return {**self.step_metrics, **{name: float(np.mean([m[name] for m in means])) for name in means[0]}, **timing}

@@ -46,8 +46,10 @@ Metrics. grpo_loss returns each metric as [sum, count] over the micro-batch's co
 sequences where the value is one per sequence (the clip ratios under GSPO, vespo's phi); TRL logs, per micro-batch,
 the mean over all ranks (sum both over ranks, then metric_means), and the step's value is the mean over its
 micro-batches. Names: kl (beta > 0), entropy, and clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean
-(cispo: cispo_clip_ratio; vespo: vespo/phi_seq_mean; sapo: none). Not built: TRL's clip_ratio/low_min and high_max,
-top_entropy_quantile < 1, the entropy bonus, off_policy_mask_threshold and vLLM's importance-sampling correction.
+(cispo: cispo_clip_ratio; vespo: vespo/phi_seq_mean; sapo: none). EXTREMES, clip_ratio/low_min and
+clip_ratio/high_max, are the min and max over every rank's completions of their share of clipped tokens (one value
+each, reduced by min and max over the ranks). Not built: top_entropy_quantile < 1, the entropy bonus,
+off_policy_mask_threshold and vLLM's importance-sampling correction.
 """
 import math
 from collections.abc import Sequence
@@ -58,7 +60,8 @@ import torch
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # PPO's clipped ratio (and delta, where set)
-STEP_TOKEN_MEAN = ("dapo", "cispo", "vespo")  # normalized by the step's completion tokens (tokens_per_micro_batch)
+STEP_TOKEN_MEAN = ("dapo", "cispo", "vespo")
+EXTREMES = {"clip_ratio/low_min": "min", "clip_ratio/high_max": "max"}  # over every rank's sequences, not means  # normalized by the step's completion tokens (tokens_per_micro_batch)
 SCALE_REWARDS = ("group", "batch", "none")
 STD_EPSILON = 1e-4  # TRL's, added to the std before dividing
 
@@ -231,7 +234,12 @@ def grpo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor |
         loss = masked.sum() / tokens_per_micro_batch
     if entropies is not None:
         logged["entropy"] = entropies
-    return loss, {name: metric_sum(value, mask) for name, value in logged.items()}
+    metrics = {name: metric_sum(value, mask) for name, value in logged.items()}
+    if settings.loss_type in CLIPPED:
+        metrics.update({
+            "clip_ratio/low_min": sequence_means(logged["clip_ratio/low_mean"], mask).nan_to_num(nan=math.inf).min(),
+            "clip_ratio/high_max": sequence_means(logged["clip_ratio/high_mean"], mask).nan_to_num(nan=-math.inf).max()})
+    return loss, metrics
 
 
 def metric_sum(value: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -243,7 +251,15 @@ def metric_sum(value: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.stack([(value * mask).sum(), mask.sum()])
 
 
+def sequence_means(value: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """A logged value's mean over each sequence's tokens [B] (NaN for one without tokens), or its one value."""
+    value = value.detach().to(mask.dtype)
+    return value.squeeze(1) if value.size(1) == 1 else (value * mask).sum(-1) / mask.sum(-1)
+
+
 def metric_means(sums: dict[str, torch.Tensor]) -> dict[str, float]:
-    """grpo_loss's metrics, [sum, count] each (summed over ranks, where there are several), as TRL logs them: the
-    means over the tokens (or sequences)."""
-    return {name: (value[0] / value[1].clamp(min=1.0)).item() for name, value in sums.items()}
+    """grpo_loss's metrics (reduced over ranks, where there are several: EXTREMES by their min or max, the others
+    summed) as TRL logs them: the means over the tokens (or sequences), and the extremes (NaN where no sequence had
+    a token)."""
+    return {name: (value.item() if math.isfinite(value) else math.nan) if name in EXTREMES else
+            (value[0] / value[1].clamp(min=1.0)).item() for name, value in sums.items()}
