@@ -23,10 +23,13 @@ the masked case's grad_norm):
   (cispo: cispo_clip_ratio; vespo: vespo/phi_seq_mean): per micro-batch token means (sequence means under GSPO's
   sequence-level ratio), and clip_ratio/low_min and high_max, the extremes over the completions, averaged over the
   step's micro-batches on both sides, each logged by both sides or neither;
-- the loss types beyond the issue's four (cispo, sapo, luspo, vespo), GSPO's importance_sampling_level=sequence, and
-  GDPO's multi_objective_aggregation=normalize_then_sum, each in a case of its own with num_iterations=2, so that
-  the off-policy step's ratios count; delta is set in one of them (tests/training/objectives/test_grpo_loss.py
-  proves it against TRL where it changes the loss);
+- the loss types beyond the issue's four (cispo, sapo, luspo, vespo), GSPO's importance_sampling_level=sequence,
+  GDPO's multi_objective_aggregation=normalize_then_sum, mask_truncated_completions, and (together) the off-policy
+  sequence mask and use_bias_correction_kl=false, in cases with num_iterations=2, so that the off-policy step's
+  ratios count; delta is set in one of them (tests/training/objectives/test_grpo_loss.py proves it against TRL where
+  it changes the loss). top_entropy_quantile is proven there only: this random model's token entropies lie within
+  2e-3 of each other, and the 1e-6 by which TRL's forward and ours round them apart reorders neighbours at the
+  quantile (seen: step 2's threshold token differs);
 - reward, rewards/<fn>/{mean,std}, frac_reward_zero_std, completions/*: of the generation; TRL logs them only on
   steps that generate (with num_iterations=2 every other step), ours repeats them: compared where TRL has them;
 - gradient accumulation 2 (dapo): TRL shuffles the generation batch before cutting it into micro-batches
@@ -82,6 +85,8 @@ CASES = [  # loss_type, beta, num_iterations, gradient accumulation steps, other
     pytest.param("vespo", 0.0, 2, 2, {}, id="vespo-iterations2-accumulation2"),
     pytest.param("dapo", 0.0, 2, 1, {"delta": 1.3, "multi_objective_aggregation": "normalize_then_sum",
                                      "mask_truncated_completions": True}, id="dapo-delta-gdpo-masked-iterations2"),
+    pytest.param("bnpo", 0.04, 2, 2, {"off_policy_mask_threshold": 0.05, "use_bias_correction_kl": False},
+                 id="bnpo-opsm-iterations2-accumulation2"),
 ]
 
 
@@ -227,7 +232,7 @@ def test_grpo_matches_trl_step_by_step(tmp_path, monkeypatch, checkpoint, loss_t
     assert ours[0]["frac_reward_zero_std"] == 0, "rewards differ within each group"
     assert ours[0]["completions/clipped_ratio"] == 0.25, "truncated completions among them"
     if beta:
-        assert ours[-1]["kl"] > 0.1, "the policy moved away from the reference"
+        assert ours[-1]["kl"] > 0.05, "the policy moved away from the reference"
     if iterations > 1:  # the off-policy step's ratios are not 1
         clipped = {"cispo": "cispo_clip_ratio", "sapo": None, "vespo": None}.get(loss_type, "clip_ratio/region_mean")
         assert clipped is None or ours[1][clipped] > 0.1, "the off-policy step clips"

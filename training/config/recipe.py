@@ -263,6 +263,11 @@ class GrpoSection(StrictModel):
     # the global batch's, or not at all (Dr. GRPO)
     multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"  # or
     # each reward function normalized over the group before the weighted sum (GDPO; scale_rewards unused)
+    use_bias_correction_kl: bool = True  # the KL term times the probability ratio (DeepSeek-V3.2's unbiased KL)
+    off_policy_mask_threshold: PositiveFloat | None = None  # completions with a negative advantage and a mean KL
+    # from the sampling policy above it take no policy loss (DeepSeek-V3.2; e.g. 0.5)
+    top_entropy_quantile: float = Field(1.0, ge=0, le=1)  # only this top share of tokens by entropy take the
+    # policy loss (Beyond the 80/20 Rule: 0.2); 1: all
     num_iterations: PositiveInt = 1  # optimizer steps on each generation (with >1, the old log-probabilities kept)
     mask_truncated_completions: bool = False  # completions cut at max_completion_length take no loss
     ds3_gather_for_generation: bool = False  # ZeRO-3: the whole weights gathered once per generation (a full copy on

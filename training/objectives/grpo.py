@@ -37,9 +37,9 @@ from training.compat.deepspeed import zero3_whole_weights
 from training.config.recipe import GrpoSection, Recipe
 from training.models.model import from_checkpoint
 from training.objectives.base import Objective
-from training.objectives.grpo_loss import (CLIPPED, EXTREMES, STEP_TOKEN_MEAN, LossSettings, group_advantages, grpo_loss,
-                                           metric_means, nanstd, normalized_sum_advantages, token_logps,
-                                           weighted_rewards)
+from training.objectives.grpo_loss import (CLIPPED, EXTREMES, STEP_TOKEN_MEAN, LossSettings, entropy_threshold,
+                                           group_advantages, grpo_loss, metric_means, nanstd,
+                                           normalized_sum_advantages, token_logps, weighted_rewards)
 from training.objectives.rewards import load_reward, score
 from training.parallel import distributed
 from training.planning.ds_config import params_offloaded
@@ -177,7 +177,8 @@ def loss_settings(section: GrpoSection) -> LossSettings:
                         **section.model_dump(include={
                             "loss_type", "beta", "delta", "importance_sampling_level", "sapo_temperature_pos",
                             "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
-                            "vespo_lambda_neg", "max_completion_length"}))
+                            "vespo_lambda_neg", "max_completion_length", "use_bias_correction_kl",
+                            "off_policy_mask_threshold", "top_entropy_quantile"}))
 
 
 def loss_lines(section: GrpoSection) -> list[str]:
@@ -465,9 +466,14 @@ class Grpo(Objective):
              shard: tuple[int, int]) -> torch.Tensor:
         logps, entropies = completion_logps(engine, batch, engine.device, self.section.temperature)
         mask = self.completion_mask(batch).to(engine.device)
+        high_entropy = None
+        if self.loss_settings.top_entropy_quantile < 1.0:
+            high_entropy = entropy_threshold(distributed.all_gather_ragged(entropies[mask]),
+                                             self.loss_settings.top_entropy_quantile)
         loss, sums = grpo_loss(logps, batch.get("old_logps"), batch.get("ref_logps"),
                                batch["advantages"].to(engine.device), mask, self.loss_settings,
-                               tokens_per_micro_batch=max(per_micro_batch, 1e-8), entropies=entropies)
+                               tokens_per_micro_batch=max(per_micro_batch, 1e-8), entropies=entropies,
+                               high_entropy=high_entropy)
         self.sums.append(sums)
         return loss
 

@@ -23,8 +23,11 @@ clamp(rho, 1 - epsilon_low, 1 + epsilon_high), and delta (INTELLECT-2) caps the 
     sapo:   p_t = -4 sigmoid(tau (rho_t - 1)) / tau A      tau = sapo_temperature_pos if A > 0 else _neg
     vespo:  p_t = -phi(w) A logp_t    w = exp(sum_t m (logp_t - old_t)) per sequence, phi(w) = e^lambda w^k
             e^(-lambda w), detached, (k, lambda) = vespo_k/lambda_pos if A >= 0 else _neg
-    l_t = p_t + beta k_t,   k_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1   (k3)
-where k_t is multiplied by rho_t (before delta) when use_bias_correction_kl (TRL's default). A micro-batch of B
+    l_t = p_t o_i e_t + beta k_t,   k_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1   (k3)
+where k_t is multiplied by rho_t (before delta) when use_bias_correction_kl (TRL's default); o_i = 0 for a
+completion with A < 0 whose mean old_t - logp_t is above off_policy_mask_threshold (DeepSeek-V3.2's off-policy
+sequence mask; else 1), and with top_entropy_quantile q < 1 e_t = 1 only for tokens whose entropy is at least the
+(1 - q) quantile of every rank's completion tokens in the micro-batch (Beyond the 80/20 Rule; else 1). A micro-batch of B
 sequences gives
     grpo, sapo:  sum_i (sum_t m l / sum_t m) / B       each sequence's token mean, then the mean over sequences
     bnpo:        sum_it m l / sum_it m                 the micro-batch's token mean
@@ -48,8 +51,8 @@ the mean over all ranks (sum both over ranks, then metric_means), and the step's
 micro-batches. Names: kl (beta > 0), entropy, and clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean
 (cispo: cispo_clip_ratio; vespo: vespo/phi_seq_mean; sapo: none). EXTREMES, clip_ratio/low_min and
 clip_ratio/high_max, are the min and max over every rank's completions of their share of clipped tokens (one value
-each, reduced by min and max over the ranks). Not built: top_entropy_quantile < 1, the entropy bonus,
-off_policy_mask_threshold and vLLM's importance-sampling correction.
+each, reduced by min and max over the ranks). Not built: the entropy bonus (entropy_coef, static or adaptive) and
+vLLM's importance-sampling correction.
 """
 import math
 from collections.abc import Sequence
@@ -144,6 +147,8 @@ class LossSettings:
     vespo_lambda_neg: float = 2.0
     max_completion_length: int = 512
     use_bias_correction_kl: bool = True
+    off_policy_mask_threshold: float | None = None
+    top_entropy_quantile: float = 1.0
 
     def __post_init__(self):
         if self.loss_type not in LOSS_TYPES:
@@ -196,20 +201,44 @@ def policy_term(per_token_logps: torch.Tensor, log_ratio: torch.Tensor, ratio: t
             {"clip_ratio/low_mean": below, "clip_ratio/high_mean": above, "clip_ratio/region_mean": below | above})
 
 
+def off_policy_mask(advantages: torch.Tensor, per_token_logps: torch.Tensor, old: torch.Tensor, mask: torch.Tensor,
+                    threshold: float) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask [B, 1]: a completion with a negative advantage whose mean KL from the
+    policy that sampled it, sum_t m (old_t - logp_t) / sum_t m, is above the threshold takes no policy loss."""
+    kl = (old - per_token_logps.detach()).nan_to_num(nan=0.0)
+    mean_kl = (kl * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    return ((advantages >= 0) | (mean_kl <= threshold)).to(mask.dtype)
+
+
+def entropy_threshold(entropies: torch.Tensor, top_entropy_quantile: float) -> torch.Tensor:
+    """The entropy at the (1 - top_entropy_quantile) quantile of the completion tokens' (those of every rank:
+    `entropies` is their 1-d gather), above which tokens take the policy loss; infinite where there are none."""
+    if entropies.numel() == 0:
+        return entropies.new_tensor(math.inf)
+    return torch.quantile(entropies.float(), 1 - top_entropy_quantile)
+
+
 def grpo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor | None,
               ref_per_token_logps: torch.Tensor | None, advantages: torch.Tensor, completion_mask: torch.Tensor,
               settings: LossSettings, tokens_per_micro_batch: float | None = None,
-              entropies: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              entropies: torch.Tensor | None = None,
+              high_entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A micro-batch's share of the step's loss (see the module's docstring for the formulas and how to scale), and
     its metrics, each [sum, count] over its tokens or sequences. Tensors are [B, C] (advantages [B]);
     old_per_token_logps None means on-policy; ref_per_token_logps is read only when beta > 0;
-    tokens_per_micro_batch only by the loss types normalized by the step's tokens (STEP_TOKEN_MEAN)."""
+    tokens_per_micro_batch only by the loss types normalized by the step's tokens (STEP_TOKEN_MEAN); high_entropy
+    (entropy_threshold's, of every rank's tokens) only with top_entropy_quantile < 1."""
     mask = completion_mask.to(per_token_logps.dtype)
     advantages = advantages.unsqueeze(1)
     old = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
     log_ratio = per_token_logps - old
     ratio = torch.exp(importance_weights(log_ratio, mask, settings.importance_sampling_level))
     per_token_loss, logged = policy_term(per_token_logps, log_ratio, ratio, advantages, mask, settings)
+    if settings.off_policy_mask_threshold is not None:
+        per_token_loss = per_token_loss * off_policy_mask(advantages, per_token_logps, old, mask,
+                                                          settings.off_policy_mask_threshold)
+    if settings.top_entropy_quantile < 1.0:
+        per_token_loss = per_token_loss * ((entropies >= high_entropy) & completion_mask.bool())
     if settings.beta != 0.0:
         log_ref_ratio = ref_per_token_logps - per_token_logps
         kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1

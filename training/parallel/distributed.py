@@ -137,6 +137,16 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> 
     return torch.cat(parts)
 
 
+def all_gather_ragged(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's 1-d tensor, of whatever length, concatenated in rank order."""
+    lengths = all_gather(torch.tensor([len(tensor)], device=tensor.device)).tolist()
+    longest = max(lengths)
+    if longest == 0:
+        return tensor
+    parts = all_gather(torch.cat([tensor, tensor.new_zeros(longest - len(tensor))])).view(len(lengths), longest)
+    return torch.cat([part[:length] for part, length in zip(parts, lengths)])
+
+
 @cache
 def host_group() -> dist.ProcessGroup | None:
     """A gloo group for small host-side values (token counts, a stop flag). Reducing them over nccl would
