@@ -24,8 +24,9 @@ the masked case's grad_norm):
   sequence-level ratio), and clip_ratio/low_min and high_max, the extremes over the completions, averaged over the
   step's micro-batches on both sides, each logged by both sides or neither;
 - the loss types beyond the issue's four (cispo, sapo, luspo, vespo), GSPO's importance_sampling_level=sequence,
-  GDPO's multi_objective_aggregation=normalize_then_sum, mask_truncated_completions, and (together) the off-policy
-  sequence mask and use_bias_correction_kl=false, in cases with num_iterations=2, so that the off-policy step's
+  GDPO's multi_objective_aggregation=normalize_then_sum, mask_truncated_completions, the entropy bonus (with GSPO;
+  policy_loss and entropy_coef logged), and (together) the off-policy sequence mask and use_bias_correction_kl=false,
+  in cases with num_iterations=2, so that the off-policy step's
   ratios count; delta is set in one of them (tests/training/objectives/test_grpo_loss.py proves it against TRL where
   it changes the loss). top_entropy_quantile is proven there only: this random model's token entropies lie within
   2e-3 of each other, and the 1e-6 by which TRL's forward and ours round them apart reorders neighbours at the
@@ -69,8 +70,8 @@ GENERATION_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "rewards/e
                       "completions/mean_terminated_length", "completions/min_terminated_length",
                       "completions/max_terminated_length")
 LOSS_METRICS = ("entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-                "clip_ratio/low_min", "clip_ratio/high_max", "cispo_clip_ratio",
-                "vespo/phi_seq_mean")  # those of them that TRL logs for the case
+                "clip_ratio/low_min", "clip_ratio/high_max", "cispo_clip_ratio", "vespo/phi_seq_mean",
+                "policy_loss", "entropy_coef")  # those of them that TRL logs for the case
 
 
 CASES = [  # loss_type, beta, num_iterations, gradient accumulation steps, other settings (the same names on both sides)
@@ -78,7 +79,8 @@ CASES = [  # loss_type, beta, num_iterations, gradient accumulation steps, other
     pytest.param("dr_grpo", 0.0, 2, 1, {}, id="dr_grpo-beta0-iterations2"),
     pytest.param("dapo", 0.04, 1, 2, {}, id="dapo-beta0.04-accumulation2"),
     pytest.param("bnpo", 0.04, 2, 1, {}, id="bnpo-beta0.04-iterations2"),
-    pytest.param("grpo", 0.04, 2, 2, {"importance_sampling_level": "sequence"}, id="gspo-beta0.04-iterations2-acc2"),
+    pytest.param("grpo", 0.04, 2, 2, {"importance_sampling_level": "sequence", "entropy_coef": 0.05},
+                 id="gspo-entropy-bonus-beta0.04-iterations2-acc2"),
     pytest.param("cispo", 0.0, 2, 2, {"epsilon_high": 1.1}, id="cispo-iterations2-accumulation2"),
     pytest.param("sapo", 0.04, 2, 1, {}, id="sapo-beta0.04-iterations2"),
     pytest.param("luspo", 0.0, 2, 1, {"importance_sampling_level": "sequence"}, id="luspo-iterations2"),

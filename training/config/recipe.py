@@ -268,6 +268,8 @@ class GrpoSection(StrictModel):
     # from the sampling policy above it take no policy loss (DeepSeek-V3.2; e.g. 0.5)
     top_entropy_quantile: float = Field(1.0, ge=0, le=1)  # only this top share of tokens by entropy take the
     # policy loss (Beyond the 80/20 Rule: 0.2); 1: all
+    entropy_coef: float = 0.0  # the weight of an entropy bonus: the policy's mean entropy over the tokens that take
+    # the policy loss, subtracted from the loss (keeps it from collapsing; costs one fp32 [tokens, vocab] tensor)
     num_iterations: PositiveInt = 1  # optimizer steps on each generation (with >1, the old log-probabilities kept)
     mask_truncated_completions: bool = False  # completions cut at max_completion_length take no loss
     ds3_gather_for_generation: bool = False  # ZeRO-3: the whole weights gathered once per generation (a full copy on

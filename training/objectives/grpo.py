@@ -160,14 +160,15 @@ def unpack(values: torch.Tensor, batch: dict) -> torch.Tensor:
     return flat.view(shape)
 
 
-def completion_logps(model: torch.nn.Module, batch: dict, device: torch.device,
-                     temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def completion_logps(model: torch.nn.Module, batch: dict, device: torch.device, temperature: float,
+                     entropy_gradient: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Each completion token's log-probability (from the logits before it) and the entropy of the distribution it
-    was drawn from, in the completions' layout [completions, longest completion] (batch["completion_mask"] marks
-    the tokens)."""
+    was drawn from (token_logps), in the completions' layout [completions, longest completion]
+    (batch["completion_mask"] marks the tokens)."""
     logits = model(input_ids=batch["input_ids"].to(device), position_ids=batch["position_ids"].to(device),
                    use_cache=False).logits  # with a cache transformers would not mask packed sequences apart
-    logps, entropies = token_logps(logits[:, :-1], batch["input_ids"][:, 1:].to(device), temperature)
+    logps, entropies = token_logps(logits[:, :-1], batch["input_ids"][:, 1:].to(device), temperature,
+                                   entropy_gradient)
     return unpack(logps, batch), unpack(entropies, batch)
 
 
@@ -178,7 +179,7 @@ def loss_settings(section: GrpoSection) -> LossSettings:
                             "loss_type", "beta", "delta", "importance_sampling_level", "sapo_temperature_pos",
                             "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
                             "vespo_lambda_neg", "max_completion_length", "use_bias_correction_kl",
-                            "off_policy_mask_threshold", "top_entropy_quantile"}))
+                            "off_policy_mask_threshold", "top_entropy_quantile", "entropy_coef"}))
 
 
 def loss_lines(section: GrpoSection) -> list[str]:
@@ -190,6 +191,11 @@ def loss_lines(section: GrpoSection) -> list[str]:
                       f"delta unused by {settings.loss_type}")
     extras.append(f"rewards {section.multi_objective_aggregation}" if section.multi_objective_aggregation ==
                   "normalize_then_sum" else f"scale_rewards {section.scale_rewards}")
+    extras += [text for setting, text in (
+        (settings.off_policy_mask_threshold, f"off-policy mask above KL {settings.off_policy_mask_threshold}"),
+        (settings.top_entropy_quantile < 1, f"top {settings.top_entropy_quantile:g} of tokens by entropy"),
+        (settings.entropy_coef, f"entropy bonus {settings.entropy_coef:g}"),
+        (settings.beta and not settings.use_bias_correction_kl, "KL without the ratio")) if setting]
     lines = [f"GRPO: loss {settings.loss_type} ({', '.join(extras)}), beta {settings.beta:g}, epsilon "
              f"{settings.epsilon_low:g}/{settings.epsilon_high:g}, {section.num_iterations} step(s) per generation; "
              f"rewards: " + ", ".join(f"{spec.function} x {spec.weight:g}" for spec in section.rewards)]
@@ -464,7 +470,8 @@ class Grpo(Objective):
 
     def loss(self, engine: deepspeed.DeepSpeedEngine, batch: dict, per_micro_batch: float,
              shard: tuple[int, int]) -> torch.Tensor:
-        logps, entropies = completion_logps(engine, batch, engine.device, self.section.temperature)
+        logps, entropies = completion_logps(engine, batch, engine.device, self.section.temperature,
+                                            entropy_gradient=self.loss_settings.entropy_coef != 0.0)
         mask = self.completion_mask(batch).to(engine.device)
         high_entropy = None
         if self.loss_settings.top_entropy_quantile < 1.0:
@@ -508,7 +515,8 @@ class Grpo(Objective):
             for record, value in zip(reduced, distributed.all_reduce(torch.stack([s[name] for s in self.sums]), op)):
                 record[name] = value
         means = [metric_means(record) for record in reduced]
-        timing = {"generation_time_s": self.generation_seconds / self.steps}
+        timing = {"generation_time_s": self.generation_seconds / self.steps,
+                  **({"entropy_coef": self.section.entropy_coef} if self.section.entropy_coef else {})}
         self.generation_seconds, self.steps = 0.0, 0
         return {**self.step_metrics, **{name: float(np.mean([m[name] for m in means])) for name in means[0]}, **timing}
 

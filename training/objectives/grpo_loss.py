@@ -51,8 +51,10 @@ the mean over all ranks (sum both over ranks, then metric_means), and the step's
 micro-batches. Names: kl (beta > 0), entropy, and clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean
 (cispo: cispo_clip_ratio; vespo: vespo/phi_seq_mean; sapo: none). EXTREMES, clip_ratio/low_min and
 clip_ratio/high_max, are the min and max over every rank's completions of their share of clipped tokens (one value
-each, reduced by min and max over the ranks). Not built: the entropy bonus (entropy_coef, static or adaptive) and
-vLLM's importance-sampling correction.
+each, reduced by min and max over the ranks). With entropy_coef c != 0 the share is the policy loss above minus
+c x the mean entropy (with its gradient) over the tokens that take the policy loss (e_t m_t), and policy_loss, the
+share without it, is logged as a mean over the ranks (TRL's, for dapo, cispo and vespo, is it / accumulation steps).
+Not built: adaptive entropy control and vLLM's importance-sampling correction.
 """
 import math
 from collections.abc import Sequence
@@ -119,14 +121,15 @@ def normalized_sum_advantages(per_function: torch.Tensor, weights: Sequence[floa
     return ((sums - sums.nanmean()) / (batch_std + STD_EPSILON)).nan_to_num(nan=0.0), batch_std
 
 
-def token_logps(logits: torch.Tensor, completion_ids: torch.Tensor,
-                temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logps(logits: torch.Tensor, completion_ids: torch.Tensor, temperature: float = 1.0,
+                entropy_gradient: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probabilities of completion_ids [B, C] and the entropies of the distributions they were drawn
-    from (no gradient: a metric), in fp32, at the sampling temperature (logits / temperature, as TRL's). logits
-    [B, C, V] are those that predict each completion token: the model's at positions P - 1 .. P + C - 2 of
-    prompt + completion."""
+    from (without a gradient, a metric, unless entropy_gradient: the entropy bonus's), in fp32, at the sampling
+    temperature (logits / temperature, as TRL's). logits [B, C, V] are those that predict each completion token: the
+    model's at positions P - 1 .. P + C - 2 of prompt + completion."""
     logps = torch.log_softmax(logits.float() / temperature, dim=-1)
-    entropies = -(logps.detach().exp() * logps.detach()).sum(-1)
+    vocabulary = logps if entropy_gradient else logps.detach()
+    entropies = -(vocabulary.exp() * vocabulary).sum(-1)
     return logps.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1), entropies
 
 
@@ -149,6 +152,7 @@ class LossSettings:
     use_bias_correction_kl: bool = True
     off_policy_mask_threshold: float | None = None
     top_entropy_quantile: float = 1.0
+    entropy_coef: float = 0.0
 
     def __post_init__(self):
         if self.loss_type not in LOSS_TYPES:
@@ -237,8 +241,10 @@ def grpo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor |
     if settings.off_policy_mask_threshold is not None:
         per_token_loss = per_token_loss * off_policy_mask(advantages, per_token_logps, old, mask,
                                                           settings.off_policy_mask_threshold)
+    kept = mask  # the tokens that take the policy loss (and the entropy bonus)
     if settings.top_entropy_quantile < 1.0:
-        per_token_loss = per_token_loss * ((entropies >= high_entropy) & completion_mask.bool())
+        kept = ((entropies.detach() >= high_entropy) & completion_mask.bool()).to(mask.dtype)
+        per_token_loss = per_token_loss * kept
     if settings.beta != 0.0:
         log_ref_ratio = ref_per_token_logps - per_token_logps
         kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1
@@ -261,9 +267,14 @@ def grpo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor |
             raise ValueError(f"loss_type={settings.loss_type!r} needs tokens_per_micro_batch (the step's completion "
                              f"tokens / (micro-batches x ranks))")
         loss = masked.sum() / tokens_per_micro_batch
+    policy_loss = loss.detach()
+    if settings.entropy_coef != 0.0:  # a bonus: the mean entropy of the tokens that take the policy loss
+        loss = loss - settings.entropy_coef * (entropies * kept).sum() / kept.sum().clamp(min=1.0)
     if entropies is not None:
         logged["entropy"] = entropies
     metrics = {name: metric_sum(value, mask) for name, value in logged.items()}
+    if settings.entropy_coef != 0.0:
+        metrics["policy_loss"] = torch.stack([policy_loss, mask.new_tensor(1.0)])  # averaged over the ranks
     if settings.loss_type in CLIPPED:
         metrics.update({
             "clip_ratio/low_min": sequence_means(logged["clip_ratio/low_mean"], mask).nan_to_num(nan=math.inf).min(),

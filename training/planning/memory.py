@@ -422,7 +422,8 @@ def activation_bytes(shape: ModelShape, tokens: int, seq_len: int, dtype_bytes: 
                      layers: int | None = None, with_head: bool = True, sequence_parallel: int = 1,
                      tiled_mlp: bool = False, logits_tile_tokens: int | None = None,
                      offload_checkpoints: bool = False, expert_parallel: int = 1,
-                     fused_loss: bool = False, compiled: bool = False) -> Activations | None:
+                     fused_loss: bool = False, compiled: bool = False,
+                     entropy_gradient: bool = False) -> Activations | None:
     """Peak activation memory of one micro-batch of `tokens` tokens (on this rank: a 1/N slice of each row under
     sequence parallelism) through `layers` decoder layers (default: all) and, with_head, the embedding, head and
     loss; None for a model type without a rule.
@@ -434,7 +435,8 @@ def activation_bytes(shape: ModelShape, tokens: int, seq_len: int, dtype_bytes: 
     one chunk's logits and their gradient (in the run's dtype, CUDA's compiled kernel for the chunk) and the head's
     weight gradient (fp32, and its cast) are live at a time. Offloaded checkpoints keep
     the layers' saved inputs in host memory, all but the one brought back for the layer being recomputed. Under
-    expert parallelism one MoE layer's all-to-all buffers are added to the peak."""
+    expert parallelism one MoE layer's all-to-all buffers are added to the peak. GRPO's entropy bonus
+    (entropy_gradient) keeps the fp32 probabilities beside the log-probabilities for the entropy's gradient."""
     a, h, vocab = dtype_bytes, shape.hidden_size, shape.vocab_size
     per_layer = layer_bytes_per_token(shape, seq_len, a, attn_implementation, sequence_parallel, compiled)
     if per_layer is None:
@@ -445,7 +447,7 @@ def activation_bytes(shape: ModelShape, tokens: int, seq_len: int, dtype_bytes: 
         per_layer -= 4 * a * shape.intermediate_size
         rows = max(1, tokens * sequence_parallel // seq_len)
         transient = min(tokens, rows * h) * 4 * a * shape.intermediate_size
-    outside = outside_layers_bytes_per_token(shape, a) if with_head else 0.0
+    outside = outside_layers_bytes_per_token(shape, a) + 4 * vocab * entropy_gradient if with_head else 0.0
     if with_head and logits_tile_tokens:
         outside -= (a + 8) * vocab
         transient = max(transient, min(tokens, logits_tile_tokens) * (a + 4) * vocab)
@@ -494,7 +496,8 @@ def activations(recipe: Recipe, precision: str, shape: ModelShape, setting: str 
                             expert_parallel=parallelism.expert_parallel,
                             fused_loss=uses_fused_loss(recipe, router_loss=bool(shape.num_experts)
                                                        and recipe.moe.aux_loss_coef != 0),
-                            compiled=recipe.compile is True and (setting is None or int(setting[0]) < 3), **stage)
+                            compiled=recipe.compile is True and (setting is None or int(setting[0]) < 3),
+                            entropy_gradient=recipe.grpo.entropy_coef != 0, **stage)
 
 
 def tensor_parallel_shard(shape: ModelShape, size: int) -> ModelShape:

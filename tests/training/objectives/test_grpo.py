@@ -228,6 +228,10 @@ def test_the_dry_run_shows_prompts_generations_and_generation_memory(tmp_path, c
     ({"loss_type": "cispo", "epsilon_high": 5, "delta": 4, "multi_objective_aggregation": "normalize_then_sum"},
      ["GRPO: loss cispo (token-level ratio, delta unused by cispo, rewards normalize_then_sum), beta 0, "
       "epsilon 0.2/5"]),
+    ({"loss_type": "bnpo", "beta": 0.04, "off_policy_mask_threshold": 0.5, "top_entropy_quantile": 0.2,
+      "entropy_coef": 0.01, "use_bias_correction_kl": False},
+     ["GRPO: loss bnpo (token-level ratio, scale_rewards group, off-policy mask above KL 0.5, top 0.2 of tokens by "
+      "entropy, entropy bonus 0.01, KL without the ratio), beta 0.04"]),
     ({"loss_type": "luspo"}, ["GRPO: loss luspo", "note (TRL warns alike): luspo is meant with "
                                                   "importance_sampling_level=sequence"]),
     ({"loss_type": "dapo", "importance_sampling_level": "sequence"},

@@ -303,3 +303,26 @@ def test_the_generation_rule_matches_the_allocations(tmp_path, shape_of, dtype, 
     measured = allocated_peak(lambda: sample(model, prompts, list(range(completions)), recipe.grpo, never, 0, False))
     planned = generation(recipe, "fp32" if dtype == torch.float32 else "bf16", model_shape(config), 1, 1)
     assert measured <= planned.total <= 1.1 * measured, (measured, planned)
+
+
+def test_the_entropy_bonus_keeps_what_the_plan_adds():
+    """GRPO's entropy bonus takes the entropies' gradient: autograd keeps the fp32 probabilities beside the
+    log-probabilities, one more [tokens, vocabulary] fp32 tensor, which activation_bytes(entropy_gradient) adds."""
+    from training.objectives.grpo_loss import token_logps
+
+    def saved(entropy_gradient: bool) -> int:
+        storages = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        logits = torch.randn(BATCH, SEQ_LEN, CONFIGS["llama"]["vocab_size"], dtype=torch.bfloat16, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            token_logps(logits, torch.zeros(BATCH, SEQ_LEN, dtype=torch.long), 0.7, entropy_gradient)
+        return sum(storages.values())
+
+    shape = model_shape(AutoConfig.for_model("llama", **CONFIGS["llama"], num_hidden_layers=LAYERS))
+    planned = [activation_bytes(shape, BATCH * SEQ_LEN, SEQ_LEN, 2, "sdpa", entropy_gradient=entropy_gradient)
+               .without_checkpointing for entropy_gradient in (False, True)]
+    assert planned[1] - planned[0] == saved(True) - saved(False) == BATCH * SEQ_LEN * shape.vocab_size * 4
