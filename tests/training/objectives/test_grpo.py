@@ -156,7 +156,7 @@ def grpo_recipe(tmp_path, *overrides):
     (["training.global_batch_size=60"], "multiple of grpo.num_generations=8"),
     (["grpo.max_completion_length=32"], "leaves no room for a prompt"),
     (["dpo.beta=0.2"], "dpo.* is set but training.objective is grpo"),
-    (["grpo.loss_type=ppo"], r"grpo.loss_type: .*'grpo', 'dr_grpo', 'dapo', 'bnpo', 'cispo', 'sapo', 'luspo' or 'vespo'"),
+    (["grpo.loss_type=ppo"], r"grpo.loss_type: .*'bnpo', 'cispo', 'sapo', 'luspo' or 'vespo'"),
     (["grpo.delta=0.9"], r"grpo.delta: .*greater than 1"),
     (["grpo.top_entropy_quantile=1.5"], r"grpo.top_entropy_quantile: .*less than or equal to 1"),
     (["grpo.importance_sampling_level=group"], r"grpo.importance_sampling_level: .*'token' or 'sequence'"),
