@@ -10,8 +10,8 @@ the real `deepspeed` launcher and train.py, for --steps steps, logging every ste
   comparison.md / comparison.csv  per cell: tokens/s (mean after step 1), TFLOP/s and MFU (GPU), peak memory per
                                   rank (GPU: allocated and reserved; CPU: resident set size), model-state memory
                                   measured in the run, the plan's estimate for the same cell and its peak, (GRPO) the
-                                  seconds a step spent generating, final loss and the largest loss difference from
-                                  the first cell that ran
+                                  seconds a step spent generating and the first and last reward, final loss and the
+                                  largest loss difference from the first cell that ran
   comparison.png                  loss curves, throughput and memory bars
   <cell>/, <cell>.log             each run's own output folder and console log
 The default --output-dir is outputs/compare-<recipe>, or outputs/compare-<recipe>-2, -3, ... when earlier
@@ -51,7 +51,8 @@ OUTPUT_ROOT = REPO / "outputs"
 REPORTS = ("comparison.csv", "comparison.md", "comparison.png")
 COLUMNS = ("cell", "status", "tokens_per_s", "tflops", "mfu", "peak_mem_bytes", "peak_mem_reserved_bytes",
            "model_states_bytes", "model_states_host_bytes", "estimated_model_states_bytes", "estimate_source",
-           "planned_peak_bytes", "generation_time_s", "final_loss", "max_loss_diff", "error")
+           "planned_peak_bytes", "generation_time_s", "first_reward", "final_reward", "final_loss", "max_loss_diff",
+           "error")
 
 
 def parse_args(argv: list[str] | None, labels: dict[str, str] | None = None) -> argparse.Namespace:
@@ -317,7 +318,8 @@ def read_run(run_dir: Path) -> tuple[dict, dict[int, float]]:
            "peak_mem_reserved_bytes": summary.get("peak_mem_reserved_bytes"),
            "model_states_bytes": measured.get(device),
            "model_states_host_bytes": measured.get("cpu") if device == "cuda" else None,
-           "generation_time_s": summary.get("generation_time_s"), "final_loss": summary["final_loss"]}
+           "generation_time_s": summary.get("generation_time_s"), "first_reward": summary.get("first_reward"),
+           "final_reward": summary.get("reward"), "final_loss": summary["final_loss"]}
     return row, losses
 
 
@@ -360,7 +362,8 @@ def markdown(rows: list[dict], args: argparse.Namespace, reference: str | None) 
     generating = any(row.get("generation_time_s") is not None for row in rows)
     memory = "peak alloc. / reserved GiB" if on_gpu else "peak RSS GiB"
     header = ["setting", "tokens/s", *(["TFLOP/s", "MFU"] if on_gpu else []), memory, "planned peak GiB",
-              "model states GiB (measured)", "estimated GiB (by)", *(["generation s/step"] if generating else []),
+              "model states GiB (measured)", "estimated GiB (by)",
+              *(["generation s/step", "reward (first -> last)"] if generating else []),
               "final loss", f"max loss diff vs {reference}"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
@@ -375,7 +378,8 @@ def markdown(rows: list[dict], args: argparse.Namespace, reference: str | None) 
         cells = [row["cell"], f"{row['tokens_per_s']:,.0f}",
                  *([f"{row['tflops']:.1f}", f"{row['mfu']:.1%}" if row.get("mfu") else "-"] if on_gpu else []),
                  peak, gib(row.get("planned_peak_bytes")), states, estimate,
-                 *([f"{row['generation_time_s']:.2f}"] if generating else []),
+                 *([f"{row['generation_time_s']:.2f}", f"{row['first_reward']:.3f} -> {row['final_reward']:.3f}"]
+                   if generating else []),
                  f"{row['final_loss']:.4f}", f"{row['max_loss_diff']:.2e}"]
         lines.append("| " + " | ".join(cells) + " |")
     command = " ".join(["python tools/compare.py", "--recipe", args.recipe, *[f"--vary {vary}" for vary in args.vary],
@@ -385,7 +389,8 @@ def markdown(rows: list[dict], args: argparse.Namespace, reference: str | None) 
             "step starts (weights, gradients, master weights, optimizer states), largest rank. Peak memory on a "
             "CPU is the process's resident set (libraries included); the planned peak (model states with one "
             "micro-batch's activations, or a GRPO generation where larger) compares with a GPU's allocated peak."
-            + (" Generation s/step (GRPO): the seconds the last logged step spent generating, of its step time."
+            + (" Generation s/step (GRPO): the seconds the last logged step spent generating, of its step time; "
+               "reward: the first and the last logged step's mean reward (a GRPO loss is no measure of progress)."
                if generating else "") + "\n")
 
 

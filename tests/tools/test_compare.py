@@ -219,6 +219,21 @@ def test_a_runs_loss_curve_leaves_out_its_event_lines(tmp_path):
     assert losses == {1: 8.0, 2: 7.5} and row["final_loss"] == 7.5
 
 
+def test_a_grpo_cell_shows_its_reward_from_first_to_last(tmp_path):
+    """A GRPO loss is no measure of progress (it hovers near 0 whatever the policy learns): the table adds the
+    first and the last logged reward, from the run's summary.json."""
+    import json
+    summary = {"mean_tokens_per_s": 10.0, "peak_mem_bytes": 1, "final_loss": 0.01, "generation_time_s": 0.5,
+               "first_reward": 0.125, "reward": 0.75}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 0.01}\n')
+    row, _ = compare.read_run(tmp_path)
+    args = compare.parse_args(["--recipe", "tiny_llama_grpo", "--vary", "grpo.loss_type=dapo,cispo"])
+    table = compare.markdown([{"cell": "grpo.loss_type=dapo", **row, "max_loss_diff": 0.0}], args,
+                             "grpo.loss_type=dapo")
+    assert "| reward (first -> last) |" in table and "| 0.50 | 0.125 -> 0.750 |" in table
+
+
 def test_each_cell_carries_the_plans_peak(tmp_path):
     """A cell's planned peak is the --dry-run table's for its setting: the model states with one micro-batch's
     activations, or a GRPO generation where that is larger (micro-batch 1 of tiny_llama_grpo's 64 completions)."""
