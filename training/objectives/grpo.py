@@ -503,9 +503,9 @@ class Grpo(Objective):
 
     def metrics(self) -> dict:
         """The generation's metrics and the loss's: per micro-batch the token means over every rank (and the
-        extremes over every rank's completions), averaged over the step's micro-batches (as TRL logs them); and generation_time_s, the seconds a step spent generating
-        (sampling, scoring, the fixed log-probabilities) on rank 0, a mean over the steps since the last logged one,
-        as step_time_s is."""
+        extremes over every rank's completions), averaged over the step's micro-batches (as TRL logs them); and
+        generation_time_s, the seconds a step spent generating (sampling, scoring, the fixed log-probabilities) on
+        rank 0, a mean over the steps since the last logged one, as step_time_s is."""
         names = [name for name in self.sums[0] if name not in EXTREMES]
         stacked = distributed.all_reduce(torch.stack([torch.stack([sums[name] for name in names])
                                                       for sums in self.sums]))

@@ -27,8 +27,8 @@ clamp(rho, 1 - epsilon_low, 1 + epsilon_high), and delta (INTELLECT-2) caps the 
 where k_t is multiplied by rho_t (before delta) when use_bias_correction_kl (TRL's default); o_i = 0 for a
 completion with A < 0 whose mean old_t - logp_t is above off_policy_mask_threshold (DeepSeek-V3.2's off-policy
 sequence mask; else 1), and with top_entropy_quantile q < 1 e_t = 1 only for tokens whose entropy is at least the
-(1 - q) quantile of every rank's completion tokens in the micro-batch (Beyond the 80/20 Rule; else 1). A micro-batch of B
-sequences gives
+(1 - q) quantile of every rank's completion tokens in the micro-batch (Beyond the 80/20 Rule; else 1). A
+micro-batch of B sequences gives
     grpo, sapo:  sum_i (sum_t m l / sum_t m) / B       each sequence's token mean, then the mean over sequences
     bnpo:        sum_it m l / sum_it m                 the micro-batch's token mean
     dr_grpo:     sum_it m l / (B x max_completion_length)
@@ -65,8 +65,8 @@ import torch
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # PPO's clipped ratio (and delta, where set)
-STEP_TOKEN_MEAN = ("dapo", "cispo", "vespo")
-EXTREMES = {"clip_ratio/low_min": "min", "clip_ratio/high_max": "max"}  # over every rank's sequences, not means  # normalized by the step's completion tokens (tokens_per_micro_batch)
+STEP_TOKEN_MEAN = ("dapo", "cispo", "vespo")  # normalized by the step's completion tokens (tokens_per_micro_batch)
+EXTREMES = {"clip_ratio/low_min": "min", "clip_ratio/high_max": "max"}  # over every rank's sequences, not means
 SCALE_REWARDS = ("group", "batch", "none")
 STD_EPSILON = 1e-4  # TRL's, added to the std before dividing
 
@@ -253,20 +253,7 @@ def grpo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor |
         per_token_loss = per_token_loss + settings.beta * kl
         logged["kl"] = kl
 
-    masked = per_token_loss * mask  # [B, 1] per-sequence losses count once per token
-    if settings.loss_type in ("grpo", "sapo"):
-        loss = (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-    elif settings.loss_type == "bnpo":
-        loss = masked.sum() / mask.sum().clamp(min=1.0)
-    elif settings.loss_type == "dr_grpo":
-        loss = masked.sum() / (mask.size(0) * settings.max_completion_length)
-    elif settings.loss_type == "luspo":
-        loss = masked.sum(-1).mean()
-    else:  # dapo, cispo, vespo
-        if tokens_per_micro_batch is None:
-            raise ValueError(f"loss_type={settings.loss_type!r} needs tokens_per_micro_batch (the step's completion "
-                             f"tokens / (micro-batches x ranks))")
-        loss = masked.sum() / tokens_per_micro_batch
+    loss = aggregate(per_token_loss, mask, settings, tokens_per_micro_batch)
     policy_loss = loss.detach()
     if settings.entropy_coef != 0.0:  # a bonus: the mean entropy of the tokens that take the policy loss
         loss = loss - settings.entropy_coef * (entropies * kept).sum() / kept.sum().clamp(min=1.0)
@@ -275,11 +262,30 @@ def grpo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor |
     metrics = {name: metric_sum(value, mask) for name, value in logged.items()}
     if settings.entropy_coef != 0.0:
         metrics["policy_loss"] = torch.stack([policy_loss, mask.new_tensor(1.0)])  # averaged over the ranks
-    if settings.loss_type in CLIPPED:
-        metrics.update({
-            "clip_ratio/low_min": sequence_means(logged["clip_ratio/low_mean"], mask).nan_to_num(nan=math.inf).min(),
-            "clip_ratio/high_max": sequence_means(logged["clip_ratio/high_mean"], mask).nan_to_num(nan=-math.inf).max()})
+    if settings.loss_type in CLIPPED:  # a completion without tokens (NaN) is in neither extreme
+        low, high = (sequence_means(logged[name], mask) for name in ("clip_ratio/low_mean", "clip_ratio/high_mean"))
+        metrics.update({"clip_ratio/low_min": low.nan_to_num(nan=math.inf).min(),
+                        "clip_ratio/high_max": high.nan_to_num(nan=-math.inf).max()})
     return loss, metrics
+
+
+def aggregate(per_token_loss: torch.Tensor, mask: torch.Tensor, settings: LossSettings,
+              tokens_per_micro_batch: float | None) -> torch.Tensor:
+    """The micro-batch's share of the loss from its per-token (or per-sequence, [B, 1]) losses, as the loss type
+    normalizes them (the module's docstring)."""
+    masked = per_token_loss * mask  # [B, 1] per-sequence losses count once per token
+    if settings.loss_type in ("grpo", "sapo"):
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    if settings.loss_type == "bnpo":
+        return masked.sum() / mask.sum().clamp(min=1.0)
+    if settings.loss_type == "dr_grpo":
+        return masked.sum() / (mask.size(0) * settings.max_completion_length)
+    if settings.loss_type == "luspo":
+        return masked.sum(-1).mean()
+    if tokens_per_micro_batch is None:  # dapo, cispo, vespo: STEP_TOKEN_MEAN
+        raise ValueError(f"loss_type={settings.loss_type!r} needs tokens_per_micro_batch (the step's completion "
+                         f"tokens / (micro-batches x ranks))")
+    return masked.sum() / tokens_per_micro_batch
 
 
 def metric_sum(value: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
