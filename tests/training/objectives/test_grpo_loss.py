@@ -195,3 +195,27 @@ def test_advantages_equal_trl(checkpoint, tmp_path, scale_rewards, aggregation):
     assert torch.isclose(std, torch.zeros_like(std)).float().mean().item() == \
         theirs._metrics["train"]["frac_reward_zero_std"][0]
     assert advantages[5] == 0, "an unscorable completion has no advantage"
+
+
+@pytest.mark.parametrize("loss_type, settings, same_as", [
+    ("cispo", {"epsilon_high": 5.0}, "dapo"), ("vespo", {}, "dapo"), ("sapo", {}, "grpo"),
+    ("grpo", {"importance_sampling_level": "sequence"}, "grpo")])
+def test_on_the_policy_the_other_loss_types_take_dapos_or_grpos_step(loss_type, settings, same_as):
+    """With the samples on the policy (num_iterations 1, no old log-probabilities) every ratio is 1: cispo (its cap
+    above 1) and vespo (phi(1) = 1) take dapo's gradient, sapo (its gate's slope at 1 is 1) and GSPO grpo's. Their
+    differences act on off-policy samples only, which is why a comparison of them needs num_iterations > 1."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 6, 50, generator=generator, requires_grad=True)
+    completion_ids = torch.randint(0, 50, (4, 6), generator=generator)
+    mask = torch.arange(6)[None] < torch.tensor([6, 2, 4, 1])[:, None]
+    advantages = torch.tensor([1.3, -0.7, 0.4, -1.1])
+
+    def gradient(settings: LossSettings) -> torch.Tensor:
+        logps, entropies = token_logps(logits, completion_ids, TEMPERATURE)
+        loss, _ = grpo_loss(logps, None, None, advantages, mask, settings, tokens_per_micro_batch=6.5,
+                            entropies=entropies)
+        return torch.autograd.grad(loss, logits)[0]
+
+    theirs = gradient(LossSettings(loss_type=same_as))
+    torch.testing.assert_close(gradient(LossSettings(loss_type=loss_type, **settings)), theirs, rtol=1e-6, atol=1e-7)
+    assert theirs.abs().max() > 1e-3
