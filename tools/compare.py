@@ -308,9 +308,13 @@ def run_cell(args: argparse.Namespace, cell: list[str], output_dir: Path) -> str
 
 
 def read_run(run_dir: Path) -> tuple[dict, dict[int, float]]:
+    """A cell's row and loss curve. Its generation seconds per step (GRPO) are the mean over the steps after the
+    first (compare.py logs every step): with num_iterations > 1 only every so many steps generate."""
     summary = json.loads((run_dir / "summary.json").read_text())
-    losses = {record["step"]: record["loss"] for record in map(json.loads, (run_dir / "metrics.jsonl").open())
-              if "event" not in record}  # stability events have lines of their own
+    records = [record for record in map(json.loads, (run_dir / "metrics.jsonl").open())
+               if "event" not in record]  # stability events have lines of their own
+    losses = {record["step"]: record["loss"] for record in records}
+    generation = [record["generation_time_s"] for record in records[1:] if "generation_time_s" in record]
     measured = summary.get("model_state_bytes") or {}
     device = "cuda" if "cuda" in measured else "cpu"
     row = {"status": "ok", "tokens_per_s": summary["mean_tokens_per_s"], "tflops": summary.get("tflops"),
@@ -318,7 +322,8 @@ def read_run(run_dir: Path) -> tuple[dict, dict[int, float]]:
            "peak_mem_reserved_bytes": summary.get("peak_mem_reserved_bytes"),
            "model_states_bytes": measured.get(device),
            "model_states_host_bytes": measured.get("cpu") if device == "cuda" else None,
-           "generation_time_s": summary.get("generation_time_s"), "first_reward": summary.get("first_reward"),
+           "generation_time_s": sum(generation) / len(generation) if generation else summary.get("generation_time_s"),
+           "first_reward": summary.get("first_reward"),
            "final_reward": summary.get("reward"), "final_loss": summary["final_loss"]}
     return row, losses
 
@@ -389,7 +394,7 @@ def markdown(rows: list[dict], args: argparse.Namespace, reference: str | None) 
             "step starts (weights, gradients, master weights, optimizer states), largest rank. Peak memory on a "
             "CPU is the process's resident set (libraries included); the planned peak (model states with one "
             "micro-batch's activations, or a GRPO generation where larger) compares with a GPU's allocated peak."
-            + (" Generation s/step (GRPO): the seconds the last logged step spent generating, of its step time; "
+            + (" Generation s/step (GRPO): the seconds a step spent generating, the mean after step 1; "
                "reward: the first and the last logged step's mean reward (a GRPO loss is no measure of progress)."
                if generating else "") + "\n")
 

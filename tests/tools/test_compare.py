@@ -221,12 +221,15 @@ def test_a_runs_loss_curve_leaves_out_its_event_lines(tmp_path):
 
 def test_a_grpo_cell_shows_its_reward_from_first_to_last(tmp_path):
     """A GRPO loss is no measure of progress (it hovers near 0 whatever the policy learns): the table adds the
-    first and the last logged reward, from the run's summary.json."""
+    first and the last logged reward, from the run's summary.json; and the seconds a step spent generating, a mean
+    after step 1 (with num_iterations 2 every other step generates)."""
     import json
-    summary = {"mean_tokens_per_s": 10.0, "peak_mem_bytes": 1, "final_loss": 0.01, "generation_time_s": 0.5,
+    summary = {"mean_tokens_per_s": 10.0, "peak_mem_bytes": 1, "final_loss": 0.01, "generation_time_s": 0.0,
                "first_reward": 0.125, "reward": 0.75}
     (tmp_path / "summary.json").write_text(json.dumps(summary))
-    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 0.01}\n')
+    lines = [{"step": 1, "loss": 0.01, "generation_time_s": 3.0}, {"step": 2, "loss": 0.01, "generation_time_s": 1.0},
+             {"step": 3, "loss": 0.02, "generation_time_s": 0.0}]  # num_iterations 2: every other step generates
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     row, _ = compare.read_run(tmp_path)
     args = compare.parse_args(["--recipe", "tiny_llama_grpo", "--vary", "grpo.loss_type=dapo,cispo"])
     table = compare.markdown([{"cell": "grpo.loss_type=dapo", **row, "max_loss_diff": 0.0}], args,
