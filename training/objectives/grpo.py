@@ -20,6 +20,7 @@ import json
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import fields
 from pathlib import Path
 from typing import NamedTuple
 
@@ -173,13 +174,11 @@ def completion_logps(model: torch.nn.Module, batch: dict, device: torch.device, 
 
 
 def loss_settings(section: GrpoSection) -> LossSettings:
-    """The grpo section's loss settings (TRL's names; its `epsilon` is the lower bound, epsilon_high defaults to it)."""
+    """The grpo section's loss settings: those of the same name (TRL's), and its `epsilon` as the lower bound, which
+    epsilon_high defaults to."""
+    named = {field.name for field in fields(LossSettings)} & set(GrpoSection.model_fields) - {"epsilon_high"}
     return LossSettings(epsilon_low=section.epsilon, epsilon_high=section.epsilon_high or section.epsilon,
-                        **section.model_dump(include={
-                            "loss_type", "beta", "delta", "importance_sampling_level", "sapo_temperature_pos",
-                            "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
-                            "vespo_lambda_neg", "max_completion_length", "use_bias_correction_kl",
-                            "off_policy_mask_threshold", "top_entropy_quantile", "entropy_coef"}))
+                        **section.model_dump(include=named))
 
 
 def loss_lines(section: GrpoSection) -> list[str]:
@@ -454,7 +453,8 @@ class Grpo(Objective):
         return data_position % self.section.num_iterations == 0
 
     def count(self, batch: dict) -> int:
-        """dapo: the completion tokens (its loss is their global mean); the others normalize within the micro-batch."""
+        """dapo, cispo, vespo (STEP_TOKEN_MEAN): the completion tokens (their loss is the step's token mean); the
+        others normalize within the micro-batch."""
         if self.section.loss_type not in STEP_TOKEN_MEAN:
             return 1
         return int(self.completion_mask(batch).sum())
