@@ -1,6 +1,6 @@
 """training.objective=grpo, run by train.py: the same curve on 1 rank (ZeRO-0, one completion per row) and 2 ranks
 (ZeRO-3, completions packed into rows), after a kill -9 and a resume in another layout (ZeRO-3 with the whole weights
-gathered for generation), and with LoRA (the reference: the base with the adapters disabled); the same evaluation by
+gathered for generation; adaptive entropy control's coefficient restored), and with LoRA (the reference: the base with the adapters disabled); the same evaluation by
 generation on held-out prompts; the completions' samples; the export loaded by transformers; a SIGTERM inside a
 generation. Against TRL's GRPOTrainer step by step: tests/test_grpo_trl.py.
 
@@ -49,6 +49,9 @@ def runs(tmp_path_factory) -> dict:
               "grpo.rewards=[{function: length_penalty, params: {target: 40}}, {function: exact_answer}]",
               # 3 prompts held out, evaluated by generation at steps 2 and 4 (on 2 ranks the second's batch padded)
               "data.eval={fraction: 0.2}", "training.eval_every_steps=2",
+              # adaptive entropy control, below its target: the coefficient 0.01 higher after every step, applied
+              # from step 2; the killed run's checkpoint holds it (at 0.02), and the resumed run continues from it
+              "grpo.use_adaptive_entropy=true", "grpo.entropy_target=100", "grpo.entropy_coef_delta=0.01",
               "data.packing=bfd"]  # but in `whole`: one completion per row
     whole, zero3, killed, resumed, lora = (folder / name for name in ("whole", "zero3", "killed", "resumed", "lora"))
     result = run_train(["--output-dir", str(whole), *common, "deepspeed.config=zero0", "data.packing=none"], ranks=1)
@@ -76,7 +79,7 @@ def assert_same_curve(records: list[dict], expected: list[dict]) -> None:
             if key.startswith(("reward", "completions/", "frac_", "eval_")):
                 assert record[key] == value, (record["step"], key)  # the same completions, scored alike
             elif key in ("loss", "entropy", "kl", "param_norm", "clip_ratio/low_mean", "clip_ratio/high_mean",
-                         "clip_ratio/region_mean"):
+                         "clip_ratio/region_mean", "policy_loss", "entropy_coef"):
                 assert record[key] == pytest.approx(value, rel=1e-5, abs=1e-5), (record["step"], key)
             elif key == "grad_norm":  # ZeRO's norm over its flat buffers, ZeRO-0's torch's over each weight: the
                 # same gradients (param_norm after the step agrees to 1e-7) measured 1.6e-5 apart
@@ -89,6 +92,7 @@ def test_grpo_takes_the_same_steps_on_one_rank_and_under_zero3(runs):
     assert any(r["reward_std"] > 0 for r in whole)  # the groups' rewards differ: there is something to learn
     assert [r["step"] for r in whole if "eval_reward" in r] == [2, 4]
     assert all(0 < r["generation_time_s"] < r["step_time_s"] for r in whole)  # sampling is inside the step
+    assert [r["entropy_coef"] for r in whole] == pytest.approx([0.01, 0.02, 0.03, 0.04])
     summary = json.loads((runs["whole"] / "summary.json").read_text())
     assert summary["eval_reward"] == whole[-1]["eval_reward"]
     assert summary["generation_time_s"] == whole[-1]["generation_time_s"]

@@ -107,6 +107,7 @@ class Loop:
         self.flops, self.trackers, self.clock, self.router = flops, trackers, clock, router
         recipe, self.checkpoints = plan.recipe, plan.output_dir / "checkpoints"
         self.state, self.first_step = start.model_copy(), start.step
+        objective.load_state_dict(start.objective)
         self.logger = MetricsLogger(plan.output_dir, total_steps, start.step, "tensorboard" in recipe.logging.report_to,
                                     dist.get_rank() == 0, trackers)
         self.guard = StabilityGuard(recipe.stability, plan.precision == "fp16", self.checkpoints) \
@@ -169,8 +170,10 @@ class Loop:
         loss_share, grad_norm, tokens, stop = train_step(engine, micro_batches, self.plan.dp_size, self.objective,
                                                          guard, self.plan.sequence_shard(dist.get_rank()))
         state.data_position += 1
+        applied = engine.skipped_steps == skipped_before
+        self.objective.end_step(applied)
         event = guard.after_step(state.step + 1, state.data_position - 1, float(grad_norm),
-                                 engine.skipped_steps > skipped_before) if guard else None
+                                 not applied) if guard else None
         return lr, loss_share, grad_norm, tokens, stop, event
 
     def guard_event(self, event: dict) -> bool:
@@ -181,6 +184,7 @@ class Loop:
         if event["event"] == "rewind":
             restored = rewind(self.engine, self.batches, self.checkpoints, state.data_position, self.plan.layout())
             state.step, state.tokens_seen = restored.step, restored.tokens_seen
+            self.objective.load_state_dict(restored.objective)
             event.update(rewound_to=state.step, batches_passed_over=state.data_position - restored.data_position)
             self.logger.rewind_to(state.step)
             self.guard.rewound(state.step)
@@ -190,8 +194,7 @@ class Loop:
             return False
         self.stopped = event["message"]
         if latest_tag(self.checkpoints) == f"global_step{state.step}":  # saved at this step: only the data moved on
-            record_position(self.engine, self.checkpoints, run_state(self.plan, state, self.trackers.ids),
-                            self.batches.state_dict())
+            record_position(self.engine, self.checkpoints, self.run_state(), self.batches.state_dict())
         else:
             self.save()
         return True
@@ -216,10 +219,21 @@ class Loop:
     def save(self) -> None:
         plan, engine, step = self.plan, self.engine, self.state.step
         hf_files = (plan.model_config, plan.tokenizer, *lora_files(engine.module))
-        self.saves.append(save_checkpoint(engine, self.checkpoints, run_state(plan, self.state, self.trackers.ids),
-                                          self.batches.state_dict(), hf_files, plan.recipe.checkpointing.keep_last))
+        self.saves.append(save_checkpoint(engine, self.checkpoints, self.run_state(), self.batches.state_dict(),
+                                          hf_files, plan.recipe.checkpointing.keep_last))
         self.logger.note(f"checkpoint global_step{step}: {self.saves[-1]['bytes'] / 2**20:,.1f} MiB in "
                          f"{self.saves[-1]['seconds']:.2f} s")
+
+    def run_state(self) -> dict:
+        """What a checkpoint records besides DeepSpeed's states (training/state/run_state.py): where the run is (the
+        data position runs ahead of the step by the batches passed over), what wrote it, its tracker runs' ids and the
+        objective's state."""
+        plan, state, base = self.plan, self.state, self.plan.recipe.model.name_or_path
+        return {"step": state.step, "tokens_seen": state.tokens_seen, "data_position": state.data_position,
+                "recipe": plan.recipe.name, "trackers": self.trackers.ids,
+                "micro_batch_size": plan.recipe.training.micro_batch_size, "objective": self.objective.state_dict(),
+                **plan.layout().model_dump(),
+                **({"base_model": {"name_or_path": base, "digest": plan.base_digest}} if base else {})}
 
     def totals(self) -> RunTotals:
         objective, records = self.objective, self.records
@@ -245,15 +259,3 @@ def step_record(engine: deepspeed.DeepSpeedEngine, step: int, lr: float, loss_sh
             "peak_mem_bytes": int(peak.item()),
             **({"loss_scale": scale} if scale is not None else {}),
             **gpu_metrics(flops, interval.steps, interval.seconds)}
-
-
-def run_state(plan: RunPlan, state: RunState, trackers: dict[str, str]) -> dict:
-    """What a checkpoint records besides DeepSpeed's states (training/state/run_state.py): where the run is (the data
-    position runs ahead of the step by the batches passed over), what wrote it, and its tracker runs' ids."""
-    base = plan.recipe.model.name_or_path
-    return {"step": state.step, "tokens_seen": state.tokens_seen, "data_position": state.data_position,
-            "recipe": plan.recipe.name,
-            "trackers": trackers, "micro_batch_size": plan.recipe.training.micro_batch_size,
-            **plan.layout().model_dump(), **({"base_model": {"name_or_path": base, "digest": plan.base_digest}} if base else {})}
-
-

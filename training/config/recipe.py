@@ -270,6 +270,13 @@ class GrpoSection(StrictModel):
     # policy loss (Beyond the 80/20 Rule: 0.2); 1: all
     entropy_coef: float = 0.0  # the weight of an entropy bonus: the policy's mean entropy over the tokens that take
     # the policy loss, subtracted from the loss (keeps it from collapsing; costs one fp32 [tokens, vocab] tensor)
+    use_adaptive_entropy: bool = False  # entropy_coef is the starting value and moves after every step (Skywork-OR1's
+    # control): up by entropy_coef_delta while the step's entropy is at or below entropy_target, when the bonus
+    # applies, down above it
+    entropy_coef_min: NonNegativeFloat = 0.0
+    entropy_coef_max: NonNegativeFloat = 1.0
+    entropy_coef_delta: PositiveFloat = 0.005
+    entropy_target: NonNegativeFloat = 0.2
     num_iterations: PositiveInt = 1  # optimizer steps on each generation (with >1, the old log-probabilities kept)
     mask_truncated_completions: bool = False  # completions cut at max_completion_length take no loss
     ds3_gather_for_generation: bool = False  # ZeRO-3: the whole weights gathered once per generation (a full copy on
@@ -277,6 +284,13 @@ class GrpoSection(StrictModel):
     rewards: list[RewardSpec] = []
     log_completions_every: PositiveInt | None = None  # steps between samples of prompts, completions and rewards
     # in completions.jsonl; None: never
+
+    @model_validator(mode="after")
+    def entropy_bounds_in_order(self) -> "GrpoSection":
+        if self.use_adaptive_entropy and self.entropy_coef_min > self.entropy_coef_max:
+            raise ValueError(f"grpo.entropy_coef_min={self.entropy_coef_min} is above grpo.entropy_coef_max="
+                             f"{self.entropy_coef_max}: adaptive entropy control keeps the coefficient between them")
+        return self
 
 
 class ExportSection(StrictModel):

@@ -54,6 +54,18 @@ class Objective:
     def start_step(self) -> None:
         """A new optimizer step begins (metrics sums restart)."""
 
+    def end_step(self, applied: bool) -> None:
+        """The optimizer step has ended; `applied`: it changed the weights (DeepSpeed or the stability guard may
+        drop it). Every rank calls it."""
+
+    def state_dict(self) -> dict:
+        """What the objective carries from step to step beyond the weights (grpo: its adaptive entropy
+        coefficient): saved in each checkpoint's run_state.json, restored on --resume and on a rewind."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The state a checkpoint saved ({} where it saved none: the objective starts afresh)."""
+
     def loss(self, engine: deepspeed.DeepSpeedEngine, batch: dict, per_micro_batch: float,
              shard: tuple[int, int]) -> torch.Tensor:
         """The micro-batch's summed loss over `per_micro_batch` (the global count over micro-batches x ranks), so that

@@ -20,7 +20,7 @@ import json
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -38,9 +38,9 @@ from training.compat.deepspeed import zero3_whole_weights
 from training.config.recipe import GrpoSection, Recipe
 from training.models.model import from_checkpoint
 from training.objectives.base import Objective
-from training.objectives.grpo_loss import (CLIPPED, EXTREMES, STEP_TOKEN_MEAN, LossSettings, entropy_threshold,
-                                           group_advantages, grpo_loss, metric_means, nanstd,
-                                           normalized_sum_advantages, token_logps, weighted_rewards)
+from training.objectives.grpo_loss import (CLIPPED, EXTREMES, STEP_TOKEN_MEAN, EntropyControl, LossSettings,
+                                           entropy_threshold, group_advantages, grpo_loss, kept_tokens, metric_means,
+                                           nanstd, normalized_sum_advantages, token_logps, weighted_rewards)
 from training.objectives.rewards import load_reward, score
 from training.parallel import distributed
 from training.planning.ds_config import params_offloaded
@@ -181,6 +181,11 @@ def loss_settings(section: GrpoSection) -> LossSettings:
                         **section.model_dump(include=named))
 
 
+def entropy_control(section: GrpoSection) -> EntropyControl:
+    return EntropyControl(section.entropy_coef, section.entropy_target, section.entropy_coef_delta,
+                          section.entropy_coef_min, section.entropy_coef_max)
+
+
 def loss_lines(section: GrpoSection) -> list[str]:
     """The plan's lines on the loss: its type and settings, and a note where TRL warns of the combination."""
     settings = loss_settings(section)
@@ -193,7 +198,10 @@ def loss_lines(section: GrpoSection) -> list[str]:
     extras += [text for setting, text in (
         (settings.off_policy_mask_threshold, f"off-policy mask above KL {settings.off_policy_mask_threshold}"),
         (settings.top_entropy_quantile < 1, f"top {settings.top_entropy_quantile:g} of tokens by entropy"),
-        (settings.entropy_coef, f"entropy bonus {settings.entropy_coef:g}"),
+        (settings.entropy_coef and not settings.use_adaptive_entropy, f"entropy bonus {settings.entropy_coef:g}"),
+        (settings.use_adaptive_entropy, f"adaptive entropy bonus from {settings.entropy_coef:g}, "
+                                        f"+/-{section.entropy_coef_delta:g} within [{section.entropy_coef_min:g}, "
+                                        f"{section.entropy_coef_max:g}] by the entropy against {section.entropy_target:g}"),
         (settings.beta and not settings.use_bias_correction_kl, "KL without the ratio")) if setting]
     lines = [f"GRPO: loss {settings.loss_type} ({', '.join(extras)}), beta {settings.beta:g}, epsilon "
              f"{settings.epsilon_low:g}/{settings.epsilon_high:g}, {section.num_iterations} step(s) per generation; "
@@ -279,6 +287,8 @@ class Grpo(Objective):
         self.sums, self.step_metrics, self.logged_up_to = [], {}, None
         self.generation_seconds, self.steps = 0.0, 0  # since the last logged step
         self.loss_settings = loss_settings(self.section)
+        self.entropy_control = entropy_control(self.section) if self.section.use_adaptive_entropy else None
+        self.entropy_window = []  # the step's [entropy sum, tokens] per micro-batch, for adaptive entropy control
 
     @staticmethod
     def check(recipe: Recipe, model_config: PretrainedConfig | None, world_size: int | None = None) -> None:
@@ -466,23 +476,44 @@ class Grpo(Objective):
         return batch["completion_mask"]
 
     def start_step(self) -> None:
-        self.sums, self.steps = [], self.steps + 1
+        self.sums, self.entropy_window, self.steps = [], [], self.steps + 1
 
     def loss(self, engine: deepspeed.DeepSpeedEngine, batch: dict, per_micro_batch: float,
              shard: tuple[int, int]) -> torch.Tensor:
+        control, settings = self.entropy_control, self.loss_settings
+        if control:
+            settings = replace(settings, entropy_coef=control.applied())
         logps, entropies = completion_logps(engine, batch, engine.device, self.section.temperature,
-                                            entropy_gradient=self.loss_settings.entropy_coef != 0.0)
+                                            entropy_gradient=settings.entropy_bonus)
         mask = self.completion_mask(batch).to(engine.device)
         high_entropy = None
-        if self.loss_settings.top_entropy_quantile < 1.0:
+        if settings.top_entropy_quantile < 1.0:
             high_entropy = entropy_threshold(distributed.all_gather_ragged(entropies[mask]),
-                                             self.loss_settings.top_entropy_quantile)
+                                             settings.top_entropy_quantile)
         loss, sums = grpo_loss(logps, batch.get("old_logps"), batch.get("ref_logps"),
-                               batch["advantages"].to(engine.device), mask, self.loss_settings,
+                               batch["advantages"].to(engine.device), mask, settings,
                                tokens_per_micro_batch=max(per_micro_batch, 1e-8), entropies=entropies,
                                high_entropy=high_entropy)
         self.sums.append(sums)
+        if control:
+            kept = kept_tokens(mask, entropies, high_entropy)
+            self.entropy_window.append(torch.stack([(entropies.detach() * kept).sum(), kept.sum()]))
         return loss
+
+    def end_step(self, applied: bool) -> None:
+        """Adaptive entropy control moves by the step's entropy over every rank's tokens, if the step was applied."""
+        if self.entropy_control is None:
+            return
+        entropy_sum, tokens = distributed.all_reduce(torch.stack(self.entropy_window).sum(0)).tolist()
+        if applied:
+            self.entropy_control.update(entropy_sum / max(tokens, 1.0))
+
+    def state_dict(self) -> dict:
+        return self.entropy_control.state_dict() if self.entropy_control else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.entropy_control and state:
+            self.entropy_control.load_state_dict(state)
 
     def generation_metrics(self, per_function: torch.Tensor, rewards: torch.Tensor, std: torch.Tensor,
                            lengths: torch.Tensor, truncated: torch.Tensor) -> dict:
@@ -516,7 +547,8 @@ class Grpo(Objective):
                 record[name] = value
         means = [metric_means(record) for record in reduced]
         timing = {"generation_time_s": self.generation_seconds / self.steps,
-                  **({"entropy_coef": self.section.entropy_coef} if self.section.entropy_coef else {})}
+                  **({"entropy_coef": self.entropy_control.coef} if self.entropy_control else
+                     {"entropy_coef": self.section.entropy_coef} if self.section.entropy_coef else {})}
         self.generation_seconds, self.steps = 0.0, 0
         return {**self.step_metrics, **{name: float(np.mean([m[name] for m in means])) for name in means[0]}, **timing}
 

@@ -54,7 +54,8 @@ clip_ratio/high_max, are the min and max over every rank's completions of their 
 each, reduced by min and max over the ranks). With entropy_coef c != 0 the share is the policy loss above minus
 c x the mean entropy (with its gradient) over the tokens that take the policy loss (e_t m_t), and policy_loss, the
 share without it, is logged as a mean over the ranks (TRL's, for dapo, cispo and vespo, is it / accumulation steps).
-Not built: adaptive entropy control and vLLM's importance-sampling correction.
+With use_adaptive_entropy (EntropyControl) c moves after every step and the bonus is on even while c is 0.
+Not built: vLLM's importance-sampling correction.
 """
 import math
 from collections.abc import Sequence
@@ -152,7 +153,8 @@ class LossSettings:
     use_bias_correction_kl: bool = True
     off_policy_mask_threshold: float | None = None
     top_entropy_quantile: float = 1.0
-    entropy_coef: float = 0.0
+    entropy_coef: float = 0.0  # the coefficient this step applies (EntropyControl.applied under adaptive control)
+    use_adaptive_entropy: bool = False
 
     def __post_init__(self):
         if self.loss_type not in LOSS_TYPES:
@@ -160,6 +162,43 @@ class LossSettings:
         if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
             raise ValueError(f"importance_sampling_level={self.importance_sampling_level!r}: expected one of "
                              f"{IMPORTANCE_SAMPLING_LEVELS}")
+
+    @property
+    def entropy_bonus(self) -> bool:
+        """Whether the loss has the entropy bonus (and its gradient): a coefficient, or adaptive control, which keeps
+        it on while its coefficient is 0 so that the coefficient can rise again."""
+        return self.entropy_coef != 0.0 or self.use_adaptive_entropy
+
+
+@dataclass
+class EntropyControl:
+    """TRL's adaptive entropy control (use_adaptive_entropy; Skywork-OR1): after every optimizer step the bonus's
+    coefficient moves by `delta`, up (to at most `highest`) when the step's entropy was at or below `target`, down (to
+    at least `lowest`) when above; a step applies the coefficient only while the previous step's entropy was at or
+    below the target (none before the first). The step's entropy is the mean over the tokens the bonus acts on, of
+    every micro-batch and rank, weighed by tokens (kept_tokens). Its state is saved with each checkpoint."""
+    coef: float
+    target: float
+    delta: float
+    lowest: float
+    highest: float
+    last_entropy: float | None = None  # the last step's; None: none measured yet (TRL's inf)
+
+    def applied(self) -> float:
+        return self.coef if self.last_entropy is not None and self.last_entropy <= self.target else 0.0
+
+    def update(self, entropy: float) -> None:
+        if entropy <= self.target:
+            self.coef = min(self.coef + self.delta, self.highest)
+        else:
+            self.coef = max(self.coef - self.delta, self.lowest)
+        self.last_entropy = entropy
+
+    def state_dict(self) -> dict[str, float | None]:
+        return {"entropy_coef": self.coef, "last_world_entropy": self.last_entropy}  # TRL's names
+
+    def load_state_dict(self, state: dict[str, float | None]) -> None:
+        self.coef, self.last_entropy = state["entropy_coef"], state["last_world_entropy"]
 
 
 def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
@@ -222,6 +261,15 @@ def entropy_threshold(entropies: torch.Tensor, top_entropy_quantile: float) -> t
     return torch.quantile(entropies.float(), 1 - top_entropy_quantile)
 
 
+def kept_tokens(completion_mask: torch.Tensor, entropies: torch.Tensor | None,
+                high_entropy: torch.Tensor | None) -> torch.Tensor:
+    """The tokens that take the policy loss and the entropy bonus: the completion's, or with top_entropy_quantile < 1
+    those at or above its threshold (high_entropy)."""
+    if high_entropy is None:
+        return completion_mask.float()
+    return ((entropies.detach() >= high_entropy) & completion_mask.bool()).float()
+
+
 def grpo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor | None,
               ref_per_token_logps: torch.Tensor | None, advantages: torch.Tensor, completion_mask: torch.Tensor,
               settings: LossSettings, tokens_per_micro_batch: float | None = None,
@@ -243,7 +291,7 @@ def grpo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor |
                                                           settings.off_policy_mask_threshold)
     kept = mask  # the tokens that take the policy loss (and the entropy bonus)
     if settings.top_entropy_quantile < 1.0:
-        kept = ((entropies.detach() >= high_entropy) & completion_mask.bool()).to(mask.dtype)
+        kept = kept_tokens(completion_mask, entropies, high_entropy).to(mask.dtype)
         per_token_loss = per_token_loss * kept
     if settings.beta != 0.0:
         log_ref_ratio = ref_per_token_logps - per_token_logps
@@ -255,12 +303,12 @@ def grpo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor |
 
     loss = aggregate(per_token_loss, mask, settings, tokens_per_micro_batch)
     policy_loss = loss.detach()
-    if settings.entropy_coef != 0.0:  # a bonus: the mean entropy of the tokens that take the policy loss
+    if settings.entropy_bonus:  # the mean entropy of the tokens that take the policy loss
         loss = loss - settings.entropy_coef * (entropies * kept).sum() / kept.sum().clamp(min=1.0)
     if entropies is not None:
         logged["entropy"] = entropies
     metrics = {name: metric_sum(value, mask) for name, value in logged.items()}
-    if settings.entropy_coef != 0.0:
+    if settings.entropy_bonus:
         metrics["policy_loss"] = torch.stack([policy_loss, mask.new_tensor(1.0)])  # averaged over the ranks
     if settings.loss_type in CLIPPED:  # a completion without tokens (NaN) is in neither extreme
         low, high = (sequence_means(logged[name], mask) for name in ("clip_ratio/low_mean", "clip_ratio/high_mean"))

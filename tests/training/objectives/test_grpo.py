@@ -160,6 +160,8 @@ def grpo_recipe(tmp_path, *overrides):
     (["grpo.delta=0.9"], r"grpo.delta: .*greater than 1"),
     (["grpo.top_entropy_quantile=1.5"], r"grpo.top_entropy_quantile: .*less than or equal to 1"),
     (["grpo.importance_sampling_level=group"], r"grpo.importance_sampling_level: .*'token' or 'sequence'"),
+    (["grpo.use_adaptive_entropy=true", "grpo.entropy_coef_min=0.5", "grpo.entropy_coef_max=0.1"],
+     r"grpo.entropy_coef_min=0.5 is above grpo.entropy_coef_max=0.1"),
 ])
 def test_the_recipe_refuses_a_grpo_section_that_cannot_run(tmp_path, overrides, expected):
     with pytest.raises(ConfigError, match=expected):
@@ -236,6 +238,9 @@ def test_the_dry_run_shows_prompts_generations_and_generation_memory(tmp_path, c
       "entropy_coef": 0.01, "use_bias_correction_kl": False},
      ["GRPO: loss bnpo (token-level ratio, scale_rewards group, off-policy mask above KL 0.5, top 0.2 of tokens by "
       "entropy, entropy bonus 0.01, KL without the ratio), beta 0.04"]),
+    ({"loss_type": "grpo", "entropy_coef": 0.01, "use_adaptive_entropy": True},
+     ["GRPO: loss grpo (token-level ratio, scale_rewards group, adaptive entropy bonus from 0.01, +/-0.005 within "
+      "[0, 1] by the entropy against 0.2), beta 0"]),
     ({"loss_type": "luspo"}, ["GRPO: loss luspo", "note (TRL warns alike): luspo is meant with "
                                                   "importance_sampling_level=sequence"]),
     ({"loss_type": "dapo", "importance_sampling_level": "sequence"},
@@ -247,6 +252,19 @@ def test_the_plan_names_the_loss_and_the_combinations_trl_warns_of(settings, exp
     section = GrpoSection(rewards=[{"function": "exact_answer"}], **settings)
     lines = loss_lines(section)
     assert len(lines) == len(expected) and all(line.startswith(start) for line, start in zip(lines, expected))
+
+
+def test_adaptive_entropy_control_keeps_the_bonus_in_the_memory_plan_at_a_coefficient_of_0(tmp_path):
+    """Its coefficient may start at 0 and rise: the bonus's fp32 [tokens, vocabulary] tensor is planned from the
+    start, as for a fixed coefficient."""
+    from transformers import AutoConfig
+    from training.planning.memory import activations
+    from training.planning.shape import model_shape
+    recipes = [grpo_recipe(tmp_path, *overrides) for overrides in
+               ([], ["grpo.entropy_coef=0.1"], ["grpo.use_adaptive_entropy=true", "grpo.entropy_coef=0"])]
+    shape = model_shape(AutoConfig.from_pretrained(tmp_path / "base"))
+    plain, fixed, adaptive = (activations(recipe, "bf16", shape, "2").peak(False) for recipe in recipes)
+    assert plain < fixed == adaptive
 
 
 def test_each_rank_must_hold_whole_groups(tmp_path):

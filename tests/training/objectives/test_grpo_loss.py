@@ -6,6 +6,10 @@
   TRL's _compute_loss and through the model's logits -> token_logps -> grpo_loss; each micro-batch's loss (ours / 2,
   DeepSpeed's averaging) within 1e-6, the step's accumulated gradient within 1e-5, and the metrics TRL records per
   micro-batch;
+- adaptive entropy control: three optimizer steps of two micro-batches through _compute_loss (TRL updates its
+  coefficient at the step's end, accelerate's sync_gradients) and through EntropyControl around grpo_loss, as
+  training/objectives/grpo.py runs them: each micro-batch's loss, and the coefficient and the step's entropy after
+  each step;
 - the advantages: _generate_and_score_completions with _generate stubbed to return fixed completions, two reward
   functions that return crafted values (None among them, a group whose rewards are all equal); TRL's advantages,
   frac_reward_zero_std and per-function rewards against score -> weighted_rewards -> group_advantages (or, GDPO's
@@ -16,9 +20,11 @@ import torch
 
 from tests.conftest import save_small_checkpoint
 from tests.helpers.trl_state import left_as_found
-from training.objectives.grpo_loss import (STEP_TOKEN_MEAN, LossSettings, entropy_threshold, grpo_loss,
-                                           group_advantages, metric_means, normalized_sum_advantages, token_logps,
-                                           weighted_rewards)
+from dataclasses import replace
+
+from training.objectives.grpo_loss import (STEP_TOKEN_MEAN, EntropyControl, LossSettings, entropy_threshold,
+                                           grpo_loss, group_advantages, kept_tokens, metric_means,
+                                           normalized_sum_advantages, token_logps, weighted_rewards)
 from training.objectives.rewards import score
 
 BATCH, ACCUMULATION, GENERATIONS, MAX_COMPLETION, TEMPERATURE = 4, 2, 4, 8, 0.7
@@ -136,7 +142,7 @@ def test_loss_gradient_and_metrics_equal_trl(checkpoint, tmp_path, loss_type, be
                             **{"epsilon_high": EPSILON_HIGH, **options}, max_completion_length=MAX_COMPLETION)
     for index, batch in enumerate(batches):
         logps, entropies = token_logps(completion_logits(model, batch), batch["completion_ids"], TEMPERATURE,
-                                       entropy_gradient=settings.entropy_coef != 0)
+                                       entropy_gradient=settings.entropy_bonus)
         share, sums = grpo_loss(logps, batch.get("old_per_token_logps"), batch.get("ref_per_token_logps"),
                                 batch["advantages"], batch["completion_mask"], settings,
                                 tokens_per_micro_batch=float(step_tokens) / ACCUMULATION, entropies=entropies,
@@ -155,6 +161,48 @@ def test_loss_gradient_and_metrics_equal_trl(checkpoint, tmp_path, loss_type, be
     assert max(gradient.abs().max() for gradient in trl_gradients) > 1e-2, "a gradient worth comparing"
     clipped = [name for name in ("clip_ratio/region_mean", "cispo_clip_ratio") if name in trl_metrics]
     assert all(any(value > 0 for value in trl_metrics[name]) for name in clipped), "clipping exercised"
+
+
+@pytest.mark.parametrize("target, quantile", [(100.0, 1.0), (100.0, 0.5), (0.2, 1.0)],
+                         ids=["entropy-below-target", "below-target-top-half", "entropy-above-target"])
+def test_adaptive_entropy_control_equals_trl(checkpoint, tmp_path, target, quantile):
+    """Below the target the coefficient rises from step 1 and applies from step 2 (TRL's first step has no previous
+    entropy); above it, it falls and never applies. With top_entropy_quantile 0.5 the step's entropy is the kept
+    tokens' (kept_tokens), a token-weighted mean over both micro-batches, compared with TRL's to 1e-6."""
+    options = {"entropy_coef": 0.1, "use_adaptive_entropy": True, "entropy_target": target,
+               "entropy_coef_delta": 0.03, "entropy_coef_min": 0.02, "entropy_coef_max": 0.15,
+               "top_entropy_quantile": quantile}
+    theirs = trainer(checkpoint, tmp_path, loss_type="grpo", beta=0.0, **options)
+    model, generator = theirs.model, torch.Generator().manual_seed(0)
+    batches = [micro_batch(model, generator, [6, 2, 4, 1], True, 0.0), micro_batch(model, generator, [3, 6, 1, 5],
+                                                                                 False, 0.0)]
+    settings = LossSettings(loss_type="grpo", epsilon_low=EPSILON, epsilon_high=EPSILON_HIGH,
+                            max_completion_length=MAX_COMPLETION, entropy_coef=0.1, use_adaptive_entropy=True,
+                            top_entropy_quantile=quantile)
+    control = EntropyControl(0.1, target, 0.03, 0.02, 0.15)
+    coefficients = []
+    for step in range(3):
+        window = torch.zeros(2)
+        for index, batch in enumerate(batches):
+            theirs.accelerator.gradient_state._set_sync_gradients(index == len(batches) - 1)
+            trl_loss = theirs._compute_loss(model, batch)
+            logps, entropies = token_logps(completion_logits(model, batch), batch["completion_ids"], TEMPERATURE,
+                                           entropy_gradient=True)
+            mask = batch["completion_mask"]
+            high = entropy_threshold(entropies[mask.bool()], quantile) if quantile < 1 else None
+            share, _ = grpo_loss(logps, batch.get("old_per_token_logps"), None, batch["advantages"], mask,
+                                 replace(settings, entropy_coef=control.applied()), entropies=entropies,
+                                 high_entropy=high)
+            assert share.item() / ACCUMULATION == pytest.approx(trl_loss.item(), abs=1e-6), (step, index)
+            kept = kept_tokens(mask, entropies, high)
+            window += torch.stack([(entropies.detach() * kept).sum(), kept.sum()])
+        control.update((window[0] / window[1]).item())
+        assert control.last_entropy == pytest.approx(theirs._last_world_entropy, abs=1e-6), step
+        assert control.coef == pytest.approx(theirs.entropy_coef, abs=1e-12), step
+        coefficients.append(control.coef)
+    model.zero_grad(set_to_none=True)
+    assert coefficients == pytest.approx([0.13, 0.15, 0.15] if target > 1 else [0.07, 0.04, 0.02])  # both bounds
+    assert theirs._metrics["train"]["entropy_coef"] == pytest.approx(coefficients)
 
 
 def reward_a(prompts, completions, a, **_):
