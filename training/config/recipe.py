@@ -245,6 +245,10 @@ class GrpoSection(StrictModel):
     max_completion_length: PositiveInt = 512
     temperature: PositiveFloat = 1.0
     top_p: float = Field(1.0, gt=0, le=1)
+    top_k: NonNegativeInt = 0  # sample among the k likeliest tokens only; 0: all
+    min_p: float | None = Field(None, ge=0, le=1)  # only tokens at least this x the likeliest's probability (e.g. 0.1)
+    repetition_penalty: PositiveFloat = 1.0  # > 1: the logits of tokens already in the prompt or completion divided
+    # by it (multiplied where negative; CTRL's penalty, transformers')
     beta: NonNegativeFloat = 0.0  # the KL term's weight, against the starting model (LoRA: the base); 0: no reference
     epsilon: PositiveFloat = 0.2  # clipping of the probability ratio, below
     epsilon_high: PositiveFloat | None = None  # and above (None: epsilon; DAPO: 0.28; cispo: the ratio's cap, 5.0)

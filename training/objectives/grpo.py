@@ -28,7 +28,8 @@ import deepspeed
 import numpy as np
 import torch
 import torch.distributed as dist
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, PretrainedConfig, TopPLogitsWarper
+from transformers import (GenerationConfig, LogitsProcessor, LogitsProcessorList, MinPLogitsWarper, PretrainedConfig,
+                          RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from data_pipeline.loader import EvalPromptBatches, PromptBatches
 from data_pipeline.pack import best_fit_decreasing
@@ -77,19 +78,27 @@ class Rollout(NamedTuple):
 
 
 class SeededSampling(LogitsProcessor):
-    """Sampling at `temperature` within `top_p` with a random stream per completion, for `generate`'s greedy search:
-    the Gumbel-max draw, argmax(logits / temperature + Gumbel noise), is a sample of softmax(logits / temperature)
-    (tokens outside top_p stay at -inf). transformers' own sampling draws every row from one stream, so a completion
-    would depend on which others share its batch, that is on the layout; here it depends on its seed alone."""
+    """Sampling as transformers' `generate` samples (in its order: repetition_penalty over each row's tokens, its left
+    padding left out; temperature; top_k; top_p; min_p), with a random stream per completion, for `generate`'s greedy
+    search: the Gumbel-max draw, argmax(logits + Gumbel noise), is a sample of softmax(logits) (tokens cut off stay at
+    -inf). transformers' own sampling draws every row from one stream, so a completion would depend on which others
+    share its batch, that is on the layout; here it depends on its seed alone."""
 
-    def __init__(self, seeds: list[int], temperature: float, top_p: float, device: torch.device):
+    def __init__(self, seeds: list[int], section: GrpoSection, padding: torch.Tensor, device: torch.device):
         self.generators = [torch.Generator(device).manual_seed(seed) for seed in seeds]
-        self.temperature, self.top_p = temperature, TopPLogitsWarper(top_p) if top_p < 1 else None
+        self.warpers = LogitsProcessorList([TemperatureLogitsWarper(section.temperature)])
+        if section.repetition_penalty != 1.0:
+            self.warpers.insert(0, RepetitionPenaltyLogitsProcessor(section.repetition_penalty,
+                                                                    prompt_ignore_length=padding))
+        if section.top_k > 0:
+            self.warpers.append(TopKLogitsWarper(section.top_k))
+        if section.top_p < 1:
+            self.warpers.append(TopPLogitsWarper(section.top_p))
+        if section.min_p is not None:
+            self.warpers.append(MinPLogitsWarper(section.min_p))
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        scores = scores.float() / self.temperature
-        if self.top_p:
-            scores = self.top_p(input_ids, scores)
+        scores = self.warpers(input_ids, scores.float())
         noise = torch.stack([torch.empty(scores.shape[1], device=scores.device).exponential_(generator=generator)
                              for generator in self.generators])
         return scores - noise.log()
@@ -100,6 +109,7 @@ def sample(model: torch.nn.Module, prompts: list[torch.Tensor], seeds: list[int]
     """One completion per prompt (1-D tensors; the same prompt repeated for a group), sampled in one batch, the
     prompts left-padded: each completion ends at its first EOS (kept) or at max_completion_length (truncated)."""
     device, width = prompts[0].device, max(len(p) for p in prompts)
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
     inputs = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
     mask = torch.zeros_like(inputs)
     for row, prompt in enumerate(prompts):
@@ -108,8 +118,8 @@ def sample(model: torch.nn.Module, prompts: list[torch.Tensor], seeds: list[int]
                               pad_token_id=pad_id, use_cache=True)
     with torch.no_grad():
         out = model.generate(input_ids=inputs, attention_mask=mask, generation_config=config, synced_gpus=synced,
-                             logits_processor=LogitsProcessorList([SeededSampling(seeds, section.temperature,
-                                                                                  section.top_p, device)]))
+                             logits_processor=LogitsProcessorList([SeededSampling(seeds, section, width - lengths,
+                                                                                  device)]))
     completions, truncated = [], []
     for sequence in out[:, width:]:
         ends = (sequence == eos_id).nonzero()
@@ -179,6 +189,15 @@ def loss_settings(section: GrpoSection) -> LossSettings:
     named = {field.name for field in fields(LossSettings)} & set(GrpoSection.model_fields) - {"epsilon_high"}
     return LossSettings(epsilon_low=section.epsilon, epsilon_high=section.epsilon_high or section.epsilon,
                         **section.model_dump(include=named))
+
+
+def sampling(section: GrpoSection) -> str:
+    """The plan's words for the sampling settings: the temperature, and those that are set."""
+    settings = {"top_k": section.top_k or None, "top_p": section.top_p if section.top_p < 1 else None,
+                "min_p": section.min_p,
+                "repetition_penalty": section.repetition_penalty if section.repetition_penalty != 1 else None}
+    shown = ", ".join(f"{name} {value:g}" for name, value in settings.items() if value is not None)
+    return f"sampled at temperature {section.temperature:g}" + (f" ({shown})" if shown else "")
 
 
 def entropy_control(section: GrpoSection) -> EntropyControl:
@@ -342,8 +361,9 @@ class Grpo(Objective):
                 f"accumulation x {plan.dp_size} data-parallel ranks, each a row of prompt + completion (at most "
                 f"{plan.recipe.data.seq_len} tokens)",
                 *loss_lines(grpo),
-                f"generation: {prompts // plan.dp_size} prompt(s) x {grpo.num_generations} per rank in one batch, up "
-                f"to {grpo.max_completion_length} decoding passes (new tokens); weights: {gathered}; reference: "
+                f"generation: {prompts // plan.dp_size} prompt(s) x {grpo.num_generations} per rank in one batch, "
+                f"{sampling(grpo)}, up to {grpo.max_completion_length} decoding passes (new tokens); weights: "
+                f"{gathered}; reference: "
                 f"{reference}",
                 f"generation memory per rank, between the steps (in the memory table's peak where larger than the "
                 f"activations): {format_bytes(memory.total)} = the larger of the prompts' pass "

@@ -217,7 +217,8 @@ def generation(recipe: Recipe, precision: str, shape: ModelShape, stage: int, ra
                                               padding's p x p mask of booleans)
       decoding:  KV(seq_len)*(1 + 1/(2L)) + B*V*4*k   (the cache grows by concatenation: a layer's keys, or values,
                                               are copied at a time; the last position's logits in fp32, k copies:
-                                              transformers' and SeededSampling's, 7, and top_p's sort, 10)
+                                              transformers' and SeededSampling's, 7, and top_p's sort, 10;
+                                              top_k's, min_p's and the repetition penalty's stay within the 7)
       the larger of the two, plus the whole weights (P*a) under ZeRO-3 with grpo.ds3_gather_for_generation.
     Read off transformers' Llama modules and generate, and checked against a measurement of the allocations on CPU
     (tests/training/planning/test_memory.py). Not counted: the attention's p x p scores, which CPU's math kernel

@@ -1,6 +1,7 @@
 """training.objective=grpo, its parts without a run: sampling, the prompts' batches, the reference under LoRA, what it
 refuses and the dry run's lines. The loss and advantages against TRL: test_grpo_loss.py; runs: tests/test_grpo.py."""
 import json
+import math
 import re
 from types import SimpleNamespace
 
@@ -21,6 +22,7 @@ from training.objectives.grpo_loss import LOSS_TYPES, LossSettings, grpo_loss
 from training.planning.precision import DTYPES
 
 SECTION = GrpoSection(num_generations=4, max_completion_length=12, temperature=0.9, top_p=0.95)
+SETTINGS = {"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.3}  # the other sampling settings, TRL's names
 
 
 @pytest.fixture(scope="module")
@@ -30,22 +32,52 @@ def small(tmp_path_factory):
     return path, AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
 
 
-def test_a_completion_depends_on_its_seed_alone_not_on_its_batch(small):
+@pytest.mark.parametrize("section", [SECTION, SECTION.model_copy(update=SETTINGS)], ids=["top-p", "every-setting"])
+def test_a_completion_depends_on_its_seed_alone_not_on_its_batch(small, section):
     """Under any layout a rank samples its own prompts in one batch: each completion must be the one its seed gives
-    when it is sampled alone (prompts of other lengths left-padded beside it)."""
+    when it is sampled alone (prompts of other lengths left-padded beside it; the repetition penalty leaves the
+    padding out)."""
     _, model, tokenizer = small
     prompts = [torch.tensor(tokenizer(text)["input_ids"]) for text in ("1=", "17+25=", "Write a function that")]
     assert len({len(p) for p in prompts}) == 3
     seeds = [11, 22, 33]
-    together, cut = sample(model, prompts, seeds, SECTION, tokenizer.eos_token_id, 0, False)
+    together, cut = sample(model, prompts, seeds, section, tokenizer.eos_token_id, 0, False)
     for prompt, seed, completion in zip(prompts, seeds, together):
-        [alone], _ = sample(model, [prompt], [seed], SECTION, tokenizer.eos_token_id, 0, False)
+        [alone], _ = sample(model, [prompt], [seed], section, tokenizer.eos_token_id, 0, False)
         assert torch.equal(alone, completion)
-    assert all(len(c) == SECTION.max_completion_length for c, truncated in zip(together, cut) if truncated)
-    again, _ = sample(model, prompts, seeds, SECTION, tokenizer.eos_token_id, 0, False)
+    assert all(len(c) == section.max_completion_length for c, truncated in zip(together, cut) if truncated)
+    again, _ = sample(model, prompts, seeds, section, tokenizer.eos_token_id, 0, False)
     assert all(map(torch.equal, together, again))
-    other, _ = sample(model, prompts, [12, 23, 34], SECTION, tokenizer.eos_token_id, 0, False)
+    other, _ = sample(model, prompts, [12, 23, 34], section, tokenizer.eos_token_id, 0, False)
     assert not all(map(torch.equal, together, other))
+
+
+@pytest.mark.parametrize("settings", [SETTINGS, {"repetition_penalty": 1.3, "top_p": 1.0}],
+                         ids=["every-setting", "repetition-penalty-alone"])
+def test_seeded_sampling_warps_the_logits_as_transformers_sampling_does(small, settings):
+    """Every sampling setting, over a left-padded batch: our warpers give, at each step, the scores transformers'
+    generate(do_sample=True) samples from (output_scores), from the same raw logits (output_logits) and tokens. With
+    the repetition penalty alone every score is finite: the padding token's shows that the padding is left out."""
+    from transformers import GenerationConfig
+    _, model, tokenizer = small
+    prompts = [torch.tensor(tokenizer(text)["input_ids"]) for text in ("1=", "17+25=", "Write a function that")]
+    width = max(len(p) for p in prompts)
+    inputs = torch.stack([torch.cat([torch.zeros(width - len(p), dtype=torch.long), p]) for p in prompts])
+    mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+    section = SECTION.model_copy(update=settings)
+    assert all(0 not in p for p in prompts)
+    config = GenerationConfig(do_sample=True, max_new_tokens=6, temperature=section.temperature, top_p=section.top_p,
+                              top_k=section.top_k, min_p=section.min_p, repetition_penalty=section.repetition_penalty,
+                              pad_token_id=0, eos_token_id=None)
+    torch.manual_seed(0)
+    out = model.generate(input_ids=inputs, attention_mask=mask, generation_config=config, output_scores=True,
+                         output_logits=True, return_dict_in_generate=True)
+    ours = SeededSampling([0] * len(prompts), section, width - mask.sum(1), torch.device("cpu"))
+    for step, (logits, scores) in enumerate(zip(out.logits, out.scores)):
+        warped = ours.warpers(out.sequences[:, :width + step], logits.float())
+        torch.testing.assert_close(warped, scores, rtol=0, atol=0)
+        cut = (scores == -math.inf).any(-1)
+        assert cut.all() if section.top_k else not cut.any()
 
 
 def test_seeded_sampling_draws_from_the_tempered_top_p_distribution():
@@ -54,7 +86,8 @@ def test_seeded_sampling_draws_from_the_tempered_top_p_distribution():
     torch.manual_seed(0)
     scores, draws = torch.randn(1, 12) * 2, 20_000
     expected = TopPLogitsWarper(0.9)(None, scores / 0.7).softmax(-1)[0]
-    sampler = SeededSampling(list(range(draws)), temperature=0.7, top_p=0.9, device=torch.device("cpu"))
+    sampler = SeededSampling(list(range(draws)), GrpoSection(temperature=0.7, top_p=0.9), torch.zeros(draws),
+                             torch.device("cpu"))
     picked = sampler(None, scores.expand(draws, -1)).argmax(-1)
     frequencies = torch.bincount(picked, minlength=12).float() / draws
     assert frequencies[expected == 0].sum() == 0  # nothing outside top_p
@@ -217,9 +250,11 @@ def test_the_dry_run_shows_prompts_generations_and_generation_memory(tmp_path, c
     import train
     save_small_checkpoint(tmp_path / "base")
     assert train.main(["--recipe", "tiny_llama_grpo", "--dry-run", "--output-dir", str(tmp_path / "out"),
-                       f"model.name_or_path={tmp_path / 'base'}"]) == 0, capsys.readouterr().err
+                       f"model.name_or_path={tmp_path / 'base'}", "grpo.top_k=20", "grpo.min_p=0.1"]) == 0, \
+        capsys.readouterr().err
     out = capsys.readouterr().out
     assert "batch: 8 prompts x 8 generations = 64 completions per step; 32 completions/rank x 2 accumulation" in out
+    assert "in one batch, sampled at temperature 1 (top_k 20, min_p 0.1), up to 16 decoding passes" in out
     assert "GRPO: loss dapo (token-level ratio, scale_rewards group), beta 0.04, epsilon 0.2/0.2" in out
     assert "rewards: rewards:closeness x 1, exact_answer x 1" in out and "note" not in out
     assert "KV cache" in out

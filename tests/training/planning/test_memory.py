@@ -275,16 +275,23 @@ def allocated_peak(run) -> int:
     return peak
 
 
-@pytest.mark.parametrize("shape_of, dtype, seq_len, completion, top_p", [
-    (dict(num_hidden_layers=6, hidden_size=128, intermediate_size=256, vocab_size=256), torch.float32, 80, 64, 1.0),
-    (dict(num_hidden_layers=6, hidden_size=128, intermediate_size=256, vocab_size=256), torch.bfloat16, 80, 64, 1.0),
-    (dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, vocab_size=8000), torch.float32, 32, 16, 0.9),
-    (dict(num_hidden_layers=2, hidden_size=512, intermediate_size=2048, vocab_size=256), torch.float32, 204, 4, 1.0),
-], ids=["kv-cache", "kv-cache-bf16", "sampling-top-p", "prefill"])
-def test_the_generation_rule_matches_the_allocations(tmp_path, shape_of, dtype, seq_len, completion, top_p):
+SAMPLING = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, vocab_size=8000)  # the logits the most
+
+
+@pytest.mark.parametrize("shape_of, dtype, seq_len, completion, sampling", [
+    (dict(num_hidden_layers=6, hidden_size=128, intermediate_size=256, vocab_size=256), torch.float32, 80, 64, {}),
+    (dict(num_hidden_layers=6, hidden_size=128, intermediate_size=256, vocab_size=256), torch.bfloat16, 80, 64, {}),
+    (SAMPLING, torch.float32, 32, 16, {"top_p": 0.9}),
+    (SAMPLING, torch.float32, 32, 16, {"top_k": 50, "min_p": 0.05, "repetition_penalty": 1.2}),  # none of them
+    # raises the peak (measured one by one too): top_p's sort does
+    (SAMPLING, torch.float32, 32, 16, {"top_k": 50, "top_p": 0.9, "min_p": 0.05, "repetition_penalty": 1.2}),
+    (dict(num_hidden_layers=2, hidden_size=512, intermediate_size=2048, vocab_size=256), torch.float32, 204, 4, {}),
+], ids=["kv-cache", "kv-cache-bf16", "sampling-top-p", "sampling-top-k-min-p-penalty",
+        "sampling-every-setting", "prefill"])
+def test_the_generation_rule_matches_the_allocations(tmp_path, shape_of, dtype, seq_len, completion, sampling):
     """A GRPO generation's memory (memory.generation) against what generate allocates on CPU, with prompts at the
     budget and no completion ending early: a bound within 10% where the KV cache, the sampling's buffers over a large
-    vocabulary, or the prompts' pass is the most."""
+    vocabulary (with every sampling setting), or the prompts' pass is the most."""
     from tests.conftest import save_small_checkpoint
     from training.config.recipe import load_recipe
     from training.objectives.grpo import sample
@@ -297,7 +304,7 @@ def test_the_generation_rule_matches_the_allocations(tmp_path, shape_of, dtype, 
     recipe = load_recipe("tiny_llama_grpo", [
         f"model.name_or_path={tmp_path / 'base'}", f"training.global_batch_size={completions}",
         f"training.micro_batch_size={completions}", f"data.seq_len={seq_len}",
-        f"grpo.max_completion_length={completion}", f"grpo.top_p={top_p}"])
+        f"grpo.max_completion_length={completion}", *(f"grpo.{key}={value}" for key, value in sampling.items())])
     prompts = [torch.randint(3, config.vocab_size, (seq_len - completion,)) for _ in range(completions)]
     never = config.vocab_size  # no token ends a completion early
     measured = allocated_peak(lambda: sample(model, prompts, list(range(completions)), recipe.grpo, never, 0, False))
