@@ -1,6 +1,6 @@
 """training.objective=grpo, run by train.py: the same curve on 1 rank (ZeRO-0, one completion per row) and 2 ranks
 (ZeRO-3, completions packed into rows), after a kill -9 and a resume in another layout (ZeRO-3 with the whole weights
-gathered for generation; adaptive entropy control's coefficient restored), and with LoRA (the reference: the base with the adapters disabled); the same evaluation by
+gathered for generation; adaptive entropy control's coefficient and the synced reference restored), and with LoRA (the reference: the base with the adapters disabled); the same evaluation by
 generation on held-out prompts; the completions' samples; the export loaded by transformers; a SIGTERM inside a
 generation. Against TRL's GRPOTrainer step by step: tests/test_grpo_trl.py.
 
@@ -52,6 +52,9 @@ def runs(tmp_path_factory) -> dict:
               # adaptive entropy control, below its target: the coefficient 0.01 higher after every step, applied
               # from step 2; the killed run's checkpoint holds it (at 0.02), and the resumed run continues from it
               "grpo.use_adaptive_entropy=true", "grpo.entropy_target=100", "grpo.entropy_coef_delta=0.01",
+              # the reference mixed with the policy after every step (TR-DPO): under ZeRO-3 weight by weight,
+              # gathered; the killed run's step-2 checkpoint holds it, written at ZeRO-1 and restored at ZeRO-3
+              "grpo.sync_ref_model=true", "grpo.ref_model_sync_steps=1",
               "data.packing=bfd"]  # but in `whole`: one completion per row
     whole, zero3, killed, resumed, lora = (folder / name for name in ("whole", "zero3", "killed", "resumed", "lora"))
     result = run_train(["--output-dir", str(whole), *common, "deepspeed.config=zero0", "data.packing=none"], ranks=1)
@@ -67,7 +70,8 @@ def runs(tmp_path_factory) -> dict:
                         "grpo.ds3_gather_for_generation=true"], ranks=2)
     assert result.returncode == 0, result.stderr[-3000:]
     result = run_train(["--output-dir", str(lora), *common, "deepspeed.config=zero2", "lora.enabled=true",
-                        "grpo.beta=0.04", "grpo.loss_type=grpo", "training.max_steps=2"], ranks=2)
+                        "grpo.beta=0.04", "grpo.loss_type=grpo", "training.max_steps=2", "grpo.sync_ref_model=false"],
+                       ranks=2)
     assert result.returncode == 0, result.stderr[-3000:]
     return {"whole": whole, "zero3": zero3, "killed": killed, "resumed": resumed, "lora": lora}
 
@@ -103,6 +107,7 @@ def test_a_killed_grpo_run_resumes_in_another_layout_on_the_same_curve(runs):
     whole = metrics(runs["whole"])
     assert_same_curve(metrics(runs["killed"]), whole[:len(metrics(runs["killed"]))])
     assert_same_curve(metrics(runs["resumed"]), whole)  # steps 1-2 from the killed run, 3-4 resumed on 2 ranks
+    assert (runs["killed"] / "checkpoints/global_step2/reference.safetensors").is_file()
     samples = [json.loads(line) for line in (runs["resumed"] / COMPLETIONS_FILE).read_text().splitlines()]
     assert [s["generation"] for s in samples] == [g for g in range(STEPS) for _ in range(16)]  # none twice
     assert samples == [json.loads(line) for line in (runs["whole"] / COMPLETIONS_FILE).read_text().splitlines()]

@@ -25,7 +25,8 @@ the masked case's grad_norm):
   step's micro-batches on both sides, each logged by both sides or neither;
 - the loss types beyond the issue's four (cispo, sapo, luspo, vespo), GSPO's importance_sampling_level=sequence,
   GDPO's multi_objective_aggregation=normalize_then_sum, mask_truncated_completions, the entropy bonus (with GSPO;
-  policy_loss and entropy_coef logged) and its adaptive control (the coefficient moving every step), and (together) the off-policy sequence mask and use_bias_correction_kl=false,
+  policy_loss and entropy_coef logged) and its adaptive control (the coefficient moving every step), a reference
+  synced to the policy every step (sync_ref_model), and (together) the off-policy sequence mask and use_bias_correction_kl=false,
   in cases with num_iterations=2, so that the off-policy step's
   ratios count; delta is set in one of them (tests/training/objectives/test_grpo_loss.py proves it against TRL where
   it changes the loss). top_entropy_quantile is proven there only: this random model's token entropies lie within
@@ -91,6 +92,9 @@ CASES = [  # loss_type, beta, num_iterations, gradient accumulation steps, other
                  id="bnpo-opsm-iterations2-accumulation2"),
     # the coefficient rises by 0.05 after every step (the entropy is below the target) and applies from step 2:
     # entropy_coef logged 0.15, 0.2, 0.25 on both sides; a resume restores it (tests/test_grpo.py)
+    # the reference mixed with the policy after every step (TR-DPO): steps 2 and 3 take their KL to the mixed one
+    pytest.param("grpo", 0.04, 1, 1, {"sync_ref_model": True, "ref_model_sync_steps": 1, "ref_model_mixup_alpha": 0.6},
+                 id="grpo-sync-ref-model-beta0.04"),
     pytest.param("grpo", 0.0, 1, 2, {"use_adaptive_entropy": True, "entropy_coef": 0.1, "entropy_target": 100.0,
                                      "entropy_coef_delta": 0.05}, id="grpo-adaptive-entropy-accumulation2"),
 ]
@@ -237,8 +241,8 @@ def test_grpo_matches_trl_step_by_step(tmp_path, monkeypatch, checkpoint, loss_t
     assert ours[0]["grad_norm"] > GRAD_CLIP, "clipping exercised, shaping the later steps"
     assert ours[0]["frac_reward_zero_std"] == 0, "rewards differ within each group"
     assert ours[0]["completions/clipped_ratio"] == 0.25, "truncated completions among them"
-    if beta:
-        assert ours[-1]["kl"] > 0.05, "the policy moved away from the reference"
+    if beta:  # a synced reference follows the policy: 0.4 of its distance left after every step
+        assert ours[-1]["kl"] > (1e-3 if settings.get("sync_ref_model") else 0.05), "the policy moved away from it"
     if settings.get("use_adaptive_entropy"):
         assert [r["entropy_coef"] for r in ours] == pytest.approx([0.15, 0.2, 0.25])
     if iterations > 1:  # the off-policy step's ratios are not 1

@@ -107,7 +107,8 @@ class Loop:
         self.flops, self.trackers, self.clock, self.router = flops, trackers, clock, router
         recipe, self.checkpoints = plan.recipe, plan.output_dir / "checkpoints"
         self.state, self.first_step = start.model_copy(), start.step
-        objective.load_state_dict(start.objective)
+        if start.step:  # resumed: the objective goes on from the checkpoint
+            objective.restore(start.objective, self.checkpoints / f"global_step{start.step}")
         self.logger = MetricsLogger(plan.output_dir, total_steps, start.step, "tensorboard" in recipe.logging.report_to,
                                     dist.get_rank() == 0, trackers)
         self.guard = StabilityGuard(recipe.stability, plan.precision == "fp16", self.checkpoints) \
@@ -171,7 +172,7 @@ class Loop:
                                                          guard, self.plan.sequence_shard(dist.get_rank()))
         state.data_position += 1
         applied = engine.skipped_steps == skipped_before
-        self.objective.end_step(applied)
+        self.objective.end_step(engine, state.step + 1, applied)
         event = guard.after_step(state.step + 1, state.data_position - 1, float(grad_norm),
                                  not applied) if guard else None
         return lr, loss_share, grad_norm, tokens, stop, event
@@ -184,7 +185,7 @@ class Loop:
         if event["event"] == "rewind":
             restored = rewind(self.engine, self.batches, self.checkpoints, state.data_position, self.plan.layout())
             state.step, state.tokens_seen = restored.step, restored.tokens_seen
-            self.objective.load_state_dict(restored.objective)
+            self.objective.restore(restored.objective, self.checkpoints / f"global_step{restored.step}")
             event.update(rewound_to=state.step, batches_passed_over=state.data_position - restored.data_position)
             self.logger.rewind_to(state.step)
             self.guard.rewound(state.step)
@@ -220,7 +221,7 @@ class Loop:
         plan, engine, step = self.plan, self.engine, self.state.step
         hf_files = (plan.model_config, plan.tokenizer, *lora_files(engine.module))
         self.saves.append(save_checkpoint(engine, self.checkpoints, self.run_state(), self.batches.state_dict(),
-                                          hf_files, plan.recipe.checkpointing.keep_last))
+                                          hf_files, plan.recipe.checkpointing.keep_last, self.objective.save))
         self.logger.note(f"checkpoint global_step{step}: {self.saves[-1]['bytes'] / 2**20:,.1f} MiB in "
                          f"{self.saves[-1]['seconds']:.2f} s")
 

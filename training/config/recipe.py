@@ -250,6 +250,10 @@ class GrpoSection(StrictModel):
     repetition_penalty: PositiveFloat = 1.0  # > 1: the logits of tokens already in the prompt or completion divided
     # by it (multiplied where negative; CTRL's penalty, transformers')
     beta: NonNegativeFloat = 0.0  # the KL term's weight, against the starting model (LoRA: the base); 0: no reference
+    sync_ref_model: bool = False  # TR-DPO: every ref_model_sync_steps steps the reference becomes
+    # ref_model_mixup_alpha x the policy + (1 - alpha) x itself (beta > 0, a full fine-tune; saved with each checkpoint)
+    ref_model_mixup_alpha: float = Field(0.6, gt=0, le=1)
+    ref_model_sync_steps: PositiveInt = 512
     epsilon: PositiveFloat = 0.2  # clipping of the probability ratio, below
     epsilon_high: PositiveFloat | None = None  # and above (None: epsilon; DAPO: 0.28; cispo: the ratio's cap, 5.0)
     delta: float | None = Field(None, gt=1)  # two-sided clipping (INTELLECT-2): the unclipped ratio capped too;

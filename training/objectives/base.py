@@ -2,6 +2,8 @@
 plan, the batches it trains on, the loss of a micro-batch and what the loss is a mean over, what it does before step 1,
 the metrics of a logged step and their console text, its evaluation, and what it adds to summary.json and its table.
 docs/objectives.md says how to add one."""
+from pathlib import Path
+
 import deepspeed
 import torch
 from transformers import PretrainedConfig
@@ -54,17 +56,22 @@ class Objective:
     def start_step(self) -> None:
         """A new optimizer step begins (metrics sums restart)."""
 
-    def end_step(self, applied: bool) -> None:
-        """The optimizer step has ended; `applied`: it changed the weights (DeepSpeed or the stability guard may
+    def end_step(self, engine: deepspeed.DeepSpeedEngine, step: int, applied: bool) -> None:
+        """Optimizer step `step` has ended; `applied`: it changed the weights (DeepSpeed or the stability guard may
         drop it). Every rank calls it."""
 
     def state_dict(self) -> dict:
-        """What the objective carries from step to step beyond the weights (grpo: its adaptive entropy
-        coefficient): saved in each checkpoint's run_state.json, restored on --resume and on a rewind."""
+        """What the objective carries from step to step beyond the weights, as numbers (grpo: its adaptive entropy
+        coefficient): saved in each checkpoint's run_state.json."""
         return {}
 
-    def load_state_dict(self, state: dict) -> None:
-        """The state a checkpoint saved ({} where it saved none: the objective starts afresh)."""
+    def save(self, folder: Path) -> None:
+        """The objective's files in a checkpoint's folder (grpo: a synced reference model). Every rank calls it,
+        before run_state.json marks the checkpoint complete."""
+
+    def restore(self, state: dict, folder: Path) -> None:
+        """Back to a checkpoint, on --resume and on a rewind: the state_dict it saved ({} where none) and the files
+        in its folder."""
 
     def loss(self, engine: deepspeed.DeepSpeedEngine, batch: dict, per_micro_batch: float,
              shard: tuple[int, int]) -> torch.Tensor:

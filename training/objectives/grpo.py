@@ -13,7 +13,7 @@ reward functions score them (rewards.py), the rewards of the whole global batch 
 are the step's micro-batches. Their loss is grpo_loss's, on the completions' own layout (unpack), with the old
 log-probabilities kept from the generation when num_iterations > 1 and the reference's when beta > 0 (LoRA: the base
 with the adapters disabled; else the starting checkpoint, loaded again, frozen: a full copy per rank at ZeRO 0-2,
-partitioned over the ranks under ZeRO-3, load_reference). Evaluation samples the held-out prompts alike and scores
+partitioned over the ranks under ZeRO-3, reference.py; with sync_ref_model mixed with the policy as the run goes). Evaluation samples the held-out prompts alike and scores
 them (evaluate).
 """
 import json
@@ -37,11 +37,11 @@ from data_pipeline.prepare import pad_token_id
 from training.base.errors import ConfigError
 from training.compat.deepspeed import zero3_whole_weights
 from training.config.recipe import GrpoSection, Recipe
-from training.models.model import from_checkpoint
 from training.objectives.base import Objective
 from training.objectives.grpo_loss import (CLIPPED, EXTREMES, STEP_TOKEN_MEAN, EntropyControl, LossSettings,
                                            entropy_threshold, group_advantages, grpo_loss, kept_tokens, metric_means,
                                            nanstd, normalized_sum_advantages, token_logps, weighted_rewards)
+from training.objectives.reference import load_reference, restore_reference, save_reference, sync_reference
 from training.objectives.rewards import load_reward, score
 from training.parallel import distributed
 from training.planning.ds_config import params_offloaded
@@ -266,33 +266,6 @@ def reference_place(plan: RunPlan) -> str:
             f"rank, {where}")
 
 
-def reference_ds_config(ds_config: dict) -> dict:
-    """The run's DeepSpeed config for the frozen reference, as TRL's prepare_deepspeed makes it: without the optimizer
-    and its offload (DeepSpeed would build an optimizer from them); ZeRO-3's partitioning, bucket sizes and parameter
-    offload as the run's."""
-    zero = {key: value for key, value in ds_config["zero_optimization"].items() if key != "offload_optimizer"}
-    return {**{key: value for key, value in ds_config.items() if key not in ("optimizer", "scheduler")},
-            "zero_optimization": zero}
-
-
-def load_reference(plan: RunPlan, engine: deepspeed.DeepSpeedEngine) -> torch.nn.Module:
-    """A full fine-tune's reference (beta > 0): the starting checkpoint, frozen, built as the trained model is (its
-    config, attention and dtype). At ZeRO 0-2 a full copy on each rank. Under ZeRO-3 partitioned over the ranks as the
-    trained model is: loaded inside zero.Init (transformers loads there while an HfDeepSpeedConfig is alive), so that
-    no rank holds it whole, and run by a DeepSpeed engine without an optimizer, whose forward gathers each layer's
-    weights from every rank: so every rank must run it together, which they do (each rank's generation makes the same
-    number of micro-batches: as many completions over the same micro_batch_size)."""
-    zero3 = engine.zero_optimization_stage() == 3
-    config = reference_ds_config(plan.ds_config) if zero3 else plan.ds_config
-    model = from_checkpoint(plan.recipe, plan.model_config, config, next(engine.module.parameters()).dtype)
-    model.requires_grad_(False)
-    if not zero3:
-        return model.to(engine.device).eval()
-    reference, *_ = deepspeed.initialize(model=model, config=config)
-    reference.eval()  # DeepSpeedEngine.eval returns None
-    return reference
-
-
 class Grpo(Objective):
     """training.objective=grpo: a step's completions generated, scored and trained on (module docstring)."""
     name = "grpo"
@@ -330,7 +303,11 @@ class Grpo(Objective):
              f"every multiple of num_iterations"),
             (grpo.beta > 0 and not recipe.lora.enabled and not recipe.model.name_or_path,
              "grpo.beta > 0 from model.config alone: the reference is the starting checkpoint, loaded again; set "
-             "model.name_or_path, or beta=0")) if condition]
+             "model.name_or_path, or beta=0"),
+            (grpo.sync_ref_model and grpo.beta == 0, "grpo.sync_ref_model with beta=0: there is no reference to sync"),
+            (grpo.sync_ref_model and recipe.lora.enabled,
+             "grpo.sync_ref_model with lora: the reference is the base with the adapters disabled, not a model of its "
+             "own to mix the policy into (TRL refuses it alike)")) if condition]
         if refused:
             raise ConfigError(f"training.objective=grpo does not support {refused[0]}")
         reward_functions(recipe)
@@ -356,6 +333,11 @@ class Grpo(Objective):
                     "ZeRO-3: each layer's weights gathered for its forward pass, as in training (no full copy)")
         reference = ("none (beta 0)" if grpo.beta == 0 else "the base with the adapters disabled"
                      if plan.recipe.lora.enabled else reference_place(plan))
+        if grpo.sync_ref_model:
+            whole = reference_bytes(plan.recipe, plan.precision, plan.shape, 0, plan.dp_size)
+            reference += (f", synced to the policy every {grpo.ref_model_sync_steps} steps (alpha "
+                          f"{grpo.ref_model_mixup_alpha:g}) and saved with each checkpoint by rank 0 "
+                          f"({format_bytes(whole)}, held whole in its CPU memory while written)")
         return [f"batch: {prompts} prompts x {grpo.num_generations} generations = {training.global_batch_size} "
                 f"completions per step; {training.micro_batch_size} completions/rank x {plan.accumulation_steps} "
                 f"accumulation x {plan.dp_size} data-parallel ranks, each a row of prompt + completion (at most "
@@ -520,20 +502,30 @@ class Grpo(Objective):
             self.entropy_window.append(torch.stack([(entropies.detach() * kept).sum(), kept.sum()]))
         return loss
 
-    def end_step(self, applied: bool) -> None:
-        """Adaptive entropy control moves by the step's entropy over every rank's tokens, if the step was applied."""
-        if self.entropy_control is None:
-            return
-        entropy_sum, tokens = distributed.all_reduce(torch.stack(self.entropy_window).sum(0)).tolist()
-        if applied:
-            self.entropy_control.update(entropy_sum / max(tokens, 1.0))
+    def end_step(self, engine: deepspeed.DeepSpeedEngine, step: int, applied: bool) -> None:
+        """After an applied step, adaptive entropy control moves by the step's entropy over every rank's tokens, and
+        every ref_model_sync_steps steps the policy is mixed into the reference (sync_ref_model)."""
+        grpo = self.section
+        if self.entropy_control:
+            entropy_sum, tokens = distributed.all_reduce(torch.stack(self.entropy_window).sum(0)).tolist()
+            if applied:
+                self.entropy_control.update(entropy_sum / max(tokens, 1.0))
+        if applied and grpo.sync_ref_model and step % grpo.ref_model_sync_steps == 0:
+            sync_reference(self.reference, engine.module, grpo.ref_model_mixup_alpha)
 
     def state_dict(self) -> dict:
         return self.entropy_control.state_dict() if self.entropy_control else {}
 
-    def load_state_dict(self, state: dict) -> None:
+    def save(self, folder: Path) -> None:
+        if self.section.sync_ref_model:
+            save_reference(self.reference, folder)
+
+    def restore(self, state: dict, folder: Path) -> None:
         if self.entropy_control and state:
             self.entropy_control.load_state_dict(state)
+        if self.section.sync_ref_model and not restore_reference(self.reference, folder) and dist.get_rank() == 0:
+            print(f"{folder} holds no synced reference (saved without grpo.sync_ref_model): the reference is the "
+                  f"starting checkpoint until its first sync", flush=True)
 
     def generation_metrics(self, per_function: torch.Tensor, rewards: torch.Tensor, std: torch.Tensor,
                            lengths: torch.Tensor, truncated: torch.Tensor) -> dict:

@@ -17,6 +17,7 @@ import pickle
 import random
 import re
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -76,9 +77,10 @@ def has_frozen_parameters(engine: DeepSpeedEngine) -> bool:
 
 
 def save_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, run_state: dict, data_state: dict,
-                    hf_files: tuple, keep_last: int | None) -> dict:
-    """Every rank calls it. `run_state` must hold `step`; `hf_files` is (model config, tokenizer). Returns the
-    save's `seconds` (until `latest` names it) and the `bytes` of its folder (counted on rank 0, else 0)."""
+                    hf_files: tuple, keep_last: int | None, write_more: Callable[[Path], None] | None = None) -> dict:
+    """Every rank calls it. `run_state` must hold `step`; `hf_files` is (model config, tokenizer); `write_more`
+    writes files of the caller's into the tag's folder (every rank calls it, before the run state completes the save).
+    Returns the save's `seconds` (until `latest` names it) and the `bytes` of its folder (counted on rank 0, else 0)."""
     started = time.perf_counter()
     tag, rank = f"global_step{run_state['step']}", dist.get_rank()
     tag_dir = checkpoint_dir / tag
@@ -89,6 +91,8 @@ def save_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, run_state: di
     if rank == 0:
         for item in hf_files:
             item.save_pretrained(tag_dir / "hf")
+    if write_more:
+        write_more(tag_dir)
     os.sync()  # this node's files are on disk before the run state and `latest` can name them complete
     dist.barrier()
     size = 0

@@ -206,6 +206,8 @@ def test_the_recipe_refuses_a_grpo_section_that_cannot_run(tmp_path, overrides, 
     (["grpo.rewards=[{function: format_regex}]"], "missing parameter"),
     (["parallelism.pipeline_stages=2"], "does not support parallelism.pipeline_stages"),
     (["data.packing=concat"], "data.packing=concat: it would cut completions across rows"),
+    (["grpo.sync_ref_model=true", "grpo.beta=0"], "grpo.sync_ref_model with beta=0: there is no reference to sync"),
+    (["grpo.sync_ref_model=true", "lora.enabled=true"], "grpo.sync_ref_model with lora: the reference is the base"),
 ])
 def test_grpo_refuses_before_anything_is_built(tmp_path, overrides, expected):
     with pytest.raises(ConfigError, match=expected):
@@ -249,7 +251,8 @@ def test_the_dry_run_shows_prompts_generations_and_generation_memory(tmp_path, c
     import train
     save_small_checkpoint(tmp_path / "base")
     assert train.main(["--recipe", "tiny_llama_grpo", "--dry-run", "--output-dir", str(tmp_path / "out"),
-                       f"model.name_or_path={tmp_path / 'base'}", "grpo.top_k=20", "grpo.min_p=0.1"]) == 0, \
+                       f"model.name_or_path={tmp_path / 'base'}", "grpo.top_k=20", "grpo.min_p=0.1",
+                       "grpo.sync_ref_model=true", "grpo.ref_model_sync_steps=2"]) == 0, \
         capsys.readouterr().err
     out = capsys.readouterr().out
     assert "batch: 8 prompts x 8 generations = 64 completions per step; 32 completions/rank x 2 accumulation" in out
@@ -257,7 +260,8 @@ def test_the_dry_run_shows_prompts_generations_and_generation_memory(tmp_path, c
     assert "GRPO: loss dapo (token-level ratio, scale_rewards group), beta 0.04, epsilon 0.2/0.2" in out
     assert "rewards: rewards:closeness x 1, exact_answer x 1" in out and "note" not in out
     assert "KV cache" in out
-    assert re.search(r"reference: the starting checkpoint, a frozen copy on each rank \([\d.]+ MiB\)", out)
+    assert re.search(r"reference: the starting checkpoint, a frozen copy on each rank \(([\d.]+) MiB\), synced to the "
+                     r"policy every 2 steps \(alpha 0.6\) and saved with each checkpoint by rank 0 \(\1 MiB,", out)
     assert re.search(r"generation cost per step and rank: [\d.e+]+ FLOPs at most \(33% of training on the same tokens\), "
                      r"in 16 decoding passes", out)
 

@@ -1,0 +1,109 @@
+"""GRPO's reference model for a full fine-tune (beta > 0; under LoRA it is the base with the adapters disabled, no
+model of its own): loaded from the starting checkpoint (load_reference) and, with grpo.sync_ref_model (TR-DPO), mixed
+into by the policy every ref_model_sync_steps steps (sync_reference). A synced reference is no longer the starting
+checkpoint, so each checkpoint holds it (save_reference, restore_reference): a resume, in any layout, and a rewind go
+on with the reference of the step they continue from. Under ZeRO-3 the reference is partitioned over the ranks as the
+trained model is, and these go through DeepSpeed's GatheredParameters one weight at a time (no rank holds it whole)."""
+from contextlib import nullcontext
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from training.base.errors import ConfigError
+from training.models.model import from_checkpoint
+from training.planning.plan import RunPlan
+
+REFERENCE_FILE = "reference.safetensors"  # in a checkpoint's global_step{N}/, with grpo.sync_ref_model
+
+
+def reference_ds_config(ds_config: dict) -> dict:
+    """The run's DeepSpeed config for the frozen reference, as TRL's prepare_deepspeed makes it: without the optimizer
+    and its offload (DeepSpeed would build an optimizer from them); ZeRO-3's partitioning, bucket sizes and parameter
+    offload as the run's."""
+    zero = {key: value for key, value in ds_config["zero_optimization"].items() if key != "offload_optimizer"}
+    return {**{key: value for key, value in ds_config.items() if key not in ("optimizer", "scheduler")},
+            "zero_optimization": zero}
+
+
+def load_reference(plan: RunPlan, engine: deepspeed.DeepSpeedEngine) -> torch.nn.Module:
+    """A full fine-tune's reference (beta > 0): the starting checkpoint, frozen, built as the trained model is (its
+    config, attention and dtype). At ZeRO 0-2 a full copy on each rank. Under ZeRO-3 partitioned over the ranks as the
+    trained model is: loaded inside zero.Init (transformers loads there while an HfDeepSpeedConfig is alive), so that
+    no rank holds it whole, and run by a DeepSpeed engine without an optimizer, whose forward gathers each layer's
+    weights from every rank: so every rank must run it together, which they do (each rank's generation makes the same
+    number of micro-batches: as many completions over the same micro_batch_size)."""
+    zero3 = engine.zero_optimization_stage() == 3
+    config = reference_ds_config(plan.ds_config) if zero3 else plan.ds_config
+    model = from_checkpoint(plan.recipe, plan.model_config, config, next(engine.module.parameters()).dtype)
+    model.requires_grad_(False)
+    if not zero3:
+        return model.to(engine.device).eval()
+    reference, *_ = deepspeed.initialize(model=model, config=config)
+    reference.eval()  # DeepSpeedEngine.eval returns None
+    return reference
+
+
+def weights(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """The named weights of a model, or of the model a DeepSpeed engine runs."""
+    return list((model.module if isinstance(model, deepspeed.DeepSpeedEngine) else model).named_parameters())
+
+
+def partitioned(reference: torch.nn.Module) -> bool:
+    """Whether the reference is partitioned by ZeRO-3 (load_reference: then a DeepSpeed engine runs it)."""
+    return isinstance(reference, deepspeed.DeepSpeedEngine)
+
+
+def gathered(parameters: list[torch.nn.Parameter], zero3: bool, modified: bool):
+    """Under ZeRO-3 the parameters whole on every rank while inside (rank 0's changes kept where `modified`)."""
+    if not zero3:
+        return nullcontext()
+    return deepspeed.zero.GatheredParameters(parameters, modifier_rank=0 if modified else None)
+
+
+@torch.no_grad()
+def sync_reference(reference: torch.nn.Module, policy: torch.nn.Module, alpha: float) -> None:
+    """TR-DPO's reference update, as TRL's SyncRefModelCallback makes it: reference = alpha x policy + (1 - alpha) x
+    reference, weight by weight (the policy's weights as the engine holds them, in its training dtype). Every rank
+    calls it."""
+    zero3 = partitioned(reference)
+    for (_, mine), (_, theirs) in zip(weights(reference), weights(policy), strict=True):
+        with gathered([mine], zero3, modified=True), gathered([theirs], zero3, modified=False):
+            if not zero3 or dist.get_rank() == 0:
+                mine.mul_(1.0 - alpha).add_(theirs.to(mine.dtype), alpha=alpha)
+
+
+@torch.no_grad()
+def save_reference(reference: torch.nn.Module, folder: Path) -> None:
+    """The reference's weights to folder/REFERENCE_FILE, written by rank 0 (under ZeRO-3 gathered to it one at a time,
+    held whole in its CPU memory while written). Every rank calls it."""
+    state, zero3 = {}, partitioned(reference)
+    for name, weight in weights(reference):
+        with gathered([weight], zero3, modified=False):
+            if dist.get_rank() == 0:
+                state[name] = weight.detach().to("cpu", copy=True)
+    if dist.get_rank() == 0:
+        save_file(state, str(folder / REFERENCE_FILE))
+
+
+@torch.no_grad()
+def restore_reference(reference: torch.nn.Module, folder: Path) -> bool:
+    """The reference's weights from folder/REFERENCE_FILE (read by every rank at ZeRO 0-2, by rank 0 under ZeRO-3);
+    False, and the reference left as it is, where the checkpoint holds none (it was written without
+    grpo.sync_ref_model: the reference was still the starting checkpoint). Every rank calls it."""
+    path = folder / REFERENCE_FILE
+    if not path.is_file():
+        return False
+    zero3 = partitioned(reference)
+    reads = not zero3 or dist.get_rank() == 0
+    with safe_open(str(path), "pt") if reads else nullcontext() as file:
+        for name, weight in weights(reference):
+            with gathered([weight], zero3, modified=True):
+                if reads:
+                    if name not in file.keys():
+                        raise ConfigError(f"{path} has no weight {name}: it is not this model's reference")
+                    weight.copy_(file.get_tensor(name))
+    return True
