@@ -209,6 +209,7 @@ class DataConfig(StrictModel):
     examples: Examples = "documents"  # set from training.objective: documents (lm), preference pairs (dpo) or
     # prompts (grpo, each row's other fields passed to the reward functions)
     completion_tokens: NonNegativeInt = 0  # set from grpo.max_completion_length: what a prompt leaves of seq_len
+    chat_template_kwargs: dict[str, Any] = {}  # set from grpo.chat_template_kwargs: to the chat template of a prompt
     shuffle_buffer: NonNegativeInt = 10_000  # streaming only: documents held for shuffling (0: read in order)
     cache_dir: LocalPath = Field("~/.cache/deepspeed-recipes/data", validate_default=True)
 

@@ -273,8 +273,7 @@ def build_prompt_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase)
     stats = {"documents_in": len(documents), "exact_duplicates_removed": 0, "near_duplicates_removed": 0}
     per_source = np.bincount(np.asarray(documents["source"]), minlength=len(config.sources))
     documents, evaluation = split_eval(deduplicate(documents, config.dedup, config.num_proc, stats), config, stats)
-    tokenized = tokenize_prompts(documents, tokenizer, config.seq_len, config.completion_tokens,
-                                 config.long_documents, config.num_proc, config.sources, stats)
+    tokenized = tokenize_prompts(documents, tokenizer, config, config.sources, stats)
     if len(tokenized) == 0:
         raise DataError(f"no prompts are left after fitting them to data.seq_len={config.seq_len} "
                         f"({json.dumps(stats)}); raise data.seq_len or lower grpo.max_completion_length")
@@ -284,9 +283,8 @@ def build_prompt_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase)
     splits = {"train": train}
     if evaluation is not None:
         eval_stats = {}
-        splits["eval"] = tokenize_prompts(evaluation, tokenizer, config.seq_len, config.completion_tokens,
-                                          config.long_documents, config.num_proc,
-                                          config.eval.sources or config.sources, eval_stats)
+        splits["eval"] = tokenize_prompts(evaluation, tokenizer, config, config.eval.sources or config.sources,
+                                          eval_stats)
         if len(splits["eval"]) == 0:
             raise DataError(f"no evaluation prompts are left after fitting them to data.seq_len={config.seq_len} "
                             f"({json.dumps(eval_stats)}); raise data.seq_len or lower grpo.max_completion_length")

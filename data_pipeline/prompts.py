@@ -14,7 +14,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from data_pipeline import processes
-from data_pipeline.config import DataSource
+from data_pipeline.config import DataConfig, DataSource
 from data_pipeline.preference import field_text, is_conversation
 from data_pipeline.sources import read_source
 from training.base.errors import DataError
@@ -63,18 +63,20 @@ def load_prompts(sources: list[DataSource]) -> datasets.Dataset:
     return prompts
 
 
-def tokenize_prompt(prompt, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+def tokenize_prompt(prompt, tokenizer: PreTrainedTokenizerBase, template_kwargs: dict) -> list[int]:
+    """A string with the tokenizer's special tokens; chat messages through its chat template with the generation
+    prompt and `template_kwargs` (grpo.chat_template_kwargs: e.g. Qwen3's enable_thinking), as TRL tokenizes them."""
     if is_conversation(prompt):
         return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False))
+                                                  return_dict=False, **template_kwargs))
     return tokenizer(prompt, verbose=False)["input_ids"]
 
 
-def tokenize_batch(batch: dict, tokenizer: PreTrainedTokenizerBase, budget: int) -> dict:
+def tokenize_batch(batch: dict, tokenizer: PreTrainedTokenizerBase, budget: int, template_kwargs: dict) -> dict:
     """Tokenized prompts, None where a prompt is over `budget` tokens (`row` kept to name it)."""
     out = {name: [] for name in (*TOKENIZED_PROMPTS, "row")}
     for prompt, fields, source, row in zip(batch["prompt"], batch["fields"], batch["source"], batch["row"]):
-        ids = tokenize_prompt(json.loads(prompt), tokenizer)
+        ids = tokenize_prompt(json.loads(prompt), tokenizer, template_kwargs)
         out["prompt_ids"].append(ids if len(ids) <= budget else None)
         out["row"].append(row if len(ids) <= budget else -len(ids))  # over budget: its length, to name it
         for name, value in (("prompt", prompt), ("fields", fields), ("source", source)):
@@ -82,16 +84,17 @@ def tokenize_batch(batch: dict, tokenizer: PreTrainedTokenizerBase, budget: int)
     return out
 
 
-def tokenize_prompts(documents: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, seq_len: int,
-                     max_completion_length: int, policy: str, num_proc: int, sources: list[DataSource],
-                     stats: dict) -> datasets.Dataset:
+def tokenize_prompts(documents: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, config: DataConfig,
+                     sources: list[DataSource], stats: dict) -> datasets.Dataset:
     """Tokenize; a prompt over seq_len - max_completion_length tokens is an error naming it, or dropped and counted
     (long_documents_dropped) under data.long_documents=drop."""
+    seq_len, max_completion_length, policy = config.seq_len, config.completion_tokens, config.long_documents
     budget = seq_len - max_completion_length
-    tokenized = documents.map(tokenize_batch, batched=True, num_proc=processes(num_proc),
+    tokenized = documents.map(tokenize_batch, batched=True, num_proc=processes(config.num_proc),
                               remove_columns=documents.column_names,
                               features=datasets.Features({**TOKENIZED_PROMPTS, "row": datasets.Value("int64")}),
-                              fn_kwargs={"tokenizer": tokenizer, "budget": budget}, desc="tokenizing prompts")
+                              fn_kwargs={"tokenizer": tokenizer, "budget": budget,
+                                         "template_kwargs": config.chat_template_kwargs}, desc="tokenizing prompts")
     rows = np.asarray(tokenized["row"])
     over = np.flatnonzero(rows < 0)
     if len(over) and policy != "drop":

@@ -289,6 +289,8 @@ class GrpoSection(StrictModel):
     mask_truncated_completions: bool = False  # completions cut at max_completion_length take no loss
     ds3_gather_for_generation: bool = False  # ZeRO-3: the whole weights gathered once per generation (a full copy on
     # each rank while it generates) in place of each layer's in every decoding pass (TRL's default is true)
+    chat_template_kwargs: dict[str, Any] = {}  # passed to the tokenizer's chat template with a prompt of chat messages
+    # (e.g. {enable_thinking: false} for Qwen3)
     rewards: list[RewardSpec] = []
     log_completions_every: PositiveInt | None = None  # steps between samples of prompts, completions and rewards
     # in completions.jsonl; None: never
@@ -462,6 +464,7 @@ class Recipe(StrictModel):
             raise ValueError(f"grpo.max_completion_length={grpo.max_completion_length} leaves no room for a prompt "
                              f"in data.seq_len={self.data.seq_len}: raise seq_len or lower max_completion_length")
         self.data.completion_tokens = grpo.max_completion_length
+        self.data.chat_template_kwargs = grpo.chat_template_kwargs
 
     @property
     def tokenizer_path(self) -> str:

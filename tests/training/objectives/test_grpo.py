@@ -226,6 +226,27 @@ def test_a_prompt_over_the_budget_is_named_or_dropped(tmp_path):
     assert {json.loads(f)["answer"] for f in prepared["train"]["fields"]} == {"1"}
 
 
+def test_chat_prompts_go_through_the_chat_template_with_grpo_chat_template_kwargs(tmp_path):
+    """grpo.chat_template_kwargs reach the chat template of a prompt of chat messages (as TRL passes them): here a
+    template that opens a think block unless enable_thinking is false (Qwen3's switch)."""
+    path = tmp_path / "prompts.jsonl"
+    messages = [{"role": "user", "content": "1+2="}]
+    path.write_text(json.dumps({"prompt": messages, "answer": "3"}) + "\n")
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "recipes/tiny_llama/tokenizer")
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}assistant:{% if enable_thinking is not defined or "
+                               "enable_thinking %} <think>{% endif %}{% endif %}")
+    recipe = grpo_recipe(tmp_path, f"data.sources=[{{path: {path}}}]", "data.dedup.exact=false",
+                         "grpo.chat_template_kwargs={enable_thinking: false}")
+    assert recipe.data.chat_template_kwargs == {"enable_thinking": False}
+    thinking, plain = (build_dataset(recipe.data.model_copy(update={"chat_template_kwargs": kwargs}),
+                                     tokenizer)[0]["train"]["prompt_ids"][0] for kwargs in ({}, {"enable_thinking": False}))
+    assert tokenizer.decode(thinking).endswith("assistant: <think>")
+    assert plain == tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False, enable_thinking=False)
+    assert tokenizer.decode(plain).endswith("assistant:")
+
+
 def test_evaluation_prompts_are_held_out_and_every_rank_generates_the_same_batches(tmp_path):
     """data.eval holds prompts out (training sees none of them); EvalPromptBatches gives every evaluation prompt to
     one rank once, in batches of the same count and size on every rank (ZeRO-3 gathers weights in each decoding
