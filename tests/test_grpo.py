@@ -1,7 +1,8 @@
 """training.objective=grpo, run by train.py: the same curve on 1 rank (ZeRO-0, one completion per row) and 2 ranks
 (ZeRO-3, completions packed into rows), after a kill -9 and a resume in another layout (ZeRO-3 with the whole weights
-gathered for generation; adaptive entropy control's coefficient and the synced reference restored), and with LoRA (the reference: the base with the adapters disabled); the same evaluation by
-generation on held-out prompts; the completions' samples; the export loaded by transformers; a SIGTERM inside a
+gathered for generation; adaptive entropy control's coefficient and the synced reference restored), and with LoRA
+(the reference: the base with the adapters disabled); the same evaluation by generation on held-out prompts (2
+completions each, num_generations_eval); the completions' samples; the export loaded by transformers; a SIGTERM inside a
 generation. Against TRL's GRPOTrainer step by step: tests/test_grpo_trl.py.
 
 Sixteen sums from tiny_llama_grpo, 4 prompts x 4 generations a step, 8 completions per micro-batch, fp32, rewarded for
@@ -49,6 +50,7 @@ def runs(tmp_path_factory) -> dict:
               "grpo.rewards=[{function: length_penalty, params: {target: 40}}, {function: exact_answer}]",
               # 3 prompts held out, evaluated by generation at steps 2 and 4 (on 2 ranks the second's batch padded)
               "data.eval={fraction: 0.2}", "training.eval_every_steps=2",
+              "grpo.num_generations_eval=2",  # 2 completions of each (TRL's num_generations_eval), 4 in training
               # adaptive entropy control, below its target: the coefficient 0.01 higher after every step, applied
               # from step 2; the killed run's checkpoint holds it (at 0.02), and the resumed run continues from it
               "grpo.use_adaptive_entropy=true", "grpo.entropy_target=100", "grpo.entropy_coef_delta=0.01",

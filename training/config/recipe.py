@@ -242,6 +242,8 @@ class GrpoSection(StrictModel):
     """training.objective=grpo (training/objectives/grpo.py): online RL with verifiable rewards. TRL's GRPOConfig names
     and defaults; training.global_batch_size and micro_batch_size count completions."""
     num_generations: int = Field(8, ge=2)  # completions sampled per prompt: a group, whose rewards make the advantages
+    num_generations_eval: PositiveInt | None = None  # completions per evaluation prompt (None: num_generations); an
+    # evaluation batch holds as many completions as a rank generates in training
     max_completion_length: PositiveInt = 512
     temperature: PositiveFloat = 1.0
     top_p: float = Field(1.0, gt=0, le=1)

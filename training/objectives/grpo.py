@@ -200,6 +200,11 @@ def sampling(section: GrpoSection) -> str:
     return f"sampled at temperature {section.temperature:g}" + (f" ({shown})" if shown else "")
 
 
+def eval_generations(section: GrpoSection) -> int:
+    """Completions per evaluation prompt: num_generations_eval, or num_generations."""
+    return section.num_generations_eval or section.num_generations
+
+
 def entropy_control(section: GrpoSection) -> EntropyControl:
     return EntropyControl(section.entropy_coef, section.entropy_target, section.entropy_coef_delta,
                           section.entropy_coef_min, section.entropy_coef_max)
@@ -316,6 +321,10 @@ class Grpo(Objective):
             raise ConfigError(f"training.global_batch_size={recipe.training.global_batch_size} over {world_size} "
                               f"data-parallel ranks is not whole groups of grpo.num_generations={grpo.num_generations} "
                               f"on each rank: make it a multiple of {grpo.num_generations * world_size}")
+        if world_size and eval_generations(grpo) > per_rank:
+            raise ConfigError(f"grpo.num_generations_eval={grpo.num_generations_eval}: more completions of one "
+                              f"evaluation prompt than a rank generates in training ({per_rank}), which the memory "
+                              f"plan counts; lower it, or raise training.global_batch_size")
         if model_config is not None and getattr(model_config, "output_router_logits", False):
             raise ConfigError("training.objective=grpo with the router's load-balancing loss: GRPO's loss has no "
                               "place for it; set moe.aux_loss_coef=0")
@@ -356,11 +365,13 @@ class Grpo(Objective):
                 generation_cost(plan, per_rank)]
 
     def batches(self, prepared, rank: int) -> tuple[PromptBatches, EvalPromptBatches | None]:
-        """The training prompts, a generation's share per step, and the evaluation prompts in batches of the same
-        size (every one each evaluation, or training.eval_max_rows of them)."""
+        """The training prompts, a generation's share per step, and the evaluation prompts in batches of as many
+        completions (num_generations_eval per prompt; every prompt each evaluation, or training.eval_max_rows of
+        them)."""
         plan, grpo, training = self.plan, self.section, self.plan.recipe.training
-        prompts_per_rank = training.global_batch_size // plan.dp_size // grpo.num_generations  # whole groups (check)
-        evaluation = EvalPromptBatches(prepared["eval"], prompts_per_rank, rank, plan.dp_size,
+        completions = training.global_batch_size // plan.dp_size
+        prompts_per_rank = completions // grpo.num_generations  # whole groups (check)
+        evaluation = EvalPromptBatches(prepared["eval"], completions // eval_generations(grpo), rank, plan.dp_size,
                                        training.eval_max_rows) if "eval" in prepared else None
         return PromptBatches(prepared["train"], prompts_per_rank, rank, plan.dp_size, training.seed,
                              grpo.num_iterations), evaluation
@@ -398,9 +409,10 @@ class Grpo(Objective):
         return batches
 
     def rollout_of(self, engine: deepspeed.DeepSpeedEngine, prompts: dict, seeds: list[int]) -> Rollout:
-        """num_generations completions of each of the rank's prompts, sampled in one batch with their seeds, and the
-        reward functions' scores of them (each given the prompt, the completion and the row's other fields)."""
-        grpo, generations = self.section, self.section.num_generations
+        """Completions of each of the rank's prompts, as many as their seeds (num_generations, or in evaluation
+        num_generations_eval), sampled in one batch, and the reward functions' scores of them (each given the prompt,
+        the completion and the row's other fields)."""
+        grpo, generations = self.section, len(seeds) // len(prompts["prompt_ids"])
         prompt_ids = [torch.from_numpy(ids) for ids in prompts["prompt_ids"] for _ in range(generations)]
         zero3 = engine.zero_optimization_stage() == 3
         whole = zero3 and grpo.ds3_gather_for_generation
@@ -422,22 +434,24 @@ class Grpo(Objective):
         order); notes the generation's metrics and logs its samples."""
         everyone, lengths, truncated = self.gathered(engine, rollout)
         rewards = weighted_rewards(everyone, self.weights)
-        advantages, std = self.advantages_of(everyone, rewards)
+        advantages, std = self.advantages_of(everyone, rewards, self.section.num_generations)
         rank, count = self.plan.dp_rank(dist.get_rank()), len(rollout.completions)
         share = slice(rank * count, (rank + 1) * count)
-        self.step_metrics = self.generation_metrics(everyone, rewards, std, lengths, truncated)
+        self.step_metrics = self.generation_metrics(everyone, rewards, std, lengths, truncated,
+                                                    self.section.num_generations)
         if self.first_reward is None:
             self.first_reward = self.step_metrics["reward"]
         self.log_samples(generation, rollout.prompts, rollout.texts, rollout.per_function, rewards[share])
         return advantages[share].cpu()
 
-    def advantages_of(self, per_function: torch.Tensor, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The global batch's advantages, and the std each was scaled by, as grpo.multi_objective_aggregation
-        makes them from the rewards: per function and their weighted sum."""
+    def advantages_of(self, per_function: torch.Tensor, rewards: torch.Tensor,
+                      generations: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The global batch's advantages over groups of `generations`, and the std each was scaled by, as
+        grpo.multi_objective_aggregation makes them from the rewards: per function and their weighted sum."""
         grpo = self.section
         if grpo.multi_objective_aggregation == "normalize_then_sum":
-            return normalized_sum_advantages(per_function, self.weights, grpo.num_generations)
-        return group_advantages(rewards, grpo.num_generations, grpo.scale_rewards)
+            return normalized_sum_advantages(per_function, self.weights, generations)
+        return group_advantages(rewards, generations, grpo.scale_rewards)
 
     @staticmethod
     def gathered(engine: deepspeed.DeepSpeedEngine, rollout: Rollout) -> tuple[torch.Tensor, ...]:
@@ -528,13 +542,13 @@ class Grpo(Objective):
                   f"starting checkpoint until its first sync", flush=True)
 
     def generation_metrics(self, per_function: torch.Tensor, rewards: torch.Tensor, std: torch.Tensor,
-                           lengths: torch.Tensor, truncated: torch.Tensor) -> dict:
-        """TRL's metrics of a generation, over the global batch."""
+                           lengths: torch.Tensor, truncated: torch.Tensor, generations: int) -> dict:
+        """TRL's metrics of a generation, over the global batch of groups of `generations`."""
         ended = lengths[~truncated]
         return {
             "reward": rewards.nanmean().item(),
             "reward_std": nanstd(rewards).item(),  # TRL's: over the whole generation, not the groups' mean
-            "frac_reward_zero_std": (std.view(-1, self.section.num_generations)[:, 0] < 1e-6).float().mean().item(),
+            "frac_reward_zero_std": (std.view(-1, generations)[:, 0] < 1e-6).float().mean().item(),
             **{f"rewards/{name}/mean": per_function[:, i].nanmean().item() for i, name in enumerate(self.names)},
             **{f"rewards/{name}/std": per_function[:, i][~per_function[:, i].isnan()].std().nan_to_num().item()
                for i, name in enumerate(self.names)},
@@ -607,9 +621,9 @@ class Grpo(Objective):
 
     def evaluate(self, engine: deepspeed.DeepSpeedEngine, evaluation: EvalPromptBatches,
                  shard: tuple[int, int]) -> dict:
-        """The evaluation prompts' completions, num_generations each, sampled as in training (with streams of
+        """The evaluation prompts' completions, num_generations_eval each, sampled as in training (with streams of
         their own, the same at every evaluation) and scored: TRL's generation metrics, named eval_*."""
-        generations, seed = self.section.num_generations, self.plan.recipe.training.seed
+        generations, seed = eval_generations(self.section), self.plan.recipe.training.seed
         parts = []
         for prompts in evaluation:
             seeds = [sampling_seed(seed, 0, int(row), index, evaluation=True)
@@ -620,6 +634,6 @@ class Grpo(Objective):
         per_function, lengths, truncated, real = (torch.cat(values) for values in zip(*parts))
         per_function, lengths, truncated = per_function[real], lengths[real], truncated[real]
         rewards = weighted_rewards(per_function, self.weights)
-        _, std = self.advantages_of(per_function, rewards)
-        metrics = self.generation_metrics(per_function, rewards, std, lengths, truncated)
+        _, std = self.advantages_of(per_function, rewards, generations)
+        metrics = self.generation_metrics(per_function, rewards, std, lengths, truncated, generations)
         return {f"eval_{name}": value for name, value in metrics.items()}

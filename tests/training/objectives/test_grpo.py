@@ -268,6 +268,29 @@ def test_evaluation_prompts_are_held_out_and_every_rank_generates_the_same_batch
     assert len(list(EvalPromptBatches(prepared["eval"], 2, 0, 2, max_rows=3))) == 1
 
 
+def test_an_evaluation_batch_holds_as_many_completions_as_a_rank_generates_in_training(tmp_path):
+    """grpo.num_generations_eval (TRL's) sets the completions per evaluation prompt; a batch holds as many completions
+    as a rank's training generation (which the memory plan counts), so fewer per prompt is more prompts per batch, and
+    more than a rank generates is refused."""
+    import train
+    save_small_checkpoint(tmp_path / "base")
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(20)))
+    prepared, _, _ = build_dataset(DataConfig(sources=[{"path": str(path)}], seq_len=32, examples="prompts",
+                                              completion_tokens=16, eval={"fraction": 0.25}),
+                                   AutoTokenizer.from_pretrained(REPO / "recipes/tiny_llama/tokenizer"))
+
+    def plan(*overrides):  # tiny_llama_grpo: 64 completions a step, groups of 8; 2 ranks generate 32 each
+        return train.make_plan(train.parse_args(["--recipe", "tiny_llama_grpo", "--dry-run",
+                                                 f"model.name_or_path={tmp_path / 'base'}", *overrides]), world_size=2)
+
+    assert [Grpo(plan(*overrides)).batches(prepared, 0)[1].micro_batch_size
+            for overrides in ([], ["grpo.num_generations_eval=2"])] == [4, 16]
+    with pytest.raises(ConfigError, match=r"grpo.num_generations_eval=40: more completions of one evaluation prompt "
+                                          r"than a rank generates in training \(32\)"):
+        Grpo.check(grpo_recipe(tmp_path, "grpo.num_generations_eval=40"), None, world_size=2)
+
+
 def test_the_dry_run_shows_prompts_generations_and_generation_memory(tmp_path, capsys):
     import train
     save_small_checkpoint(tmp_path / "base")
