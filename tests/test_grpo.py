@@ -22,7 +22,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.conftest import REPO, run_train, save_small_checkpoint
+from tests.conftest import REPO, run_train, save_small_checkpoint, train_in_process
 from training.state.output_dir import COMPLETIONS_FILE
 
 pytestmark = pytest.mark.slow
@@ -174,3 +174,33 @@ def test_a_sigterm_inside_a_generation_saves_at_its_end(tmp_path):
     assert (out / "checkpoints/latest").read_text() == "global_step4"
     records = metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3, 4] and records[2]["reward"] == records[3]["reward"]
+
+
+def test_a_rewind_restores_the_objectives_state_from_the_checkpoint(tmp_path, monkeypatch):
+    """The stability guard rewinds to the step-2 checkpoint after step 3 was applied: adaptive entropy control's
+    coefficient goes back to its value there (0.02) with the weights, so the retried step 3 logs 0.03 as the first
+    did (not 0.04). One rank, in-process; the spike is the guard's verdict on step 4's loss, forced."""
+    from training.loop.stability import StabilityGuard
+    verdict, calls = StabilityGuard.loss_verdict, []
+
+    def spike_at_step_4(guard, loss):
+        calls.append(loss)
+        return "loss_spike" if len(calls) == 4 else verdict(guard, loss)
+
+    monkeypatch.setattr(StabilityGuard, "loss_verdict", spike_at_step_4)
+    save_small_checkpoint(tmp_path / "base")
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    out = tmp_path / "run"
+    result = train_in_process([
+        "--recipe", "tiny_llama_grpo", "--output-dir", str(out), f"model.name_or_path={tmp_path / 'base'}",
+        f"data.sources=[{{path: {tmp_path / 'prompts.jsonl'}}}]", f"data.cache_dir={tmp_path / 'cache'}",
+        "data.seq_len=20", "grpo.num_generations=4", "grpo.max_completion_length=6", "training.micro_batch_size=16",
+        "training.global_batch_size=16", "training.max_steps=4", "checkpointing.every_steps=2", "logging.every_steps=1",
+        "logging.report_to=[]", "precision=fp32", "deepspeed.config=zero0", "stability.policy=rewind",
+        "grpo.use_adaptive_entropy=true", "grpo.entropy_target=100", "grpo.entropy_coef_delta=0.01"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [line.get("event") for line in lines if "event" in line] == ["rewind"]
+    assert [(r["step"], round(r["entropy_coef"], 6)) for r in lines if "event" not in r] == \
+        [(1, 0.01), (2, 0.02), (3, 0.03), (4, 0.04)]
+
