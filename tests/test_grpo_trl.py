@@ -26,8 +26,8 @@ the masked case's grad_norm):
 - the loss types beyond the issue's four (cispo, sapo, luspo, vespo), GSPO's importance_sampling_level=sequence,
   GDPO's multi_objective_aggregation=normalize_then_sum, mask_truncated_completions, the entropy bonus (with GSPO;
   policy_loss and entropy_coef logged) and its adaptive control (the coefficient moving every step), a reference
-  synced to the policy every step (sync_ref_model), and (together) the off-policy sequence mask and use_bias_correction_kl=false,
-  in cases with num_iterations=2, so that the off-policy step's
+  synced to the policy every step (sync_ref_model), and (together) the off-policy sequence mask and
+  use_bias_correction_kl=false, in cases with num_iterations=2, so that the off-policy step's
   ratios count; delta is set in one of them (tests/training/objectives/test_grpo_loss.py proves it against TRL where
   it changes the loss). top_entropy_quantile is proven there only: this random model's token entropies lie within
   2e-3 of each other, and the 1e-6 by which TRL's forward and ours round them apart reorders neighbours at the

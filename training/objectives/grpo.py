@@ -13,8 +13,8 @@ reward functions score them (rewards.py), the rewards of the whole global batch 
 are the step's micro-batches. Their loss is grpo_loss's, on the completions' own layout (unpack), with the old
 log-probabilities kept from the generation when num_iterations > 1 and the reference's when beta > 0 (LoRA: the base
 with the adapters disabled; else the starting checkpoint, loaded again, frozen: a full copy per rank at ZeRO 0-2,
-partitioned over the ranks under ZeRO-3, reference.py; with sync_ref_model mixed with the policy as the run goes). Evaluation samples the held-out prompts alike and scores
-them (evaluate).
+partitioned over the ranks under ZeRO-3, reference.py; with sync_ref_model mixed with the policy as the run goes).
+Evaluation samples the held-out prompts alike and scores them (evaluate).
 """
 import json
 import sys
@@ -223,9 +223,10 @@ def loss_lines(section: GrpoSection) -> list[str]:
         (settings.off_policy_mask_threshold, f"off-policy mask above KL {settings.off_policy_mask_threshold}"),
         (settings.top_entropy_quantile < 1, f"top {settings.top_entropy_quantile:g} of tokens by entropy"),
         (settings.entropy_coef and not settings.use_adaptive_entropy, f"entropy bonus {settings.entropy_coef:g}"),
-        (settings.use_adaptive_entropy, f"adaptive entropy bonus from {settings.entropy_coef:g}, "
-                                        f"+/-{section.entropy_coef_delta:g} within [{section.entropy_coef_min:g}, "
-                                        f"{section.entropy_coef_max:g}] by the entropy against {section.entropy_target:g}"),
+        (settings.use_adaptive_entropy,
+         f"adaptive entropy bonus from {settings.entropy_coef:g}, +/-{section.entropy_coef_delta:g} within "
+         f"[{section.entropy_coef_min:g}, {section.entropy_coef_max:g}] by the entropy against "
+         f"{section.entropy_target:g}"),
         (settings.beta and not settings.use_bias_correction_kl, "KL without the ratio")) if setting]
     lines = [f"GRPO: loss {settings.loss_type} ({', '.join(extras)}), beta {settings.beta:g}, epsilon "
              f"{settings.epsilon_low:g}/{settings.epsilon_high:g}, {section.num_iterations} step(s) per generation; "
@@ -354,8 +355,7 @@ class Grpo(Objective):
                 *loss_lines(grpo),
                 f"generation: {prompts // plan.dp_size} prompt(s) x {grpo.num_generations} per rank in one batch, "
                 f"{sampling(grpo)}, up to {grpo.max_completion_length} decoding passes (new tokens); weights: "
-                f"{gathered}; reference: "
-                f"{reference}",
+                f"{gathered}; reference: {reference}",
                 f"generation memory per rank, between the steps (in the memory table's peak where larger than the "
                 f"activations): {format_bytes(memory.total)} = the larger of the prompts' pass "
                 f"({format_bytes(memory.prefill)}) and the last decoding pass ({format_bytes(memory.decoding)}, of "

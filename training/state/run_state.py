@@ -1,6 +1,6 @@
 """run_state.json: what a checkpoint records besides DeepSpeed's states. Where the run is (step, tokens, data
-position, the objective's own state) and what wrote it: the layout its states belong to (training/planning/layout.py, its fields at the top
-level of the file) and, for a fine-tune, the base model. One schema for writing and reading, so that a damaged or
+position, the objective's own state) and what wrote it: the layout its states belong to (training/planning/layout.py,
+its fields at the top level of the file) and, for a fine-tune, the base model. One schema for writing and reading, so that a damaged or
 hand-edited file is named with its fault instead of failing later.
 """
 from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveInt, ValidationError
@@ -25,7 +25,7 @@ class RunState(Layout):
     base_model: BaseModelIdentity | None = None
     trackers: dict[str, str] = {}  # logging.report_to's run ids (training/loop/trackers.py): a resume continues them
     micro_batch_size: PositiveInt | None = None  # training.micro_batch_size=auto keeps it on --resume; None: not recorded
-    objective: dict[str, float | None] = {}  # the objective's state (Objective.state_dict): grpo's adaptive entropy control
+    objective: dict[str, float | None] = {}  # Objective.state_dict: grpo's adaptive entropy control
 
     def layout(self) -> Layout:
         return Layout(**{key: getattr(self, key) for key in Layout.model_fields})

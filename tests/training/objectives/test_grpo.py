@@ -239,8 +239,8 @@ def test_chat_prompts_go_through_the_chat_template_with_grpo_chat_template_kwarg
     recipe = grpo_recipe(tmp_path, f"data.sources=[{{path: {path}}}]", "data.dedup.exact=false",
                          "grpo.chat_template_kwargs={enable_thinking: false}")
     assert recipe.data.chat_template_kwargs == {"enable_thinking": False}
-    thinking, plain = (build_dataset(recipe.data.model_copy(update={"chat_template_kwargs": kwargs}),
-                                     tokenizer)[0]["train"]["prompt_ids"][0] for kwargs in ({}, {"enable_thinking": False}))
+    thinking, plain = (build_dataset(recipe.data.model_copy(update={"chat_template_kwargs": kwargs}), tokenizer)[0]
+                       ["train"]["prompt_ids"][0] for kwargs in ({}, {"enable_thinking": False}))
     assert tokenizer.decode(thinking).endswith("assistant: <think>")
     assert plain == tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                   return_dict=False, enable_thinking=False)
