@@ -91,19 +91,21 @@ def save_reference(reference: torch.nn.Module, folder: Path) -> None:
 
 @torch.no_grad()
 def restore_reference(reference: torch.nn.Module, folder: Path) -> bool:
-    """The reference's weights from folder/REFERENCE_FILE (read by every rank at ZeRO 0-2, by rank 0 under ZeRO-3);
-    False, and the reference left as it is, where the checkpoint holds none (it was written without
-    grpo.sync_ref_model: the reference was still the starting checkpoint). Every rank calls it."""
+    """The reference's weights from folder/REFERENCE_FILE (read by every rank at ZeRO 0-2, by rank 0 under ZeRO-3;
+    every rank checks its names first, so that a wrong file stops every rank alike); False, and the reference left as
+    it is, where the checkpoint holds none (it was written without grpo.sync_ref_model: the reference was still the
+    starting checkpoint). Every rank calls it."""
     path = folder / REFERENCE_FILE
     if not path.is_file():
         return False
     zero3 = partitioned(reference)
-    reads = not zero3 or dist.get_rank() == 0
-    with safe_open(str(path), "pt") if reads else nullcontext() as file:
+    with safe_open(str(path), "pt") as file:
+        missing = [name for name, _ in weights(reference) if name not in set(file.keys())]
+        if missing:
+            raise ConfigError(f"{path} lacks {len(missing)} of the model's weights ({missing[0]}, ...): it is not "
+                              f"this model's reference; move the checkpoint aside, or start a new run")
         for name, weight in weights(reference):
             with gathered([weight], zero3, modified=True):
-                if reads:
-                    if name not in file.keys():
-                        raise ConfigError(f"{path} has no weight {name}: it is not this model's reference")
+                if not zero3 or dist.get_rank() == 0:
                     weight.copy_(file.get_tensor(name))
     return True

@@ -1,10 +1,13 @@
 """GRPO's synced reference (training/objectives/reference.py) on one rank: TR-DPO's mixing, and the reference saved
 with a checkpoint and restored from it. Under ZeRO-3 on 2 ranks, and through a kill and a resume in another layout:
 tests/test_grpo.py; the whole run against TRL's SyncRefModelCallback: tests/test_grpo_trl.py."""
+import pytest
 import torch
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from tests.conftest import save_small_checkpoint
+from training.base.errors import ConfigError
 from training.objectives.reference import REFERENCE_FILE, restore_reference, save_reference, sync_reference
 
 
@@ -26,3 +29,7 @@ def test_the_policy_is_mixed_into_the_reference_and_the_mixture_saved_and_restor
     assert restore_reference(fresh, tmp_path)
     for (_, restored), (_, saved) in zip(fresh.named_parameters(), reference.named_parameters(), strict=True):
         assert torch.equal(restored, saved)
+    (tmp_path / "other").mkdir()
+    save_file({"other.weight": torch.zeros(2)}, str(tmp_path / "other" / REFERENCE_FILE))  # another model's
+    with pytest.raises(ConfigError, match=r"reference.safetensors lacks \d+ of the model's weights .*not this model's"):
+        restore_reference(fresh, tmp_path / "other")
