@@ -8,10 +8,10 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
+from functools import cache
 from pathlib import Path
 
 import pytest
-import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -19,6 +19,11 @@ sys.path.insert(0, str(REPO))
 from tests import warm_ranks as pool  # noqa: E402
 from tests.warm_ranks import PROCESS_PROBES, SCRIPTS as WARM_SCRIPTS, warm_ranks  # noqa: E402
 from training.parallel.launch import launcher_command  # noqa: E402
+
+# Each xdist worker takes its share of the cores (set before any test imports torch): with torch's default of one
+# thread per core the 2 workers of CI ran 4 threads on 2 cores, and the fast tier's tests took 1.6x their time
+if workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // int(workers))))
 
 # The pytest session that owns test-results/ (xdist's workers and a pytest that a test starts inherit it): only it
 # empties runs.jsonl and writes launches.json
@@ -41,9 +46,13 @@ TRAIN_ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MALLOC_M
                  MALLOC_TRIM_THRESHOLD_=str(4 << 30), MALLOC_TOP_PAD_=str(256 << 20))
 
 
-# warm ranks are forked from a parent that imported torch and DeepSpeed, and CUDA cannot be set up again in a fork
-# ("Cannot re-initialize CUDA in forked subprocess", the first GPU run of the fp16 and fp8 tests): runs launch there
-ON_GPU = torch.cuda.is_available()
+@cache
+def on_gpu() -> bool:
+    """Whether runs launch: warm ranks are forked from a parent that imported torch and DeepSpeed, and CUDA cannot be
+    set up again in a fork ("Cannot re-initialize CUDA in forked subprocess", the first GPU run of the fp16 and fp8
+    tests). torch is imported here, not with this file: xdist's controller imports it and runs no test."""
+    import torch
+    return torch.cuda.is_available()
 
 
 def run_train(args: list[str], ranks: int | None = None, timeout: int = 600, script: str = "train.py",
@@ -51,7 +60,7 @@ def run_train(args: list[str], ranks: int | None = None, timeout: int = 600, scr
     """`train_command(args, ranks, script)`'s exit code and output. It runs on the session's warm ranks
     (tests/warm_ranks.py), unless `launch`, a probe of the process life (a kill, a crash on one rank) or a GPU asks
     for a real launch."""
-    warm = not (launch or ON_GPU or script not in WARM_SCRIPTS or any(probe in args for probe in PROCESS_PROBES))
+    warm = not (launch or on_gpu() or script not in WARM_SCRIPTS or any(probe in args for probe in PROCESS_PROBES))
     start = time.monotonic()
     try:
         if warm:
@@ -74,7 +83,7 @@ def run_train(args: list[str], ranks: int | None = None, timeout: int = 600, scr
 def deepspeed_ops_built() -> None:
     """DeepSpeed's CPU ops built before a launched run's ranks load them: the warm ranks' parent builds them, a
     process no test kills (why: tests/helpers/warm_rank.py). On a GPU the ranks JIT-build the CUDA ops themselves."""
-    if not ON_GPU:
+    if not on_gpu():
         warm_ranks(TRAIN_ENV).start()
 
 

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from tests.conftest import REPO, SMALL_MODEL, TRAIN_ENV, deepspeed_ops_built, run_train, snapshot
+from training.parallel.launch import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -61,12 +62,6 @@ def test_an_output_dir_another_node_cannot_see_is_refused(tmp_path, data_cache):
     assert output.count("is not on a file system every node sees") == 1
     assert f"{socket.gethostname()} cannot read the file rank 0 wrote there" in output
     assert not list((tmp_path / "out").glob(".shared-check-*"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def srun_ranks(args: list[str]) -> list[subprocess.Popen]:

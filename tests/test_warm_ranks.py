@@ -70,7 +70,7 @@ def test_on_a_gpu_runs_launch_instead_of_going_to_the_forked_warm_ranks(monkeypa
     import tests.conftest as harness
 
     launched = []
-    monkeypatch.setattr(harness, "ON_GPU", True)
+    monkeypatch.setattr(harness, "on_gpu", lambda: True)
     monkeypatch.setattr(harness, "warm_ranks", lambda env: pytest.fail("a GPU run went to the warm ranks"))
     monkeypatch.setattr(harness, "log_run", lambda record: launched.append(record))
     monkeypatch.setattr(subprocess, "run", lambda command, **kwargs: subprocess.CompletedProcess(command, 0, "", ""))

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from training.parallel.distributed import free_port
+from training.parallel.launch import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = "tests/helpers/warm_rank.py"

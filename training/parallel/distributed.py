@@ -18,6 +18,7 @@ from deepspeed.accelerator import get_accelerator
 from training.compat.deepspeed import release_shared_memory_buffer
 from training.base.errors import ConfigError, failure, report
 from training.parallel.failure import FailureWatch
+from training.parallel.launch import free_port
 
 
 started_by_srun = threading.Event()  # set once adopt_srun_environment has taken the ranks from SLURM
@@ -51,12 +52,6 @@ def local_rank() -> int:
 def world_size() -> int:
     """Known from the launcher's environment before the process group exists (1 without a launcher)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_distributed() -> None:

@@ -2,10 +2,15 @@
 tools, benchmarks and tests that start runs, and for reading why a run failed from its console log."""
 import re
 import shutil
+import socket
 import sys
 from pathlib import Path
 
-from training.parallel.distributed import free_port
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def launcher_command(ranks: int, script: str, args: list[str], port: int | None = None) -> list[str]:

@@ -13,7 +13,7 @@ from tests.conftest import SMALL_MODEL, train_in_process
 from training.compat.wandb import read_offline_run
 from training.base.errors import ConfigError
 from training.loop.trackers import Trackers, flat
-from training.parallel.distributed import free_port
+from training.parallel.launch import free_port
 
 TRACKED = "logging.report_to=[tensorboard, wandb, mlflow]"
 

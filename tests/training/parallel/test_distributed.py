@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from training.parallel.distributed import free_port
+from training.parallel.launch import free_port
 
 pytestmark = pytest.mark.slow  # two interpreters start
 
