@@ -297,6 +297,12 @@ class GrpoSection(StrictModel):
     log_completions_every: PositiveInt | None = None  # steps between samples of prompts, completions and rewards
     # in completions.jsonl; None: never
 
+    @property
+    def entropy_bonus(self) -> bool:
+        """Whether the loss has the entropy bonus (and its gradient): a coefficient, or adaptive control, which keeps
+        it on while its coefficient is 0 so that the coefficient can rise again."""
+        return self.entropy_coef != 0.0 or self.use_adaptive_entropy
+
     @model_validator(mode="after")
     def entropy_bounds_in_order(self) -> "GrpoSection":
         if self.use_adaptive_entropy and self.entropy_coef_min > self.entropy_coef_max:

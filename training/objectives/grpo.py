@@ -188,7 +188,7 @@ def loss_settings(section: GrpoSection) -> LossSettings:
     epsilon_high defaults to."""
     named = {field.name for field in fields(LossSettings)} & set(GrpoSection.model_fields) - {"epsilon_high"}
     return LossSettings(epsilon_low=section.epsilon, epsilon_high=section.epsilon_high or section.epsilon,
-                        **section.model_dump(include=named))
+                        entropy_bonus=section.entropy_bonus, **section.model_dump(include=named))
 
 
 def sampling(section: GrpoSection) -> str:
@@ -222,8 +222,8 @@ def loss_lines(section: GrpoSection) -> list[str]:
     extras += [text for setting, text in (
         (settings.off_policy_mask_threshold, f"off-policy mask above KL {settings.off_policy_mask_threshold}"),
         (settings.top_entropy_quantile < 1, f"top {settings.top_entropy_quantile:g} of tokens by entropy"),
-        (settings.entropy_coef and not settings.use_adaptive_entropy, f"entropy bonus {settings.entropy_coef:g}"),
-        (settings.use_adaptive_entropy,
+        (settings.entropy_coef and not section.use_adaptive_entropy, f"entropy bonus {settings.entropy_coef:g}"),
+        (section.use_adaptive_entropy,
          f"adaptive entropy bonus from {settings.entropy_coef:g}, +/-{section.entropy_coef_delta:g} within "
          f"[{section.entropy_coef_min:g}, {section.entropy_coef_max:g}] by the entropy against "
          f"{section.entropy_target:g}"),
@@ -572,11 +572,12 @@ class Grpo(Objective):
             for record, value in zip(reduced, distributed.all_reduce(torch.stack([s[name] for s in self.sums]), op)):
                 record[name] = value
         means = [metric_means(record) for record in reduced]
-        timing = {"generation_time_s": self.generation_seconds / self.steps,
-                  **({"entropy_coef": self.entropy_control.coef} if self.entropy_control else
-                     {"entropy_coef": self.section.entropy_coef} if self.section.entropy_coef else {})}
+        settings = {"generation_time_s": self.generation_seconds / self.steps}
+        if self.section.entropy_bonus:
+            settings["entropy_coef"] = self.entropy_control.coef if self.entropy_control else self.section.entropy_coef
         self.generation_seconds, self.steps = 0.0, 0
-        return {**self.step_metrics, **{name: float(np.mean([m[name] for m in means])) for name in means[0]}, **timing}
+        return {**self.step_metrics, **{name: float(np.mean([m[name] for m in means])) for name in means[0]},
+                **settings}
 
     def log_samples(self, generation: int, prompts: list, completions: list[str], per_function: torch.Tensor,
                     rewards: torch.Tensor) -> None:

@@ -51,10 +51,10 @@ the mean over all ranks (sum both over ranks, then metric_means), and the step's
 micro-batches. Names: kl (beta > 0), entropy, and clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean
 (cispo: cispo_clip_ratio; vespo: vespo/phi_seq_mean; sapo: none). EXTREMES, clip_ratio/low_min and
 clip_ratio/high_max, are the min and max over every rank's completions of their share of clipped tokens (one value
-each, reduced by min and max over the ranks). With entropy_coef c != 0 the share is the policy loss above minus
-c x the mean entropy (with its gradient) over the tokens that take the policy loss (e_t m_t), and policy_loss, the
-share without it, is logged as a mean over the ranks (TRL's, for dapo, cispo and vespo, is it / accumulation steps).
-With use_adaptive_entropy (EntropyControl) c moves after every step and the bonus is on even while c is 0.
+each, reduced by min and max over the ranks). With the entropy bonus (entropy_bonus: a coefficient c != 0, or
+adaptive control, EntropyControl, where c moves after every step and the bonus stays on while c is 0) the share is
+the policy loss above minus c x the mean entropy (with its gradient) over the tokens that take the policy loss
+(e_t m_t), and policy_loss, the share without it, is logged as a mean over the ranks (TRL's, for dapo, cispo and vespo, is it / accumulation steps).
 Not built: vLLM's importance-sampling correction.
 """
 import math
@@ -154,7 +154,8 @@ class LossSettings:
     off_policy_mask_threshold: float | None = None
     top_entropy_quantile: float = 1.0
     entropy_coef: float = 0.0  # the coefficient this step applies (EntropyControl.applied under adaptive control)
-    use_adaptive_entropy: bool = False
+    entropy_bonus: bool = False  # the loss has the bonus and its gradient (GrpoSection.entropy_bonus), also while
+    # adaptive control applies a coefficient of 0
 
     def __post_init__(self):
         if self.loss_type not in LOSS_TYPES:
@@ -162,12 +163,6 @@ class LossSettings:
         if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
             raise ValueError(f"importance_sampling_level={self.importance_sampling_level!r}: expected one of "
                              f"{IMPORTANCE_SAMPLING_LEVELS}")
-
-    @property
-    def entropy_bonus(self) -> bool:
-        """Whether the loss has the entropy bonus (and its gradient): a coefficient, or adaptive control, which keeps
-        it on while its coefficient is 0 so that the coefficient can rise again."""
-        return self.entropy_coef != 0.0 or self.use_adaptive_entropy
 
 
 @dataclass

@@ -498,7 +498,7 @@ def activations(recipe: Recipe, precision: str, shape: ModelShape, setting: str 
                             fused_loss=uses_fused_loss(recipe, router_loss=bool(shape.num_experts)
                                                        and recipe.moe.aux_loss_coef != 0),
                             compiled=recipe.compile is True and (setting is None or int(setting[0]) < 3),
-                            entropy_gradient=recipe.grpo.entropy_coef != 0 or recipe.grpo.use_adaptive_entropy,
+                            entropy_gradient=recipe.grpo.entropy_bonus,
                             **stage)
 
 

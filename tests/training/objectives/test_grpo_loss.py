@@ -139,7 +139,8 @@ def test_loss_gradient_and_metrics_equal_trl(checkpoint, tmp_path, loss_type, be
     # and TRL's forward rounds apart from ours), the others ratios near 1
     tolerance = 1e-5 if loss_type in ("cispo", "vespo") else 1e-6
     settings = LossSettings(loss_type=loss_type, beta=beta, epsilon_low=EPSILON,
-                            **{"epsilon_high": EPSILON_HIGH, **options}, max_completion_length=MAX_COMPLETION)
+                            **{"epsilon_high": EPSILON_HIGH, **options}, max_completion_length=MAX_COMPLETION,
+                            entropy_bonus="entropy_coef" in options)
     for index, batch in enumerate(batches):
         logps, entropies = token_logps(completion_logits(model, batch), batch["completion_ids"], TEMPERATURE,
                                        entropy_gradient=settings.entropy_bonus)
@@ -177,7 +178,7 @@ def test_adaptive_entropy_control_equals_trl(checkpoint, tmp_path, target, quant
     batches = [micro_batch(model, generator, [6, 2, 4, 1], True, 0.0), micro_batch(model, generator, [3, 6, 1, 5],
                                                                                  False, 0.0)]
     settings = LossSettings(loss_type="grpo", epsilon_low=EPSILON, epsilon_high=EPSILON_HIGH,
-                            max_completion_length=MAX_COMPLETION, entropy_coef=0.1, use_adaptive_entropy=True,
+                            max_completion_length=MAX_COMPLETION, entropy_coef=0.1, entropy_bonus=True,
                             top_entropy_quantile=quantile)
     control = EntropyControl(0.1, target, 0.03, 0.02, 0.15)
     coefficients = []
