@@ -43,12 +43,13 @@ from training.objectives.grpo_loss import (CLIPPED, EXTREMES, STEP_TOKEN_MEAN, E
                                            nanstd, normalized_sum_advantages, token_logps, weighted_rewards)
 from training.objectives.reference import load_reference, restore_reference, save_reference, sync_reference
 from training.objectives.rewards import load_reward, score
+from training.loop.metrics import device_name
 from training.parallel import distributed
 from training.planning.ds_config import params_offloaded
-from training.planning.flops import flops_per_token
+from training.planning.flops import flops_per_token, gpu_spec
 from training.planning.memory import generation, reference_bytes
 from training.planning.plan import RunPlan
-from training.planning.precision import DTYPES
+from training.planning.precision import weights_dtype
 from training.planning.report import format_bytes
 from training.state.output_dir import COMPLETIONS_FILE
 
@@ -247,19 +248,44 @@ def loss_lines(section: GrpoSection) -> list[str]:
 def generation_cost(plan: RunPlan, completions: int) -> str:
     """What generating a step's `completions` per rank costs beside training on them: its FLOPs (2N per prompt and
     completion token, against training's) and the weights each decoding pass reads, which under ZeRO-3 it gathers
-    from the ranks every pass (decoding is bound by memory and, there, by the network, not by FLOPs)."""
+    from the ranks every pass (decoding is bound by memory and, there, by the network, not by FLOPs); on a GPU of
+    flops.py's table, the least time that takes (generation_floor)."""
     shape, section, seq_len = plan.shape, plan.recipe.grpo, plan.recipe.data.seq_len
     training_flops = flops_per_token(shape, seq_len, plan.recipe.activation_checkpointing)[0]
-    weights = shape.parameters * DTYPES[plan.precision].itemsize
+    flops = 2 * shape.matmul_parameters * completions * seq_len
+    weights = shape.parameters * weights_dtype(plan.precision, plan.zero_stage).itemsize
     passes = section.max_completion_length
     gathered = "" if plan.zero_stage != 3 else (
         f"; under ZeRO-3 gathered once per generation ({format_bytes(weights)}, held whole on each rank while it "
         f"generates)" if section.ds3_gather_for_generation else
         f"; under ZeRO-3 every pass gathers them: {format_bytes(passes * weights)} gathered per step "
         f"(grpo.ds3_gather_for_generation: once, holding them whole)")
-    return (f"generation cost per step and rank: {2 * shape.matmul_parameters * completions * seq_len:.3e} FLOPs at "
-            f"most ({2 * shape.matmul_parameters / training_flops:.0%} of training on the same tokens), in {passes} "
-            f"decoding passes that each read the weights ({format_bytes(weights)}){gathered}")
+    share = 2 * shape.matmul_parameters / training_flops
+    return (f"generation cost per step and rank: {flops:.3e} FLOPs at most ({share:.0%} of training on the same "
+            f"tokens), in {passes} decoding passes that each read the weights "
+            f"({format_bytes(weights)}){gathered}{generation_floor(plan, completions, flops, weights)}")
+
+
+def generation_floor(plan: RunPlan, completions: int, flops: float, weights: float) -> str:
+    """'; at least T s on <GPU>' where this machine's GPU is in flops.py's table: the generation's FLOPs at the GPU's
+    bf16 peak, or what its decoding passes read at the GPU's memory bandwidth, whichever takes longer. Pass t reads
+    the weights and the KV cache of the prompt (p tokens) and the t completion tokens before it:
+      reads = C*W + KV*(C*p + C*(C-1)/2),  KV = 2*L*kv_dim*a*B per token of the batch's B rows (memory.generation)
+    A floor that a decoder at full bandwidth (vLLM) approaches; transformers' generate adds its per-pass overheads,
+    which the logged generation_time_s measures. ZeRO-3's gathers are not in it."""
+    spec = gpu_spec(device_name())
+    if spec is None:
+        return ""
+    shape, passes = plan.shape, plan.recipe.grpo.max_completion_length
+    prompt = plan.recipe.data.seq_len - passes
+    kv_per_token = 2 * shape.num_layers * shape.kv_dim * weights_dtype(plan.precision, plan.zero_stage).itemsize \
+        * completions
+    reads = passes * weights + kv_per_token * (passes * prompt + passes * (passes - 1) / 2)
+    compute, memory = flops / (spec.peak_tflops * 1e12), reads / spec.bandwidth
+    bound = f"{format_bytes(reads)} read at {spec.bandwidth / 1e12:g} TB/s" if memory >= compute else \
+        f"at {spec.peak_tflops:g} TFLOP/s"
+    return (f"; at least {max(memory, compute):.3g} s on {device_name()} ({bound}; transformers' generate takes "
+            f"longer, and the metrics' generation_time_s says how much)")
 
 
 def reference_place(plan: RunPlan) -> str:

@@ -19,7 +19,9 @@ from training.base.errors import ConfigError, DataError
 from training.config.recipe import GrpoSection, load_recipe
 from training.objectives.grpo import Grpo, SeededSampling, completion_logps, completion_rows, loss_lines, sample
 from training.objectives.grpo_loss import LOSS_TYPES, LossSettings, grpo_loss
+from training.planning.plan import RunPlan
 from training.planning.precision import DTYPES
+from training.planning.report import format_bytes
 
 SECTION = GrpoSection(num_generations=4, max_completion_length=12, temperature=0.9, top_p=0.95)
 SETTINGS = {"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.3}  # the other sampling settings, TRL's names
@@ -310,6 +312,30 @@ def test_the_dry_run_shows_prompts_generations_and_generation_memory(tmp_path, c
                      r"in 16 decoding passes", out)
 
 
+def test_on_a_gpu_of_the_table_the_plan_gives_the_generations_floor(monkeypatch):
+    """Memory-bound: every decoding pass reads the bf16 weights and the KV cache so far, for the rank's 32 rows
+    (256 completions over 8 ranks), at the GPU's bandwidth; compute-bound with 8 new tokens after 1,016."""
+    import train
+    from training.objectives import grpo
+
+    def cost(*overrides: str) -> tuple[RunPlan, str]:
+        plan = train.make_plan(train.parse_args(["--recipe", "qwen2_5_1_5b_grpo", "--dry-run", "precision=bf16",
+                                                 *overrides]), world_size=8)
+        return plan, grpo.generation_cost(plan, 32)
+
+    assert "at least" not in cost()[1]  # a CPU
+    monkeypatch.setattr(grpo, "device_name", lambda: "NVIDIA H100 80GB HBM3")
+    plan, line = cost()
+    shape, completion, prompt = plan.shape, 768, 1024 - 768
+    kv_per_token = 2 * shape.num_layers * shape.kv_dim * 2 * 32
+    reads = completion * shape.parameters * 2 + kv_per_token * sum(prompt + t for t in range(completion))
+    assert f"; at least {reads / 3.35e12:.3g} s on NVIDIA H100 80GB HBM3 ({format_bytes(reads)} read at 3.35 TB/s;" \
+        in line
+    plan, line = cost("grpo.max_completion_length=8")
+    assert (f"; at least {2 * shape.matmul_parameters * 32 * 1024 / 989e12:.3g} s on NVIDIA H100 80GB HBM3 (at 989 "
+            f"TFLOP/s;") in line
+
+
 @pytest.mark.parametrize("settings, expected", [
     ({"loss_type": "grpo", "importance_sampling_level": "sequence", "delta": 4},
      ["GRPO: loss grpo (sequence-level ratio, delta 4, scale_rewards group), beta 0, epsilon 0.2/0.2"]),
@@ -365,7 +391,6 @@ def test_the_memory_plan_holds_the_reference_whole_at_zero_0_to_2_and_a_share_of
     import train
     from training.planning.memory import planned_model_states, states_per_setting
     from training.planning.plan import Machine
-    from training.planning.report import format_bytes
     save_small_checkpoint(tmp_path / "base")
     ranks, itemsize = 4, DTYPES[precision].itemsize
 
