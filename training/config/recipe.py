@@ -228,6 +228,8 @@ class DpoSection(StrictModel):
     beta: PositiveFloat = 0.1  # how far the policy may move from the reference: the log-ratios' scale in the loss
     loss: Literal["sigmoid", "ipo"] = "sigmoid"  # sigmoid: DPO (Rafailov et al.); ipo: IPO (Azar et al.), on the
     # per-token mean log-ratios, squared distance from 1 / (2 beta)
+    disable_dropout: bool = True  # the model's dropout off (TRL's default for DPO): the policy's log-probabilities
+    # then compare with the reference's, computed without it (training/models/model.py, disable_dropout)
 
 
 class RewardSpec(StrictModel):
@@ -289,6 +291,8 @@ class GrpoSection(StrictModel):
     entropy_target: NonNegativeFloat = 0.2
     num_iterations: PositiveInt = 1  # optimizer steps on each generation (with >1, the old log-probabilities kept)
     mask_truncated_completions: bool = False  # completions cut at max_completion_length take no loss
+    disable_dropout: bool = False  # the model's dropout off (TRL's default for GRPO is to keep it): the ratios and the
+    # KL then compare log-probabilities computed alike (training/models/model.py, disable_dropout)
     ds3_gather_for_generation: bool = False  # ZeRO-3: the whole weights gathered once per generation (a full copy on
     # each rank while it generates) in place of each layer's in every decoding pass (TRL's default is true)
     chat_template_kwargs: dict[str, Any] = {}  # passed to the tokenizer's chat template with a prompt of chat messages

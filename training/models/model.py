@@ -212,3 +212,17 @@ def build_model(recipe: Recipe, config: PretrainedConfig, ds_config: dict, preci
     if recipe.activation_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def disable_dropout(model: torch.nn.Module) -> int:
+    """Every dropout of the model off, as TRL's disable_dropout turns it off (its nn.Dropout modules at p=0), and
+    beyond TRL the attention's own dropout, a float that transformers' attention functions read off the attention
+    module (attention_dropout: Llama's, Qwen's, Mistral's). LoRA's dropout on the adapters' input (lora.dropout, a
+    setting of its own) stays. Returns how many were on."""
+    turned_off = 0
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Dropout) and module.p > 0 and "lora_dropout" not in name:
+            module.p, turned_off = 0.0, turned_off + 1
+        if isinstance(getattr(module, "attention_dropout", None), float) and module.attention_dropout > 0:
+            module.attention_dropout, turned_off = 0.0, turned_off + 1
+    return turned_off

@@ -29,6 +29,7 @@ from data_pipeline.loader import EvalPairBatches, PairBatches
 from data_pipeline.prepare import pad_token_id
 from training.compat.datasets import fingerprint
 from training.config.recipe import DpoSection, Recipe
+from training.models.model import disable_dropout
 from training.objectives.base import Objective
 from training.parallel import distributed
 from training.planning.plan import RunPlan
@@ -266,6 +267,8 @@ class Dpo(Objective):
     def start(self, engine: deepspeed.DeepSpeedEngine, batches: PairBatches, evaluation: EvalPairBatches | None,
               resume: bool) -> None:
         recipe = self.plan.recipe
+        if recipe.dpo.disable_dropout:
+            disable_dropout(engine.module)
         self.preference = start_preference(engine, recipe.dpo, recipe.lora.enabled, self.plan.output_dir, batches,
                                            evaluation, resume)
 

@@ -44,6 +44,7 @@ from training.objectives.grpo_loss import (CLIPPED, EXTREMES, STEP_TOKEN_MEAN, E
 from training.objectives.reference import load_reference, restore_reference, save_reference, sync_reference
 from training.objectives.rewards import load_reward, score
 from training.loop.metrics import device_name
+from training.models.model import disable_dropout
 from training.parallel import distributed
 from training.planning.ds_config import params_offloaded
 from training.planning.flops import flops_per_token, gpu_spec
@@ -408,6 +409,8 @@ class Grpo(Objective):
         self.names = [function.__name__ for function in self.functions]
         self.weights = [spec.weight for spec in grpo.rewards]
         self.eos_id, self.pad_id = plan.tokenizer.eos_token_id, pad_token_id(plan.tokenizer)
+        if grpo.disable_dropout:
+            disable_dropout(engine.module)
         if grpo.beta > 0 and not plan.recipe.lora.enabled:
             self.reference = load_reference(plan, engine)
 

@@ -1,9 +1,10 @@
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from training.base.errors import ConfigError
-from training.models.model import build_model, check_recipe_against_model, load_model_config
+from training.models.model import build_model, check_recipe_against_model, disable_dropout, load_model_config
 from training.config.recipe import load_recipe
 
 
@@ -85,3 +86,29 @@ def test_checkpoints_load_in_the_runs_precision(precision, stage, dtype, one_ran
         for name, param in parameters.items():
             assert param.dtype == dtype and param.shape == saved[name].shape
             torch.testing.assert_close(param.detach(), saved[name].to(dtype), rtol=0, atol=0)
+
+
+def test_disable_dropout_turns_off_the_modules_and_the_attentions_dropout_but_not_loras():
+    """GPT-2's dropout is nn.Dropout modules (TRL's disable_dropout turns these off); Llama's attention reads a float
+    off its attention module, which TRL leaves on. After disable_dropout two forward passes in training mode give
+    the evaluation mode's logits; LoRA's adapter dropout keeps its rate."""
+    from peft import LoraConfig, get_peft_model
+
+    gpt2 = AutoConfig.for_model("gpt2", n_layer=2, n_embd=32, n_head=2, vocab_size=128)
+    llama = AutoConfig.for_model("llama", num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                                 num_attention_heads=2, num_key_value_heads=2, vocab_size=128, attention_dropout=0.5)
+    input_ids = torch.randint(0, 128, (2, 12))
+    # GPT-2: the embeddings' dropout, and each layer's attention's, its output's and its MLP's; Llama: each layer's
+    for config, dropouts in ((gpt2, 1 + 2 * 3), (llama, 2)):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
+        assert not torch.equal(model(input_ids).logits, model(input_ids).logits)
+        assert disable_dropout(model) == dropouts and disable_dropout(model) == 0
+        logits = model(input_ids).logits
+        assert torch.equal(logits, model(input_ids).logits)
+        torch.testing.assert_close(logits, model.eval()(input_ids).logits)
+    adapted = get_peft_model(AutoModelForCausalLM.from_config(llama), LoraConfig(r=4, lora_dropout=0.1,
+                                                                               target_modules=["q_proj"]))
+    assert disable_dropout(adapted) == 2
+    assert {module.p for name, module in adapted.named_modules()
+            if isinstance(module, torch.nn.Dropout) and "lora_dropout" in name} == {0.1}

@@ -2,15 +2,34 @@
 objective added in a few lines trains. The toy computes the language model's loss itself, from the logits: its
 losses must be the language model's (fused loss off, as the toy's traits ask)."""
 import json
+from types import SimpleNamespace
 
 import pytest
+import torch
 import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import training.config.recipe as schema
 from data_pipeline.loader import model_inputs
-from tests.conftest import SMALL_MODEL, train_in_process
+from tests.conftest import SMALL_MODEL, save_small_checkpoint, train_in_process
 from training.objectives import OBJECTIVES
 from training.objectives.lm import LanguageModel
+
+
+@pytest.mark.parametrize("recipe, overrides, off", [
+    ("tiny_llama_dpo", [], True), ("tiny_llama_dpo", ["dpo.disable_dropout=false"], False),
+    ("tiny_llama_grpo", ["grpo.beta=0"], False),
+    ("tiny_llama_grpo", ["grpo.beta=0", "grpo.disable_dropout=true"], True)])
+def test_dpo_and_grpo_start_with_the_models_dropout_as_trl_does_by_default(tmp_path, recipe, overrides, off):
+    """TRL's defaults: DPO turns the dropout off, GRPO keeps it; each objective's disable_dropout says otherwise."""
+    import train
+    save_small_checkpoint(tmp_path / "base")
+    plan = train.make_plan(train.parse_args(["--recipe", recipe, "--dry-run", f"model.name_or_path={tmp_path / 'base'}",
+                                             "lora.enabled=true", *overrides]), world_size=1)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_layer=1, n_embd=16, n_head=2,
+                                                                  vocab_size=64))
+    OBJECTIVES[plan.recipe.training.objective](plan).start(SimpleNamespace(module=model), None, None, False)
+    assert {module.p for module in model.modules() if isinstance(module, torch.nn.Dropout)} == {0.0 if off else 0.1}
 
 
 def test_every_objective_the_recipe_names_has_its_training_code():
