@@ -132,7 +132,8 @@ def test_what_if_options_misused(args, expected, capsys):
 def test_single_process_run_writes_the_documented_outputs(tmp_path, data_cache):
     from training.loop.metrics import held_tensor_bytes
     # the census counts every tensor of the process: in a pytest worker, also what earlier tests left held (seen:
-    # 230 MiB after test_memory.py's activation tests), which the run's own states are measured beside
+    # 230 MiB of autograd graphs that test_memory.py's pack hooks kept alive, until they detached what they saved),
+    # which the run's own states are measured beside
     before = held_tensor_bytes(torch.optim.SGD([torch.zeros(1, requires_grad=True)])).get("cpu", 0)
     out = tmp_path / "run"
     result = train_in_process(["--recipe", "tiny_llama", "--output-dir", str(out), SMALL_MODEL, data_cache,

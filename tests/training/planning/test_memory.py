@@ -34,7 +34,7 @@ def saved_activation_bytes(model: torch.nn.Module, input_ids: torch.Tensor, posi
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in weights:
             storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
+        return tensor.detach()  # the tensor itself would keep its own graph alive from C++, out of gc's reach
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         model(input_ids=input_ids, labels=input_ids, position_ids=position_ids)
@@ -322,7 +322,7 @@ def test_the_entropy_bonus_keeps_what_the_plan_adds():
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-            return tensor
+            return tensor.detach()
 
         logits = torch.randn(BATCH, SEQ_LEN, CONFIGS["llama"]["vocab_size"], dtype=torch.bfloat16, requires_grad=True)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
