@@ -37,18 +37,18 @@ from data_pipeline.prepare import pad_token_id
 from training.base.errors import ConfigError
 from training.compat.deepspeed import zero3_whole_weights
 from training.config.recipe import GrpoSection, Recipe
+from training.loop.metrics import device_name
+from training.models.model import disable_dropout
 from training.objectives.base import Objective
 from training.objectives.grpo_loss import (CLIPPED, EXTREMES, STEP_TOKEN_MEAN, EntropyControl, LossSettings,
                                            entropy_threshold, group_advantages, grpo_loss, kept_tokens, metric_means,
                                            nanstd, normalized_sum_advantages, token_logps, weighted_rewards)
 from training.objectives.reference import load_reference, restore_reference, save_reference, sync_reference
 from training.objectives.rewards import load_reward, score
-from training.loop.metrics import device_name
-from training.models.model import disable_dropout
 from training.parallel import distributed
 from training.planning.ds_config import params_offloaded
 from training.planning.flops import flops_per_token, gpu_spec
-from training.planning.memory import generation, reference_bytes
+from training.planning.memory import generation, kv_cache_bytes, reference_bytes
 from training.planning.plan import RunPlan
 from training.planning.precision import weights_dtype
 from training.planning.report import format_bytes
@@ -274,18 +274,19 @@ def generation_floor(plan: RunPlan, completions: int, flops: float, weights: flo
       reads = C*W + KV*(C*p + C*(C-1)/2),  KV = 2*L*kv_dim*a*B per token of the batch's B rows (memory.generation)
     A floor that a decoder at full bandwidth (vLLM) approaches; transformers' generate adds its per-pass overheads,
     which the logged generation_time_s measures. ZeRO-3's gathers are not in it."""
-    spec = gpu_spec(device_name())
+    name = device_name()
+    spec = gpu_spec(name)
     if spec is None:
         return ""
-    shape, passes = plan.shape, plan.recipe.grpo.max_completion_length
+    passes = plan.recipe.grpo.max_completion_length
     prompt = plan.recipe.data.seq_len - passes
-    kv_per_token = 2 * shape.num_layers * shape.kv_dim * weights_dtype(plan.precision, plan.zero_stage).itemsize \
-        * completions
-    reads = passes * weights + kv_per_token * (passes * prompt + passes * (passes - 1) / 2)
+    tokens_read = passes * prompt + passes * (passes - 1) / 2  # of the KV cache, over the passes
+    reads = passes * weights + kv_cache_bytes(plan.shape, weights_dtype(plan.precision, plan.zero_stage).itemsize,
+                                              completions, tokens_read)
     compute, memory = flops / (spec.peak_tflops * 1e12), reads / spec.bandwidth
     bound = f"{format_bytes(reads)} read at {spec.bandwidth / 1e12:g} TB/s" if memory >= compute else \
         f"at {spec.peak_tflops:g} TFLOP/s"
-    return (f"; at least {max(memory, compute):.3g} s on {device_name()} ({bound}; transformers' generate takes "
+    return (f"; at least {max(memory, compute):.3g} s on {name} ({bound}; transformers' generate takes "
             f"longer, and the metrics' generation_time_s says how much)")
 
 

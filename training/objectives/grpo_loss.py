@@ -54,7 +54,8 @@ clip_ratio/high_max, are the min and max over every rank's completions of their 
 each, reduced by min and max over the ranks). With the entropy bonus (entropy_bonus: a coefficient c != 0, or
 adaptive control, EntropyControl, where c moves after every step and the bonus stays on while c is 0) the share is
 the policy loss above minus c x the mean entropy (with its gradient) over the tokens that take the policy loss
-(e_t m_t), and policy_loss, the share without it, is logged as a mean over the ranks (TRL's, for dapo, cispo and vespo, is it / accumulation steps).
+(e_t m_t), and policy_loss, the share without it, is logged as a mean over the ranks (TRL's, for dapo, cispo and
+vespo, is it / accumulation steps).
 Not built: vLLM's importance-sampling correction.
 """
 import math

@@ -206,6 +206,11 @@ class Generation:
         return max(self.prefill, self.decoding) + self.gathered_weights
 
 
+def kv_cache_bytes(shape: ModelShape, itemsize: int, rows: int, tokens: int) -> float:
+    """The KV cache of `rows` rows of `tokens` tokens: keys and values of every layer, in the weights' dtype."""
+    return 2 * shape.num_layers * shape.kv_dim * itemsize * rows * tokens
+
+
 def generation(recipe: Recipe, precision: str, shape: ModelShape, stage: int, ranks: int) -> Generation:
     """A generation's memory per rank (training/objectives/grpo.py, sample): the rank's B = global_batch_size / ranks
     completions in one batch, each after a prompt of at most p = seq_len - max_completion_length tokens (what the
@@ -230,7 +235,7 @@ def generation(recipe: Recipe, precision: str, shape: ModelShape, stage: int, ra
     a = weights_dtype(precision, stage).itemsize
 
     def kv_cache(tokens: int) -> float:
-        return 2 * shape.num_layers * shape.kv_dim * a * completions * tokens
+        return kv_cache_bytes(shape, a, completions, tokens)
 
     sampling = completions * shape.vocab_size * 4 * (10 if grpo.top_p < 1 else 7)
     whole = shape.parameters * a if stage == 3 and grpo.ds3_gather_for_generation else 0.0
