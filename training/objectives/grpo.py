@@ -19,7 +19,8 @@ Evaluation samples the held-out prompts alike and scores them (evaluate).
 import json
 import sys
 import time
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import NamedTuple
@@ -48,7 +49,7 @@ from training.objectives.rewards import load_reward, score
 from training.parallel import distributed
 from training.planning.ds_config import params_offloaded
 from training.planning.flops import flops_per_token, gpu_spec
-from training.planning.memory import generation, kv_cache_bytes, reference_bytes
+from training.planning.memory import decoding_reads, generation, reference_bytes
 from training.planning.plan import RunPlan
 from training.planning.precision import weights_dtype
 from training.planning.report import format_bytes
@@ -129,6 +130,22 @@ def sample(model: torch.nn.Module, prompts: list[torch.Tensor], seeds: list[int]
         completions.append(sequence[:length].cpu())
         truncated.append(not len(ends))
     return completions, truncated
+
+
+@contextmanager
+def decoding(model: torch.nn.Module, attention: str) -> Iterator[None]:
+    """Generation runs eagerly, and with sdpa where training runs FlexAttention. Compiled decoder layers
+    (training/models/compile.py) would be traced again for each layer's KV cache, whose state dynamo guards on, until
+    dynamo's recompile limit: the first generation of a 1.24B Llama on an H200 took 34.5 s instead of 4 (docs/grpo.md).
+    FlexAttention's path builds a block mask in every decoding pass; sdpa takes the padding's mask as it is."""
+    if attention == "flex_attention":
+        model.set_attn_implementation("sdpa")
+    try:
+        with torch.compiler.set_stance("force_eager"):
+            yield
+    finally:
+        if attention == "flex_attention":
+            model.set_attn_implementation(attention)
 
 
 def completion_rows(prompts: list[torch.Tensor], completions: list[torch.Tensor], pad_id: int, seq_len: int,
@@ -264,25 +281,22 @@ def generation_cost(plan: RunPlan, completions: int) -> str:
     share = 2 * shape.matmul_parameters / training_flops
     return (f"generation cost per step and rank: {flops:.3e} FLOPs at most ({share:.0%} of training on the same "
             f"tokens), in {passes} decoding passes that each read the weights "
-            f"({format_bytes(weights)}){gathered}{generation_floor(plan, completions, flops, weights)}")
+            f"({format_bytes(weights)}){gathered}{generation_floor(plan, completions, flops)}")
 
 
-def generation_floor(plan: RunPlan, completions: int, flops: float, weights: float) -> str:
+def generation_floor(plan: RunPlan, completions: int, flops: float) -> str:
     """'; at least T s on <GPU>' where this machine's GPU is in flops.py's table: the generation's FLOPs at the GPU's
-    bf16 peak, or what its decoding passes read at the GPU's memory bandwidth, whichever takes longer. Pass t reads
-    the weights and the KV cache of the prompt (p tokens) and the t completion tokens before it:
-      reads = C*W + KV*(C*p + C*(C-1)/2),  KV = 2*L*kv_dim*a*B per token of the batch's B rows (memory.generation)
-    A floor that a decoder at full bandwidth (vLLM) approaches; transformers' generate adds its per-pass overheads,
-    which the logged generation_time_s measures. ZeRO-3's gathers are not in it."""
+    bf16 peak, or what its decoding passes read (memory.decoding_reads: the weights every pass and the KV cache so
+    far) at the GPU's memory bandwidth, whichever takes longer. A floor that a decoder at full bandwidth (vLLM)
+    approaches; transformers' generate adds its per-pass overheads, which the logged generation_time_s measures
+    (benchmarks/generation_batch.py measures both against the batch). ZeRO-3's gathers are not in it."""
     name = device_name()
     spec = gpu_spec(name)
     if spec is None:
         return ""
     passes = plan.recipe.grpo.max_completion_length
-    prompt = plan.recipe.data.seq_len - passes
-    tokens_read = passes * prompt + passes * (passes - 1) / 2  # of the KV cache, over the passes
-    reads = passes * weights + kv_cache_bytes(plan.shape, weights_dtype(plan.precision, plan.zero_stage).itemsize,
-                                              completions, tokens_read)
+    reads = decoding_reads(plan.shape, weights_dtype(plan.precision, plan.zero_stage).itemsize, completions,
+                           plan.recipe.data.seq_len - passes, passes)
     compute, memory = flops / (spec.peak_tflops * 1e12), reads / spec.bandwidth
     bound = f"{format_bytes(reads)} read at {spec.bandwidth / 1e12:g} TB/s" if memory >= compute else \
         f"at {spec.peak_tflops:g} TFLOP/s"
@@ -447,7 +461,8 @@ class Grpo(Objective):
         zero3 = engine.zero_optimization_stage() == 3
         whole = zero3 and grpo.ds3_gather_for_generation
         engine.module.eval()
-        with zero3_whole_weights(engine) if whole else nullcontext():
+        with zero3_whole_weights(engine) if whole else nullcontext(), \
+                decoding(engine.module, self.plan.recipe.model.attn_implementation):
             completions, truncated = sample(engine.module, [ids.to(engine.device) for ids in prompt_ids], seeds, grpo,
                                             self.eos_id, self.pad_id, synced=zero3 and not whole)
         engine.module.train()

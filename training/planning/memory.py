@@ -211,6 +211,14 @@ def kv_cache_bytes(shape: ModelShape, itemsize: int, rows: int, tokens: int) -> 
     return 2 * shape.num_layers * shape.kv_dim * itemsize * rows * tokens
 
 
+def decoding_reads(shape: ModelShape, itemsize: int, rows: int, prompt: int, passes: int) -> float:
+    """What `passes` decoding passes of `rows` rows after a prompt of `prompt` tokens read: the weights (W) every
+    pass, and the KV cache of the prompt and of the completion tokens before it (pass t reads p + t tokens' worth):
+      reads = C*W + KV*(C*p + C*(C-1)/2)   over C passes, KV per token (kv_cache_bytes), all in `itemsize` bytes"""
+    tokens_read = passes * prompt + passes * (passes - 1) / 2
+    return passes * shape.parameters * itemsize + kv_cache_bytes(shape, itemsize, rows, tokens_read)
+
+
 def generation(recipe: Recipe, precision: str, shape: ModelShape, stage: int, ranks: int) -> Generation:
     """A generation's memory per rank (training/objectives/grpo.py, sample): the rank's B = global_batch_size / ranks
     completions in one batch, each after a prompt of at most p = seq_len - max_completion_length tokens (what the
