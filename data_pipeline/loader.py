@@ -179,28 +179,33 @@ def fetch_pairs(source: PairBatches | EvalPairBatches, indices: np.ndarray, real
 
 
 class PromptBatches(StepBatches):
-    """Prompts (training.objective=grpo). A generation takes the next global_batch_size / num_generations prompts of
-    the epoch's order, and rank r samples the groups of its contiguous share of them, so that every layout sees the
-    same prompts and a group never spans ranks. num_iterations consecutive optimizer steps train on one generation:
-    the data position p reads generation p // num_iterations. A batch is the rank's prompts, whose completions the
-    objective generates (training/objectives/grpo.py), with each prompt's row in the data set (which seeds its
-    sampling) and the generation's index."""
+    """Prompts (training.objective=grpo). A step takes the next global_batch_size / num_generations prompts of the
+    epoch's order, and rank r samples the groups of its contiguous share of them, so that every layout sees the same
+    prompts and a group never spans ranks. A generation samples the prompts of `steps_per_generation` such steps at
+    once (grpo.generation_batch_size), and num_iterations passes over those steps train on it: the data position p
+    reads generation p // (steps_per_generation x num_iterations), for its step p % steps_per_generation. A batch is
+    the rank's prompts of the whole generation, step by step (whose completions the objective generates,
+    training/objectives/grpo.py), with each prompt's row in the data set (which seeds its sampling), the generation's
+    index and the step's place in it (part)."""
     unit = "prompts"
 
     def __init__(self, prompts: datasets.Dataset, prompts_per_rank: int, dp_rank: int, dp_size: int, seed: int,
-                 num_iterations: int):
-        super().__init__(prompts, prompts_per_rank, 1, dp_rank, dp_size, seed)
-        self.num_iterations = num_iterations
-        self.generations_per_epoch, self.steps_per_epoch = self.steps_per_epoch, self.steps_per_epoch * num_iterations
+                 num_iterations: int, steps_per_generation: int = 1):
+        super().__init__(prompts, prompts_per_rank, steps_per_generation, dp_rank, dp_size, seed)
+        self.num_iterations, self.steps_per_generation = num_iterations, steps_per_generation
+        self.cycle = steps_per_generation * num_iterations  # the data positions one generation serves
+        self.generations_per_epoch, self.steps_per_epoch = self.steps_per_epoch, self.steps_per_epoch * self.cycle
 
     def micro_batches(self, position: int) -> list[dict]:
-        generation = position // self.num_iterations
+        generation, step = divmod(position, self.cycle)
         epoch, index = divmod(generation, self.generations_per_epoch)
-        start = index * self.global_batch_size + self.dp_rank * self.micro_batch_size
-        rows = self.epoch_order(epoch)[start:start + self.micro_batch_size]
+        start = index * self.global_batch_size
+        rows = self.epoch_order(epoch)[start:start + self.global_batch_size]
+        rows = rows.reshape(self.steps_per_generation, self.dp_size, self.micro_batch_size)[:, self.dp_rank].ravel()
         batch = self.rows[rows]
         return [{"prompt_ids": [ids.astype(np.int64) for ids in batch["prompt_ids"]], "prompt": list(batch["prompt"]),
-                 "fields": list(batch["fields"]), "rows": rows, "generation": generation}]
+                 "fields": list(batch["fields"]), "rows": rows, "generation": generation,
+                 "part": step % self.steps_per_generation}]
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "num_iterations": self.num_iterations}

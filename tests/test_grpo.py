@@ -5,7 +5,8 @@ gathered for generation; adaptive entropy control's coefficient and the synced r
 completions each, num_generations_eval); the completions' samples; the export loaded by transformers; a SIGTERM inside a
 generation. Against TRL's GRPOTrainer step by step: tests/test_grpo_trl.py.
 
-Sixteen sums from tiny_llama_grpo, 4 prompts x 4 generations a step, 8 completions per micro-batch, fp32, rewarded for
+Sixteen sums from tiny_llama_grpo, 4 prompts x 4 generations a step, each generation sampling 2 steps' prompts at
+once (grpo.generation_batch_size; the LoRA run one step's), 8 completions per micro-batch, fp32, rewarded for
 a length near 40 characters (the small random model's completions differ in length: each group has something to
 learn) and for the right answer. Every
 completion draws from a random stream of its own (training/objectives/grpo.py), so every layout samples the same
@@ -57,6 +58,8 @@ def runs(tmp_path_factory) -> dict:
               # the reference mixed with the policy after every step (TR-DPO): under ZeRO-3 weight by weight,
               # gathered; the killed run's step-2 checkpoint holds it, written at ZeRO-1 and restored at ZeRO-3
               "grpo.sync_ref_model=true", "grpo.ref_model_sync_steps=1",
+              # one generation of 32 completions for 2 optimizer steps (TRL's steps_per_generation 2 x accumulation)
+              "grpo.generation_batch_size=32",
               "data.packing=bfd"]  # but in `whole`: one completion per row
     whole, zero3, killed, resumed, lora = (folder / name for name in ("whole", "zero3", "killed", "resumed", "lora"))
     result = run_train(["--output-dir", str(whole), *common, "deepspeed.config=zero0", "data.packing=none"], ranks=1)
@@ -72,7 +75,8 @@ def runs(tmp_path_factory) -> dict:
                         "grpo.ds3_gather_for_generation=true"], ranks=2)
     assert result.returncode == 0, result.stderr[-3000:]
     result = run_train(["--output-dir", str(lora), *common, "deepspeed.config=zero2", "lora.enabled=true",
-                        "grpo.beta=0.04", "grpo.loss_type=grpo", "training.max_steps=2", "grpo.sync_ref_model=false"],
+                        "grpo.beta=0.04", "grpo.loss_type=grpo", "training.max_steps=2", "grpo.sync_ref_model=false",
+                        "grpo.generation_batch_size=null"],
                        ranks=2)
     assert result.returncode == 0, result.stderr[-3000:]
     return {"whole": whole, "zero3": zero3, "killed": killed, "resumed": resumed, "lora": lora}
@@ -97,7 +101,9 @@ def test_grpo_takes_the_same_steps_on_one_rank_and_under_zero3(runs):
     assert len(whole) == STEPS and all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in whole)
     assert any(r["reward_std"] > 0 for r in whole)  # the groups' rewards differ: there is something to learn
     assert [r["step"] for r in whole if "eval_reward" in r] == [2, 4]
-    assert all(0 < r["generation_time_s"] < r["step_time_s"] for r in whole)  # sampling is inside the step
+    # sampling is inside the first step of each generation, and the second trains on what it sampled
+    assert all(0 < r["generation_time_s"] < r["step_time_s"] for r in whole[::2])
+    assert all(r["generation_time_s"] == 0 for r in whole[1::2])
     assert [r["entropy_coef"] for r in whole] == pytest.approx([0.01, 0.02, 0.03, 0.04])
     summary = json.loads((runs["whole"] / "summary.json").read_text())
     assert summary["eval_reward"] == whole[-1]["eval_reward"]
@@ -111,7 +117,7 @@ def test_a_killed_grpo_run_resumes_in_another_layout_on_the_same_curve(runs):
     assert_same_curve(metrics(runs["resumed"]), whole)  # steps 1-2 from the killed run, 3-4 resumed on 2 ranks
     assert (runs["killed"] / "checkpoints/global_step2/reference.safetensors").is_file()
     samples = [json.loads(line) for line in (runs["resumed"] / COMPLETIONS_FILE).read_text().splitlines()]
-    assert [s["generation"] for s in samples] == [g for g in range(STEPS) for _ in range(16)]  # none twice
+    assert [s["generation"] for s in samples] == [g for g in range(STEPS // 2) for _ in range(32)]  # none twice
     assert samples == [json.loads(line) for line in (runs["whole"] / COMPLETIONS_FILE).read_text().splitlines()]
 
 

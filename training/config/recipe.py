@@ -290,6 +290,10 @@ class GrpoSection(StrictModel):
     entropy_coef_delta: PositiveFloat = 0.005
     entropy_target: NonNegativeFloat = 0.2
     num_iterations: PositiveInt = 1  # optimizer steps on each generation (with >1, the old log-probabilities kept)
+    generation_batch_size: PositiveInt | None = None  # TRL's: the completions one generation makes over all ranks, a
+    # multiple of training.global_batch_size, each optimizer step training on the next global batch of them (None:
+    # one step's); decoding reads the weights once per pass whatever the batch. TRL's steps_per_generation is this
+    # over micro_batch_size x ranks (micro-steps)
     mask_truncated_completions: bool = False  # completions cut at max_completion_length take no loss
     disable_dropout: bool = False  # the model's dropout off (TRL's default for GRPO is to keep it): the ratios and the
     # KL then compare log-probabilities computed alike (training/models/model.py, disable_dropout)

@@ -229,7 +229,12 @@ def entropy_control(section: GrpoSection) -> EntropyControl:
                           section.entropy_coef_min, section.entropy_coef_max)
 
 
-def loss_lines(section: GrpoSection) -> list[str]:
+def steps_per_generation(recipe: Recipe) -> int:
+    """The optimizer steps one generation serves: grpo.generation_batch_size over the global batch (checked whole)."""
+    return (recipe.grpo.generation_batch_size or recipe.training.global_batch_size) // recipe.training.global_batch_size
+
+
+def loss_lines(section: GrpoSection, steps: int = 1) -> list[str]:
     """The plan's lines on the loss: its type and settings, and a note where TRL warns of the combination."""
     settings = loss_settings(section)
     extras = [f"{settings.importance_sampling_level}-level ratio"]
@@ -248,8 +253,8 @@ def loss_lines(section: GrpoSection) -> list[str]:
          f"{section.entropy_target:g}"),
         (settings.beta and not settings.use_bias_correction_kl, "KL without the ratio")) if setting]
     lines = [f"GRPO: loss {settings.loss_type} ({', '.join(extras)}), beta {settings.beta:g}, epsilon "
-             f"{settings.epsilon_low:g}/{settings.epsilon_high:g}, {section.num_iterations} step(s) per generation; "
-             f"rewards: " + ", ".join(f"{spec.function} x {spec.weight:g}" for spec in section.rewards)]
+             f"{settings.epsilon_low:g}/{settings.epsilon_high:g}, {steps * section.num_iterations} step(s) per "
+             f"generation; rewards: " + ", ".join(f"{spec.function} x {spec.weight:g}" for spec in section.rewards)]
     level = settings.importance_sampling_level
     if settings.loss_type == "luspo" and level == "token":
         lines.append("note (TRL warns alike): luspo is meant with importance_sampling_level=sequence, GSPO's ratio")
@@ -264,11 +269,13 @@ def loss_lines(section: GrpoSection) -> list[str]:
 
 
 def generation_cost(plan: RunPlan, completions: int) -> str:
-    """What generating a step's `completions` per rank costs beside training on them: its FLOPs (2N per prompt and
-    completion token, against training's) and the weights each decoding pass reads, which under ZeRO-3 it gathers
-    from the ranks every pass (decoding is bound by memory and, there, by the network, not by FLOPs); on a GPU of
-    flops.py's table, the least time that takes (generation_floor)."""
+    """What generating a generation's `completions` per rank (a step's, or generation_batch_size's) costs beside
+    training on them: its FLOPs (2N per prompt and completion token, against training's) and the weights each
+    decoding pass reads, which under ZeRO-3 it gathers from the ranks every pass (decoding is bound by memory and,
+    there, by the network, not by FLOPs); on a GPU of flops.py's table, the least time that takes (generation_floor)."""
     shape, section, seq_len = plan.shape, plan.recipe.grpo, plan.recipe.data.seq_len
+    steps = steps_per_generation(plan.recipe)
+    when = "step" if steps == 1 else f"generation ({steps} steps)"
     training_flops = flops_per_token(shape, seq_len, plan.recipe.activation_checkpointing)[0]
     flops = 2 * shape.matmul_parameters * completions * seq_len
     weights = shape.parameters * weights_dtype(plan.precision, plan.zero_stage).itemsize
@@ -276,10 +283,10 @@ def generation_cost(plan: RunPlan, completions: int) -> str:
     gathered = "" if plan.zero_stage != 3 else (
         f"; under ZeRO-3 gathered once per generation ({format_bytes(weights)}, held whole on each rank while it "
         f"generates)" if section.ds3_gather_for_generation else
-        f"; under ZeRO-3 every pass gathers them: {format_bytes(passes * weights)} gathered per step "
+        f"; under ZeRO-3 every pass gathers them: {format_bytes(passes * weights)} gathered per {when} "
         f"(grpo.ds3_gather_for_generation: once, holding them whole)")
     share = 2 * shape.matmul_parameters / training_flops
-    return (f"generation cost per step and rank: {flops:.3e} FLOPs at most ({share:.0%} of training on the same "
+    return (f"generation cost per {when} and rank: {flops:.3e} FLOPs at most ({share:.0%} of training on the same "
             f"tokens), in {passes} decoding passes that each read the weights "
             f"({format_bytes(weights)}){gathered}{generation_floor(plan, completions, flops)}")
 
@@ -327,12 +334,14 @@ class Grpo(Objective):
         self.sums, self.step_metrics, self.logged_up_to = [], {}, None
         self.generation_seconds, self.steps = 0.0, 0  # since the last logged step
         self.loss_settings = loss_settings(self.section)
+        self.steps_per_generation = steps_per_generation(plan.recipe)
         self.entropy_control = entropy_control(self.section) if self.section.use_adaptive_entropy else None
         self.entropy_window = []  # the step's [entropy sum, tokens] per micro-batch, for adaptive entropy control
 
     @staticmethod
     def check(recipe: Recipe, model_config: PretrainedConfig | None, world_size: int | None = None) -> None:
         data, parallelism, grpo = recipe.data, recipe.parallelism, recipe.grpo
+        cycle = grpo.num_iterations * max(1, (grpo.generation_batch_size or 0) // recipe.training.global_batch_size)
         refused = [reason for condition, reason in (
             (parallelism.pipeline_stages > 1, "parallelism.pipeline_stages > 1: generation runs the whole model on "
                                               "each rank"),
@@ -345,10 +354,14 @@ class Grpo(Objective):
                                        "(each micro-batch's completions packed whole) or none (one per row)"),
             (bool(data.filters), "data.filters: the quality filters judge documents; filter the prompts first"),
             (data.streaming, "data.streaming: prompts are prepared (deduplicated, fitted to seq_len) before the run"),
-            (bool(recipe.checkpointing.every_steps and recipe.checkpointing.every_steps % grpo.num_iterations),
-             f"checkpointing.every_steps={recipe.checkpointing.every_steps} with grpo.num_iterations="
-             f"{grpo.num_iterations}: a checkpoint inside a generation would resume without its completions; save "
-             f"every multiple of num_iterations"),
+            (bool(grpo.generation_batch_size and grpo.generation_batch_size % recipe.training.global_batch_size),
+             f"grpo.generation_batch_size={grpo.generation_batch_size} with training.global_batch_size="
+             f"{recipe.training.global_batch_size}: each optimizer step trains on a whole global batch of the "
+             f"generation; make it a multiple of the global batch size"),
+            (bool(recipe.checkpointing.every_steps and recipe.checkpointing.every_steps % cycle),
+             f"checkpointing.every_steps={recipe.checkpointing.every_steps} with {cycle} steps per generation "
+             f"(grpo.num_iterations x generation_batch_size / global_batch_size): a checkpoint inside a generation "
+             f"would resume without its completions; save every multiple of {cycle}"),
             (grpo.beta > 0 and not recipe.lora.enabled and not recipe.model.name_or_path,
              "grpo.beta > 0 from model.config alone: the reference is the starting checkpoint, loaded again; set "
              "model.name_or_path, or beta=0"),
@@ -375,9 +388,9 @@ class Grpo(Objective):
     @staticmethod
     def describe(plan: RunPlan) -> list[str]:
         """The batch in prompts and completions, and what generation adds: its memory (memory.generation) and its cost."""
-        training, grpo = plan.recipe.training, plan.recipe.grpo
+        training, grpo, steps = plan.recipe.training, plan.recipe.grpo, steps_per_generation(plan.recipe)
         prompts = training.global_batch_size // grpo.num_generations
-        per_rank = training.global_batch_size // plan.dp_size
+        per_rank = training.global_batch_size // plan.dp_size * steps  # completions a rank generates at once
         memory = generation(plan.recipe, plan.precision, plan.shape, plan.zero_stage, plan.dp_size)
         gathered = ("the rank's own full weights" if plan.zero_stage != 3 else
                     "ZeRO-3, gathered whole once per generation (grpo.ds3_gather_for_generation)"
@@ -394,8 +407,9 @@ class Grpo(Objective):
                 f"completions per step; {training.micro_batch_size} completions/rank x {plan.accumulation_steps} "
                 f"accumulation x {plan.dp_size} data-parallel ranks, each a row of prompt + completion (at most "
                 f"{plan.recipe.data.seq_len} tokens)",
-                *loss_lines(grpo),
-                f"generation: {prompts // plan.dp_size} prompt(s) x {grpo.num_generations} per rank in one batch, "
+                *loss_lines(grpo, steps),
+                f"generation: {prompts * steps // plan.dp_size} prompt(s) x {grpo.num_generations} per rank in one "
+                f"batch{f' (grpo.generation_batch_size: {steps} optimizer steps)' if steps > 1 else ''}, "
                 f"{sampling(grpo)}, up to {grpo.max_completion_length} decoding passes (new tokens); weights: "
                 f"{gathered}; reference: {reference}",
                 f"generation memory per rank, between the steps (in the memory table's peak where larger than the "
@@ -416,7 +430,7 @@ class Grpo(Objective):
         evaluation = EvalPromptBatches(prepared["eval"], completions // eval_generations(grpo), rank, plan.dp_size,
                                        training.eval_max_rows) if "eval" in prepared else None
         return PromptBatches(prepared["train"], prompts_per_rank, rank, plan.dp_size, training.seed,
-                             grpo.num_iterations), evaluation
+                             grpo.num_iterations, self.steps_per_generation), evaluation
 
     def start(self, engine: deepspeed.DeepSpeedEngine, batches, evaluation, resume: bool) -> None:
         plan, grpo = self.plan, self.section
@@ -435,10 +449,11 @@ class Grpo(Objective):
             started = time.perf_counter()
             self.rollout = prompts["generation"], self.generate(engine, prompts)
             self.generation_seconds += time.perf_counter() - started
-        return self.rollout[1]
+        return self.rollout[1][prompts["part"]]
 
-    def generate(self, engine: deepspeed.DeepSpeedEngine, prompts: dict) -> list[dict]:
-        """The rank's completions of its prompts, scored, with their advantages, as the step's micro-batches."""
+    def generate(self, engine: deepspeed.DeepSpeedEngine, prompts: dict) -> list[list[dict]]:
+        """The rank's completions of its prompts, scored, with their advantages, as each step's micro-batches (the
+        generation's steps in order: the prompts come step by step)."""
         seeds = [sampling_seed(self.plan.recipe.training.seed, prompts["generation"], int(row), index)
                  for row in prompts["rows"] for index in range(self.section.num_generations)]
         rollout = self.rollout_of(engine, prompts, seeds)
@@ -450,7 +465,14 @@ class Grpo(Objective):
                                     data.packing)
             batch.update(advantages=advantages[part], truncated=torch.tensor(rollout.truncated[part]))
             batches.append(self.with_fixed_logps(engine, batch))
-        return batches
+        steps = self.steps_per_generation
+        if steps > 1 and self.section.loss_type in STEP_TOKEN_MEAN:
+            # TRL's normalizer over a generation of several steps: its tokens / steps, not each step's own count
+            share = sum(int(self.completion_mask(batch).sum()) for batch in batches) / len(batches)
+            for batch in batches:
+                batch["normalizer"] = share
+        per_step = len(batches) // steps
+        return [batches[step * per_step:(step + 1) * per_step] for step in range(steps)]
 
     def rollout_of(self, engine: deepspeed.DeepSpeedEngine, prompts: dict, seeds: list[int]) -> Rollout:
         """Completions of each of the rank's prompts, as many as their seeds (num_generations, or in evaluation
@@ -477,15 +499,21 @@ class Grpo(Objective):
     def advantages(self, engine: deepspeed.DeepSpeedEngine, generation: int, rollout: Rollout) -> torch.Tensor:
         """The rank's completions' advantages, from the rewards of the whole global batch (gathered in prompt
         order); notes the generation's metrics and logs its samples."""
-        everyone, lengths, truncated = self.gathered(engine, rollout)
+        rank, count, steps = self.plan.dp_rank(dist.get_rank()), len(rollout.completions), self.steps_per_generation
+        gathered = self.gathered(engine, rollout)  # rank by rank, each rank's steps in turn
+        # into the prompts' order, step by step, the same in every layout (so the sums over the generation add alike)
+        in_order = torch.arange(len(gathered[0]), device=engine.device).view(-1, steps, count // steps)
+        in_order = in_order.transpose(0, 1).reshape(-1)
+        position = torch.empty_like(in_order)
+        position[in_order] = torch.arange(len(in_order), device=engine.device)  # where each gathered one went
+        everyone, lengths, truncated = (values[in_order] for values in gathered)
         rewards = weighted_rewards(everyone, self.weights)
         advantages, std = self.advantages_of(everyone, rewards, self.section.num_generations)
-        rank, count = self.plan.dp_rank(dist.get_rank()), len(rollout.completions)
-        share = slice(rank * count, (rank + 1) * count)
         self.step_metrics = self.generation_metrics(everyone, rewards, std, lengths, truncated,
                                                     self.section.num_generations)
         if self.first_reward is None:
             self.first_reward = self.step_metrics["reward"]
+        share = position[rank * count:(rank + 1) * count]  # the rank's completions, in its own order
         self.log_samples(generation, rollout.prompts, rollout.texts, rollout.per_function, rewards[share])
         return advantages[share].cpu()
 
@@ -506,11 +534,12 @@ class Grpo(Objective):
                 distributed.all_gather(torch.tensor(rollout.truncated, device=engine.device)))
 
     def with_fixed_logps(self, engine: deepspeed.DeepSpeedEngine, batch: dict) -> dict:
-        """The batch with the log-probabilities that stay fixed over its steps: the old policy's (num_iterations > 1)
-        and the reference's (beta > 0)."""
+        """The batch with the log-probabilities that stay fixed over its steps: the old policy's (where the policy
+        moves before the batch's last use: num_iterations > 1, or several steps per generation) and the reference's
+        (beta > 0)."""
         grpo, model = self.section, engine.module
         with torch.no_grad():
-            if grpo.num_iterations > 1:
+            if grpo.num_iterations > 1 or self.steps_per_generation > 1:
                 batch["old_logps"] = completion_logps(model, batch, engine.device, grpo.temperature)[0]
             if grpo.beta > 0 and self.reference is not None:
                 batch["ref_logps"] = completion_logps(self.reference, batch, engine.device, grpo.temperature)[0]
@@ -520,15 +549,16 @@ class Grpo(Objective):
         return batch
 
     def may_stop_after(self, data_position: int) -> bool:
-        """At the end of a generation only (its num_iterations steps done): a resumed run would sample it again."""
-        return data_position % self.section.num_iterations == 0
+        """At the end of a generation only (all its steps done): a resumed run would sample it again."""
+        return data_position % (self.section.num_iterations * self.steps_per_generation) == 0
 
     def count(self, batch: dict) -> int:
-        """dapo, cispo, vespo (STEP_TOKEN_MEAN): the completion tokens (their loss is the step's token mean); the
-        others normalize within the micro-batch."""
+        """dapo, cispo, vespo (STEP_TOKEN_MEAN): the completion tokens (their loss is the step's token mean; over a
+        generation of several steps, TRL's: the generation's mean per step, `normalizer`); the others normalize
+        within the micro-batch."""
         if self.section.loss_type not in STEP_TOKEN_MEAN:
             return 1
-        return int(self.completion_mask(batch).sum())
+        return batch.get("normalizer", int(self.completion_mask(batch).sum()))
 
     def completion_mask(self, batch: dict) -> torch.Tensor:
         """The completion tokens that take the loss: all, or with mask_truncated_completions the ended ones'."""
@@ -627,7 +657,8 @@ class Grpo(Objective):
     def log_samples(self, generation: int, prompts: list, completions: list[str], per_function: torch.Tensor,
                     rewards: torch.Tensor) -> None:
         """Every grpo.log_completions_every generations, every rank's prompts, completions and rewards appended to
-        completions.jsonl by rank 0 (lines of a generation at or past this one, from before a resume, replaced)."""
+        completions.jsonl by rank 0 in the prompts' order (lines of a generation at or past this one, from before a
+        resume, replaced)."""
         every = self.section.log_completions_every
         if not every or generation % every:
             return
@@ -643,9 +674,12 @@ class Grpo(Objective):
             kept = [line for line in path.read_text().splitlines()
                     if json.loads(line)["generation"] < generation] if path.exists() else []
             path.write_text("".join(line + "\n" for line in kept))
+        ranks, steps = gathered[::self.plan.world_size // self.plan.dp_size], self.steps_per_generation
         with path.open("a") as file:
-            for rank_records in gathered[::self.plan.world_size // self.plan.dp_size]:
-                file.writelines(json.dumps(record) + "\n" for record in rank_records)
+            for step in range(steps):  # in the prompts' order: step by step, each step's rank by rank
+                for rank_records in ranks:
+                    part = len(rank_records) // steps
+                    file.writelines(json.dumps(record) + "\n" for record in rank_records[step * part:(step + 1) * part])
         self.logged_up_to = generation
 
     def console(self, record: dict) -> str:

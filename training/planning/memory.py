@@ -220,9 +220,10 @@ def decoding_reads(shape: ModelShape, itemsize: int, rows: int, prompt: int, pas
 
 
 def generation(recipe: Recipe, precision: str, shape: ModelShape, stage: int, ranks: int) -> Generation:
-    """A generation's memory per rank (training/objectives/grpo.py, sample): the rank's B = global_batch_size / ranks
-    completions in one batch, each after a prompt of at most p = seq_len - max_completion_length tokens (what the
-    data stage lets in), with c = kv_heads x head_dim, L layers, a the weights' bytes (weights_dtype):
+    """A generation's memory per rank (training/objectives/grpo.py, sample): the rank's B = generation_batch_size /
+    ranks completions (global_batch_size where unset) in one batch, each after a prompt of at most
+    p = seq_len - max_completion_length tokens (what the data stage lets in), with c = kv_heads x head_dim, L layers,
+    a the weights' bytes (weights_dtype):
       KV cache of t tokens:  2*L*c*a*B*t
       prefill:   KV(p) + B*p*((3i + 4h + 2d)*a + p)   (the MLP's three intermediates of width i; the residual
                                               stream, the normed input, the attention's output and the embedding's, of
@@ -239,7 +240,8 @@ def generation(recipe: Recipe, precision: str, shape: ModelShape, stage: int, ra
     if not recipe.training.traits.generates:
         return Generation(0.0, 0.0, 0.0, 0.0)
     grpo, seq_len = recipe.grpo, recipe.data.seq_len
-    completions, prompt = recipe.training.global_batch_size // ranks, seq_len - grpo.max_completion_length
+    generated = grpo.generation_batch_size or recipe.training.global_batch_size  # over all ranks, at once
+    completions, prompt = generated // ranks, seq_len - grpo.max_completion_length
     a = weights_dtype(precision, stage).itemsize
 
     def kv_cache(tokens: int) -> float:

@@ -113,6 +113,28 @@ def test_each_rank_samples_whole_groups_of_the_same_global_batch_under_any_layou
     assert list(one.micro_batches(0)[0]["rows"]) == list(one.micro_batches(1)[0]["rows"])  # one generation, 2 steps
 
 
+def test_a_generation_of_several_steps_samples_their_prompts_at_once_and_each_step_trains_on_its_own():
+    """grpo.generation_batch_size of 2 global batches, num_iterations 2: one generation serves 4 data positions (steps
+    0, 1, 0, 1 of it, TRL's order); each step's prompts, over the ranks, are those a run generating every step takes
+    at that step (the data order does not change), and a rank generates its share of both steps at once."""
+    prompts = datasets.Dataset.from_dict({"prompt_ids": [[i, i + 1] for i in range(16)],
+                                          "prompt": [json.dumps(f"p{i}") for i in range(16)],
+                                          "fields": ["{}"] * 16, "source": [0] * 16})
+    every_step = PromptBatches(prompts, 4, 0, 1, seed=5, num_iterations=1)
+    one = PromptBatches(prompts, 4, 0, 1, seed=5, num_iterations=2, steps_per_generation=2)
+    two = [PromptBatches(prompts, 2, rank, 2, seed=5, num_iterations=2, steps_per_generation=2) for rank in range(2)]
+    assert one.steps_per_epoch == 8 and one.generations_per_epoch == 2  # 2 generations of 8 prompts, 4 steps each
+    for position in range(10):
+        generation, part = position // 4, position % 2
+        [whole] = one.micro_batches(position)
+        halves = [ranks.micro_batches(position)[0] for ranks in two]
+        assert whole["generation"] == generation == halves[1]["generation"] and whole["part"] == part
+        step = list(every_step.micro_batches(2 * generation + part)[0]["rows"])  # epoch 1 from position 8 on
+        assert list(whole["rows"][4 * part:4 * part + 4]) == step
+        assert [*halves[0]["rows"][2 * part:2 * part + 2], *halves[1]["rows"][2 * part:2 * part + 2]] == step
+        assert sorted([*halves[0]["rows"], *halves[1]["rows"]]) == sorted(whole["rows"])
+
+
 def test_completion_rows_take_the_loss_on_the_completion_alone(small):
     _, model, _ = small
     prompts, completions = [torch.tensor([5, 6, 7]), torch.tensor([8])], [torch.tensor([9, 2]), torch.tensor([3, 4, 2])]
@@ -170,7 +192,7 @@ def test_under_lora_the_reference_is_the_base_with_the_adapters_disabled(small):
     lora = get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
                                                                                  init_lora_weights=False))
     objective = Grpo.__new__(Grpo)
-    objective.section, objective.reference = GrpoSection(beta=0.04), None
+    objective.section, objective.reference, objective.steps_per_generation = GrpoSection(beta=0.04), None, 1
     batch = completion_rows([torch.tensor([5, 6, 7])], [torch.tensor([9, 10, 2])], pad_id=0, seq_len=8,
                             packing="none")
     fixed = objective.with_fixed_logps(SimpleNamespace(module=lora, device=torch.device("cpu")), batch)
@@ -211,6 +233,10 @@ def test_the_recipe_refuses_a_grpo_section_that_cannot_run(tmp_path, overrides, 
     (["data.packing=concat"], "data.packing=concat: it would cut completions across rows"),
     (["grpo.sync_ref_model=true", "grpo.beta=0"], "grpo.sync_ref_model with beta=0: there is no reference to sync"),
     (["grpo.sync_ref_model=true", "lora.enabled=true"], "grpo.sync_ref_model with lora: the reference is the base"),
+    (["grpo.generation_batch_size=96"], "grpo.generation_batch_size=96 with training.global_batch_size=64: each "
+                                        "optimizer step trains on a whole global batch"),
+    (["grpo.generation_batch_size=128", "grpo.num_iterations=2", "checkpointing.every_steps=6"],
+     r"checkpointing.every_steps=6 with 4 steps per generation .*save every multiple of 4"),
 ])
 def test_grpo_refuses_before_anything_is_built(tmp_path, overrides, expected):
     with pytest.raises(ConfigError, match=expected):
