@@ -5,13 +5,15 @@ engine, gradient accumulation and ZeRO stages as the language model's loss.
 A step: the rank's prompts (data_pipeline/loader.py PromptBatches) are sampled num_generations times each with
 transformers' `generate` on the current weights, all of the rank's completions in one batch (under ZeRO-3 each layer's
 weights are gathered as its forward pass needs them, as the training step does: no second full copy, every rank
-stepping together, `synced_gpus`; with grpo.ds3_gather_for_generation the whole weights once per generation). Each
-completion draws from a random stream of its own, seeded by (training.seed, the generation, the prompt's row, its
+stepping together, `synced_gpus`; with grpo.ds3_gather_for_generation the whole weights once per generation;
+eagerly and with sdpa: `decoding`). With grpo.generation_batch_size a generation samples the prompts of several steps
+at once, and each step trains on its own share of it. Each completion draws from a random stream of its own, seeded by (training.seed, the generation, the prompt's row, its
 index in the group) (SeededSampling), so the completions are the same under any layout and after a resume. The
-reward functions score them (rewards.py), the rewards of the whole global batch make each group's advantages
+reward functions score them (rewards.py), the rewards of the whole generation make each group's advantages
 (grpo_loss.py), and the completions, each after its prompt, one per row or packed whole into rows (completion_rows),
-are the step's micro-batches. Their loss is grpo_loss's, on the completions' own layout (unpack), with the old
-log-probabilities kept from the generation when num_iterations > 1 and the reference's when beta > 0 (LoRA: the base
+are the steps' micro-batches. Their loss is grpo_loss's, on the completions' own layout (unpack), with the old
+log-probabilities kept from the generation when the policy moves before their last use (num_iterations > 1, or
+several steps per generation) and the reference's when beta > 0 (LoRA: the base
 with the adapters disabled; else the starting checkpoint, loaded again, frozen: a full copy per rank at ZeRO 0-2,
 partitioned over the ranks under ZeRO-3, reference.py; with sync_ref_model mixed with the policy as the run goes).
 Evaluation samples the held-out prompts alike and scores them (evaluate).
@@ -497,8 +499,8 @@ class Grpo(Objective):
         return Rollout(prompt_ids, given, completions, texts, truncated, per_function)
 
     def advantages(self, engine: deepspeed.DeepSpeedEngine, generation: int, rollout: Rollout) -> torch.Tensor:
-        """The rank's completions' advantages, from the rewards of the whole global batch (gathered in prompt
-        order); notes the generation's metrics and logs its samples."""
+        """The rank's completions' advantages, from the rewards of the whole generation (every rank's, put in the
+        prompts' order); notes the generation's metrics and logs its samples."""
         rank, count, steps = self.plan.dp_rank(dist.get_rank()), len(rollout.completions), self.steps_per_generation
         gathered = self.gathered(engine, rollout)  # rank by rank, each rank's steps in turn
         # into the prompts' order, step by step, the same in every layout (so the sums over the generation add alike)
