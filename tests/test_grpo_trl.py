@@ -4,8 +4,10 @@ training.objectives.grpo.sample, TRL's _generate_single_turn, so that TRL's own 
 truncation detection and length metrics still run), fp32, one rank, ZeRO-0, 3 optimizer steps. Ours packs each
 micro-batch's completions into rows (data.packing=bfd), TRL runs one per row: the same numbers.
 
-The prompts are exactly one global batch (2 prompts x 4 generations), so every step sees both prompts on both sides,
-whatever order each draws them in. A completion is chosen by (its prompt's token ids, its index in the group): some
+The prompts are exactly one global batch (2 prompts x 4 generations), so every step sees both prompts on both sides;
+TRL's data set is given in the order ours draws them in, unshuffled. One case generates both prompts' groups at once
+for 2 steps of one group each (generation_batch_size, TRL's as ours: steps_per_generation 2), one generation's
+steps only (at the next epoch ours draws them in a new order, TRL's unshuffled sampler in the same). A completion is chosen by (its prompt's token ids, its index in the group): some
 end with EOS, some are cut at max_completion_length, of different lengths. Two reward functions (exact_answer and
 length_penalty, weighted 1 and 0.5) give rewards that differ within each group.
 
@@ -37,8 +39,9 @@ the masked case's grad_norm):
 - gradient accumulation 2 (dapo): TRL shuffles the generation batch before cutting it into micro-batches
   (shuffle_sequence_dict); made the identity here so that each micro-batch is one prompt's group on both sides
   (dapo's loss and gradient do not depend on the cut, the per-micro-batch metric means do);
-- num_iterations=2: TRL generates every steps_per_generation x num_iterations = 2 steps and takes the old
-  log-probabilities at generation time (as gradient_accumulation_steps % 2 != 0), as ours does;
+- num_iterations=2, or generation_batch_size of 2 steps: TRL generates every steps_per_generation x num_iterations
+  = 2 steps and takes the old log-probabilities at generation time (as gradient_accumulation_steps % 2 != 0), as
+  ours does; with generation_batch_size dapo divides each step by the generation's tokens over its 2 steps;
 - TRL's GRPOConfig turns gradient checkpointing on by default: off here (the same numbers, half the time).
 
 reward_std: TRL 1.16's std over the whole generation's rewards (this test found ours logging the mean of the groups'
@@ -97,7 +100,17 @@ CASES = [  # loss_type, beta, num_iterations, gradient accumulation steps, other
                  id="grpo-sync-ref-model-beta0.04"),
     pytest.param("grpo", 0.0, 1, 2, {"use_adaptive_entropy": True, "entropy_coef": 0.1, "entropy_target": 100.0,
                                      "entropy_coef_delta": 0.05}, id="grpo-adaptive-entropy-accumulation2"),
+    # one generation of both prompts' groups for 2 optimizer steps of one group each (TRL's steps_per_generation 2):
+    # step 2 is off the policy, and dapo divides each step by the generation's tokens / 2
+    pytest.param("dapo", 0.04, 1, 1, {"generation_batch_size": 8}, id="dapo-beta0.04-generation-of-2-steps"),
 ]
+
+
+def steps_of(settings: dict) -> tuple[int, int]:
+    """(completions per optimizer step, steps): every prompt's group for STEPS steps, or with generation_batch_size
+    one group a step for the 2 steps of one generation (past it our epoch order and TRL's unshuffled one part)."""
+    generation = len(PROMPTS) * GENERATIONS
+    return (generation // 2, 2) if "generation_batch_size" in settings else (generation, STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +118,14 @@ def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("base")
     save_small_checkpoint(path)
     return path
+
+
+def our_order() -> list[int]:
+    """The order our run draws the prompts in, its first epoch's (data_pipeline/loader.py), which TRL's data set is
+    given in, unshuffled: both sides then take the same prompts at each step of the first epoch."""
+    import datasets
+    from data_pipeline.loader import PromptBatches
+    return list(PromptBatches(datasets.Dataset.from_list(PROMPTS), 1, 0, 1, seed=1234, num_iterations=1).epoch_order(0))
 
 
 def completion_table(tokenizer) -> dict[tuple[int, ...], list[list[int]]]:
@@ -133,12 +154,12 @@ def fixed_completions(table, prompt_ids: list) -> list[list[int]]:
 def recipe_yaml(base, prompts, cache, loss_type, beta, iterations, accumulation, settings) -> str:
     rewards = ", ".join(f"{{function: {name}, params: {json.dumps(params)}, weight: {weight}}}"
                         for name, params, weight in REWARDS)
-    batch = len(PROMPTS) * GENERATIONS
+    batch, steps = steps_of(settings)
     return f"""
 model: {{name_or_path: {base}}}
 data: {{sources: [{{path: {prompts}}}], seq_len: 32, packing: bfd, dedup: {{exact: false}}, cache_dir: {cache}}}
 training: {{objective: grpo, micro_batch_size: {batch // accumulation}, global_batch_size: {batch},
-           max_steps: {STEPS}, lr: {LR}, schedule: constant, warmup_steps: 0, weight_decay: {WEIGHT_DECAY},
+           max_steps: {steps}, lr: {LR}, schedule: constant, warmup_steps: 0, weight_decay: {WEIGHT_DECAY},
            betas: {list(BETAS)}, eps: {EPS}, grad_clip: {GRAD_CLIP}, seed: 1234}}
 grpo: {{num_generations: {GENERATIONS}, max_completion_length: {MAX_COMPLETION}, temperature: {TEMPERATURE},
        beta: {beta}, epsilon: {EPSILON}, loss_type: {loss_type}, scale_rewards: group, num_iterations: {iterations},
@@ -182,13 +203,13 @@ def trl_logs(tmp_path, monkeypatch, base, loss_type, beta, iterations, accumulat
     tokenizer = AutoTokenizer.from_pretrained(base)
     table = completion_table(tokenizer)
     monkeypatch.setattr(trl.trainer.grpo_trainer, "shuffle_sequence_dict", lambda batch: batch)
-    batch = len(PROMPTS) * GENERATIONS
+    batch, steps = steps_of(settings)
     args = GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=batch // accumulation,
                       gradient_accumulation_steps=accumulation, num_generations=GENERATIONS,
                       max_completion_length=MAX_COMPLETION, temperature=TEMPERATURE, loss_type=loss_type, beta=beta,
                       epsilon=EPSILON, **{"epsilon_high": EPSILON_HIGH, **settings}, scale_rewards="group",
                       num_iterations=iterations,
-                      reward_weights=[weight for *_, weight in REWARDS], max_steps=STEPS, learning_rate=LR,
+                      reward_weights=[weight for *_, weight in REWARDS], max_steps=steps, learning_rate=LR,
                       lr_scheduler_type="constant", warmup_steps=0, weight_decay=WEIGHT_DECAY, adam_beta1=BETAS[0],
                       adam_beta2=BETAS[1], adam_epsilon=EPS, optim="adamw_torch", max_grad_norm=GRAD_CLIP,
                       logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False, fp16=False,
@@ -197,7 +218,8 @@ def trl_logs(tmp_path, monkeypatch, base, loss_type, beta, iterations, accumulat
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
         optimizer = torch.optim.AdamW(weight_decay_groups(model, WEIGHT_DECAY), lr=LR, betas=BETAS, eps=EPS)
         trainer = GRPOTrainer(model=model, reward_funcs=[load_reward(name, params) for name, params, _ in REWARDS],
-                              args=args, train_dataset=datasets.Dataset.from_list(PROMPTS), processing_class=tokenizer,
+                              args=args, train_dataset=datasets.Dataset.from_list([PROMPTS[i] for i in our_order()]),
+                              processing_class=tokenizer,
                               optimizers=(optimizer, None))
         trainer._generate_single_turn = lambda prompt_ids, *_, **__: (fixed_completions(table, prompt_ids), None)
         trainer.train()
@@ -211,7 +233,8 @@ def test_grpo_matches_trl_step_by_step(tmp_path, monkeypatch, checkpoint, loss_t
     case = (loss_type, beta, iterations, accumulation, settings)
     ours = our_logs(tmp_path, monkeypatch, checkpoint, *case)
     theirs = trl_logs(tmp_path, monkeypatch, checkpoint, *case)
-    assert [r["step"] for r in ours] == [log["step"] for log in theirs] == list(range(1, STEPS + 1))
+    steps, generate_every = steps_of(settings)[1], iterations * (2 if "generation_batch_size" in settings else 1)
+    assert [r["step"] for r in ours] == [log["step"] for log in theirs] == list(range(1, steps + 1))
 
     differences = {}  # the largest of each quantity, printed (pytest -s) for the record
 
@@ -221,7 +244,7 @@ def test_grpo_matches_trl_step_by_step(tmp_path, monkeypatch, checkpoint, loss_t
         differences[name] = max(differences.get(name, 0.0), difference)
         assert difference <= tolerance, f"step {step}: {name}: ours {mine!r}, TRL {trl!r}"
 
-    for step in range(1, STEPS + 1):
+    for step in range(1, steps + 1):
         compare("loss", step)
         compare("grad_norm", step, relative=True)
         for name in LOSS_METRICS:
@@ -229,15 +252,15 @@ def test_grpo_matches_trl_step_by_step(tmp_path, monkeypatch, checkpoint, loss_t
             if name in theirs[step - 1]:
                 compare(name, step)
         assert ("kl" in ours[step - 1]) == bool(beta), f"step {step}"
-        generated = (step - 1) % iterations == 0
-        assert ("reward" in theirs[step - 1]) == generated, f"step {step}: TRL generates every {iterations} step(s)"
+        generated = (step - 1) % generate_every == 0
+        assert ("reward" in theirs[step - 1]) == generated, f"step {step}: TRL generates every {generate_every} step(s)"
         for name in GENERATION_METRICS if generated else ():
             compare(name, step)
     print(f"\n{'-'.join(map(str, case[:4]))} {settings}: "
           + ", ".join(f"{name} {value:.1e}" for name, value in differences.items()))
 
     assert len({round(r["loss"], 6) for r in ours}) > 1 or iterations > 1, "the steps must differ"
-    assert len({round(r["grad_norm"], 4) for r in ours}) == STEPS, "each step's gradient its own"
+    assert len({round(r["grad_norm"], 4) for r in ours}) == steps, "each step's gradient its own"
     assert ours[0]["grad_norm"] > GRAD_CLIP, "clipping exercised, shaping the later steps"
     assert ours[0]["frac_reward_zero_std"] == 0, "rewards differ within each group"
     assert ours[0]["completions/clipped_ratio"] == 0.25, "truncated completions among them"
@@ -245,7 +268,7 @@ def test_grpo_matches_trl_step_by_step(tmp_path, monkeypatch, checkpoint, loss_t
         assert ours[-1]["kl"] > (1e-3 if settings.get("sync_ref_model") else 0.05), "the policy moved away from it"
     if settings.get("use_adaptive_entropy"):
         assert [r["entropy_coef"] for r in ours] == pytest.approx([0.15, 0.2, 0.25])
-    if iterations > 1:  # the off-policy step's ratios are not 1
+    if generate_every > 1:  # the off-policy step's ratios are not 1
         clipped = {"cispo": "cispo_clip_ratio", "sapo": None, "vespo": None}.get(loss_type, "clip_ratio/region_mean")
         assert clipped is None or ours[1][clipped] > 0.1, "the off-policy step clips"
         if loss_type == "vespo":
