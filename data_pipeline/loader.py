@@ -71,11 +71,13 @@ class StepBatches:
         return self._order
 
     def micro_batches(self, position: int) -> list[dict[str, torch.Tensor]]:
-        epoch, index = divmod(position, self.steps_per_epoch)
+        return [self.fetch(np.sort(micro)) for micro in self.rank_rows(*divmod(position, self.steps_per_epoch))]
+
+    def rank_rows(self, epoch: int, index: int) -> np.ndarray:
+        """This rank's rows of the epoch's global batch `index`, [accumulation steps, micro-batch]."""
         start = index * self.global_batch_size
         rows = self.epoch_order(epoch)[start:start + self.global_batch_size]
-        rows = rows.reshape(self.accumulation_steps, self.dp_size, self.micro_batch_size)[:, self.dp_rank]
-        return [self.fetch(np.sort(micro)) for micro in rows]
+        return rows.reshape(self.accumulation_steps, self.dp_size, self.micro_batch_size)[:, self.dp_rank]
 
     def fetch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
         return fetch_rows(self.rows, indices)
@@ -198,10 +200,7 @@ class PromptBatches(StepBatches):
 
     def micro_batches(self, position: int) -> list[dict]:
         generation, step = divmod(position, self.cycle)
-        epoch, index = divmod(generation, self.generations_per_epoch)
-        start = index * self.global_batch_size
-        rows = self.epoch_order(epoch)[start:start + self.global_batch_size]
-        rows = rows.reshape(self.steps_per_generation, self.dp_size, self.micro_batch_size)[:, self.dp_rank].ravel()
+        rows = self.rank_rows(*divmod(generation, self.generations_per_epoch)).ravel()  # step by step
         batch = self.rows[rows]
         return [{"prompt_ids": [ids.astype(np.int64) for ids in batch["prompt_ids"]], "prompt": list(batch["prompt"]),
                  "fields": list(batch["fields"]), "rows": rows, "generation": generation,

@@ -6,10 +6,11 @@ micro-batch's completions into rows (data.packing=bfd), TRL runs one per row: th
 
 The prompts are exactly one global batch (2 prompts x 4 generations), so every step sees both prompts on both sides;
 TRL's data set is given in the order ours draws them in, unshuffled. One case generates both prompts' groups at once
-for 2 steps of one group each (generation_batch_size, TRL's as ours: steps_per_generation 2), one generation's
-steps only (at the next epoch ours draws them in a new order, TRL's unshuffled sampler in the same). A completion is chosen by (its prompt's token ids, its index in the group): some
-end with EOS, some are cut at max_completion_length, of different lengths. Two reward functions (exact_answer and
-length_penalty, weighted 1 and 0.5) give rewards that differ within each group.
+for 2 steps of one group each (generation_batch_size, TRL's as ours: steps_per_generation 2), one generation's steps
+only (at the next epoch ours draws them in a new order, TRL's unshuffled sampler in the same). A completion is
+chosen by (its prompt's token ids, its index in the group): some end with EOS, some are cut at
+max_completion_length, of different lengths. Two reward functions (exact_answer and length_penalty, weighted 1 and
+0.5) give rewards that differ within each group.
 
 What is matched, and how (tolerance 1e-5 throughout: absolute, relative for grad_norm; measured at most 5.4e-6,
 the masked case's grad_norm):
@@ -233,7 +234,8 @@ def test_grpo_matches_trl_step_by_step(tmp_path, monkeypatch, checkpoint, loss_t
     case = (loss_type, beta, iterations, accumulation, settings)
     ours = our_logs(tmp_path, monkeypatch, checkpoint, *case)
     theirs = trl_logs(tmp_path, monkeypatch, checkpoint, *case)
-    steps, generate_every = steps_of(settings)[1], iterations * (2 if "generation_batch_size" in settings else 1)
+    batch, steps = steps_of(settings)
+    generate_every = iterations * settings.get("generation_batch_size", batch) // batch
     assert [r["step"] for r in ours] == [log["step"] for log in theirs] == list(range(1, steps + 1))
 
     differences = {}  # the largest of each quantity, printed (pytest -s) for the record

@@ -3,19 +3,20 @@ SAPO, LUSPO, VESPO, GSPO's sequence-level ratio, GDPO's rewards), TRL's GRPOTrai
 engine, gradient accumulation and ZeRO stages as the language model's loss.
 
 A step: the rank's prompts (data_pipeline/loader.py PromptBatches) are sampled num_generations times each with
-transformers' `generate` on the current weights, all of the rank's completions in one batch (under ZeRO-3 each layer's
-weights are gathered as its forward pass needs them, as the training step does: no second full copy, every rank
-stepping together, `synced_gpus`; with grpo.ds3_gather_for_generation the whole weights once per generation;
-eagerly and with sdpa: `decoding`). With grpo.generation_batch_size a generation samples the prompts of several steps
-at once, and each step trains on its own share of it. Each completion draws from a random stream of its own, seeded by (training.seed, the generation, the prompt's row, its
-index in the group) (SeededSampling), so the completions are the same under any layout and after a resume. The
-reward functions score them (rewards.py), the rewards of the whole generation make each group's advantages
-(grpo_loss.py), and the completions, each after its prompt, one per row or packed whole into rows (completion_rows),
-are the steps' micro-batches. Their loss is grpo_loss's, on the completions' own layout (unpack), with the old
-log-probabilities kept from the generation when the policy moves before their last use (num_iterations > 1, or
-several steps per generation) and the reference's when beta > 0 (LoRA: the base
-with the adapters disabled; else the starting checkpoint, loaded again, frozen: a full copy per rank at ZeRO 0-2,
-partitioned over the ranks under ZeRO-3, reference.py; with sync_ref_model mixed with the policy as the run goes).
+transformers' `generate` on the current weights, all of the rank's completions in one batch (under ZeRO-3 each
+layer's weights are gathered as its forward pass needs them, as the training step does: no second full copy, every
+rank stepping together, `synced_gpus`; with grpo.ds3_gather_for_generation the whole weights once per generation;
+eagerly and with sdpa: `decoding`). With grpo.generation_batch_size a generation samples the prompts of several
+steps at once, and each step trains on its own share of it. Each completion draws from a random stream of its own,
+seeded by (training.seed, the generation, the prompt's row, its index in the group) (SeededSampling), so the
+completions are the same under any layout and after a resume. The reward functions score them (rewards.py), the
+rewards of the whole generation make each group's advantages (grpo_loss.py), and the completions, each after its
+prompt, one per row or packed whole into rows (completion_rows), are the steps' micro-batches. Their loss is
+grpo_loss's, on the completions' own layout (unpack), with the old log-probabilities kept from the generation when
+the policy moves before their last use (num_iterations > 1, or several steps per generation) and the reference's
+when beta > 0 (LoRA: the base with the adapters disabled; else the starting checkpoint, loaded again, frozen: a full
+copy per rank at ZeRO 0-2, partitioned over the ranks under ZeRO-3, reference.py; with sync_ref_model mixed with the
+policy as the run goes).
 Evaluation samples the held-out prompts alike and scores them (evaluate).
 """
 import json
@@ -343,7 +344,7 @@ class Grpo(Objective):
     @staticmethod
     def check(recipe: Recipe, model_config: PretrainedConfig | None, world_size: int | None = None) -> None:
         data, parallelism, grpo = recipe.data, recipe.parallelism, recipe.grpo
-        cycle = grpo.num_iterations * max(1, (grpo.generation_batch_size or 0) // recipe.training.global_batch_size)
+        cycle = grpo.num_iterations * max(1, steps_per_generation(recipe))  # 0 steps: refused below
         refused = [reason for condition, reason in (
             (parallelism.pipeline_stages > 1, "parallelism.pipeline_stages > 1: generation runs the whole model on "
                                               "each rank"),
@@ -506,8 +507,6 @@ class Grpo(Objective):
         # into the prompts' order, step by step, the same in every layout (so the sums over the generation add alike)
         in_order = torch.arange(len(gathered[0]), device=engine.device).view(-1, steps, count // steps)
         in_order = in_order.transpose(0, 1).reshape(-1)
-        position = torch.empty_like(in_order)
-        position[in_order] = torch.arange(len(in_order), device=engine.device)  # where each gathered one went
         everyone, lengths, truncated = (values[in_order] for values in gathered)
         rewards = weighted_rewards(everyone, self.weights)
         advantages, std = self.advantages_of(everyone, rewards, self.section.num_generations)
@@ -515,8 +514,9 @@ class Grpo(Objective):
                                                     self.section.num_generations)
         if self.first_reward is None:
             self.first_reward = self.step_metrics["reward"]
-        share = position[rank * count:(rank + 1) * count]  # the rank's completions, in its own order
-        self.log_samples(generation, rollout.prompts, rollout.texts, rollout.per_function, rewards[share])
+        share = in_order.argsort()[rank * count:(rank + 1) * count]  # the rank's completions, in its own order
+        self.log_samples(generation, rollout.prompts, rollout.texts, rollout.per_function, rewards[share],
+                         in_order.tolist())
         return advantages[share].cpu()
 
     def advantages_of(self, per_function: torch.Tensor, rewards: torch.Tensor,
@@ -657,10 +657,10 @@ class Grpo(Objective):
                 **settings}
 
     def log_samples(self, generation: int, prompts: list, completions: list[str], per_function: torch.Tensor,
-                    rewards: torch.Tensor) -> None:
+                    rewards: torch.Tensor, in_order: list[int]) -> None:
         """Every grpo.log_completions_every generations, every rank's prompts, completions and rewards appended to
-        completions.jsonl by rank 0 in the prompts' order (lines of a generation at or past this one, from before a
-        resume, replaced)."""
+        completions.jsonl by rank 0 in the prompts' order (`in_order`: the indices of the ranks' records, rank by rank,
+        in it; lines of a generation at or past this one, from before a resume, replaced)."""
         every = self.section.log_completions_every
         if not every or generation % every:
             return
@@ -676,12 +676,10 @@ class Grpo(Objective):
             kept = [line for line in path.read_text().splitlines()
                     if json.loads(line)["generation"] < generation] if path.exists() else []
             path.write_text("".join(line + "\n" for line in kept))
-        ranks, steps = gathered[::self.plan.world_size // self.plan.dp_size], self.steps_per_generation
+        rank_by_rank = [record for rank_records in gathered[::self.plan.world_size // self.plan.dp_size]
+                        for record in rank_records]
         with path.open("a") as file:
-            for step in range(steps):  # in the prompts' order: step by step, each step's rank by rank
-                for rank_records in ranks:
-                    part = len(rank_records) // steps
-                    file.writelines(json.dumps(record) + "\n" for record in rank_records[step * part:(step + 1) * part])
+            file.writelines(json.dumps(rank_by_rank[index]) + "\n" for index in in_order)
         self.logged_up_to = generation
 
     def console(self, record: dict) -> str:
