@@ -168,6 +168,7 @@ def launch_in(command) -> str | None:
 
 running: list[pytest.Item] = []  # the test whose setup, call or teardown runs now (fixtures of every scope included)
 refused: list[str] = []  # the unmarked launches of that test
+started: list["GuardedPopen"] = []  # the launches of that test that have a process group of their own
 
 
 @pytest.hookimpl(wrapper=True)
@@ -178,6 +179,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         return (yield)
     finally:
         running.pop()
+        while started:  # what a failed test left running: a rank left waiting for its peer would spin for good
+            if (launch := started.pop()).poll() is None:
+                launch.kill()
 
 
 def refuse_unmarked_launch(what: str, command) -> None:
@@ -194,11 +198,31 @@ launches: Counter[str] = Counter()  # the session's real launches by what they s
 
 
 class GuardedPopen(subprocess.Popen):
+    """A launch (launch_in) runs in a process group of its own unless its caller chose one, and kill() ends the
+    group: subprocess.run kills on a timeout, and the launcher killed alone leaves its ranks running, where a rank
+    waiting for its peer in DeepSpeed's shared-memory all-reduce spins on a core without end. The warm ranks' parent
+    outlives the test that starts it, and keeps its group."""
+
     def __init__(self, args, *more, **options):
+        self.group = False
         if what := launch_in(args):
             refuse_unmarked_launch(what, args)
-            launches["the warm ranks" if pool.WORKER in map(str, args) else what] += 1
+            warm = pool.WORKER in map(str, args)
+            launches["the warm ranks" if warm else what] += 1
+            if not warm and options.get("process_group") is None:
+                self.group = options.setdefault("start_new_session", True)
         super().__init__(args, *more, **options)
+        if self.group:
+            started.append(self)
+
+    def kill(self) -> None:
+        if not self.group:
+            return super().kill()
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:  # the group has ended
+            pass
+        self.wait()
 
 
 def pytest_configure(config: pytest.Config) -> None:

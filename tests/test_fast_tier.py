@@ -2,6 +2,7 @@
 the deepspeed or accelerate launcher or a datatrove job fails, naming itself and the fix."""
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -72,3 +73,31 @@ def test_a_process_that_is_no_launch_starts(only_slow_tests_launch):
 def test_a_slow_test_may_start_train_py(only_slow_tests_launch):
     result = subprocess.run([sys.executable, "train.py", "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "--recipe" in result.stdout
+
+
+SPAWNS_A_RANK = """
+import subprocess, sys, time
+rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+open(sys.argv[1], "w").write(str(rank.pid))
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_a_launch_past_its_timeout_is_ended_with_its_ranks(tmp_path):
+    """subprocess.run kills a launch at its timeout: the whole process group, not the launcher alone, whose ranks
+    would go on (a rank waiting for a peer in DeepSpeed's shared-memory all-reduce spins on a core)."""
+    import psutil
+    pid_file = tmp_path / "rank.pid"
+    with pytest.raises(subprocess.TimeoutExpired):  # "train.py" makes it a launch to the guard
+        subprocess.run([sys.executable, "-c", SPAWNS_A_RANK, str(pid_file), "train.py"], timeout=5)
+    rank, deadline = int(pid_file.read_text()), time.monotonic() + 10
+
+    def ended() -> bool:  # gone, or a zombie that no one reaps yet
+        try:
+            return psutil.Process(rank).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+    while not ended() and time.monotonic() < deadline:  # SIGKILL is delivered, not awaited
+        time.sleep(0.05)
+    assert ended()

@@ -3,11 +3,12 @@ DeepSpeed and transformers (Ulysses' attention wrapper and ZeRO-3's summing redu
 parallelism, the probes' patches of train.py and DeepSpeedEngine) computes bit for bit what a launch computes."""
 import json
 import shutil
+import signal
 
 import pytest
 
-from tests.conftest import SMALL_MODEL, TRAIN_ENV, deepspeed_ops_built, run_train
-from tests.warm_ranks import WarmRanks, extensions_dir
+from tests.conftest import SMALL_MODEL, TRAIN_ENV, deepspeed_ops_built, on_gpu, run_train
+from tests.warm_ranks import WarmRanks, extensions_dir, warm_ranks
 
 
 def records(out) -> list[tuple]:
@@ -76,3 +77,34 @@ def test_on_a_gpu_runs_launch_instead_of_going_to_the_forked_warm_ranks(monkeypa
     monkeypatch.setattr(subprocess, "run", lambda command, **kwargs: subprocess.CompletedProcess(command, 0, "", ""))
     assert run_train(["--recipe", "tiny_llama"], ranks=1).returncode == 0
     assert [record["warm"] for record in launched] == [False]
+
+
+class Interrupted(Exception):
+    """What a test's timeout raises into the wait (pytest-timeout's signal method)."""
+
+
+@pytest.mark.slow
+def test_a_run_whose_wait_is_interrupted_is_ended_and_the_next_run_gets_its_own_result(tmp_path, data_cache):
+    """A test's timeout (pytest-timeout) raises inside the pool's wait: the run's ranks are ended and their ends
+    read, so that the next run's reply is its own, not a leftover of the interrupted one."""
+    import psutil
+    if on_gpu():
+        pytest.skip("on a GPU runs launch")
+    pool = warm_ranks(TRAIN_ENV)
+    pool.start()
+
+    def interrupt(signum, frame):
+        raise Interrupted
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 3)
+    try:
+        with pytest.raises(Interrupted):
+            run_train(["--recipe", "tiny_llama", SMALL_MODEL, data_cache, "training.max_steps=100000",
+                       "--output-dir", str(tmp_path / "long")], ranks=2)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert psutil.Process(pool.process.pid).children() == []  # both ranks ended and reaped
+    result = run_train(["--recipe", "tiny_llama", "--help"])
+    assert result.returncode == 0 and "--recipe" in result.stdout

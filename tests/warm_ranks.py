@@ -99,27 +99,38 @@ class WarmRanks:
         return subprocess.CompletedProcess([script, *args], code, stdout, stderr)
 
     def collect(self, timeout: float, command: list[str], outputs: list) -> int:
-        """The run's exit code, as the launcher gives it: the first non-zero exit ends the other ranks."""
+        """The run's exit code, as the launcher gives it: the first non-zero exit ends the other ranks. A run past
+        its timeout, or a wait a test's own timeout interrupts (pytest-timeout), ends its ranks first."""
         deadline = time.monotonic() + timeout
         pids = self.reply(deadline)["pids"]
-        running, code, timed_out = set(range(len(pids))), 0, False
-        while running:
-            try:
-                reply = self.reply(deadline if not timed_out else time.monotonic() + 60)
-            except TimeoutError:
-                timed_out = True
-                self.end_ranks(pids, running)
-                continue
-            if reply is None:
-                raise RuntimeError(f"the warm ranks died during a run: see {self.folder / 'warm_ranks.log'}")
-            running.discard(reply["rank"])
-            if reply["code"] and not code:
-                code = reply["code"]
-                self.end_ranks(pids, running)  # the launcher ends the others
-        if timed_out:
+        running, code = set(range(len(pids))), 0
+        try:
+            while running:
+                reply = self.reply(deadline)
+                if reply is None:
+                    raise RuntimeError(f"the warm ranks died during a run: see {self.folder / 'warm_ranks.log'}")
+                running.discard(reply["rank"])
+                if reply["code"] and not code:
+                    code = reply["code"]
+                    self.end_ranks(pids, running)  # the launcher ends the others
+        except TimeoutError:
+            self.end_run(pids, running)
             output = "".join(files[0].read_text(errors="replace") for files in outputs)
-            raise subprocess.TimeoutExpired(command, timeout, output=output)
+            raise subprocess.TimeoutExpired(command, timeout, output=output) from None
+        except BaseException:
+            self.end_run(pids, running)
+            raise
         return code
+
+    def end_run(self, pids: list[int], running: set[int]) -> None:
+        """The run's remaining ranks killed and their ends read, so that the pool's next reply is the next run's.
+        If the ends do not come within a minute, the pool is closed: the next run starts a new one."""
+        self.end_ranks(pids, running)
+        try:
+            while running and (reply := self.reply(time.monotonic() + 60)) is not None:
+                running.discard(reply["rank"])
+        except TimeoutError:
+            self.close()
 
     @staticmethod
     def end_ranks(pids: list[int], ranks: set[int]) -> None:
