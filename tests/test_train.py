@@ -1,4 +1,5 @@
 """train.py as a user meets it: bad input, --dry-run, a single-process run and its output files."""
+import gc
 import json
 import re
 
@@ -133,7 +134,8 @@ def test_single_process_run_writes_the_documented_outputs(tmp_path, data_cache):
     from training.loop.metrics import held_tensor_bytes
     # the census counts every tensor of the process: in a pytest worker, also what earlier tests left held (seen:
     # 230 MiB of autograd graphs that test_memory.py's pack hooks kept alive, until they detached what they saved),
-    # which the run's own states are measured beside
+    # which the run's own states are measured beside; garbage collected first, as the census does
+    gc.collect()
     before = held_tensor_bytes(torch.optim.SGD([torch.zeros(1, requires_grad=True)])).get("cpu", 0)
     out = tmp_path / "run"
     result = train_in_process(["--recipe", "tiny_llama", "--output-dir", str(out), SMALL_MODEL, data_cache,
