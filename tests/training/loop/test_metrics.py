@@ -22,8 +22,10 @@ def test_model_states_are_measured_when_the_second_step_starts():
             assert not measured  # AdamW makes its states at the first step
         optimizer.zero_grad()
     weights = 4_000_000
-    # weights + gradients + two AdamW moments (+ the step counter and the batch)
-    assert 4 * weights <= measured["cpu"] - before < 4 * weights + 100_000
+    # weights + gradients + two AdamW moments (+ the step counter and the batch), within 1 MB: the census collects
+    # garbage first, and in a pytest worker other threads free or make tensors between the two counts (CI at
+    # 4350896: 155 KB fewer), as in test_held_tensors_count_shared_storage_once; a census one state short is 4 MB off
+    assert measured["cpu"] - before == pytest.approx(4 * weights, abs=1_000_000)
 
 
 def test_held_tensors_count_shared_storage_once():
