@@ -39,6 +39,7 @@ from training.models.moe import router_meter, with_router_loss
 from training.objectives import OBJECTIVES, Objective
 from training.parallel import distributed
 from training.parallel.build import build_run_model
+from training.parallel.op_builds import wait_for_op_builds
 from training.planning.auto_config import choose_ds_config
 from training.planning.ds_config import accumulation_steps, build_ds_config, load_ds_config, zero_setting, zero_stage
 from training.planning.micro_batch import choose_micro_batch
@@ -155,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             show_plan(plan, planned_machine(args.num_gpus, args.num_nodes, args.gpu_mem, plan.world_size))
             return 0
+        wait_for_op_builds(show=distributed.local_rank() == 0)  # a build lock a killed run left is named
         if plan.planned_for and distributed.local_rank() == 0:
             show_plan(plan, plan.planned_for)  # why this DeepSpeed config or micro-batch
     except Exception as error:  # noqa: BLE001 (report_once raises again what is not a user error)

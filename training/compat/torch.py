@@ -1,7 +1,10 @@
 """Workarounds of torch behaviour (verified for torch 2.13.0, requirements.txt)."""
+import os
+import sys
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -33,6 +36,14 @@ PATCHES = (
           "shaped optimizer saves such states as the plain tensors they are made of", NO_ISSUE,
           "tests/training/compat/test_torch.py::test_a_callable_map_location_cannot_load_a_tensor_subclass",
           proofs=("tests/training/loop/test_shaped_optimizer.py::test_a_checkpoint_loads_back_at_every_zero_stage",)),
+    Patch("extension_build_root", "torch", VERIFIED_FOR,
+          "cpp_extension.load builds an op in <root>/<op>, where the root is TORCH_EXTENSIONS_DIR or "
+          "get_default_build_root()/py<version>_<cpu|cu..|rocm..>, a naming only its private _get_build_directory "
+          "knows; it waits while <root>/<op>/lock exists (FileBaton.wait, no time limit), and that file outlives "
+          "a builder that is killed: op_builds.py names a lock no process holds instead of waiting without end",
+          "https://github.com/pytorch/pytorch/issues/189245 (fixed on main by pytorch/pytorch#190543: an OS lock)",
+          "tests/training/compat/test_torch.py::test_load_waits_without_limit_on_the_lock_in_the_build_root",
+          proofs=("tests/training/parallel/test_op_builds.py::test_train_py_names_a_stale_build_lock_and_exits_2",)),
 )
 
 
@@ -83,3 +94,16 @@ def found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) ->
 def replace_forward(module: torch.nn.Module, forward: Callable) -> None:
     """Run `forward(module, ...)` as this module's forward pass, in place of its class's."""
     module.forward = types.MethodType(forward, module)
+
+
+def extension_build_root() -> Path:
+    """The folder under which torch's cpp_extension.load builds and caches each JIT-built op, in a folder per op."""
+    from torch.utils.cpp_extension import get_default_build_root  # 0.16 s to import: only when asked
+
+    if root := os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(root)
+    version = torch.version
+    accelerator = f"rocm{version.hip.replace('.', '')}" if version.hip else \
+        f"cu{version.cuda.replace('.', '')}" if version.cuda else "cpu"
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return Path(get_default_build_root()) / f"{python}_{accelerator}"

@@ -1,8 +1,12 @@
 """Canaries of training/compat/torch.py: each fails when its workaround is no longer right (docs/compat.md)."""
+import inspect
+from pathlib import Path
+
 import pytest
 import torch
 
-from training.compat.torch import found_inf, is_fake, plain_optimizer_states, rebuilt_optimizer_states, replace_forward
+from training.compat.torch import (extension_build_root, found_inf, is_fake, plain_optimizer_states,
+                                   rebuilt_optimizer_states, replace_forward)
 
 
 def test_grad_scaler_reports_found_inf_only_through_a_private_method():
@@ -45,3 +49,38 @@ def test_a_fake_tensors_data_pointer_is_a_warned_zero():
     with pytest.warns(UserWarning, match="Accessing the data pointer of FakeTensor is deprecated"):
         assert fake.untyped_storage().data_ptr() == 0, \
             "a FakeTensor's data pointer is no longer 0: check whether compat is_fake is still needed"
+
+
+@pytest.mark.parametrize("extensions_dir", [None, "mine"])
+def test_the_build_root_is_where_load_builds_an_op(extensions_dir, tmp_path, monkeypatch):
+    from torch.utils import cpp_extension
+    monkeypatch.setattr(cpp_extension, "get_default_build_root", lambda: str(tmp_path / "default"))
+    if extensions_dir:
+        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / extensions_dir))
+    else:
+        monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    assert Path(cpp_extension._get_build_directory("some_op", False)) == extension_build_root() / "some_op"
+
+
+def test_load_waits_without_limit_on_the_lock_in_the_build_root(tmp_path, monkeypatch):
+    """The upstream behaviour op_builds.py is for: cpp_extension.load waits on `<root>/<op>/lock` with torch's
+    FileBaton, which has no time limit. Fails once torch takes an OS lock (pytorch/pytorch#190543) or a limit."""
+    from torch.utils import cpp_extension
+    from torch.utils.file_baton import FileBaton
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    (tmp_path / "canary_op").mkdir()
+    (tmp_path / "canary_op" / "lock").touch()
+    source = tmp_path / "canary.cpp"
+    source.write_text("not C++: a build would fail at once\n")
+    waited = []
+
+    def wait(baton):
+        waited.append(baton)
+        raise InterruptedError
+    monkeypatch.setattr(FileBaton, "wait", wait)
+    with pytest.raises(InterruptedError):
+        cpp_extension.load("canary_op", [str(source)])
+    assert Path(waited[0].lock_file_path) == extension_build_root() / "canary_op" / "lock"
+    assert waited[0].warn_after_seconds is None
+    assert set(inspect.signature(FileBaton.__init__).parameters) == \
+        {"self", "lock_file_path", "wait_seconds", "warn_after_seconds"}, "FileBaton has a time limit now"
