@@ -47,6 +47,7 @@ from training.planning.plan import Machine, RunPlan, planned_machine
 from training.planning.precision import resolve_precision
 from training.planning.report import print_plan
 from training.state.checkpoint import latest_tag
+from training.state.disk_room import check_room_to_start
 from training.state.export import export_run
 from training.state.output_dir import (check_output_dir, claim_output_dir, default_output_dir, finish_output_dir,
                                        start_output_dir)
@@ -124,6 +125,8 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> RunPla
                    base_digest=weights_digest(recipe.model.name_or_path) if recipe.model.name_or_path else None)
     if args.resume and plan_resume(plan):  # the checkpoint loads in this layout only through a universal conversion
         plan = replace(plan, ds_config=ds_config(True), resume_universal=True)
+    if not args.dry_run:
+        check_room_to_start(plan, args.overwrite)
     return plan
 
 

@@ -24,6 +24,7 @@ from training.parallel.pipeline import pipeline_batches
 from training.parallel.tensor_parallel import loss_copies
 from training.planning.plan import RunPlan
 from training.state.checkpoint import latest_tag, record_position, save_checkpoint
+from training.state.disk_room import check_room_to_save
 from training.state.run_state import RunState
 
 stop_requested = threading.Event()  # set by SIGTERM: the run saves a checkpoint at the end of the step (grpo: of its
@@ -220,6 +221,7 @@ class Loop:
     def save(self) -> None:
         plan, engine, step = self.plan, self.engine, self.state.step
         hf_files = (plan.model_config, plan.tokenizer, *lora_files(engine.module))
+        check_room_to_save(plan, step, latest_tag(self.checkpoints))
         self.saves.append(save_checkpoint(engine, self.checkpoints, self.run_state(), self.batches.state_dict(),
                                           hf_files, plan.recipe.checkpointing.keep_last, self.objective.save))
         self.logger.note(f"checkpoint global_step{step}: {self.saves[-1]['bytes'] / 2**20:,.1f} MiB in "

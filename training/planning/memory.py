@@ -367,6 +367,21 @@ def checkpoint_bytes(params: float, stage: int, ranks: int, precision: str, stat
     return CheckpointSize(weights + shards, weights + shards / ranks)
 
 
+def planned_checkpoint(plan: RunPlan) -> CheckpointSize:
+    """What one save of this run writes (a LoRA run's checkpoints leave the frozen base weights out)."""
+    shape = plan.shape
+    return checkpoint_bytes(shape.lora_parameters or shape.parameters, plan.zero_stage,
+                            plan.world_size // plan.pipeline_stages, plan.precision, state_bytes(plan))
+
+
+def planned_export(plan: RunPlan) -> float:
+    """What the finished run's export writes: hf/ in the run's dtype, a LoRA run's adapters (and hf/ when merged)."""
+    shape, dtype_bytes = plan.shape, DTYPES[plan.precision].itemsize
+    adapters = shape.lora_parameters or 0
+    whole = shape.parameters if not plan.recipe.lora.enabled or plan.recipe.export.merge else 0
+    return (whole + adapters) * dtype_bytes
+
+
 def layer_bytes_per_token(shape: ModelShape, seq_len: int, dtype_bytes: int, attn_implementation: str,
                           sequence_parallel: int = 1, compiled: bool = False) -> float | None:
     """Bytes one decoder layer saves for the backward pass per token on a rank (rules in the module docstring).

@@ -7,7 +7,7 @@ from rich.table import Table
 
 from training.planning.flops import flops_per_token
 from training.planning.memory import (HEADROOM, LAUNCHER_GRACE_S, Activations, ModelStates, activations,
-                                      all_to_all_bytes_per_token, checkpoint_bytes, fits, micro_batch_rows,
+                                      all_to_all_bytes_per_token, fits, micro_batch_rows, planned_checkpoint,
                                       stage_bounds, state_bytes, states_per_setting, whole_gradient_bytes,
                                       zero_arithmetic)
 from training.planning.plan import Machine, RunPlan
@@ -74,7 +74,7 @@ def print_plan(plan: RunPlan, machine: Machine, objective_lines: list[str]) -> N
         print_pipeline_plan(plan, shape, machine)
     else:
         print_memory_plan(plan, shape, machine)
-        print_checkpoint_size(plan, shape)
+        print_checkpoint_size(plan)
     print(f"output: {plan.output_dir}")
 
 
@@ -96,10 +96,9 @@ def print_micro_batch_choice(plan: RunPlan) -> None:
           f"{unit} per rank and step that fits: {budget}; {larger}")
 
 
-def print_checkpoint_size(plan: RunPlan, shape: ModelShape) -> None:
+def print_checkpoint_size(plan: RunPlan) -> None:
     """What a save writes, against the time a preempted run has to write it (docs/checkpoints.md#preemption)."""
-    size = checkpoint_bytes(shape.lora_parameters or shape.parameters, plan.zero_stage, plan.world_size // plan.pipeline_stages, plan.precision,
-                            state_bytes(plan))
+    size = planned_checkpoint(plan)
     print(f"checkpoint: {format_bytes(size.total)} per save, {format_bytes(size.largest_rank)} from the busiest rank; "
           f"under the deepspeed launcher a SIGTERM save must finish within its {LAUNCHER_GRACE_S} s "
           f"({format_bytes(size.largest_rank / LAUNCHER_GRACE_S)}/s per rank), under srun within SLURM's grace")

@@ -26,6 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from training.compat.deepspeed import (autoep_layers, expert_files, gathered_16bit_state_dict, has_zero_partitions,
                                        model_parallel_ranks, zero_fp32_weights, zero_rank_files)
 from training.state.checkpoint import READ_ERRORS, RUN_STATE, latest_tag, unreadable_files
+from training.state.disk_room import check_room_to_export
 from training.base.errors import ConfigError
 from training.models.lora import ADAPTER_CONFIG, ADAPTER_DIR
 from training.planning.plan import RunPlan
@@ -212,6 +213,7 @@ def export_run(engine: DeepSpeedEngine, plan: RunPlan) -> None:
     """The finished run's weights, every rank calling: hf/ (from_pretrained loads it), or a LoRA run's adapter/ (and hf/
     with the adapters merged under export.merge). A pipeline's stages wrote theirs into the final checkpoint."""
     checkpoints, dtype = plan.output_dir / "checkpoints", DTYPES[plan.precision]
+    check_room_to_export(plan, latest_tag(checkpoints))
     if plan.pipeline_stages > 1:
         if dist.get_rank() == 0:
             export_tag(checkpoints, latest_tag(checkpoints), plan.output_dir / "hf")
