@@ -31,16 +31,26 @@ def held_files() -> set[str]:
     return held
 
 
+def loaded_here() -> set[Path]:
+    """The folders of the libraries this process has loaded: an op loaded already is not loaded again, so its lock
+    does not matter to this process (the test harness's warm ranks inherit the ops their parent loaded)."""
+    try:
+        return {Path(mapped.path).parent for mapped in psutil.Process().memory_maps()}
+    except (AttributeError, psutil.Error):  # where psutil cannot list a process's memory maps (macOS)
+        return set()
+
+
 def unheld_locks(root: Path) -> dict[Path, float]:
-    """{lock: age in seconds} for each op's build lock under `root` that no process on this node holds open."""
+    """{lock: age in seconds} for each op's build lock under `root` that no process on this node holds open, of an op
+    this process has not loaded."""
     locks = sorted(root.glob("*/lock"))
     if not locks:
         return {}
-    held = held_files()
+    held, loaded = held_files(), loaded_here()
     ages = {}
     for lock in locks:
         try:
-            if str(lock.resolve()) not in held:
+            if str(lock.resolve()) not in held and lock.parent.resolve() not in loaded:
                 ages[lock] = time.time() - lock.stat().st_mtime
         except FileNotFoundError:  # its build ended in between
             continue

@@ -1,6 +1,9 @@
 """A build lock that a killed run left in the torch extensions cache is named, not waited for without end
 (training/parallel/op_builds.py)."""
+import _bisect
+import ctypes
 import os
+import shutil
 import signal
 import threading
 import time
@@ -63,6 +66,15 @@ def test_a_lock_a_process_here_holds_is_a_build_under_way_and_left_to_torch(exte
         wait_for_op_builds(show=True)
     finally:
         os.close(held)
+    assert capsys.readouterr().err == ""
+
+
+def test_the_lock_of_an_op_this_process_has_loaded_does_not_matter_to_it(extensions, capsys):
+    lock = lock_of(extensions, "cpu_adam", age_s=3600)
+    library = lock.parent / "cpu_adam.so"
+    shutil.copy(_bisect.__file__, library)  # any small library stands for the built op
+    ctypes.CDLL(str(library))  # loaded, as the warm ranks' parent loads the ops before it forks
+    wait_for_op_builds(show=True)
     assert capsys.readouterr().err == ""
 
 
