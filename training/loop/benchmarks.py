@@ -22,6 +22,7 @@ from training.compat.lm_eval import split_over_processes
 from training.base.errors import ConfigError
 from training.config.recipe import Recipe
 from training.loop.metrics import MetricsLogger
+from training.parallel.distributed import patient_barrier
 from training.planning.plan import RunPlan
 from training.state.checkpoint import restore_rng_states, rng_states
 from training.state.export import export_tag
@@ -117,11 +118,11 @@ def benchmark_checkpoint(plan: RunPlan, step: int, logger: MetricsLogger) -> Non
     model_dir, states = tag_dir / "benchmarked_model", rng_states()
     if dist.get_rank() == 0:
         export_tag(tag_dir.parent, tag_dir.name, model_dir)
-    dist.barrier()
+    patient_barrier()
     found = benchmark(model_dir, evaluation.benchmarks, tag_dir / "benchmarks", evaluation.batch_size,
                       evaluation.limit)
     restore_rng_states(states)
-    dist.barrier()  # every rank has its scores: the model folder can go
+    patient_barrier()  # every rank has its scores (in its own time): the model folder can go
     if dist.get_rank() == 0:
         shutil.rmtree(model_dir)
     logger.benchmarks(step, found)

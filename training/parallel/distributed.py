@@ -1,4 +1,5 @@
 """Process-group set-up and the few collectives train.py needs (torch.distributed under DeepSpeed)."""
+import itertools
 import os
 import socket
 import sys
@@ -109,14 +110,38 @@ def run_in_process_group(body: Callable[[], int]) -> int:
 
 @contextmanager
 def local_main_first() -> Iterator[None]:
-    """Local rank 0 runs the block first (e.g. prepares and caches the data); the other ranks wait, then run it.
-    If it fails on local rank 0, the waiting ranks are ended by run_in_process_group's failure watch (a
-    barrier in a `finally` would release them to run the block themselves)."""
+    """Local rank 0 runs the block first (e.g. prepares and caches the data); the other ranks wait, then run it,
+    however long the preparation takes (patient_barrier). If it fails on local rank 0, the waiting ranks are ended
+    by run_in_process_group's failure watch (a barrier in a `finally` would release them to run the block
+    themselves)."""
     if local_rank() != 0:
-        dist.barrier()
+        patient_barrier()
     yield
     if local_rank() == 0:
-        dist.barrier()
+        patient_barrier()
+
+
+PATIENT_POLL_S = (0.01, 1.0)  # the first and the longest pause between two looks at the count
+patient_barriers = itertools.count()  # every rank passes the same barriers in the same order
+
+
+def patient_barrier() -> None:
+    """A barrier of every rank without a time limit, for ranks that wait while one rank works for as long as its work
+    takes: a data preparation, a universal conversion, an export. A collective barrier fails once the process group's
+    timeout passes (DeepSpeed's: 30 minutes), with a transport error on the ranks that waited ("Timed out waiting
+    10000ms for recv operation") and "Connection closed by peer" on the one that worked. Here each rank counts itself
+    in the store and looks at the count until every rank is in; a rank that fails meanwhile ends every rank through
+    the failure watch (training/parallel/failure.py)."""
+    if world_size() == 1:
+        return
+    key = f"patient-barrier/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(patient_barriers)}"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          wait_for_workers=False)  # the launch's key-value store, which every rank reaches
+    pause = PATIENT_POLL_S[0]
+    store.add(key, 1)
+    while store.add(key, 0) < world_size():
+        time.sleep(pause)
+        pause = min(2 * pause, PATIENT_POLL_S[1])
 
 
 def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:

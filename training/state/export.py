@@ -31,6 +31,7 @@ from training.base.errors import ConfigError
 from training.models.lora import ADAPTER_CONFIG, ADAPTER_DIR
 from training.planning.plan import RunPlan
 from training.base.output_guard import check_output, owned_files, remove_owned, staged_folder
+from training.parallel.distributed import patient_barrier
 from training.parallel.expert_parallel import hf_weights, original_weights
 from training.parallel.pipeline import hf_name, layer_files
 from training.planning.precision import DTYPES
@@ -217,7 +218,7 @@ def export_run(engine: DeepSpeedEngine, plan: RunPlan) -> None:
     if plan.pipeline_stages > 1:
         if dist.get_rank() == 0:
             export_tag(checkpoints, latest_tag(checkpoints), plan.output_dir / "hf")
-        dist.barrier()
+        patient_barrier()
     elif plan.recipe.lora.enabled:
         export_lora(engine, plan.tokenizer, plan.output_dir, dtype, plan.recipe.export.merge)
     else:
@@ -238,7 +239,7 @@ def export_hf(engine: DeepSpeedEngine, tokenizer: PreTrainedTokenizerBase, out_d
     if dist.get_rank() == 0:
         state_dict = {name: tensor.detach().to("cpu", dtype) for name, tensor in state_dict.items()}
         save_hf(model, tokenizer, out_dir, state_dict, dtype)
-    dist.barrier()
+    patient_barrier()
 
 
 def save_hf(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, out_dir: Path, state_dict: dict,
@@ -279,7 +280,7 @@ def export_lora(engine: DeepSpeedEngine, tokenizer: PreTrainedTokenizerBase, out
         if merge:
             save_merged(model, {name: t.detach().to("cpu", torch.float32) for name, t in full.items()}, tokenizer,
                         out_dir / "hf", dtype)
-    dist.barrier()
+    patient_barrier()
 
 
 def save_merged(model: PeftModel, state_dict: dict[str, torch.Tensor], tokenizer: PreTrainedTokenizerBase,

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from pydantic import ValidationError
 
 from training.compat.deepspeed import convert_with_tensor_parallel, make_stage_neutral, pipeline_layer_file
-from training.parallel.distributed import host_group
+from training.parallel.distributed import patient_barrier
 from training.base.errors import ConfigError
 from training.planning.layout import Layout
 from training.planning.optimizer_states import SHAPED
@@ -174,13 +174,13 @@ def conversion_fault(folder: Path) -> str | None:
 
 
 def convert_on_rank_0(checkpoint_dir: Path, tag: str) -> None:
-    """Every rank calls it: rank 0 converts (once), the others wait for it. The wait is a barrier on the host
-    group, which a conversion of a large model's states may keep waiting for minutes."""
+    """Every rank calls it: rank 0 converts (once), the others wait for it, however long a large model's conversion
+    takes (patient_barrier)."""
     if dist.get_rank() == 0:
         started = time.perf_counter()
         print(f"--resume in another layout: converting {checkpoint_dir / tag} into a universal checkpoint, "
               f"{convert(checkpoint_dir, tag)} ({time.perf_counter() - started:.1f} s)", flush=True)
-    dist.barrier(group=host_group())
+    patient_barrier()
 
 
 def run_state_of(tag_dir: Path) -> RunState | None:

@@ -35,3 +35,41 @@ def test_a_ragged_gather_concatenates_every_ranks_values_in_rank_order():
         for rank in range(2):
             assert results[rank, case][0] == everyone, (case, rank)
             assert results[rank, case][1] == pytest.approx(expected), (case, rank)
+
+
+def slow_first_rank(rank: int, port: int, wait: str, results: dict) -> None:
+    """Local rank 0 works 4 s in a process group whose timeout is 1.5 s while rank 1 waits (`wait`: how)."""
+    import os
+    import time
+    from datetime import timedelta
+
+    from training.parallel.distributed import local_main_first
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=1.5))
+    try:
+        if wait == "collective barrier":
+            if rank == 0:
+                time.sleep(4)
+            dist.barrier()
+        else:
+            with local_main_first():
+                if rank == 0:
+                    time.sleep(4)  # a data preparation
+        results[rank] = dist.all_reduce(torch.ones(1)) or "the group still works"
+    except RuntimeError as error:
+        results[rank] = str(error)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("wait", ["collective barrier", "local_main_first"])
+def test_ranks_wait_for_local_rank_0_past_the_process_groups_timeout(wait):
+    """A collective barrier fails once the process group's timeout passes (DeepSpeed's is 30 minutes: a longer data
+    preparation ended the run); local_main_first's patient barrier waits for as long as the work takes."""
+    results = mp.Manager().dict()
+    mp.spawn(slow_first_rank, args=(free_port(), wait, results), nprocs=2)
+    if wait == "collective barrier":
+        assert "Timed out" in results[1]
+    else:
+        assert dict(results) == {0: "the group still works", 1: "the group still works"}
