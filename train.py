@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")  # DeepSpeed's old c10d calls
     try:
         distributed.adopt_srun_environment()
+        distributed.check_master_port()
         check_versions(show=distributed.local_rank() == 0)
         plan = make_plan(args)
         if args.dry_run:

@@ -1,4 +1,5 @@
 """Process-group set-up and the few collectives train.py needs (torch.distributed under DeepSpeed)."""
+import errno
 import itertools
 import os
 import socket
@@ -40,6 +41,26 @@ def adopt_srun_environment() -> None:
     os.environ.update(RANK=os.environ["SLURM_PROCID"], LOCAL_RANK=os.environ["SLURM_LOCALID"],
                       WORLD_SIZE=os.environ["SLURM_STEP_NUM_TASKS"])
     started_by_srun.set()
+
+
+def check_master_port() -> None:
+    """Rank 0 hosts the launch's key-value store on MASTER_PORT (under the deepspeed launcher and srun; torchrun's
+    agent hosts its own, TORCHELASTIC_USE_AGENT_STORE). A port another process listens on, as another run on this
+    node started with the launcher's default 29500 does, would end the start in a DistNetworkError traceback
+    (EADDRINUSE) while the other ranks wait on a store that is not theirs."""
+    if rank() != 0 or "MASTER_PORT" not in os.environ or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return
+    port = int(os.environ["MASTER_PORT"])
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store's socket: a closed run's port is free
+        try:
+            probe.bind(("", port))
+        except OSError as error:
+            if error.errno != errno.EADDRINUSE:
+                return
+            raise ConfigError(f"MASTER_PORT {port} is in use on {socket.gethostname()}, by another run on this node "
+                              f"most likely (the deepspeed launcher's default port is 29500): start this one on "
+                              f"another port, e.g. deepspeed --master_port {free_port()} train.py ...") from None
 
 
 def rank() -> int:
