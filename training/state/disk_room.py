@@ -14,16 +14,21 @@ from training.planning.report import format_bytes
 from training.state.output_dir import is_run, run_files
 
 
-def free_bytes(folder: Path) -> int:
-    """The free space of the file system `folder` is (or will be made) on."""
+def free_bytes(folder: Path) -> int | None:
+    """The free space of the file system `folder` is (or will be made) on; None where the file system does not say
+    (some FUSE mounts of object stores report a total size of 0)."""
     while not folder.exists():
         folder = folder.parent
-    return shutil.disk_usage(folder).free
+    usage = shutil.disk_usage(folder)
+    return usage.free if usage.total else None
 
 
 def check_room(folder: Path, needed: float, what: str, fix: str, freed: int = 0) -> None:
     """Raise when `needed` bytes do not fit in `folder`'s free space (plus `freed`, what the run removes first)."""
-    free = free_bytes(folder) + freed
+    free = free_bytes(folder)
+    if free is None:
+        return
+    free += freed
     if free < needed:
         raise ConfigError(f"{what} needs about {format_bytes(needed)} in {folder} and its file system has "
                           f"{format_bytes(free)} free{' once the earlier run is removed' if freed else ''}: {fix}")

@@ -2,6 +2,7 @@
 starts; a save or the export that cannot fit stops the run by name, with the latest checkpoint whole and resumable."""
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -26,6 +27,14 @@ def test_a_disk_without_room_for_the_first_checkpoint_is_refused_before_anything
     assert said(result, f"error: the run's first checkpoint needs about 76.3 MiB in {tmp_path / 'run'} and its file "
                         f"system has 1.0 MiB free: free space, or choose an --output-dir on another disk; nothing was started")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_file_system_that_reports_no_size_is_not_judged(tmp_path, monkeypatch):
+    monkeypatch.setattr(disk_room.shutil, "disk_usage", lambda folder: SimpleNamespace(total=0, free=0))
+    disk_room.check_room(tmp_path, 10 * MiB, "a save", "")
+    monkeypatch.setattr(disk_room.shutil, "disk_usage", lambda folder: SimpleNamespace(total=100 * MiB, free=MiB))
+    with pytest.raises(ConfigError, match="a save needs about 10.0 MiB"):
+        disk_room.check_room(tmp_path, 10 * MiB, "a save", "")
 
 
 def test_overwrite_counts_the_earlier_runs_files_as_room(earlier_run, monkeypatch):
