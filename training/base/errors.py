@@ -3,8 +3,8 @@
 Our own checks raise ConfigError (recipes, options, checkpoints) or DataError (data files) with a message
 that names the input and the fix. What the user's input can still raise where no check of ours came first
 (a pydantic model built from an option, YAML or JSON that does not parse, a path that cannot be opened or
-read as text) is a user error too: its message names the value or the file. Anything else is a bug and
-keeps its traceback.
+read as text, a layout that runs out of GPU memory) is a user error too: its message names the value, the file
+or the way to fit. Anything else is a bug and keeps its traceback.
 """
 import argparse
 import json
@@ -50,7 +50,19 @@ def user_message(error: BaseException) -> str | None:
         return f"not UTF-8 text ({error.reason} at byte {error.start}); convert the file to UTF-8"
     if isinstance(error, OSError) and error.filename is not None:
         return f"{error.filename}: {error.strerror or error}"
+    torch = sys.modules.get("torch")  # not imported here: the data commands run without torch
+    if torch and isinstance(error, torch.OutOfMemoryError):
+        return out_of_memory(error)
     return None
+
+
+def out_of_memory(error: RuntimeError) -> str:
+    """A run whose layout does not fit its GPUs: torch's account of the memory, where it ran out, the ways to fit."""
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f" in {frames[-1].name} ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+    return (f"out of GPU memory{where}: {str(error).strip()} To fit: lower training.micro_batch_size (auto picks the "
+            f"largest that fits), turn on activation_checkpointing, or shard more (deepspeed.config=zero3, or an "
+            f"_offload config); train.py --dry-run shows the memory per rank under each ZeRO setting")
 
 
 def failure(error: BaseException) -> tuple[int, str]:

@@ -52,7 +52,7 @@ def check_master_port() -> None:
         return
     port = int(os.environ["MASTER_PORT"])
     with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store's socket: a closed run's port is free
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store's: a closed run's port is free
         try:
             probe.bind(("", port))
         except OSError as error:

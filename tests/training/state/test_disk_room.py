@@ -25,7 +25,8 @@ def test_a_disk_without_room_for_the_first_checkpoint_is_refused_before_anything
     result = main_in_process(train.main, ["--recipe", "tiny_llama", "--output-dir", str(tmp_path / "run")])
     assert result.returncode == 2, result.stderr[-3000:]
     assert said(result, f"error: the run's first checkpoint needs about 76.3 MiB in {tmp_path / 'run'} and its file "
-                        f"system has 1.0 MiB free: free space, or choose an --output-dir on another disk; nothing was started")
+                        f"system has 1.0 MiB free: free space, or choose an --output-dir on another disk; nothing "
+                        f"was started")
     assert not (tmp_path / "run").exists()
 
 
@@ -61,8 +62,8 @@ def test_a_save_or_an_export_without_room_stops_the_run_by_name_and_the_run_resu
     result = train_in_process(args)
     assert result.returncode == 2, result.stderr[-3000:]
     assert said(result, f"error: checkpoint global_step4 needs about") and \
-        said(result, f"in {out / 'checkpoints'} and its file system has 0.0 MiB free: the run stops here without saving "
-                     f"it (`latest` names global_step2); free space, or keep fewer checkpoints "
+        said(result, f"in {out / 'checkpoints'} and its file system has 0.0 MiB free: the run stops here without "
+                     f"saving it (`latest` names global_step2); free space, or keep fewer checkpoints "
                      f"(checkpointing.keep_last), then continue with --resume --output-dir {out}")
     assert (out / "checkpoints/latest").read_text() == "global_step2" and is_complete(out / "checkpoints/global_step2")
     assert not (out / "checkpoints/global_step4").exists()
