@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from training.compat.deepspeed import (autoep_layers, expert_files, gathered_16bit_state_dict, has_zero_partitions,
                                        model_parallel_ranks, zero_fp32_weights, zero_rank_files)
 from training.state.checkpoint import READ_ERRORS, RUN_STATE, latest_tag, unreadable_files
-from training.state.disk_room import check_room_to_export
+from training.state.disk_room import check_room, check_room_to_export
 from training.base.errors import ConfigError
 from training.models.lora import ADAPTER_CONFIG, ADAPTER_DIR
 from training.planning.plan import RunPlan
@@ -187,6 +187,8 @@ def export_tag(checkpoint_dir: Path, tag: str, out_dir: Path, dtype: str | None 
         raise (cannot_read(tag_dir / name, unreadable[name]) if name else
                ConfigError(f"{tag_dir} cannot be read ({error}): a damaged or partial checkpoint; export another "
                            f"one")) from None
+    check_room(out_dir, sum(tensor.numel() for tensor in weights.values()) * dtype.itemsize, f"the export of {tag}",
+               "free space, or export to another disk; nothing was written")
     if is_lora_checkpoint(tag_dir):
         export_adapters(tag_dir, weights, AutoTokenizer.from_pretrained(tag_dir / "hf"), out_dir, dtype)
     else:

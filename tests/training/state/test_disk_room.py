@@ -79,7 +79,12 @@ def test_a_save_or_an_export_without_room_stops_the_run_by_name_and_the_run_resu
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4] and not (out / "hf").exists()
 
+    export = ["export", str(out / "checkpoints"), str(tmp_path / "export")]
+    refused = main_in_process(training_cli.main, export)  # the command, with no more room than the run had
+    assert refused.returncode == 2 and said(refused, "error: the export of global_step4 needs about") and \
+        said(refused, "free space, or export to another disk; nothing was written")
+    assert not (tmp_path / "export").exists()
     monkeypatch.undo()
-    exported = main_in_process(training_cli.main, ["export", str(out / "checkpoints"), str(tmp_path / "export")])
+    exported = main_in_process(training_cli.main, export)
     assert exported.returncode == 0, exported.stderr[-3000:]
     assert (tmp_path / "export/config.json").is_file()
