@@ -5,12 +5,14 @@ Both sides run fp32 and compute the same sums on differently laid out rows: ours
 positions, the whole logits), TRL's right-padded with an attention mask (its fused head projecting only completion
 positions, in tiles). In float64 the two layouts give the base model's summed log-probabilities to 2e-13; in fp32 they
 differ by a few units of fp32's spacing at these sums (hundreds of tokens at about -3 each: spacing 3e-5 to 6e-5).
-Hence, measured on tiny_llama_dpo's first pairs (chat / string):
-- loss: 1e-5 absolute (measured 1.3e-6 / 1.1e-6);
+Hence, measured on tiny_llama_dpo's first pairs (chat / string / chat with every other loss type, weighted):
+- loss: 1e-5 absolute, plus 2e-6 relative for the weighted sum of the others (whose terms reach 25 and 50 before their
+  weights: IPO's and SPPO's squares) (measured 1.3e-6 / 1.1e-6 / 7.6e-6 at a loss of 4.7);
 - rewards (beta x a difference of two such sums, averaged over 8 pairs): 1e-5 absolute (measured 3.5e-6 / 5.2e-6;
   pairs of sums near -1,000 can bring that to the tolerance itself);
 - logps: 1e-6 relative (measured 6.1e-5 absolute, 2e-7 relative); grad_norm (no clipping on either side): 5e-5
-  relative (measured 2e-6 / 5.8e-6); accuracies: equal.
+  relative (measured 2e-6 / 5.8e-6 / 1.6e-6); accuracies: equal.
+The weighted sum fails with one term changed: nca_pair's rejected weight 0.45 for 0.5 moves step 1's loss by 0.024.
 """
 import json
 
@@ -21,6 +23,11 @@ from tests.conftest import REPO, run_train, save_small_checkpoint
 from tests.helpers.trl_state import left_as_found
 
 PAIRS, STEPS, LR, BETA = 8, 4, 1e-3, 0.1
+SIGMOID = {"loss_type": ["sigmoid"]}
+# every loss type but sigmoid's at once, each with a weight of its own: a wrong term moves the sum
+MIX = {"loss_type": ["hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero", "apo_down",
+                     "discopop", "sigmoid_norm"],
+       "loss_weights": [0.9, 0.05, 0.8, 0.7, 0.6, 0.5, 0.002, 0.4, 0.3, 0.2, 0.1], "label_smoothing": 0.1}
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins")
 LOGPS = ("logps/chosen", "logps/rejected")
 
@@ -39,14 +46,15 @@ def string_pairs() -> list[dict]:
     return pairs
 
 
-def recipe_yaml(base, pairs, cache) -> str:
+def recipe_yaml(base, pairs, cache, losses: dict) -> str:
+    dpo = {"beta": BETA, "loss": losses["loss_type"], **{key: value for key, value in losses.items() if key != "loss_type"}}
     return f"""
 model: {{name_or_path: {base}}}
 data: {{sources: [{{path: {pairs}}}], seq_len: 1024, packing: bfd, long_documents: drop, dedup: {{exact: false}},
         cache_dir: {cache}}}
 training: {{objective: dpo, micro_batch_size: {PAIRS}, global_batch_size: {PAIRS}, max_steps: {STEPS}, lr: {LR},
            schedule: constant, warmup_steps: 0, weight_decay: 0.0, betas: [0.9, 0.999], eps: 1.0e-8, grad_clip: 0}}
-dpo: {{beta: {BETA}, loss: sigmoid}}
+dpo: {json.dumps(dpo)}
 deepspeed: {{config: zero0}}
 precision: fp32
 logging: {{every_steps: 1}}
@@ -54,14 +62,14 @@ stability: {{enabled: false}}
 """
 
 
-def trl_logs(base, pairs: list[dict], out) -> list[dict]:
+def trl_logs(base, pairs: list[dict], out, losses: dict) -> list[dict]:
     import datasets
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
     config = DPOConfig(output_dir=str(out), per_device_train_batch_size=PAIRS, gradient_accumulation_steps=1,
                        max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
                        weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, optim="adamw_torch",
-                       max_grad_norm=0.0, beta=BETA, loss_type=["sigmoid"], max_length=1024, logging_steps=1,
+                       max_grad_norm=0.0, beta=BETA, **losses, max_length=1024, logging_steps=1,
                        report_to="none", save_strategy="no", use_cpu=True, bf16=False, fp16=False,
                        dataloader_num_workers=0, seed=1234)
     with left_as_found():
@@ -73,23 +81,24 @@ def trl_logs(base, pairs: list[dict], out) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("form", ["chat", "string"])
-def test_dpo_matches_trl_step_by_step(form, tmp_path):
+@pytest.mark.parametrize("form, losses", [("chat", SIGMOID), ("string", SIGMOID), ("chat", MIX)],
+                         ids=["chat", "string", "every other loss type"])
+def test_dpo_matches_trl_step_by_step(form, losses, tmp_path):
     pairs = chat_pairs() if form == "chat" else string_pairs()
     base, data = tmp_path / "base", tmp_path / "pairs.jsonl"
     save_small_checkpoint(base)
     data.write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
-    (tmp_path / "recipe.yaml").write_text(recipe_yaml(base, data, tmp_path / "cache"))
+    (tmp_path / "recipe.yaml").write_text(recipe_yaml(base, data, tmp_path / "cache", losses))
     result = run_train(["--recipe", str(tmp_path / "recipe.yaml"), "--output-dir", str(tmp_path / "run")])
     assert result.returncode == 0, result.stderr[-3000:]
     ours = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
-    theirs = trl_logs(base, pairs, tmp_path / "trl")
+    theirs = trl_logs(base, pairs, tmp_path / "trl", losses)
 
     assert [r["step"] for r in ours] == [log["step"] for log in theirs] == list(range(1, STEPS + 1))
     assert json.loads((tmp_path / "run/summary.json").read_text())["data"]["pairs"] == PAIRS, "no pair left out"
     assert ours[-1]["loss"] < ours[0]["loss"] - 0.05, "the losses must move for the comparison to mean anything"
     for step, (mine, trl) in enumerate(zip(ours, theirs), start=1):
-        assert mine["loss"] == pytest.approx(trl["loss"], abs=1e-5), f"step {step}: loss"
+        assert mine["loss"] == pytest.approx(trl["loss"], rel=2e-6, abs=1e-5), f"step {step}: loss"
         for name in REWARDS:
             assert mine[name] == pytest.approx(trl[name], abs=1e-5), f"step {step}: {name}"
         for name in LOGPS:

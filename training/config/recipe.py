@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (AfterValidator, BaseModel, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat,
-                      PositiveInt, PrivateAttr, ValidationError, ValidationInfo, WrapValidator, model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, Field, NonNegativeFloat, NonNegativeInt,
+                      PositiveFloat, PositiveInt, PrivateAttr, ValidationError, ValidationInfo, WrapValidator,
+                      model_validator)
 
 from data_pipeline.config import DataConfig, Examples, LocalPath, matching_files, prepared_examples
 from training.base.schema import StrictModel
@@ -222,14 +223,40 @@ class MoeSection(StrictModel):
     # this; None: the checkpoint config's router_aux_loss_coef; 0: off
 
 
+DpoLoss = Literal["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero",
+                  "apo_down", "discopop", "sigmoid_norm"]
+
+
 class DpoSection(StrictModel):
     """training.objective=dpo (training/objectives/dpo.py): the preference loss against a frozen reference, the
     starting model (its log-probabilities computed once, before step 1) or, with LoRA, the base without adapters."""
     beta: PositiveFloat = 0.1  # how far the policy may move from the reference: the log-ratios' scale in the loss
-    loss: Literal["sigmoid", "ipo"] = "sigmoid"  # sigmoid: DPO (Rafailov et al.); ipo: IPO (Azar et al.), on the
-    # per-token mean log-ratios, squared distance from 1 / (2 beta)
+    loss: Annotated[list[DpoLoss], BeforeValidator(lambda value: [value] if isinstance(value, str) else value)] = \
+        ["sigmoid"]  # TRL's loss_type names (docs/dpo.md, the formulas), one or a list: their sum, weighted by
+    # loss_weights (MPO's mix, for one)
+    loss_weights: list[float] | None = None  # one per loss (default: 1 each)
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)  # robust: the chance a label is flipped; exo_pair: epsilon
+    discopop_tau: PositiveFloat = 0.05  # discopop: the temperature of its blend of the logistic and exponential losses
     disable_dropout: bool = True  # the model's dropout off (TRL's default for DPO): the policy's log-probabilities
     # then compare with the reference's, computed without it (training/models/model.py, disable_dropout)
+
+    @property
+    def losses(self) -> list[tuple[str, float]]:
+        """(loss, weight) of each loss the pair loss sums."""
+        return list(zip(self.loss, self.loss_weights or [1.0] * len(self.loss), strict=True))
+
+    @model_validator(mode="after")
+    def weights_and_smoothing_fit_the_losses(self) -> "DpoSection":
+        names = self.loss
+        if not names:
+            raise ValueError("dpo.loss=[] names no loss: give one of TRL's loss_type names, e.g. sigmoid")
+        if self.loss_weights is not None and len(self.loss_weights) != len(names):
+            raise ValueError(f"dpo.loss_weights has {len(self.loss_weights)} weights for the {len(names)} losses of "
+                             f"dpo.loss={names}: give one weight per loss")
+        if "exo_pair" in names and self.label_smoothing == 0:
+            raise ValueError("dpo.loss=exo_pair takes dpo.label_smoothing above 0 (its epsilon, the log of which it "
+                             "takes; the EXO paper's is 1e-3)")
+        return self
 
 
 class RewardSpec(StrictModel):

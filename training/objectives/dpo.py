@@ -1,5 +1,5 @@
-"""training.objective=dpo, preference tuning: DPO's and IPO's losses on packed pairs, the reference pass, and the
-rewards TRL logs.
+"""training.objective=dpo, preference tuning: DPO's loss and its kin (TRL's loss types) on packed pairs, the reference
+pass, and the rewards TRL logs.
 
 Each sequence's log-probability is the sum of its completion tokens' log-probabilities (fp32), read from packed rows
 by `sequence_index` (data_pipeline/preference.py). The reference is the starting model: its log-probabilities are
@@ -7,11 +7,12 @@ computed once, in a pass over the training and evaluation pairs before step 1, i
 second model in memory), and stored with the run (reference_logps.npz), which a resumed run reads again. Under LoRA
 the reference is the base with the adapters disabled, computed beside each step's forward pass (no pass, no file).
 
-With h = beta x ((policy - reference) of chosen - (policy - reference) of rejected), a pair's loss is
--log sigmoid(h) (sigmoid, DPO), or with the per-token mean log-ratios (h / beta - 1 / (2 beta))^2 (ipo, IPO). The
-step's loss is the mean over the global batch's pairs; rewards are beta x (policy - reference) per sequence, as TRL
-logs them.
+A pair's loss is one of TRL's loss types on its log-ratios to the reference (policy - reference, of chosen and of
+rejected), or a weighted sum of several: with h = beta x (chosen's - rejected's), -log sigmoid(h) (sigmoid, DPO),
+(h / beta - 1 / (2 beta))^2 on the per-token mean log-ratios (ipo, IPO), and the others of pair_loss. The step's loss
+is the mean over the global batch's pairs; rewards are beta x (policy - reference) per sequence, as TRL logs them.
 """
+import math
 import os
 import time
 from collections.abc import Iterable, Iterator
@@ -52,16 +53,56 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, sequence_index: t
     return logps, tokens
 
 
+def pair_loss(name: str, ratios: torch.Tensor, tokens: torch.Tensor, section: DpoSection) -> torch.Tensor:
+    """One of TRL's loss types, per pair, from [pairs, 2] (chosen, rejected) log-ratios to the reference and token
+    counts (docs/dpo.md has the formulas and their papers)."""
+    beta, smoothing = section.beta, section.label_smoothing
+    chosen, rejected = ratios[:, 0], ratios[:, 1]
+    margin = beta * (chosen - rejected)
+    if name == "sigmoid":
+        return -F.logsigmoid(margin)
+    if name == "hinge":
+        return torch.relu(1 - margin)
+    if name in ("ipo", "sigmoid_norm"):  # on the per-token mean log-ratios
+        means = ratios / tokens.clamp(min=1)
+        mean_margin = means[:, 0] - means[:, 1]
+        return (mean_margin - 1 / (2 * beta)) ** 2 if name == "ipo" else -F.logsigmoid(beta * mean_margin)
+    if name == "exo_pair":  # KL(softmax of the two rewards || (1 - eps, eps))
+        return (torch.sigmoid(margin) * (F.logsigmoid(margin) - math.log1p(-smoothing))
+                + torch.sigmoid(-margin) * (F.logsigmoid(-margin) - math.log(smoothing)))
+    if name == "robust":
+        return (-(1 - smoothing) * F.logsigmoid(margin) + smoothing * F.logsigmoid(-margin)) / (1 - 2 * smoothing)
+    if name == "nca_pair":
+        return -F.logsigmoid(beta * chosen) - 0.5 * F.logsigmoid(-beta * chosen) - 0.5 * F.logsigmoid(-beta * rejected)
+    if name == "bco_pair":
+        return -F.logsigmoid(beta * chosen) - F.logsigmoid(-beta * rejected)
+    if name == "sppo_hard":
+        return (chosen - 0.5 / beta) ** 2 + (rejected + 0.5 / beta) ** 2
+    if name == "apo_zero":  # the chosen are better than the model's own: chosen up, rejected down
+        return 1 - torch.sigmoid(beta * chosen) + torch.sigmoid(beta * rejected)
+    if name == "apo_down":  # the chosen are worse than the model's own: both down, the rejected more
+        return torch.sigmoid(beta * chosen) + 1 - torch.sigmoid(margin)
+    if name == "discopop":  # logistic and exponential losses, blended by the margin
+        blend = torch.sigmoid(margin / section.discopop_tau)
+        return -F.logsigmoid(margin) * (1 - blend) + torch.exp(-margin) * blend
+    raise ValueError(f"dpo.loss={name!r}: not a loss type")
+
+
+def described_loss(section: DpoSection) -> str:
+    """`sigmoid`, or `0.8 x sigmoid + 0.2 x bco_pair`."""
+    losses = section.losses
+    if len(losses) == 1 and losses[0][1] == 1.0:
+        return losses[0][0]
+    return " + ".join(f"{weight:g} x {name}" for name, weight in losses)
+
+
 def pair_losses(policy: torch.Tensor, reference: torch.Tensor, tokens: torch.Tensor,
                 section: DpoSection) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-pair losses and per-sequence rewards, from [pairs, 2] (chosen, rejected) log-probabilities and token counts."""
+    """Per-pair losses (the weighted sum of dpo.loss's) and per-sequence rewards, from [pairs, 2] (chosen, rejected)
+    log-probabilities and token counts."""
     ratios = policy - reference
     rewards = section.beta * ratios.detach()
-    if section.loss == "sigmoid":
-        losses = -F.logsigmoid(section.beta * (ratios[:, 0] - ratios[:, 1]))
-    else:  # ipo
-        mean_ratios = ratios / tokens
-        losses = (mean_ratios[:, 0] - mean_ratios[:, 1] - 1 / (2 * section.beta)) ** 2
+    losses = sum(weight * pair_loss(name, ratios, tokens, section) for name, weight in section.losses)
     return losses, rewards
 
 
@@ -253,7 +294,7 @@ class Dpo(Objective):
                 f"{plan.dp_size} data-parallel ranks = {training.global_batch_size} pairs per step, each micro-batch's "
                 f"2 x {training.micro_batch_size} sequences packed into rows of {seq_len} tokens (at most "
                 f"{2 * training.micro_batch_size} rows, which the memory below assumes)",
-                f"DPO: loss {section.loss}, beta {section.beta:g}; reference: {reference}"]
+                f"DPO: loss {described_loss(section)}, beta {section.beta:g}; reference: {reference}"]
 
     def batches(self, prepared, rank: int) -> tuple[PairBatches, EvalPairBatches | None]:
         """Batches of pairs, packed when fetched."""

@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from data_pipeline.preference import pack_pairs
 from training.base.errors import ConfigError
 from training.config.recipe import DpoSection, load_recipe
-from training.objectives.dpo import Dpo, pair_logps, pair_losses
+from training.objectives.dpo import Dpo, described_loss, pair_logps, pair_losses
 from tests.conftest import REPO, save_small_checkpoint
 
 
@@ -61,6 +61,49 @@ def test_ipo_loss_uses_per_token_mean_log_ratios():
     torch.testing.assert_close(losses, torch.tensor([(1 / 4 - -1 / 2 - 1 / (2 * 0.1)) ** 2]))
 
 
+EPS = 0.1
+AT_THE_START = {  # each loss type's value where the policy is still the reference (every log-ratio 0), beta 0.1
+    "sigmoid": math.log(2), "hinge": 1.0, "ipo": 5.0 ** 2, "sigmoid_norm": math.log(2), "robust": math.log(2),
+    "exo_pair": 0.5 * (math.log(0.5) - math.log(1 - EPS)) + 0.5 * (math.log(0.5) - math.log(EPS)),
+    "nca_pair": 2 * math.log(2), "bco_pair": 2 * math.log(2), "sppo_hard": 2 * 5.0 ** 2, "apo_zero": 1.0,
+    "apo_down": 1.0, "discopop": 0.5 * math.log(2) + 0.5}
+
+
+@pytest.mark.parametrize("loss", AT_THE_START)
+def test_each_loss_type_starts_where_its_formula_does(loss):
+    reference = torch.tensor([[-11.0, -9.0], [-5.0, -5.0]])
+    losses, _ = pair_losses(reference, reference, torch.full((2, 2), 3.0),
+                            DpoSection(loss=loss, label_smoothing=EPS if loss in ("robust", "exo_pair") else 0.0))
+    torch.testing.assert_close(losses, torch.full((2,), AT_THE_START[loss]))
+
+
+def test_several_losses_are_summed_by_their_weights_and_named_so():
+    policy, reference = torch.tensor([[-10.0, -12.0], [-5.0, -4.0]]), torch.tensor([[-11.0, -11.0], [-5.0, -5.0]])
+    tokens = torch.tensor([[4.0, 2.0], [3.0, 5.0]])
+    alone = {name: pair_losses(policy, reference, tokens, DpoSection(loss=name))[0] for name in ("sigmoid", "bco_pair")}
+    mixed, _ = pair_losses(policy, reference, tokens, DpoSection(loss=["sigmoid", "bco_pair"], loss_weights=[0.8, 0.2]))
+    torch.testing.assert_close(mixed, 0.8 * alone["sigmoid"] + 0.2 * alone["bco_pair"])
+    assert described_loss(DpoSection(loss=["sigmoid", "bco_pair"], loss_weights=[0.8, 0.2])) == \
+        "0.8 x sigmoid + 0.2 x bco_pair"
+    assert described_loss(DpoSection(loss="ipo")) == "ipo"
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("dpo.loss=[sigmoid,bco_pair]", None),
+    ("dpo.loss_weights=[1.0,2.0]", "dpo.loss_weights has 2 weights for the 1 losses of dpo.loss=\\['sigmoid'\\]"),
+    ("dpo.loss=exo_pair", "dpo.loss=exo_pair takes dpo.label_smoothing above 0"),
+    ("dpo.loss=[]", "dpo.loss=\\[\\] names no loss"),
+    ("dpo.loss=kto", "dpo.loss.0: Input should be 'sigmoid', 'hinge', "),
+    ("dpo.label_smoothing=0.5", "dpo.label_smoothing"),
+])
+def test_the_loss_settings_are_checked_when_the_recipe_loads(override, expected):
+    if expected is None:
+        assert load_recipe("tiny_llama_dpo", [override]).dpo.losses == [("sigmoid", 1.0), ("bco_pair", 1.0)]
+        return
+    with pytest.raises(ConfigError, match=expected):
+        load_recipe("tiny_llama_dpo", [override])
+
+
 @pytest.mark.parametrize("override, expected", [
     ("parallelism.pipeline_stages=2", "objective=dpo does not support parallelism.pipeline_stages > 1"),
     ("parallelism.sequence_parallel=2", "sequence's whole log-probability"),
@@ -84,5 +127,5 @@ def test_the_dry_run_shows_the_batch_in_pairs_and_what_the_reference_costs(lora,
     out = capsys.readouterr().out
     recipe = load_recipe("tiny_llama_dpo")
     assert f"batch: {recipe.training.micro_batch_size} pairs/rank" in out and "rows/rank" not in out
-    assert f"DPO: loss {recipe.dpo.loss}, beta {recipe.dpo.beta:g}; reference: " \
+    assert f"DPO: loss {recipe.dpo.loss[0]}, beta {recipe.dpo.beta:g}; reference: " \
            + ("the base with the adapters disabled" if lora else "the starting model") in out
