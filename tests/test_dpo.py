@@ -6,7 +6,8 @@ held out for evaluation. train.py packs them (bfd, 2 pairs per micro-batch) and 
 before step 1 (LoRA: adapters disabled beside each step). Runs:
 - 1 rank, ZeRO-1, 6 steps: the uninterrupted curve;
 - 2 ranks, ZeRO-3, checkpointing every 2 steps, SIGKILLed in the middle of step 4's save, so `latest` stays at step 2;
-  then resumed on 1 rank with ZeRO-2 (another layout: through a universal checkpoint) to step 6;
+  then resumed on 1 rank with ZeRO-2 (another layout: through a universal checkpoint) to step 6; both with the sft
+  term (weight 0.5), whose mean is over the global batch's chosen tokens: 4 micro-batches on 2 ranks, then 4 on 1;
 - 2 ranks, ZeRO-3 with CPU offload, LoRA, activation checkpointing, IPO's loss, 4 steps.
 Tolerance (fp32; the engine sums the same terms in another order): 1e-5 absolute on the steps' losses and rewards,
 1e-5 relative on the summed log-probabilities (-100 to -1,000, where fp32's spacing is 1e-5 to 6e-5), 5e-5 absolute on
@@ -30,6 +31,7 @@ from training.state.output_dir import REFERENCE_FILE
 pytestmark = pytest.mark.slow
 
 BETA, LR, SEED, STEPS = 0.1, 1e-3, 1234, 6
+RPO_WEIGHT = 0.5  # the sft term's weight in the killed and resumed runs (RPO: DPO plus the chosen's NLL)
 PAIRS = [json.loads(line) for line in (REPO / "recipes/tiny_llama_dpo/pairs.jsonl").read_text().splitlines()[:12]]
 
 
@@ -64,9 +66,10 @@ def pair_logps(model, sequences) -> torch.Tensor:
     return torch.stack([torch.stack([logp(model, *chosen), logp(model, *rejected)]) for chosen, rejected in sequences])
 
 
-def reference_loop(base: Path, steps: int, lora: bool = False, ipo: bool = False) -> list[dict]:
+def reference_loop(base: Path, steps: int, lora: bool = False, ipo: bool = False, sft: float = 0.0) -> list[dict]:
     """Each step's loss, rewards and log-probabilities, and the evaluation's at steps 2, 4, 6 (after the update).
-    ipo: IPO's loss, on the log-ratios' means over the completion tokens."""
+    ipo: IPO's loss, on the log-ratios' means over the completion tokens. sft: the weight of the chosen completions'
+    negative log-likelihood, a mean over all their tokens, added to the pairs' mean loss (TRL's sft loss type)."""
     tokenizer = AutoTokenizer.from_pretrained(base)
     sequences = [pair_tokens(tokenizer, pair) for pair in PAIRS]
     train, held_out = sequences[:8], sequences[8:]
@@ -90,28 +93,29 @@ def reference_loop(base: Path, steps: int, lora: bool = False, ipo: bool = False
     def losses(pairs, reference_logps):
         logps = pair_logps(policy, pairs)
         ratios = logps - reference_logps
+        tokens = torch.tensor([[len(ids) - start for ids, start in pair] for pair in pairs])
         if ipo:
-            tokens = torch.tensor([[len(ids) - start for ids, start in pair] for pair in pairs])
             means = ratios / tokens
             pair_losses = (means[:, 0] - means[:, 1] - 1 / (2 * BETA)) ** 2
         else:
             pair_losses = -F.logsigmoid(BETA * (ratios[:, 0] - ratios[:, 1]))
-        return pair_losses, BETA * ratios.detach(), logps.detach()
+        loss = pair_losses.mean() - sft * logps[:, 0].sum() / tokens[:, 0].sum()
+        return loss, BETA * ratios.detach(), logps.detach()
 
     fixed = {"train": reference(train), "eval": reference(held_out)}
     records = []
     for step in range(1, steps + 1):
         loss, rewards, logps = losses(train, fixed["train"])
-        loss.mean().backward()
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        records.append({"step": step, "loss": loss.mean().item(), "rewards/chosen": rewards[:, 0].mean().item(),
+        records.append({"step": step, "loss": loss.item(), "rewards/chosen": rewards[:, 0].mean().item(),
                         "rewards/rejected": rewards[:, 1].mean().item(),
                         "rewards/margins": (rewards[:, 0] - rewards[:, 1]).mean().item(),
                         "logps/chosen": logps[:, 0].mean().item(), "logps/rejected": logps[:, 1].mean().item()})
         if step % 2 == 0:
             with torch.no_grad():
-                records[-1]["eval_loss"] = losses(held_out, fixed["eval"])[0].mean().item()
+                records[-1]["eval_loss"] = losses(held_out, fixed["eval"])[0].item()
     return records
 
 
@@ -131,12 +135,13 @@ def runs(tmp_path_factory) -> dict:
     result = run_train(["--output-dir", str(whole), *common, f"training.max_steps={STEPS}", "deepspeed.config=zero1"],
                        ranks=1)
     assert result.returncode == 0, result.stderr[-3000:]
-    result = run_train(["--kill-after-deepspeed-save", "4", "--output-dir", str(killed), *common,
+    rpo = ["dpo.loss=[sigmoid,sft]", f"dpo.loss_weights=[1.0,{RPO_WEIGHT}]"]
+    result = run_train(["--kill-after-deepspeed-save", "4", "--output-dir", str(killed), *common, *rpo,
                         f"training.max_steps={STEPS}", "deepspeed.config=zero3", "checkpointing.every_steps=2"],
                        ranks=2, script="tests/helpers/train_with_probes.py")
     assert result.returncode != 0 and (killed / "checkpoints/latest").read_text() == "global_step2"
     shutil.copytree(killed, resumed)
-    result = run_train(["--output-dir", str(resumed), "--resume", *common, f"training.max_steps={STEPS}",
+    result = run_train(["--output-dir", str(resumed), "--resume", *common, *rpo, f"training.max_steps={STEPS}",
                         "deepspeed.config=zero2"], ranks=1)
     assert result.returncode == 0, result.stderr[-3000:]
     result = run_train(["--output-dir", str(lora), *common, "training.max_steps=4", "deepspeed.config=zero3_offload",
@@ -161,18 +166,24 @@ def expected(runs) -> list[dict]:
     return reference_loop(runs["base"], STEPS)
 
 
-def test_dpo_equals_an_independent_reference_loop_on_one_rank_and_under_zero3(runs, expected):
+@pytest.fixture(scope="module")
+def expected_rpo(runs) -> list[dict]:
+    return reference_loop(runs["base"], STEPS, sft=RPO_WEIGHT)
+
+
+def test_dpo_equals_an_independent_reference_loop_on_one_rank_and_under_zero3(runs, expected, expected_rpo):
     assert expected[0]["loss"] == pytest.approx(math.log(2)) and expected[-1]["loss"] < 0.6  # the loss moves
     assert_same_curve(metrics(runs["whole"]), expected)
     killed = metrics(runs["killed"])
-    assert_same_curve(killed, expected[:len(killed)])  # 2 ranks, ZeRO-3, until the kill
+    assert expected_rpo[0]["loss"] > expected[0]["loss"] + 1  # the sft term: half the chosen tokens' mean NLL
+    assert_same_curve(killed, expected_rpo[:len(killed)])  # 2 ranks, ZeRO-3, with the sft term, until the kill
     whole = metrics(runs["whole"])
     assert whole[0]["rewards/accuracies"] == 0 and whole[-1]["rewards/accuracies"] == 1
     assert json.loads((runs["whole"] / "summary.json").read_text())["reference_pass_s"] > 0
 
 
-def test_a_killed_dpo_run_resumes_in_another_layout_with_its_stored_reference(runs, expected):
-    assert_same_curve(metrics(runs["resumed"]), expected)  # steps 1-2 from the killed run, 3-6 resumed
+def test_a_killed_dpo_run_resumes_in_another_layout_with_its_stored_reference(runs, expected_rpo):
+    assert_same_curve(metrics(runs["resumed"]), expected_rpo)  # steps 1-2 from the killed run, 3-6 resumed
     killed_reference = (runs["killed"] / REFERENCE_FILE).read_bytes()
     assert (runs["resumed"] / REFERENCE_FILE).read_bytes() == killed_reference  # read again, not recomputed
     assert "reference_pass_s" not in json.loads((runs["resumed"] / "summary.json").read_text())

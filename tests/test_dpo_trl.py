@@ -24,6 +24,7 @@ from tests.helpers.trl_state import left_as_found
 
 PAIRS, STEPS, LR, BETA = 8, 4, 1e-3, 0.1
 SIGMOID = {"loss_type": ["sigmoid"]}
+RPO = {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5]}  # DPO plus the chosen completions' NLL
 # every loss type but sigmoid's at once, each with a weight of its own: a wrong term moves the sum
 MIX = {"loss_type": ["hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero", "apo_down",
                      "discopop", "sigmoid_norm"],
@@ -81,8 +82,8 @@ def trl_logs(base, pairs: list[dict], out, losses: dict) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("form, losses", [("chat", SIGMOID), ("string", SIGMOID), ("chat", MIX)],
-                         ids=["chat", "string", "every other loss type"])
+@pytest.mark.parametrize("form, losses", [("chat", SIGMOID), ("string", SIGMOID), ("chat", RPO), ("chat", MIX)],
+                         ids=["chat", "string", "sigmoid and sft", "every other loss type"])
 def test_dpo_matches_trl_step_by_step(form, losses, tmp_path):
     pairs = chat_pairs() if form == "chat" else string_pairs()
     base, data = tmp_path / "base", tmp_path / "pairs.jsonl"

@@ -68,7 +68,7 @@ def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict], dp_
         return loss / dist.get_world_size(), engine.get_global_grad_norm(), int(tokens), stops > 0
     shares = len(micro_batches) * dp_size * loss_copies(engine)
     loss_sum, grad_norm = torch.zeros((), device=engine.device), None
-    objective.start_step()
+    objective.start_step(micro_batches)
     for index, batch in enumerate(micro_batches):
         loss = objective.loss(engine, batch, targets_per_micro_batch, shard)
         if guard and index == len(micro_batches) - 1:

@@ -224,7 +224,7 @@ class MoeSection(StrictModel):
 
 
 DpoLoss = Literal["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero",
-                  "apo_down", "discopop", "sigmoid_norm"]
+                  "apo_down", "discopop", "sigmoid_norm", "sft"]
 
 
 class DpoSection(StrictModel):

@@ -53,8 +53,8 @@ class Objective:
         global batch."""
         raise NotImplementedError
 
-    def start_step(self) -> None:
-        """A new optimizer step begins (metrics sums restart)."""
+    def start_step(self, micro_batches: list[dict]) -> None:
+        """A new optimizer step begins, on these micro-batches of this rank (metrics sums restart)."""
 
     def end_step(self, engine: deepspeed.DeepSpeedEngine, step: int, applied: bool) -> None:
         """Optimizer step `step` has ended; `applied`: it changed the weights (DeepSpeed or the stability guard may

@@ -102,8 +102,18 @@ def pair_losses(policy: torch.Tensor, reference: torch.Tensor, tokens: torch.Ten
     log-probabilities and token counts."""
     ratios = policy - reference
     rewards = section.beta * ratios.detach()
-    losses = sum(weight * pair_loss(name, ratios, tokens, section) for name, weight in section.losses)
+    losses = torch.zeros_like(ratios[:, 0])
+    for name, weight in section.losses:
+        if name != "sft":  # not a pair's: PreferenceLoss takes it over the batch's chosen tokens
+            losses = losses + weight * pair_loss(name, ratios, tokens, section)
     return losses, rewards
+
+
+def chosen_targets(batch: dict) -> int:
+    """The target tokens of the real pairs' chosen completions in a packed micro-batch (what the sft term is a mean
+    over), counted as sequence_logps counts them."""
+    owner = batch["sequence_index"][:, 1:][batch["labels"][:, 1:] != -100]
+    return int((batch["real"][owner // 2] & (owner % 2 == 0)).sum())
 
 
 def model_inputs(batch: dict, device: torch.device) -> dict:
@@ -119,11 +129,15 @@ def pair_logps(model: torch.nn.Module, batch: dict, device: torch.device) -> tup
 
 
 class PreferenceLoss:
-    """The loss of a micro-batch of pairs, and the sums the step's metrics are made of."""
+    """The loss of a micro-batch of pairs, and the sums the step's metrics are made of. The pair losses are a mean over
+    the global batch's pairs; the sft term (TRL's: the chosen completions' negative log-likelihood) a mean over its
+    chosen completions' tokens, counted before the step (sft_per_micro_batch)."""
 
     def __init__(self, section: DpoSection, adapters_off: bool, reference_seconds: float | None):
         self.section, self.adapters_off, self.reference_seconds = section, adapters_off, reference_seconds
         self.sums: torch.Tensor | None = None
+        self.sft_weight = sum(weight for name, weight in section.losses if name == "sft")
+        self.sft_per_micro_batch = 1.0  # the step's chosen tokens over micro-batches x ranks (Dpo.start_step)
 
     @staticmethod
     def count(batch: dict) -> int:
@@ -137,14 +151,21 @@ class PreferenceLoss:
         with torch.no_grad(), engine.module.disable_adapter():
             return pair_logps(engine.module, batch, engine.device)[0]
 
-    def __call__(self, engine: deepspeed.DeepSpeedEngine, batch: dict, pairs_per_micro_batch: float) -> torch.Tensor:
-        """This micro-batch's summed pair loss over pairs_per_micro_batch (see train.py's train_step)."""
+    def terms(self, engine: deepspeed.DeepSpeedEngine, batch: dict) -> torch.Tensor:
+        """[the summed pair loss, the chosen completions' summed log-probability, their target tokens] over the
+        micro-batch's real pairs; the metrics' sums take the pairs in."""
         reference = self.reference(engine, batch)
         policy, tokens = pair_logps(engine, batch, engine.device)
         losses, rewards = pair_losses(policy, reference, tokens, self.section)
         real = batch["real"].to(engine.device)
         self.add(policy.detach()[real], rewards[real])
-        return losses[real].sum() / pairs_per_micro_batch
+        return torch.stack([losses[real].sum(), policy[real, 0].sum(), tokens[real, 0].sum()])
+
+    def __call__(self, engine: deepspeed.DeepSpeedEngine, batch: dict, pairs_per_micro_batch: float) -> torch.Tensor:
+        """This micro-batch's summed pair loss over pairs_per_micro_batch (see train.py's train_step), and the sft
+        term's share."""
+        pair_loss, chosen_logps, _ = self.terms(engine, batch)
+        return pair_loss / pairs_per_micro_batch - self.sft_weight * chosen_logps / self.sft_per_micro_batch
 
     def add(self, policy: torch.Tensor, rewards: torch.Tensor) -> None:
         sums = torch.stack([rewards[:, 0].sum(), rewards[:, 1].sum(), (rewards[:, 0] - rewards[:, 1]).sum(),
@@ -161,18 +182,20 @@ class PreferenceLoss:
         return {f"{prefix}{name}": (sums[i] / sums[-1]).item() for i, name in enumerate(METRICS)}
 
     def evaluate(self, engine: deepspeed.DeepSpeedEngine, batches: EvalPairBatches) -> dict:
-        """eval_loss (the mean pair loss) and the rewards over the evaluation pairs."""
+        """eval_loss (the mean pair loss, and the sft term over every evaluation pair's chosen tokens) and the rewards
+        over the evaluation pairs."""
         engine.eval()
         self.start_step()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
+        terms = torch.zeros(3, dtype=torch.float64, device=engine.device)
         with torch.no_grad():
             for batch in batches:
-                loss_sum += self(engine, batch, 1.0).double()
+                terms += self.terms(engine, batch).double()
         engine.train()
         metrics = self.metrics("eval_")
-        sums = distributed.all_reduce(torch.cat([loss_sum[None], self.sums[-1:]]))
+        pair_loss, chosen_logps, chosen_tokens, pairs = distributed.all_reduce(torch.cat([terms, self.sums[-1:]]))
         self.start_step()
-        return {"eval_loss": (sums[0] / sums[1]).item(), **metrics}
+        sft = -self.sft_weight * chosen_logps / chosen_tokens if self.sft_weight else 0.0
+        return {"eval_loss": float(pair_loss / pairs + sft), **metrics}
 
     def summary(self) -> dict:
         return {"reference_pass_s": self.reference_seconds} if self.reference_seconds is not None else {}
@@ -316,8 +339,11 @@ class Dpo(Objective):
     def count(self, batch: dict) -> int:
         return PreferenceLoss.count(batch)
 
-    def start_step(self) -> None:
+    def start_step(self, micro_batches: list[dict]) -> None:
         self.preference.start_step()
+        if self.preference.sft_weight:  # the sft term's mean is over the global batch's chosen tokens
+            chosen = distributed.all_reduce_on_host([sum(map(chosen_targets, micro_batches))])[0]
+            self.preference.sft_per_micro_batch = chosen / (len(micro_batches) * self.plan.dp_size)
 
     def loss(self, engine: deepspeed.DeepSpeedEngine, batch: dict, per_micro_batch: float,
              shard: tuple[int, int]) -> torch.Tensor:

@@ -568,7 +568,7 @@ class Grpo(Objective):
             return batch["completion_mask"] & ~batch["truncated"].unsqueeze(1)
         return batch["completion_mask"]
 
-    def start_step(self) -> None:
+    def start_step(self, micro_batches: list[dict]) -> None:
         self.sums, self.entropy_window, self.steps = [], [], self.steps + 1
 
     def loss(self, engine: deepspeed.DeepSpeedEngine, batch: dict, per_micro_batch: float,

@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from data_pipeline.preference import pack_pairs
 from training.base.errors import ConfigError
 from training.config.recipe import DpoSection, load_recipe
-from training.objectives.dpo import Dpo, described_loss, pair_logps, pair_losses
+from training.objectives.dpo import Dpo, chosen_targets, described_loss, pair_logps, pair_losses
 from tests.conftest import REPO, save_small_checkpoint
 
 
@@ -42,6 +42,19 @@ def test_packed_pairs_give_each_sequence_its_log_probability_alone(model, packin
         expected = [[alone(model, c, p), alone(model, r, p)] for c, r, p in zip(chosen, rejected, prompts)]
     torch.testing.assert_close(logps, torch.tensor(expected), rtol=1e-5, atol=1e-5)
     assert tokens.tolist() == [[len(c) - p, len(r) - p] for c, r, p in zip(chosen, rejected, prompts)]
+
+
+def test_the_sft_terms_count_is_the_chosen_target_tokens_of_the_real_pairs(model):
+    """What the step's sft mean divides by, counted before the forward pass as the forward pass counts them; a padding
+    pair (the last, `real` False, as the loader marks a short micro-batch's) is left out."""
+    rng = np.random.default_rng(2)
+    chosen = [rng.integers(3, 1000, length) for length in (9, 12, 7)]
+    rejected = [rng.integers(3, 1000, length) for length in (6, 15, 5)]
+    batch = pack_pairs(chosen, rejected, np.array([4, 2, 3]), 64, 0, "bfd")
+    batch["real"] = torch.tensor([True, True, False])
+    with torch.no_grad():
+        tokens = pair_logps(model, batch, torch.device("cpu"))[1]
+    assert chosen_targets(batch) == int(tokens[batch["real"], 0].sum()) == (9 - 4) + (12 - 2)
 
 
 def test_sigmoid_loss_is_dpo_and_starts_at_log_2():
