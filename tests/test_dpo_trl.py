@@ -48,7 +48,8 @@ def string_pairs() -> list[dict]:
 
 
 def recipe_yaml(base, pairs, cache, losses: dict) -> str:
-    dpo = {"beta": BETA, "loss": losses["loss_type"], **{key: value for key, value in losses.items() if key != "loss_type"}}
+    dpo = {"beta": BETA, "loss": losses["loss_type"],
+           **{key: value for key, value in losses.items() if key != "loss_type"}}
     return f"""
 model: {{name_or_path: {base}}}
 data: {{sources: [{{path: {pairs}}}], seq_len: 1024, packing: bfd, long_documents: drop, dedup: {{exact: false}},
