@@ -227,6 +227,9 @@ DpoLoss = Literal["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "
                   "apo_down", "discopop", "sigmoid_norm", "sft"]
 
 
+F_DIVERGENCE_LOSSES = {"sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft"}
+
+
 class DpoSection(StrictModel):
     """training.objective=dpo (training/objectives/dpo.py): the preference loss against a frozen reference, the
     starting model (its log-probabilities computed once, before step 1) or, with LoRA, the base without adapters."""
@@ -237,6 +240,9 @@ class DpoSection(StrictModel):
     loss_weights: list[float] | None = None  # one per loss (default: 1 each)
     label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)  # robust: the chance a label is flipped; exo_pair: epsilon
     discopop_tau: PositiveFloat = 0.05  # discopop: the temperature of its blend of the logistic and exponential losses
+    f_divergence_type: Literal["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"] = "reverse_kl"  # f-DPO:
+    # the regularizer towards the reference (reverse KL: DPO's own), for the losses of the reward difference
+    f_alpha_divergence_coef: float = 0.5  # alpha_divergence's alpha
     disable_dropout: bool = True  # the model's dropout off (TRL's default for DPO): the policy's log-probabilities
     # then compare with the reference's, computed without it (training/models/model.py, disable_dropout)
 
@@ -253,6 +259,11 @@ class DpoSection(StrictModel):
         if self.loss_weights is not None and len(self.loss_weights) != len(names):
             raise ValueError(f"dpo.loss_weights has {len(self.loss_weights)} weights for the {len(names)} losses of "
                              f"dpo.loss={names}: give one weight per loss")
+        other = sorted(set(names) - F_DIVERGENCE_LOSSES)
+        if self.f_divergence_type != "reverse_kl" and other:
+            raise ValueError(f"dpo.f_divergence_type={self.f_divergence_type} changes the losses of the reward "
+                             f"difference ({', '.join(sorted(F_DIVERGENCE_LOSSES))}), not {', '.join(other)}: use "
+                             f"reverse_kl with those")
         if "exo_pair" in names and self.label_smoothing == 0:
             raise ValueError("dpo.loss=exo_pair takes dpo.label_smoothing above 0 (its epsilon, the log of which it "
                              "takes; the EXO paper's is 1e-3)")

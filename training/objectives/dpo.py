@@ -53,18 +53,33 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, sequence_index: t
     return logps, tokens
 
 
+def f_divergence_scores(ratios: torch.Tensor, section: DpoSection) -> torch.Tensor:
+    """f-DPO: the log-ratios u as f'(exp u) of the chosen f-divergence, which the losses of the reward difference take
+    in their place (reverse KL, DPO's own: u itself)."""
+    kind = section.f_divergence_type
+    if kind == "forward_kl":
+        return 1 - torch.exp(-ratios)
+    if kind == "js_divergence":
+        return math.log(2) + F.logsigmoid(ratios)
+    alpha = section.f_alpha_divergence_coef
+    if kind == "reverse_kl" or abs(alpha - 1) < 1e-6:  # alpha -> 1 is the reverse KL
+        return ratios
+    return (torch.exp(((alpha - 1) * ratios).clamp(max=80.0)) - 1) / (alpha - 1)  # exp(80) still fits fp32
+
+
 def pair_loss(name: str, ratios: torch.Tensor, tokens: torch.Tensor, section: DpoSection) -> torch.Tensor:
     """One of TRL's loss types, per pair, from [pairs, 2] (chosen, rejected) log-ratios to the reference and token
     counts (docs/dpo.md has the formulas and their papers)."""
     beta, smoothing = section.beta, section.label_smoothing
     chosen, rejected = ratios[:, 0], ratios[:, 1]
-    margin = beta * (chosen - rejected)
+    scores = f_divergence_scores(ratios, section)
+    margin = beta * (scores[:, 0] - scores[:, 1])
     if name == "sigmoid":
         return -F.logsigmoid(margin)
     if name == "hinge":
         return torch.relu(1 - margin)
     if name in ("ipo", "sigmoid_norm"):  # on the per-token mean log-ratios
-        means = ratios / tokens.clamp(min=1)
+        means = scores / tokens.clamp(min=1)
         mean_margin = means[:, 0] - means[:, 1]
         return (mean_margin - 1 / (2 * beta)) ** 2 if name == "ipo" else -F.logsigmoid(beta * mean_margin)
     if name == "exo_pair":  # KL(softmax of the two rewards || (1 - eps, eps))

@@ -10,7 +10,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from data_pipeline.preference import pack_pairs
 from training.base.errors import ConfigError
 from training.config.recipe import DpoSection, load_recipe
-from training.objectives.dpo import Dpo, chosen_targets, described_loss, pair_logps, pair_losses
+from training.objectives.dpo import (Dpo, chosen_targets, described_loss, f_divergence_scores, pair_logps,
+                                     pair_losses)
 from tests.conftest import REPO, save_small_checkpoint
 
 
@@ -101,8 +102,19 @@ def test_several_losses_are_summed_by_their_weights_and_named_so():
     assert described_loss(DpoSection(loss="ipo")) == "ipo"
 
 
+@pytest.mark.parametrize("kind, expected", [
+    ("reverse_kl", 1.0), ("forward_kl", 1 - math.exp(-1)), ("js_divergence", math.log(2) - math.log1p(math.exp(-1))),
+    ("alpha_divergence", 2 * (1 - math.exp(-0.5))),  # alpha 0.5: (exp((alpha - 1) u) - 1) / (alpha - 1)
+])
+def test_an_f_divergence_turns_a_log_ratio_into_its_score(kind, expected):
+    scores = f_divergence_scores(torch.tensor([[1.0, 0.0]]), DpoSection(f_divergence_type=kind))
+    torch.testing.assert_close(scores, torch.tensor([[expected, 0.0]]))
+
+
 @pytest.mark.parametrize("override, expected", [
     ("dpo.loss=[sigmoid,bco_pair]", None),
+    ("dpo.f_divergence_type=forward_kl dpo.loss=[sigmoid,nca_pair]",
+     "dpo.f_divergence_type=forward_kl changes the losses of the reward difference .*, not nca_pair"),
     ("dpo.loss_weights=[1.0,2.0]", "dpo.loss_weights has 2 weights for the 1 losses of dpo.loss=\\['sigmoid'\\]"),
     ("dpo.loss=exo_pair", "dpo.loss=exo_pair takes dpo.label_smoothing above 0"),
     ("dpo.loss=[]", "dpo.loss=\\[\\] names no loss"),
@@ -114,7 +126,7 @@ def test_the_loss_settings_are_checked_when_the_recipe_loads(override, expected)
         assert load_recipe("tiny_llama_dpo", [override]).dpo.losses == [("sigmoid", 1.0), ("bco_pair", 1.0)]
         return
     with pytest.raises(ConfigError, match=expected):
-        load_recipe("tiny_llama_dpo", [override])
+        load_recipe("tiny_llama_dpo", override.split())
 
 
 @pytest.mark.parametrize("override, expected", [
