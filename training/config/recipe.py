@@ -243,6 +243,8 @@ class DpoSection(StrictModel):
     f_divergence_type: Literal["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"] = "reverse_kl"  # f-DPO:
     # the regularizer towards the reference (reverse KL: DPO's own), for the losses of the reward difference
     f_alpha_divergence_coef: float = 0.5  # alpha_divergence's alpha
+    ld_alpha: float | None = Field(None, ge=0.0, le=1.0)  # LD-DPO: the weight of the tokens past the shorter completion
+    # of the pair, in the policy's and the reference's log-probabilities (None or 1: none; 0: only the shared length)
     disable_dropout: bool = True  # the model's dropout off (TRL's default for DPO): the policy's log-probabilities
     # then compare with the reference's, computed without it (training/models/model.py, disable_dropout)
 

@@ -40,17 +40,31 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/acc
            "logps/rejected")
 
 
-def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, sequence_index: torch.Tensor,
-                   count: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, sequence_index: torch.Tensor, count: int,
+                   ld_alpha: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each of `count` sequences' summed log-probability of its target tokens (each label predicted from the token
-    before it), and its number of target tokens."""
+    before it), and its number of target tokens. `ld_alpha` (LD-DPO): the tokens past the shorter completion of the
+    pair count `ld_alpha` times."""
     targets, owner = labels[:, 1:].reshape(-1), sequence_index[:, 1:].reshape(-1)
     token_logps = -F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), targets, reduction="none")
     taken = targets != -100
-    logps = torch.zeros(count, dtype=torch.float32, device=logits.device).index_add_(0, owner[taken], token_logps[taken])
-    tokens = torch.zeros(count, dtype=torch.float32, device=logits.device).index_add_(
-        0, owner[taken], torch.ones_like(token_logps[taken]))
+    owners, values = owner[taken], token_logps[taken]
+    tokens = torch.zeros(count, dtype=torch.float32, device=logits.device).index_add_(0, owners,
+                                                                                      torch.ones_like(values))
+    if ld_alpha is not None:
+        values = values * length_weights(owners, tokens, ld_alpha)
+    logps = torch.zeros(count, dtype=torch.float32, device=logits.device).index_add_(0, owners, values)
     return logps, tokens
+
+
+def length_weights(owners: torch.Tensor, tokens: torch.Tensor, alpha: float) -> torch.Tensor:
+    """LD-DPO's weight of each target token: 1 within the first min(chosen, rejected) tokens of its completion, alpha
+    past them. `owners`: each target token's sequence, a completion's tokens one run in order (packed rows keep a
+    sequence whole); `tokens`: each sequence's count."""
+    _, runs = torch.unique_consecutive(owners, return_counts=True)
+    position = torch.arange(len(owners), device=owners.device) - torch.repeat_interleave(runs.cumsum(0) - runs, runs)
+    shared = tokens.view(-1, 2).min(dim=1).values.repeat_interleave(2)
+    return torch.where(position < shared[owners], 1.0, alpha)
 
 
 def f_divergence_scores(ratios: torch.Tensor, section: DpoSection) -> torch.Tensor:
@@ -135,11 +149,12 @@ def model_inputs(batch: dict, device: torch.device) -> dict:
     return {name: batch[name].to(device, non_blocking=True) for name in ("input_ids", "position_ids")}
 
 
-def pair_logps(model: torch.nn.Module, batch: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_logps(model: torch.nn.Module, batch: dict, device: torch.device,
+               ld_alpha: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """[pairs, 2] log-probabilities (chosen, rejected) and token counts of a packed micro-batch."""
     logits = model(**model_inputs(batch, device)).logits
     logps, tokens = sequence_logps(logits, batch["labels"].to(device), batch["sequence_index"].to(device),
-                                   2 * batch["pairs"])
+                                   2 * batch["pairs"], ld_alpha)
     return logps.view(-1, 2), tokens.view(-1, 2)
 
 
@@ -164,13 +179,13 @@ class PreferenceLoss:
         if not self.adapters_off:
             return batch["reference"].to(engine.device, torch.float32)
         with torch.no_grad(), engine.module.disable_adapter():
-            return pair_logps(engine.module, batch, engine.device)[0]
+            return pair_logps(engine.module, batch, engine.device, self.section.ld_alpha)[0]
 
     def terms(self, engine: deepspeed.DeepSpeedEngine, batch: dict) -> torch.Tensor:
         """[the summed pair loss, the chosen completions' summed log-probability, their target tokens] over the
         micro-batch's real pairs; the metrics' sums take the pairs in."""
         reference = self.reference(engine, batch)
-        policy, tokens = pair_logps(engine, batch, engine.device)
+        policy, tokens = pair_logps(engine, batch, engine.device, self.section.ld_alpha)
         losses, rewards = pair_losses(policy, reference, tokens, self.section)
         real = batch["real"].to(engine.device)
         self.add(policy.detach()[real], rewards[real])
@@ -228,14 +243,15 @@ def training_layout(batches: PairBatches) -> Iterator[dict]:
                                    batches.seq_len, batches.pad_id, batches.packing, indices=left_out)
 
 
-def reference_pass(engine: deepspeed.DeepSpeedEngine, micro_batches: Iterable[dict], count: int) -> np.ndarray:
+def reference_pass(engine: deepspeed.DeepSpeedEngine, micro_batches: Iterable[dict], count: int,
+                   ld_alpha: float | None) -> np.ndarray:
     """[count, 2] log-probabilities (chosen, rejected) of every pair under the engine's current weights: each
     data-parallel rank its share, gathered by a sum."""
     values = torch.zeros((count, 2), dtype=torch.float64, device=engine.device)
     engine.eval()
     with torch.no_grad():
         for batch in micro_batches:
-            logps = pair_logps(engine, batch, engine.device)[0].double()
+            logps = pair_logps(engine, batch, engine.device, ld_alpha)[0].double()
             real = batch["real"].to(engine.device)
             values[batch["pair_index"].to(engine.device)[real]] = logps[real]
     engine.train()
@@ -250,13 +266,15 @@ def start_preference(engine: deepspeed.DeepSpeedEngine, section: DpoSection, lor
         return PreferenceLoss(section, adapters_off=True, reference_seconds=None)
     path, started = output_dir / REFERENCE_FILE, time.perf_counter()
     if resume:
-        stored = read_reference(path, batches)
+        stored = read_reference(path, batches, section.ld_alpha)
     else:
-        stored = {"train": reference_pass(engine, training_layout(batches), len(batches.rows)),
-                  **({"eval": reference_pass(engine, evaluation, len(evaluation.rows))} if evaluation else {})}
+        stored = {"train": reference_pass(engine, training_layout(batches), len(batches.rows), section.ld_alpha),
+                  **({"eval": reference_pass(engine, evaluation, len(evaluation.rows), section.ld_alpha)}
+                     if evaluation else {})}
         if dist.get_rank() == 0:
             partial = path.with_name(f"{path.stem}.partial.npz")
-            np.savez(partial, data=np.array(fingerprint(batches.rows)), **stored)
+            np.savez(partial, data=np.array(fingerprint(batches.rows)), ld_alpha=np.array(ld_key(section.ld_alpha)),
+                     **stored)
             os.replace(partial, path)  # a kill leaves the old file or the new one whole
     batches.reference = stored["train"]
     if evaluation:
@@ -265,7 +283,12 @@ def start_preference(engine: deepspeed.DeepSpeedEngine, section: DpoSection, lor
                           time.perf_counter() - started)
 
 
-def read_reference(path: Path, batches: PairBatches) -> dict[str, np.ndarray]:
+def ld_key(ld_alpha: float | None) -> str:
+    """How reference_logps.npz records the ld_alpha its values were summed with."""
+    return "null" if ld_alpha is None else repr(float(ld_alpha))
+
+
+def read_reference(path: Path, batches: PairBatches, ld_alpha: float | None) -> dict[str, np.ndarray]:
     if not path.is_file():
         raise DataError(f"{path} is missing: a resumed DPO run needs the reference log-probabilities its first start "
                         f"computed (the starting model's weights are gone from the checkpoints); start the run again "
@@ -274,7 +297,11 @@ def read_reference(path: Path, batches: PairBatches) -> dict[str, np.ndarray]:
         if str(stored["data"]) != fingerprint(batches.rows) or len(stored["train"]) != len(batches.rows):
             raise DataError(f"{path} holds reference values for other prepared pairs than this run's: resume with the "
                             f"data the run started with")
-        return {name: stored[name] for name in stored.files if name != "data"}
+        summed_with = str(stored["ld_alpha"]) if "ld_alpha" in stored.files else ld_key(None)
+        if summed_with != ld_key(ld_alpha):
+            raise ConfigError(f"{path} holds reference values summed with dpo.ld_alpha={summed_with}, not "
+                              f"{ld_key(ld_alpha)}: resume with the ld_alpha the run started with")
+        return {name: stored[name] for name in stored.files if name not in ("data", "ld_alpha")}
 
 
 class Dpo(Objective):

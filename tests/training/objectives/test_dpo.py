@@ -1,6 +1,7 @@
 """DPO's pieces: a packed micro-batch gives every sequence the log-probability it has alone (so packed pairs give the
 same loss as unpacked), and the losses and rewards are the papers' formulas."""
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from data_pipeline.preference import pack_pairs
 from training.base.errors import ConfigError
 from training.config.recipe import DpoSection, load_recipe
+from training.objectives import dpo
 from training.objectives.dpo import (Dpo, chosen_targets, described_loss, f_divergence_scores, pair_logps,
                                      pair_losses)
 from tests.conftest import REPO, save_small_checkpoint
@@ -56,6 +58,40 @@ def test_the_sft_terms_count_is_the_chosen_target_tokens_of_the_real_pairs(model
     with torch.no_grad():
         tokens = pair_logps(model, batch, torch.device("cpu"))[1]
     assert chosen_targets(batch) == int(tokens[batch["real"], 0].sum()) == (9 - 4) + (12 - 2)
+
+
+def test_ld_alpha_weighs_the_tokens_past_the_shorter_completion(model):
+    """LD-DPO on packed pairs equals each sequence alone: its first min(chosen, rejected) completion tokens' summed
+    log-probability plus alpha times the rest's (TRL's shared and tail masks)."""
+    rng = np.random.default_rng(3)
+    chosen = [rng.integers(3, 1000, length) for length in (12, 7, 20)]
+    rejected = [rng.integers(3, 1000, length) for length in (9, 15, 20)]
+    prompts = np.array([4, 2, 5])
+    batch = pack_pairs(chosen, rejected, prompts, 64, 0, "bfd")
+
+    def weighted(sequence: np.ndarray, prompt: int, shared: int) -> float:
+        ids = torch.from_numpy(sequence).long()[None]
+        logps = model(input_ids=ids).logits[0, :-1].float().log_softmax(-1).gather(1, ids[0, 1:, None])[prompt - 1:, 0]
+        return float(logps[:shared].sum() + 0.3 * logps[shared:].sum())
+    with torch.no_grad():
+        logps, tokens = pair_logps(model, batch, torch.device("cpu"), ld_alpha=0.3)
+        expected = [[weighted(c, p, min(len(c), len(r)) - p), weighted(r, p, min(len(c), len(r)) - p)]
+                    for c, r, p in zip(chosen, rejected, prompts)]
+    torch.testing.assert_close(logps, torch.tensor(expected), rtol=1e-5, atol=1e-5)
+    assert tokens.tolist() == [[len(c) - p, len(r) - p] for c, r, p in zip(chosen, rejected, prompts)]
+
+
+def test_a_resume_with_another_ld_alpha_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(dpo, "fingerprint", lambda rows: "the pairs")
+    batches = SimpleNamespace(rows=[0, 1])
+    path = tmp_path / "reference_logps.npz"
+    np.savez(path, data=np.array("the pairs"), ld_alpha=np.array(dpo.ld_key(0.5)), train=np.zeros((2, 2)))
+    assert set(dpo.read_reference(path, batches, 0.5)) == {"train"}
+    with pytest.raises(ConfigError, match="summed with dpo.ld_alpha=0.5, not null: resume with the ld_alpha"):
+        dpo.read_reference(path, batches, None)
+    np.savez(path, data=np.array("the pairs"), train=np.zeros((2, 2)))  # written before ld_alpha: none
+    with pytest.raises(ConfigError, match="summed with dpo.ld_alpha=null, not 0.5"):
+        dpo.read_reference(path, batches, 0.5)
 
 
 def test_sigmoid_loss_is_dpo_and_starts_at_log_2():
