@@ -98,10 +98,10 @@ def replace_forward(module: torch.nn.Module, forward: Callable) -> None:
 
 def extension_build_root() -> Path:
     """The folder under which torch's cpp_extension.load builds and caches each JIT-built op, in a folder per op."""
-    from torch.utils.cpp_extension import get_default_build_root  # 0.16 s to import: only when asked
-
     if root := os.environ.get("TORCH_EXTENSIONS_DIR"):
         return Path(root)
+    from torch.utils.cpp_extension import get_default_build_root  # 0.16 s to import: only when asked
+
     version = torch.version
     accelerator = f"rocm{version.hip.replace('.', '')}" if version.hip else \
         f"cu{version.cuda.replace('.', '')}" if version.cuda else "cpu"
