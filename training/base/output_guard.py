@@ -126,6 +126,11 @@ def overlap(output: Path, inputs: Iterable[Path | str | None]) -> tuple[str, Pat
     return None
 
 
+def nearest_existing(path: Path) -> Path:
+    """`path`, or its nearest parent that exists: where an output that is not there yet will be made."""
+    return next(folder for folder in (path, *path.parents) if folder.exists())
+
+
 def check_writable_place(output: Path, option: str, folder: bool = True) -> None:
     """The output's nearest existing folder is a folder this user can write to (not a file, not read-only), and an
     existing output is of the kind the command writes."""
@@ -133,7 +138,7 @@ def check_writable_place(output: Path, option: str, folder: bool = True) -> None
     if output.exists() and output.is_dir() != folder:
         raise ConfigError(f"{option} {output} is a {'file' if folder else 'folder'}; the command writes a "
                           f"{'folder' if folder else 'file'} there: choose another {option}")
-    existing = output if output.exists() and folder else next(path for path in output.parents if path.exists())
+    existing = nearest_existing(output if folder else output.parent)
     if not existing.is_dir():
         raise ConfigError(f"{option} {output}: {existing} is a file, not a folder; choose another {option}")
     if not os.access(existing, os.W_OK | os.X_OK):

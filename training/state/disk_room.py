@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 from training.base.errors import ConfigError
+from training.base.output_guard import nearest_existing
 from training.planning.memory import planned_checkpoint, planned_export
 from training.planning.plan import RunPlan
 from training.planning.report import format_bytes
@@ -17,9 +18,7 @@ from training.state.output_dir import is_run, run_files
 def free_bytes(folder: Path) -> int | None:
     """The free space of the file system `folder` is (or will be made) on; None where the file system does not say
     (some FUSE mounts of object stores report a total size of 0)."""
-    while not folder.exists():
-        folder = folder.parent
-    usage = shutil.disk_usage(folder)
+    usage = shutil.disk_usage(nearest_existing(folder))
     return usage.free if usage.total else None
 
 
