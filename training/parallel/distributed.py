@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from functools import cache
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from deepspeed.accelerator import get_accelerator
 
 from training.compat.deepspeed import release_shared_memory_buffer
 from training.base.errors import ConfigError, failure, report
-from training.parallel.failure import FailureWatch
+from training.parallel.failure import FailureWatch, attempt_key, launch_store
 from training.parallel.launch import free_port
 
 
@@ -155,9 +156,7 @@ def patient_barrier() -> None:
     the failure watch (training/parallel/failure.py)."""
     if world_size() == 1:
         return
-    key = f"patient-barrier/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(patient_barriers)}"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          wait_for_workers=False)  # the launch's key-value store, which every rank reaches
+    key, store = f"{attempt_key('patient-barrier')}/{next(patient_barriers)}", launch_store(timedelta(minutes=5))
     pause = PATIENT_POLL_S[0]
     store.add(key, 1)
     while store.add(key, 0) < world_size():

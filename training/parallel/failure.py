@@ -22,17 +22,27 @@ POLL_S = 0.5  # how often each rank looks for a failure
 LINGER_S = 15.0  # how long the failing rank and rank 0 wait for the others to see it
 
 
+def launch_store(timeout: timedelta) -> dist.TCPStore:
+    """A client of the launch's key-value store: the TCPStore at MASTER_ADDR:MASTER_PORT that every rank of every
+    node reaches. `timeout`: how long its blocking calls (and its connection) may wait."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         wait_for_workers=False, timeout=timeout)
+
+
+def attempt_key(name: str) -> str:
+    """`name` for this launch attempt only: an elastic agent's store outlives a restart."""
+    return f"{name}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
 class FailureWatch:
     """Started once the process group exists; `fail` ends every rank, `stop` ends the watching."""
 
     def __init__(self, rank: int, local_rank: int, world_size: int):
         self.rank, self.local_rank, self.world_size = rank, local_rank, world_size
-        # keys of this launch attempt only (an elastic agent's store outlives a restart)
-        prefix = f"train-failure/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        prefix = attempt_key("train-failure")
         self.code_key, self.count_key = f"{prefix}/code", f"{prefix}/count"
         self.seen_key, self.done_key = f"{prefix}/seen", f"{prefix}/done"
-        self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                   wait_for_workers=False, timeout=timedelta(seconds=LINGER_S))
+        self.store = launch_store(timedelta(seconds=LINGER_S))
         self.failing, self.stopped = threading.Event(), threading.Event()
         self.thread = threading.Thread(target=self.watch, name="failure-watch", daemon=True)
         self.thread.start()
