@@ -1,6 +1,7 @@
 """training.objective=grpo, run by train.py: the same curve on 1 rank (ZeRO-0, one completion per row) and 2 ranks
-(ZeRO-3, completions packed into rows), after a kill -9 and a resume in another layout (ZeRO-3 with the whole weights
-gathered for generation; adaptive entropy control's coefficient and the synced reference restored), and with LoRA
+(ZeRO-3, completions packed into rows, the LM head cast to fp32), after a kill -9 and a resume in another layout
+(ZeRO-3 with the whole weights gathered for generation; adaptive entropy control's coefficient and the synced
+reference restored), and with LoRA
 (the reference: the base with the adapters disabled); the same evaluation by generation on held-out prompts (2
 completions each, num_generations_eval); the completions' samples; the export loaded by transformers; a SIGTERM inside a
 generation. Against TRL's GRPOTrainer step by step: tests/test_grpo_trl.py.
@@ -64,7 +65,9 @@ def runs(tmp_path_factory) -> dict:
     whole, zero3, killed, resumed, lora = (folder / name for name in ("whole", "zero3", "killed", "resumed", "lora"))
     result = run_train(["--output-dir", str(whole), *common, "deepspeed.config=zero0", "data.packing=none"], ranks=1)
     assert result.returncode == 0, result.stderr[-3000:]
-    result = run_train(["--output-dir", str(zero3), *common, "deepspeed.config=zero3"], ranks=2)
+    # the LM head in fp32 (a no-op on fp32 numbers): through ZeRO-3's partitioned head and reference, and LoRA's
+    result = run_train(["--output-dir", str(zero3), *common, "deepspeed.config=zero3", "grpo.cast_lm_head_to_fp32=true"],
+                       ranks=2)
     assert result.returncode == 0, result.stderr[-3000:]
     result = run_train(["--kill-after-deepspeed-save", "4", "--output-dir", str(killed), *common,
                         "deepspeed.config=zero1", "checkpointing.every_steps=2"],
@@ -76,7 +79,7 @@ def runs(tmp_path_factory) -> dict:
     assert result.returncode == 0, result.stderr[-3000:]
     result = run_train(["--output-dir", str(lora), *common, "deepspeed.config=zero2", "lora.enabled=true",
                         "grpo.beta=0.04", "grpo.loss_type=grpo", "training.max_steps=2", "grpo.sync_ref_model=false",
-                        "grpo.generation_batch_size=null"],
+                        "grpo.generation_batch_size=null", "grpo.cast_lm_head_to_fp32=true"],
                        ranks=2)
     assert result.returncode == 0, result.stderr[-3000:]
     return {"whole": whole, "zero3": zero3, "killed": killed, "resumed": resumed, "lora": lora}

@@ -337,6 +337,8 @@ class GrpoSection(StrictModel):
     mask_truncated_completions: bool = False  # completions cut at max_completion_length take no loss
     disable_dropout: bool = False  # the model's dropout off (TRL's default for GRPO is to keep it): the ratios and the
     # KL then compare log-probabilities computed alike (training/models/model.py, disable_dropout)
+    cast_lm_head_to_fp32: bool = False  # the LM head's matmul and logits in fp32 in a bf16 run, for the policy, the
+    # reference and sampling (ScaleRL; its weight stays bf16, cast in each pass: training/models/model.py)
     ds3_gather_for_generation: bool = False  # ZeRO-3: the whole weights gathered once per generation (a full copy on
     # each rank while it generates) in place of each layer's in every decoding pass (TRL's default is true)
     chat_template_kwargs: dict[str, Any] = {}  # passed to the tokenizer's chat template with a prompt of chat messages

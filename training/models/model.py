@@ -9,6 +9,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.integrations import HfDeepSpeedConfig
 
+from training.compat.torch import replace_forward
 from training.planning.ds_config import zero_stage
 from training.base.errors import ConfigError
 from training.models.lora import nf4_quantization
@@ -226,3 +227,24 @@ def disable_dropout(model: torch.nn.Module) -> int:
         if isinstance(getattr(module, "attention_dropout", None), float) and module.attention_dropout > 0:
             module.attention_dropout, turned_off = 0.0, turned_off + 1
     return turned_off
+
+
+def cast_lm_head_to_fp32(model: torch.nn.Module) -> None:
+    """The LM head computing in fp32 (grpo.cast_lm_head_to_fp32, ScaleRL's recipe): the hidden states, the weight and
+    the logits in fp32, so that the log-probabilities GRPO's ratios and KL compare keep fp32's precision where bf16
+    logits round them to 8 bits of mantissa. Unlike TRL's, which keeps the head's weight in fp32, the weight stays in
+    the engine's dtype (DeepSpeed's bf16 optimizer holds the fp32 master of every weight alike) and is cast in each
+    forward pass: a transient fp32 copy of it (4 x vocab x hidden bytes, kept for the backward pass), and a tied
+    embedding stays tied. A no-op in an fp32 run. Refused where another module has taken the head's place (Grpo.check)."""
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear:
+        kind = f"{type(head).__module__}.{type(head).__qualname__}"
+        raise ConfigError(f"grpo.cast_lm_head_to_fp32: the model's output layer is a {kind}, not a plain linear "
+                          f"layer (LoRA on lm_head, lora.modules_to_save, fp8.lm_head); set it false")
+
+    def forward(self: torch.nn.Linear, hidden_states: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.float()
+        with torch.autocast(hidden_states.device.type, enabled=False):  # ZeRO-0's bf16: autocast over fp32 weights
+            return torch.nn.functional.linear(hidden_states.float(), self.weight.float(), bias)
+
+    replace_forward(head, forward)

@@ -42,16 +42,18 @@ from training.base.errors import ConfigError
 from training.compat.deepspeed import zero3_whole_weights
 from training.config.recipe import GrpoSection, Recipe
 from training.loop.metrics import device_name
-from training.models.model import disable_dropout
+from training.models.model import cast_lm_head_to_fp32, disable_dropout
 from training.objectives.base import Objective
 from training.objectives.grpo_loss import (CLIPPED, EXTREMES, STEP_TOKEN_MEAN, EntropyControl, LossSettings,
                                            entropy_threshold, group_advantages, grpo_loss, kept_tokens, metric_means,
                                            nanstd, normalized_sum_advantages, token_logps, weighted_rewards)
-from training.objectives.reference import load_reference, restore_reference, save_reference, sync_reference
+from training.objectives.reference import (load_reference, partitioned, restore_reference, save_reference,
+                                           sync_reference)
 from training.objectives.rewards import load_reward, score
 from training.parallel import distributed
 from training.planning.ds_config import params_offloaded
 from training.planning.flops import flops_per_token, gpu_spec
+from training.planning.kernels import replaced_head
 from training.planning.memory import decoding_reads, generation, reference_bytes
 from training.planning.plan import RunPlan
 from training.planning.precision import weights_dtype
@@ -314,6 +316,17 @@ def generation_floor(plan: RunPlan, completions: int, flops: float) -> str:
             f"longer, and the metrics' generation_time_s says how much)")
 
 
+def head_line(plan: RunPlan) -> str:
+    """The plan's words for grpo.cast_lm_head_to_fp32: what it changes, and its weight's fp32 copy."""
+    if plan.precision == "fp32":
+        return "LM head in fp32 (grpo.cast_lm_head_to_fp32): already so, the run computes in fp32"
+    said = "LM head in fp32 (grpo.cast_lm_head_to_fp32): the logits of the policy, the reference and sampling in fp32"
+    if weights_dtype(plan.precision, plan.zero_stage) == torch.float32:
+        return f"{said}, the head outside ZeRO-0's autocast"
+    copy = 4 * plan.shape.vocab_size * plan.shape.hidden_size
+    return f"{said}, from an fp32 copy of its weight made in each forward pass ({format_bytes(copy)})"
+
+
 def reference_place(plan: RunPlan) -> str:
     """Where a full fine-tune's reference lives (load_reference) and what it takes per rank (reference_bytes)."""
     per_rank = format_bytes(reference_bytes(plan.recipe, plan.precision, plan.shape, plan.zero_stage, plan.dp_size))
@@ -369,6 +382,10 @@ class Grpo(Objective):
              "grpo.beta > 0 from model.config alone: the reference is the starting checkpoint, loaded again; set "
              "model.name_or_path, or beta=0"),
             (grpo.sync_ref_model and grpo.beta == 0, "grpo.sync_ref_model with beta=0: there is no reference to sync"),
+            (grpo.cast_lm_head_to_fp32 and (replaced_head(recipe) or (recipe.lora.enabled and "lm_head" in
+                                                                      recipe.lora.target_modules)),
+             "grpo.cast_lm_head_to_fp32 with another module in the LM head's place (LoRA on lm_head, "
+             "lora.modules_to_save, fp8.lm_head): it casts a plain linear head (TRL refuses LoRA on the head alike)"),
             (grpo.sync_ref_model and recipe.lora.enabled,
              "grpo.sync_ref_model with lora: the reference is the base with the adapters disabled, not a model of its "
              "own to mix the policy into (TRL refuses it alike)")) if condition]
@@ -411,6 +428,7 @@ class Grpo(Objective):
                 f"accumulation x {plan.dp_size} data-parallel ranks, each a row of prompt + completion (at most "
                 f"{plan.recipe.data.seq_len} tokens)",
                 *loss_lines(grpo, steps),
+                *([head_line(plan)] if grpo.cast_lm_head_to_fp32 else []),
                 f"generation: {prompts * steps // plan.dp_size} prompt(s) x {grpo.num_generations} per rank in one "
                 f"batch{f' (grpo.generation_batch_size: {steps} optimizer steps)' if steps > 1 else ''}, "
                 f"{sampling(grpo)}, up to {grpo.max_completion_length} decoding passes (new tokens); weights: "
@@ -445,6 +463,10 @@ class Grpo(Objective):
             disable_dropout(engine.module)
         if grpo.beta > 0 and not plan.recipe.lora.enabled:
             self.reference = load_reference(plan, engine)
+        if grpo.cast_lm_head_to_fp32:
+            for model in (engine.module, self.reference):
+                if model is not None:
+                    cast_lm_head_to_fp32(model.module if partitioned(model) else model)
 
     def step_batches(self, engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict]) -> list[dict]:
         [prompts] = micro_batches

@@ -234,6 +234,9 @@ def generation(recipe: Recipe, precision: str, shape: ModelShape, stage: int, ra
                                               transformers' and SeededSampling's, 7, and top_p's sort, 10;
                                               top_k's, min_p's and the repetition penalty's stay within the 7)
       the larger of the two, plus the whole weights (P*a) under ZeRO-3 with grpo.ds3_gather_for_generation.
+      With grpo.cast_lm_head_to_fp32 in a run whose weights are not fp32, each pass's fp32 copy of the head's weight
+      (4*V*h) is live while the head runs: in prefill, and in decoding in place of the sampling's copies (when larger)
+      beside 3 of them (the head's logits, and the previous pass's two that generate still holds).
     Read off transformers' Llama modules and generate, and checked against a measurement of the allocations on CPU
     (tests/training/planning/test_memory.py). Not counted: the attention's p x p scores, which CPU's math kernel
     makes for a padded batch and CUDA's memory-efficient kernel does not."""
@@ -247,12 +250,15 @@ def generation(recipe: Recipe, precision: str, shape: ModelShape, stage: int, ra
     def kv_cache(tokens: int) -> float:
         return kv_cache_bytes(shape, a, completions, tokens)
 
-    sampling = completions * shape.vocab_size * 4 * (10 if grpo.top_p < 1 else 7)
+    logits = completions * shape.vocab_size * 4
+    sampling = logits * (10 if grpo.top_p < 1 else 7)
     whole = shape.parameters * a if stage == 3 and grpo.ds3_gather_for_generation else 0.0
+    head = 4 * shape.vocab_size * shape.hidden_size if grpo.cast_lm_head_to_fp32 and a < 4 else 0.0
     return Generation(kv_cache(seq_len),
                       kv_cache(prompt) + completions * prompt * ((3 * shape.intermediate_size + 4 * shape.hidden_size
-                                                                  + 2 * shape.head_dim) * a + prompt),
-                      kv_cache(seq_len) * (1 + 1 / (2 * shape.num_layers)) + sampling, whole)
+                                                                  + 2 * shape.head_dim) * a + prompt) + head,
+                      kv_cache(seq_len) * (1 + 1 / (2 * shape.num_layers))
+                      + max(sampling, head + 3 * logits if head else 0.0), whole)
 
 
 def with_objective(states: ModelStates, ds_config: dict, recipe: Recipe, precision: str, shape: ModelShape,
@@ -454,7 +460,7 @@ def activation_bytes(shape: ModelShape, tokens: int, seq_len: int, dtype_bytes: 
                      tiled_mlp: bool = False, logits_tile_tokens: int | None = None,
                      offload_checkpoints: bool = False, expert_parallel: int = 1,
                      fused_loss: bool = False, compiled: bool = False,
-                     entropy_gradient: bool = False) -> Activations | None:
+                     entropy_gradient: bool = False, fp32_head: bool = False) -> Activations | None:
     """Peak activation memory of one micro-batch of `tokens` tokens (on this rank: a 1/N slice of each row under
     sequence parallelism) through `layers` decoder layers (default: all) and, with_head, the embedding, head and
     loss; None for a model type without a rule.
@@ -467,7 +473,11 @@ def activation_bytes(shape: ModelShape, tokens: int, seq_len: int, dtype_bytes: 
     weight gradient (fp32, and its cast) are live at a time. Offloaded checkpoints keep
     the layers' saved inputs in host memory, all but the one brought back for the layer being recomputed. Under
     expert parallelism one MoE layer's all-to-all buffers are added to the peak. GRPO's entropy bonus
-    (entropy_gradient) keeps the fp32 probabilities beside the log-probabilities for the entropy's gradient."""
+    (entropy_gradient) keeps the fp32 probabilities beside the log-probabilities for the entropy's gradient. Its
+    fp32 head (fp32_head, grpo.cast_lm_head_to_fp32) in a bf16 run saves its input in fp32 (in place of the run
+    dtype's) and an fp32 copy of its weight (4*V*h, once per micro-batch; none needed at ZeRO-0, whose weights are
+    fp32: an upper bound there), and makes the logits in fp32 from the start, without the run-dtype logits beside
+    their fp32 copy."""
     a, h, vocab = dtype_bytes, shape.hidden_size, shape.vocab_size
     per_layer = layer_bytes_per_token(shape, seq_len, a, attn_implementation, sequence_parallel, compiled)
     if per_layer is None:
@@ -485,6 +495,9 @@ def activation_bytes(shape: ModelShape, tokens: int, seq_len: int, dtype_bytes: 
     elif with_head and fused_loss:
         outside -= (a + 8) * vocab + 8  # and the loss's int64 targets; the gradient a*h takes the head input's place
         transient = max(transient, min(tokens, CHUNK_TOKENS) * 2 * a * vocab + (4 + a) * vocab * h)
+    if with_head and fp32_head and a < 4:
+        outside += (4 - a) * h - a * vocab
+        transient += 4 * vocab * h
     if layers:
         transient += tokens * all_to_all_bytes_per_token(shape, a, expert_parallel)
     on_device = 1 if offload_checkpoints and layers else layers
@@ -529,6 +542,7 @@ def activations(recipe: Recipe, precision: str, shape: ModelShape, setting: str 
                                                        and recipe.moe.aux_loss_coef != 0),
                             compiled=recipe.compile is True and (setting is None or int(setting[0]) < 3),
                             entropy_gradient=recipe.grpo.entropy_bonus,
+                            fp32_head=recipe.training.traits.generates and recipe.grpo.cast_lm_head_to_fp32,
                             **stage)
 
 

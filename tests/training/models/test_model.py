@@ -4,7 +4,8 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from training.base.errors import ConfigError
-from training.models.model import build_model, check_recipe_against_model, disable_dropout, load_model_config
+from training.models.model import (build_model, cast_lm_head_to_fp32, check_recipe_against_model, disable_dropout,
+                                   load_model_config)
 from training.config.recipe import load_recipe
 
 
@@ -112,3 +113,55 @@ def test_disable_dropout_turns_off_the_modules_and_the_attentions_dropout_but_no
     assert disable_dropout(adapted) == 2
     assert {module.p for name, module in adapted.named_modules()
             if isinstance(module, torch.nn.Dropout) and "lora_dropout" in name} == {0.1}
+
+
+def bf16_llama(tie: bool) -> torch.nn.Module:
+    config = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
+                                  tie_word_embeddings=tie)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_cast_lm_head_to_fp32_gives_fp32_logits_from_the_bf16_weights(tie):
+    """The head's logits in fp32 (what GRPO's log-probabilities are taken from): equal to the fp32 product of the bf16
+    hidden states and weight, where bf16 logits are rounded to 8 bits of mantissa; the weights, their names and
+    their tying unchanged, and the gradient reaching the bf16 weight."""
+    model = bf16_llama(tie)
+    ids = torch.randint(0, 1000, (2, 12))
+    hidden = model.model(input_ids=ids).last_hidden_state
+    exact = hidden.double() @ model.lm_head.weight.double().T
+    rounded = model(input_ids=ids).logits
+    names = list(model.state_dict())
+    cast_lm_head_to_fp32(model)
+    logits = model(input_ids=ids).logits
+    assert logits.dtype == torch.float32 and rounded.dtype == torch.bfloat16
+    torch.testing.assert_close(logits, hidden.float() @ model.lm_head.weight.float().T)
+    assert (logits.double() - exact).abs().max() < 1e-5 < (rounded.double() - exact).abs().max()
+    assert list(model.state_dict()) == names and model.lm_head.weight.dtype == torch.bfloat16
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tie
+    logits.logsumexp(-1).sum().backward()
+    assert model.lm_head.weight.grad.dtype == torch.bfloat16 and model.lm_head.weight.grad.abs().sum() > 0
+
+
+def test_cast_lm_head_to_fp32_leaves_zero_0s_autocast_and_follows_a_copy():
+    """ZeRO-0's bf16 is autocast over fp32 weights, which would run the head in bf16; and a deep copy of the model
+    (a frozen reference) computes with its own weight."""
+    import copy
+    model = bf16_llama(tie=False).float()
+    ids = torch.randint(0, 1000, (1, 8))
+    cast_lm_head_to_fp32(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model(input_ids=ids).logits.dtype == torch.float32
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.lm_head.weight.zero_()
+    assert twin(input_ids=ids).logits.abs().max() == 0 < model(input_ids=ids).logits.abs().max()
+
+
+def test_cast_lm_head_to_fp32_refuses_a_head_another_module_replaced():
+    from peft import LoraConfig, get_peft_model
+    model = get_peft_model(bf16_llama(tie=False), LoraConfig(target_modules=["lm_head"]))
+    with pytest.raises(ConfigError, match=r"output layer is a peft\.tuners\.lora\.layer\.Linear, not a plain"):
+        cast_lm_head_to_fp32(model)

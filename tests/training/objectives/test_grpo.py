@@ -235,6 +235,10 @@ def test_the_recipe_refuses_a_grpo_section_that_cannot_run(tmp_path, overrides, 
     (["grpo.sync_ref_model=true", "lora.enabled=true"], "grpo.sync_ref_model with lora: the reference is the base"),
     (["grpo.generation_batch_size=96"], "grpo.generation_batch_size=96 with training.global_batch_size=64: each "
                                         "optimizer step trains on a whole global batch"),
+    (["grpo.cast_lm_head_to_fp32=true", "lora.enabled=true", "lora.target_modules=[q_proj, lm_head]"],
+     "grpo.cast_lm_head_to_fp32 with another module in the LM head's place"),
+    (["grpo.cast_lm_head_to_fp32=true", "lora.enabled=true", "lora.modules_to_save=[lm_head]"],
+     "grpo.cast_lm_head_to_fp32 with another module in the LM head's place"),
     (["grpo.generation_batch_size=128", "grpo.num_iterations=2", "checkpointing.every_steps=6"],
      r"checkpointing.every_steps=6 with 4 steps per generation .*save every multiple of 4"),
 ])

@@ -42,7 +42,7 @@ def saved_activation_bytes(model: torch.nn.Module, input_ids: torch.Tensor, posi
 
 
 def measure(model_type: str, dtype: torch.dtype, checkpointing: bool, tiling=None, fused_loss: bool = False,
-            compiled: bool = False, documents: int = 2):
+            compiled: bool = False, documents: int = 2, fp32_head: bool = False):
     layers_key = "n_layer" if model_type == "gpt2" else "num_hidden_layers"
     config = AutoConfig.for_model(model_type, **CONFIGS[model_type], **{layers_key: LAYERS})
     config.use_cache = False
@@ -54,6 +54,9 @@ def measure(model_type: str, dtype: torch.dtype, checkpointing: bool, tiling=Non
     if fused_loss:
         from training.models.fused_loss import fuse_head_and_loss
         fuse_head_and_loss(model)
+    if fp32_head:
+        from training.models.model import cast_lm_head_to_fp32
+        cast_lm_head_to_fp32(model)
     if checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if compiled:  # the min-cut partitioner inductor uses, without generating code
@@ -74,6 +77,19 @@ def test_activation_rule_matches_the_saved_tensors(model_type, dtype):
     estimate = activation_bytes(shape, tokens, SEQ_LEN, size, "sdpa").without_checkpointing
     logits_transient = tokens * (size + 4) * shape.vocab_size  # in the peak, never saved for backward
     assert estimate - logits_transient == pytest.approx(measured, rel=0.005)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_the_fp32_head_rule_matches_the_saved_tensors(model_type):
+    """grpo.cast_lm_head_to_fp32 in bf16: the head saves its input in fp32 in place of bf16, and the fp32 copy of its
+    weight; its logits are fp32 from the start (the transient: no bf16 logits beside their fp32 copy)."""
+    shape, measured = measure(model_type, torch.bfloat16, checkpointing=False, fp32_head=True)
+    tokens = BATCH * SEQ_LEN
+    estimate = activation_bytes(shape, tokens, SEQ_LEN, 2, "sdpa", fp32_head=True).without_checkpointing
+    logits_transient = tokens * 4 * shape.vocab_size
+    assert estimate - logits_transient == pytest.approx(measured, rel=0.005)
+    _, without = measure(model_type, torch.bfloat16, checkpointing=False)
+    assert measured - without == tokens * 2 * shape.hidden_size + 4 * shape.vocab_size * shape.hidden_size
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gpt2"])
@@ -286,8 +302,9 @@ SAMPLING = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, voca
     # raises the peak (measured one by one too): top_p's sort does
     (SAMPLING, torch.float32, 32, 16, {"top_k": 50, "top_p": 0.9, "min_p": 0.05, "repetition_penalty": 1.2}),
     (dict(num_hidden_layers=2, hidden_size=512, intermediate_size=2048, vocab_size=256), torch.float32, 204, 4, {}),
+    (SAMPLING, torch.bfloat16, 32, 16, {"cast_lm_head_to_fp32": True}),  # the head's fp32 copy the most
 ], ids=["kv-cache", "kv-cache-bf16", "sampling-top-p", "sampling-top-k-min-p-penalty",
-        "sampling-every-setting", "prefill"])
+        "sampling-every-setting", "prefill", "fp32-head"])
 def test_the_generation_rule_matches_the_allocations(tmp_path, shape_of, dtype, seq_len, completion, sampling):
     """A GRPO generation's memory (memory.generation) against what generate allocates on CPU, with prompts at the
     budget and no completion ending early: a bound within 10% where the KV cache, the sampling's buffers over a large
@@ -299,6 +316,9 @@ def test_the_generation_rule_matches_the_allocations(tmp_path, shape_of, dtype, 
     config = AutoConfig.for_model("llama", num_attention_heads=4, num_key_value_heads=2, **shape_of)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype).eval()
+    if sampling.get("cast_lm_head_to_fp32"):
+        from training.models.model import cast_lm_head_to_fp32
+        cast_lm_head_to_fp32(model)
     save_small_checkpoint(tmp_path / "base")
     completions = 8
     recipe = load_recipe("tiny_llama_grpo", [
