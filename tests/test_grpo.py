@@ -82,7 +82,7 @@ def runs(tmp_path_factory) -> dict:
                         "grpo.generation_batch_size=null", "grpo.cast_lm_head_to_fp32=true"],
                        ranks=2)
     assert result.returncode == 0, result.stderr[-3000:]
-    return {"whole": whole, "zero3": zero3, "killed": killed, "resumed": resumed, "lora": lora}
+    return {"whole": whole, "zero3": zero3, "killed": killed, "resumed": resumed, "lora": lora, "common": common}
 
 
 def assert_same_curve(records: list[dict], expected: list[dict]) -> None:
@@ -122,6 +122,20 @@ def test_a_killed_grpo_run_resumes_in_another_layout_on_the_same_curve(runs):
     samples = [json.loads(line) for line in (runs["resumed"] / COMPLETIONS_FILE).read_text().splitlines()]
     assert [s["generation"] for s in samples] == [g for g in range(STEPS // 2) for _ in range(32)]  # none twice
     assert samples == [json.loads(line) for line in (runs["whole"] / COMPLETIONS_FILE).read_text().splitlines()]
+
+
+def test_the_planned_checkpoint_counts_the_synced_reference(runs):
+    """The plan's size of a save, which training/state/disk_room.py holds against the free space before each save,
+    with grpo.sync_ref_model: DeepSpeed's files and reference.safetensors of the killed run's step-2 checkpoint."""
+    import train
+    from training.planning.memory import planned_checkpoint
+    plan = train.make_plan(train.parse_args([*runs["common"], "--dry-run", "deepspeed.config=zero1",
+                                             "checkpointing.every_steps=2"]), world_size=1)
+    tag = runs["killed"] / "checkpoints/global_step2"
+    deepspeeds = sum(path.stat().st_size for path in tag.glob("*.pt") if not path.name.startswith("rank_state"))
+    reference = (tag / "reference.safetensors").stat().st_size
+    assert reference == pytest.approx(plan.shape.parameters * 4, rel=0.02)  # fp32, whole
+    assert deepspeeds + reference == pytest.approx(planned_checkpoint(plan).total, rel=0.02)
 
 
 def test_grpo_with_lora_logs_the_kl_to_the_base_and_exports_adapters(runs):

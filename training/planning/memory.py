@@ -374,10 +374,15 @@ def checkpoint_bytes(params: float, stage: int, ranks: int, precision: str, stat
 
 
 def planned_checkpoint(plan: RunPlan) -> CheckpointSize:
-    """What one save of this run writes (a LoRA run's checkpoints leave the frozen base weights out)."""
-    shape = plan.shape
-    return checkpoint_bytes(shape.lora_parameters or shape.parameters, plan.zero_stage,
+    """What one save of this run writes (a LoRA run's checkpoints leave the frozen base weights out), with GRPO's
+    synced reference (grpo.sync_ref_model: reference.safetensors, whole, written by rank 0)."""
+    shape, recipe = plan.shape, plan.recipe
+    size = checkpoint_bytes(shape.lora_parameters or shape.parameters, plan.zero_stage,
                             plan.world_size // plan.pipeline_stages, plan.precision, state_bytes(plan))
+    if not recipe.grpo.sync_ref_model:
+        return size
+    reference = reference_bytes(recipe, plan.precision, shape, plan.zero_stage, 1)  # whole: ranks=1
+    return CheckpointSize(size.total + reference, size.largest_rank + reference)
 
 
 def planned_export(plan: RunPlan) -> float:
