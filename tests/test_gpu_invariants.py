@@ -5,7 +5,7 @@ is off for matrix products by default), bf16 within 3e-2, where a leak across do
 sharpened model by far more (the CPU test shows it). flash_attention_2 runs where flash-attn is installed;
 flex_attention's compiled kernel (the GPU default) runs here, and trains as sdpa does. The speed kernels that a CPU
 runs in another form are checked on the GPU's own: the fused head and loss (bf16 too), the compiled layers
-(inductor's Triton kernels) and torch's fused AdamW.
+(inductor's Triton kernels), GRPO's fp32 head and torch's fused AdamW.
 The ZeRO stages' equal losses on one GPU are checked by benchmarks/gpu_validate.py from tools/compare_zero.py's
 table; fp16 and FP8 have their own GPU files (tests/test_train_fp16_gpu.py, tests/test_train_fp8_gpu.py).
 """
@@ -111,3 +111,21 @@ def test_the_fused_adamw_takes_the_foreach_steps_on_cuda():
         weights[fused] = parameters
     for foreach, fused in zip(weights[False], weights[True]):
         torch.testing.assert_close(fused, foreach, rtol=1e-6, atol=1e-6)
+
+
+def test_the_fp32_head_gives_fp32_logits_on_cuda():
+    """grpo.cast_lm_head_to_fp32 on cuBLAS: bf16 logits are rounded to 8 bits of mantissa (cuBLAS accumulates in fp32
+    and rounds the product), the cast head's are the fp32 product of the bf16 hidden states and weight (TF32 is off
+    for matrix products by default)."""
+    from tests.training.models.test_model import bf16_llama
+    from training.models.model import cast_lm_head_to_fp32
+    model = bf16_llama(tie=False).cuda()
+    ids = torch.randint(0, 1000, (2, 12), device="cuda")
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids).last_hidden_state
+        exact = hidden.double() @ model.lm_head.weight.double().T
+        rounded = model(input_ids=ids).logits
+        cast_lm_head_to_fp32(model)
+        logits = model(input_ids=ids).logits
+    assert logits.dtype == torch.float32
+    assert (logits.double() - exact).abs().max() < 1e-5 < (rounded.double() - exact).abs().max()
