@@ -8,7 +8,8 @@ before step 1 (LoRA: adapters disabled beside each step). Runs:
 - 2 ranks, ZeRO-3, checkpointing every 2 steps, SIGKILLed in the middle of step 4's save, so `latest` stays at step 2;
   then resumed on 1 rank with ZeRO-2 (another layout: through a universal checkpoint) to step 6; both with the sft
   term (weight 0.5), whose mean is over the global batch's chosen tokens: 4 micro-batches on 2 ranks, then 4 on 1;
-- 2 ranks, ZeRO-3 with CPU offload, LoRA, activation checkpointing, IPO's loss, 4 steps.
+- 2 ranks, ZeRO-3 with CPU offload, LoRA, activation checkpointing, IPO's loss weighted by WPO (use_weighting), 4
+  steps.
 Tolerance (fp32; the engine sums the same terms in another order): 1e-5 absolute on the steps' losses and rewards,
 1e-5 relative on the summed log-probabilities (-100 to -1,000, where fp32's spacing is 1e-5 to 6e-5), 5e-5 absolute on
 the evaluation loss at steps 2, 4 and 6 (measured 1.5e-5 at step 6: after six updates at lr 1e-3 the two policies
@@ -66,10 +67,21 @@ def pair_logps(model, sequences) -> torch.Tensor:
     return torch.stack([torch.stack([logp(model, *chosen), logp(model, *rejected)]) for chosen, rejected in sequences])
 
 
-def reference_loop(base: Path, steps: int, lora: bool = False, ipo: bool = False, sft: float = 0.0) -> list[dict]:
+def wpo_weight(model, ids: torch.Tensor, start: int) -> torch.Tensor:
+    """WPO's weight of a sequence, from the paper's formula: exp of the completion tokens' mean of
+    log p(token) - log sum_v p(v)^2, without a gradient."""
+    with torch.no_grad():
+        logps = model(input_ids=ids[None]).logits[0, :-1].float().log_softmax(-1)[start - 1:]
+        probabilities = logps.exp()
+        return (logps.gather(1, ids[start:, None])[:, 0] - (probabilities ** 2).sum(-1).log()).mean().exp()
+
+
+def reference_loop(base: Path, steps: int, lora: bool = False, ipo: bool = False, sft: float = 0.0,
+                   wpo: bool = False) -> list[dict]:
     """Each step's loss, rewards and log-probabilities, and the evaluation's at steps 2, 4, 6 (after the update).
     ipo: IPO's loss, on the log-ratios' means over the completion tokens. sft: the weight of the chosen completions'
-    negative log-likelihood, a mean over all their tokens, added to the pairs' mean loss (TRL's sft loss type)."""
+    negative log-likelihood, a mean over all their tokens, added to the pairs' mean loss (TRL's sft loss type). wpo:
+    each pair's loss times its two sequences' WPO weights."""
     tokenizer = AutoTokenizer.from_pretrained(base)
     sequences = [pair_tokens(tokenizer, pair) for pair in PAIRS]
     train, held_out = sequences[:8], sequences[8:]
@@ -99,6 +111,9 @@ def reference_loop(base: Path, steps: int, lora: bool = False, ipo: bool = False
             pair_losses = (means[:, 0] - means[:, 1] - 1 / (2 * BETA)) ** 2
         else:
             pair_losses = -F.logsigmoid(BETA * (ratios[:, 0] - ratios[:, 1]))
+        if wpo:
+            pair_losses = pair_losses * torch.stack([wpo_weight(policy, *chosen) * wpo_weight(policy, *rejected)
+                                                     for chosen, rejected in pairs])
         loss = pair_losses.mean() - sft * logps[:, 0].sum() / tokens[:, 0].sum()
         return loss, BETA * ratios.detach(), logps.detach()
 
@@ -145,7 +160,8 @@ def runs(tmp_path_factory) -> dict:
                         "deepspeed.config=zero2"], ranks=1)
     assert result.returncode == 0, result.stderr[-3000:]
     result = run_train(["--output-dir", str(lora), *common, "training.max_steps=4", "deepspeed.config=zero3_offload",
-                        "lora.enabled=true", "activation_checkpointing=true", "dpo.loss=ipo"], ranks=2)
+                        "lora.enabled=true", "activation_checkpointing=true", "dpo.loss=ipo", "dpo.use_weighting=true"],
+                       ranks=2)
     assert result.returncode == 0, result.stderr[-3000:]
     return {"base": folder / "base", "whole": whole, "killed": killed, "resumed": resumed, "lora": lora}
 
@@ -190,6 +206,9 @@ def test_a_killed_dpo_run_resumes_in_another_layout_with_its_stored_reference(ru
 
 
 def test_ipo_with_lora_offload_and_checkpointing_takes_the_base_without_adapters_as_reference(runs):
-    assert_same_curve(metrics(runs["lora"]), reference_loop(runs["base"], 4, lora=True, ipo=True))
+    """And weighted by WPO, whose weights move the loss: without them it differs from step 1."""
+    expected = reference_loop(runs["base"], 4, lora=True, ipo=True, wpo=True)
+    assert_same_curve(metrics(runs["lora"]), expected)
+    assert reference_loop(runs["base"], 1, lora=True, ipo=True)[0]["loss"] > expected[0]["loss"] * 1.01
     assert not (runs["lora"] / REFERENCE_FILE).exists()
     assert (runs["lora"] / "adapter" / "adapter_config.json").is_file()

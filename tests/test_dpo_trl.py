@@ -14,7 +14,8 @@ Hence, measured on tiny_llama_dpo's first pairs (chat / string / chat with every
   relative (measured 2e-6 / 5.8e-6 / 1.6e-6); accuracies: equal.
 The weighted sum fails with one term changed: nca_pair's rejected weight 0.45 for 0.5 moves step 1's loss by 0.024.
 RPO ([sigmoid, sft]): loss within 9.5e-7, grad_norm 2.3e-6; the JS divergence's mix: 2.1e-6 and 7.4e-6; LD-DPO
-([sigmoid, ipo], ld_alpha 0.4): 2.5e-6 and 2.1e-6.
+([sigmoid, ipo], ld_alpha 0.4) with WPO's weights (use_weighting): 8.3e-7 and 2.4e-6 (without the weights step 1's
+loss is 1.943 for TRL's 1.778).
 """
 import json
 
@@ -30,7 +31,8 @@ RPO = {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5]}  # DPO plus 
 # f-DPO, on the losses of the reward difference; an alpha divergence's exp(-(1 - alpha) u) amplifies the layouts'
 # rounding: at alpha 0.7 steps 1-2 agree (loss 6e-7, grad_norm 5.2e-6) and step 3 is 5e-5 apart, so it is checked
 # against its closed form (tests/training/objectives/test_dpo.py) and the bounded JS divergence here
-LD = {"loss_type": ["sigmoid", "ipo"], "loss_weights": [1.0, 0.05], "ld_alpha": 0.4}  # LD-DPO: tails count 0.4
+# LD-DPO (tails count 0.4), with WPO's weights (use_weighting: each pair's loss times its sequences' weights)
+LD = {"loss_type": ["sigmoid", "ipo"], "loss_weights": [1.0, 0.05], "ld_alpha": 0.4, "use_weighting": True}
 JS = {"loss_type": ["sigmoid", "robust", "ipo", "hinge"], "loss_weights": [1.0, 0.5, 0.05, 0.3], "label_smoothing": 0.1,
       "f_divergence_type": "js_divergence"}
 # every loss type but sigmoid's at once, each with a weight of its own: a wrong term moves the sum
@@ -94,7 +96,7 @@ def trl_logs(base, pairs: list[dict], out, losses: dict) -> list[dict]:
 @pytest.mark.parametrize("form, losses", [("chat", SIGMOID), ("string", SIGMOID), ("chat", RPO), ("chat", MIX),
                                           ("chat", JS), ("chat", LD)],
                          ids=["chat", "string", "sigmoid and sft", "every other loss type", "a JS divergence",
-                              "length-desensitized"])
+                              "length-desensitized and weighted"])
 def test_dpo_matches_trl_step_by_step(form, losses, tmp_path):
     pairs = chat_pairs() if form == "chat" else string_pairs()
     base, data = tmp_path / "base", tmp_path / "pairs.jsonl"

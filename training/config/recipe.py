@@ -245,6 +245,8 @@ class DpoSection(StrictModel):
     f_alpha_divergence_coef: float = 0.5  # alpha_divergence's alpha
     ld_alpha: float | None = Field(None, ge=0.0, le=1.0)  # LD-DPO: the weight of the tokens past the shorter completion
     # of the pair, in the policy's and the reference's log-probabilities (None or 1: none; 0: only the shared length)
+    use_weighting: bool = False  # WPO: each pair's loss times its two sequences' weights, the policy's mean over the
+    # tokens of log p(token) - log sum p(v)^2, exponentiated, without a gradient (training/objectives/dpo.py)
     disable_dropout: bool = True  # the model's dropout off (TRL's default for DPO): the policy's log-probabilities
     # then compare with the reference's, computed without it (training/models/model.py, disable_dropout)
 
@@ -266,6 +268,10 @@ class DpoSection(StrictModel):
             raise ValueError(f"dpo.f_divergence_type={self.f_divergence_type} changes the losses of the reward "
                              f"difference ({', '.join(sorted(F_DIVERGENCE_LOSSES))}), not {', '.join(other)}: use "
                              f"reverse_kl with those")
+        if self.use_weighting and "sft" in names:
+            raise ValueError("dpo.use_weighting with dpo.loss sft: WPO's weights are the policy's, known only in each "
+                             "micro-batch's forward pass, and the sft term is a mean over the global batch's chosen "
+                             "tokens; weight the pair losses alone (drop sft), or use_weighting=false")
         if "exo_pair" in names and self.label_smoothing == 0:
             raise ValueError("dpo.loss=exo_pair takes dpo.label_smoothing above 0 (its epsilon, the log of which it "
                              "takes; the EXO paper's is 1e-3)")

@@ -33,6 +33,7 @@ from training.config.recipe import DpoSection, Recipe
 from training.models.model import disable_dropout
 from training.objectives.base import Objective
 from training.parallel import distributed
+from training.planning.kernels import WPO_CHUNK_TOKENS
 from training.planning.plan import RunPlan
 from training.state.output_dir import REFERENCE_FILE
 
@@ -55,6 +56,26 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, sequence_index: t
         values = values * length_weights(owners, tokens, ld_alpha)
     logps = torch.zeros(count, dtype=torch.float32, device=logits.device).index_add_(0, owners, values)
     return logps, tokens
+
+
+@torch.no_grad()
+def wpo_weights(logits: torch.Tensor, labels: torch.Tensor, sequence_index: torch.Tensor, count: int) -> torch.Tensor:
+    """WPO's weight of each of `count` sequences (Zhou et al. 2024; TRL's use_weighting): the exponential of the mean,
+    over its target tokens, of log p(token) - log sum_v p(v)^2 under the policy, which weighs a sequence by how
+    likely the policy is to produce it, relative to how peaked its distributions are (without ld_alpha's tails'
+    weight, as TRL's). Without a gradient: a weight, not a term."""
+    targets, owner = labels[:, 1:].reshape(-1), sequence_index[:, 1:].reshape(-1)
+    positions = (targets != -100).nonzero().squeeze(-1)
+    flat = logits[:, :-1].reshape(-1, logits.shape[-1])
+    sums = torch.zeros(count, dtype=torch.float32, device=logits.device)
+    for chunk in positions.split(WPO_CHUNK_TOKENS):  # a chunk's fp32 [tokens, vocab] at a time, not the batch's
+        scores = flat[chunk].float()
+        # log p(y) - log sum p^2 = l_y - lse(l) - (lse(2l) - 2 lse(l)), with l the logits and lse their logsumexp
+        aligned = scores.gather(-1, targets[chunk].unsqueeze(-1)).squeeze(-1) + scores.logsumexp(-1)
+        sums.index_add_(0, owner[chunk], aligned - (2 * scores).logsumexp(-1))
+    tokens = torch.zeros(count, dtype=torch.float32, device=logits.device).index_add_(
+        0, owner[positions], torch.ones(len(positions), dtype=torch.float32, device=logits.device))
+    return torch.exp(sums / tokens.clamp(min=1))
 
 
 def length_weights(owners: torch.Tensor, tokens: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -125,16 +146,18 @@ def described_loss(section: DpoSection) -> str:
     return " + ".join(f"{weight:g} x {name}" for name, weight in losses)
 
 
-def pair_losses(policy: torch.Tensor, reference: torch.Tensor, tokens: torch.Tensor,
-                section: DpoSection) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-pair losses (the weighted sum of dpo.loss's) and per-sequence rewards, from [pairs, 2] (chosen, rejected)
-    log-probabilities and token counts."""
+def pair_losses(policy: torch.Tensor, reference: torch.Tensor, tokens: torch.Tensor, section: DpoSection,
+                weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-pair losses (the weighted sum of dpo.loss's; with WPO's [pairs, 2] `weights`, times the pair's two) and
+    per-sequence rewards, from [pairs, 2] (chosen, rejected) log-probabilities and token counts."""
     ratios = policy - reference
     rewards = section.beta * ratios.detach()
     losses = torch.zeros_like(ratios[:, 0])
     for name, weight in section.losses:
         if name != "sft":  # not a pair's: PreferenceLoss takes it over the batch's chosen tokens
             losses = losses + weight * pair_loss(name, ratios, tokens, section)
+    if weights is not None:
+        losses = losses * weights[:, 0] * weights[:, 1]
     return losses, rewards
 
 
@@ -149,13 +172,15 @@ def model_inputs(batch: dict, device: torch.device) -> dict:
     return {name: batch[name].to(device, non_blocking=True) for name in ("input_ids", "position_ids")}
 
 
-def pair_logps(model: torch.nn.Module, batch: dict, device: torch.device,
-               ld_alpha: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """[pairs, 2] log-probabilities (chosen, rejected) and token counts of a packed micro-batch."""
+def pair_logps(model: torch.nn.Module, batch: dict, device: torch.device, ld_alpha: float | None = None,
+               weighting: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """[pairs, 2] log-probabilities (chosen, rejected), token counts and, with `weighting`, WPO's weights of a packed
+    micro-batch."""
     logits = model(**model_inputs(batch, device)).logits
-    logps, tokens = sequence_logps(logits, batch["labels"].to(device), batch["sequence_index"].to(device),
-                                   2 * batch["pairs"], ld_alpha)
-    return logps.view(-1, 2), tokens.view(-1, 2)
+    labels, owners, count = batch["labels"].to(device), batch["sequence_index"].to(device), 2 * batch["pairs"]
+    logps, tokens = sequence_logps(logits, labels, owners, count, ld_alpha)
+    weights = wpo_weights(logits, labels, owners, count).view(-1, 2) if weighting else None
+    return logps.view(-1, 2), tokens.view(-1, 2), weights
 
 
 class PreferenceLoss:
@@ -184,9 +209,9 @@ class PreferenceLoss:
     def terms(self, engine: deepspeed.DeepSpeedEngine, batch: dict) -> torch.Tensor:
         """[the summed pair loss, the chosen completions' summed log-probability, their target tokens] over the
         micro-batch's real pairs; the metrics' sums take the pairs in."""
-        reference = self.reference(engine, batch)
-        policy, tokens = pair_logps(engine, batch, engine.device, self.section.ld_alpha)
-        losses, rewards = pair_losses(policy, reference, tokens, self.section)
+        reference, section = self.reference(engine, batch), self.section
+        policy, tokens, weights = pair_logps(engine, batch, engine.device, section.ld_alpha, section.use_weighting)
+        losses, rewards = pair_losses(policy, reference, tokens, section, weights)
         real = batch["real"].to(engine.device)
         self.add(policy.detach()[real], rewards[real])
         return torch.stack([losses[real].sum(), policy[real, 0].sum(), tokens[real, 0].sum()])
@@ -359,7 +384,9 @@ class Dpo(Objective):
                 f"{plan.dp_size} data-parallel ranks = {training.global_batch_size} pairs per step, each micro-batch's "
                 f"2 x {training.micro_batch_size} sequences packed into rows of {seq_len} tokens (at most "
                 f"{2 * training.micro_batch_size} rows, which the memory below assumes)",
-                f"DPO: loss {described_loss(section)}, beta {section.beta:g}; reference: {reference}"]
+                f"DPO: loss {described_loss(section)}"
+                f"{', each pair weighted by WPO (dpo.use_weighting)' if section.use_weighting else ''}, beta "
+                f"{section.beta:g}; reference: {reference}"]
 
     def batches(self, prepared, rank: int) -> tuple[PairBatches, EvalPairBatches | None]:
         """Batches of pairs, packed when fetched."""

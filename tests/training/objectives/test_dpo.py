@@ -41,7 +41,7 @@ def test_packed_pairs_give_each_sequence_its_log_probability_alone(model, packin
     prompts = np.array([3, 1, 4, 2, 4])
     batch = pack_pairs(chosen, rejected, prompts, 64, 0, packing)
     with torch.no_grad():
-        logps, tokens = pair_logps(model, batch, torch.device("cpu"))
+        logps, tokens, _ = pair_logps(model, batch, torch.device("cpu"))
         expected = [[alone(model, c, p), alone(model, r, p)] for c, r, p in zip(chosen, rejected, prompts)]
     torch.testing.assert_close(logps, torch.tensor(expected), rtol=1e-5, atol=1e-5)
     assert tokens.tolist() == [[len(c) - p, len(r) - p] for c, r, p in zip(chosen, rejected, prompts)]
@@ -74,11 +74,36 @@ def test_ld_alpha_weighs_the_tokens_past_the_shorter_completion(model):
         logps = model(input_ids=ids).logits[0, :-1].float().log_softmax(-1).gather(1, ids[0, 1:, None])[prompt - 1:, 0]
         return float(logps[:shared].sum() + 0.3 * logps[shared:].sum())
     with torch.no_grad():
-        logps, tokens = pair_logps(model, batch, torch.device("cpu"), ld_alpha=0.3)
+        logps, tokens, _ = pair_logps(model, batch, torch.device("cpu"), ld_alpha=0.3)
         expected = [[weighted(c, p, min(len(c), len(r)) - p), weighted(r, p, min(len(c), len(r)) - p)]
                     for c, r, p in zip(chosen, rejected, prompts)]
     torch.testing.assert_close(logps, torch.tensor(expected), rtol=1e-5, atol=1e-5)
     assert tokens.tolist() == [[len(c) - p, len(r) - p] for c, r, p in zip(chosen, rejected, prompts)]
+
+
+def test_wpo_weights_packed_pairs_as_each_sequence_alone(model):
+    """use_weighting (WPO, TRL's): each sequence's weight is exp(mean over its completion tokens of log p(token) -
+    log sum_v p(v)^2), the same packed as alone and unmoved by ld_alpha; a pair's loss is multiplied by its two."""
+    rng = np.random.default_rng(4)
+    chosen = [rng.integers(3, 1000, length) for length in (12, 7, 20)]
+    rejected = [rng.integers(3, 1000, length) for length in (9, 15, 20)]
+    prompts = np.array([4, 2, 5])
+    batch = pack_pairs(chosen, rejected, prompts, 64, 0, "bfd")
+
+    def weight(sequence: np.ndarray, prompt: int) -> float:
+        ids = torch.from_numpy(sequence).long()[None]
+        logps = model(input_ids=ids).logits[0, :-1].double().log_softmax(-1)[prompt - 1:]
+        aligned = logps.gather(1, ids[0, prompt:, None])[:, 0] - (2 * logps).logsumexp(-1)
+        return math.exp(float(aligned.mean()))
+    with torch.no_grad():
+        logps, _, weights = pair_logps(model, batch, torch.device("cpu"), ld_alpha=0.3, weighting=True)
+        expected = torch.tensor([[weight(c, p), weight(r, p)] for c, r, p in zip(chosen, rejected, prompts)])
+    torch.testing.assert_close(weights, expected.float(), rtol=1e-5, atol=0)
+    assert not weights.requires_grad and pair_logps(model, batch, torch.device("cpu"))[2] is None
+    reference = logps - 0.5
+    plain, _ = pair_losses(logps, reference, torch.ones(3, 2), DpoSection(loss=["sigmoid", "hinge"]))
+    weighted, _ = pair_losses(logps, reference, torch.ones(3, 2), DpoSection(loss=["sigmoid", "hinge"]), weights)
+    torch.testing.assert_close(weighted, plain * weights[:, 0] * weights[:, 1])
 
 
 def test_a_resume_with_another_ld_alpha_is_refused(tmp_path, monkeypatch):
@@ -156,6 +181,8 @@ def test_an_f_divergence_turns_a_log_ratio_into_its_score(kind, expected):
     ("dpo.loss=[]", "dpo.loss=\\[\\] names no loss"),
     ("dpo.loss=kto", "dpo.loss.0: Input should be 'sigmoid', 'hinge', "),
     ("dpo.label_smoothing=0.5", "dpo.label_smoothing"),
+    ("dpo.use_weighting=true dpo.loss=[sigmoid,sft]", "dpo.use_weighting with dpo.loss sft: WPO's weights are the "
+                                                      "policy's"),
 ])
 def test_the_loss_settings_are_checked_when_the_recipe_loads(override, expected):
     if expected is None:
