@@ -10,7 +10,7 @@ import typing
 from dataclasses import dataclass
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, Field, NonNegativeFloat, NonNegativeInt,
@@ -249,6 +249,17 @@ class DpoSection(StrictModel):
     # tokens of log p(token) - log sum p(v)^2, exponentiated, without a gradient (training/objectives/dpo.py)
     disable_dropout: bool = True  # the model's dropout off (TRL's default for DPO): the policy's log-probabilities
     # then compare with the reference's, computed without it (training/models/model.py, disable_dropout)
+    trl_names: ClassVar[dict[str, str]] = {  # DPOConfig's, for the unknown-key error: where they live here
+        "loss_type": "write dpo.loss (a name or a list of TRL's loss types)",
+        "max_length": "write data.seq_len",
+        "truncation_mode": "write data.long_documents (truncate keeps the start, or drop)",
+        "padding_free": "write data.packing (bfd packs the pairs' sequences whole)",
+        "precompute_ref_log_probs": "the reference is always precomputed without LoRA (a pass before step 1, "
+                                    "reference_logps.npz)",
+        **dict.fromkeys(("sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps"),
+                        "not built for DPO, whose reference log-probabilities are computed once before step 1 (grpo "
+                        "has sync_ref_model)"),
+    }
 
     @property
     def losses(self) -> list[tuple[str, float]]:
@@ -352,6 +363,23 @@ class GrpoSection(StrictModel):
     rewards: list[RewardSpec] = []
     log_completions_every: PositiveInt | None = None  # steps between samples of prompts, completions and rewards
     # in completions.jsonl; None: never
+    trl_names: ClassVar[dict[str, str]] = {  # GRPOConfig's and GRPOTrainer's, for the unknown-key error: where they
+        # live here
+        "steps_per_generation": "write grpo.generation_batch_size, in completions over all ranks (TRL's "
+                                "steps_per_generation x per_device_train_batch_size x ranks)",
+        "reward_funcs": "write grpo.rewards (a list of {function, weight, params})",
+        "reward_weights": "write a weight on each grpo.rewards entry",
+        **dict.fromkeys(("log_completions", "num_completions_to_print"),
+                        "write grpo.log_completions_every (steps between samples in completions.jsonl)"),
+        "shuffle_dataset": "the prompts are always shuffled, seeded by training.seed",
+        **dict.fromkeys(("use_vllm", "vllm_mode", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size",
+                         "vllm_importance_sampling_correction"),
+                        "not built: no vLLM release installs beside this product's pins; generation runs on "
+                        "transformers' generate (docs/grpo.md)"),
+        **dict.fromkeys(("use_transformers_paged", "use_transformers_continuous_batching"),
+                        "not built: generation runs on transformers' generate, batched"),
+        "max_tool_calling_iterations": "not built: tool calling",
+    }
 
     @property
     def entropy_bonus(self) -> bool:
@@ -621,6 +649,8 @@ def describe_error(error: dict) -> str:
     where = ".".join(str(part) for part in loc) or "(top level)"
     if error["type"] == "extra_forbidden":
         section = _model_at(loc[:-1])
+        if here := getattr(section, "trl_names", {}).get(loc[-1]):
+            return f"{where}: TRL's name, not this schema's: {here}"
         known = list(section.model_fields) if section else []
         close = difflib.get_close_matches(str(loc[-1]), known, n=1)
         hint = f"did you mean '{close[0]}'? " if close else ""

@@ -66,6 +66,37 @@ def test_mistyped_override_names_the_override_and_suggests():
     assert "trainng: unknown key; did you mean 'training'?" in str(error.value)
 
 
+@pytest.mark.parametrize("recipe, override, expected", [
+    ("tiny_llama_grpo", "grpo.steps_per_generation=4", "grpo.steps_per_generation: TRL's name, not this schema's: "
+                                                       "write grpo.generation_batch_size"),
+    ("tiny_llama_grpo", "grpo.use_vllm=true", "grpo.use_vllm: TRL's name, not this schema's: not built: no vLLM"),
+    ("tiny_llama_dpo", "dpo.loss_type=ipo", "dpo.loss_type: TRL's name, not this schema's: write dpo.loss"),
+    ("tiny_llama_dpo", "dpo.sync_ref_model=true", "dpo.sync_ref_model: TRL's name, not this schema's: not built for "
+                                                  "DPO"),
+])
+def test_a_trl_config_name_says_where_it_lives_here(recipe, override, expected):
+    """A TRL user's GRPOConfig or DPOConfig name that this schema spells otherwise, or does not build, is answered
+    with the setting to write (or why none), not with the nearest valid key."""
+    with pytest.raises(ConfigError, match=expected):
+        load_recipe(recipe, [override])
+    from training.config.recipe import DpoSection, GrpoSection
+    for section in (DpoSection, GrpoSection):
+        assert not set(section.trl_names) & set(section.model_fields)  # each still a name this schema lacks
+
+
+@pytest.mark.slow  # trl takes 5 s to import
+def test_the_trl_names_are_trls():
+    """Each name the unknown-key error answers for is a field of TRL's GRPOConfig or DPOConfig, or an argument of its
+    trainer (trl==1.16.0)."""
+    import dataclasses
+    import inspect
+    from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer
+    from training.config.recipe import DpoSection, GrpoSection
+    for section, config, trainer in ((GrpoSection, GRPOConfig, GRPOTrainer), (DpoSection, DPOConfig, DPOTrainer)):
+        names = {field.name for field in dataclasses.fields(config)} | set(inspect.signature(trainer).parameters)
+        assert set(section.trl_names) <= names
+
+
 def test_every_problem_is_reported_at_once():
     with pytest.raises(ConfigError) as error:
         load_recipe("tiny_llama", ["training.lr=fast", "data.seq_len=-1", "precision=fp7"])
