@@ -9,7 +9,10 @@ before step 1 (LoRA: adapters disabled beside each step). Runs:
   then resumed on 1 rank with ZeRO-2 (another layout: through a universal checkpoint) to step 6; both with the sft
   term (weight 0.5), whose mean is over the global batch's chosen tokens: 4 micro-batches on 2 ranks, then 4 on 1;
 - 2 ranks, ZeRO-3 with CPU offload, LoRA, activation checkpointing, IPO's loss weighted by WPO (use_weighting), 4
-  steps.
+  steps;
+- TR-DPO (sync_ref_model, every 2 steps): 2 ranks, ZeRO-3 (the reference partitioned), killed in step 4's save and
+  resumed on 1 rank with ZeRO-2, the synced reference restored from the step-2 checkpoint (saved gathered, loaded
+  whole), against the loop's reference mixed alike.
 Tolerance (fp32; the engine sums the same terms in another order): 1e-5 absolute on the steps' losses and rewards,
 1e-5 relative on the summed log-probabilities (-100 to -1,000, where fp32's spacing is 1e-5 to 6e-5), 5e-5 absolute on
 the evaluation loss at steps 2, 4 and 6 (measured 1.5e-5 at step 6: after six updates at lr 1e-3 the two policies
@@ -33,6 +36,7 @@ pytestmark = pytest.mark.slow
 
 BETA, LR, SEED, STEPS = 0.1, 1e-3, 1234, 6
 RPO_WEIGHT = 0.5  # the sft term's weight in the killed and resumed runs (RPO: DPO plus the chosen's NLL)
+SYNC_STEPS, SYNC_ALPHA = 2, 0.6  # TR-DPO's: the reference becomes 0.6 x the policy + 0.4 x itself every 2 steps
 PAIRS = [json.loads(line) for line in (REPO / "recipes/tiny_llama_dpo/pairs.jsonl").read_text().splitlines()[:12]]
 
 
@@ -77,11 +81,12 @@ def wpo_weight(model, ids: torch.Tensor, start: int) -> torch.Tensor:
 
 
 def reference_loop(base: Path, steps: int, lora: bool = False, ipo: bool = False, sft: float = 0.0,
-                   wpo: bool = False) -> list[dict]:
+                   wpo: bool = False, sync: bool = False) -> list[dict]:
     """Each step's loss, rewards and log-probabilities, and the evaluation's at steps 2, 4, 6 (after the update).
     ipo: IPO's loss, on the log-ratios' means over the completion tokens. sft: the weight of the chosen completions'
     negative log-likelihood, a mean over all their tokens, added to the pairs' mean loss (TRL's sft loss type). wpo:
-    each pair's loss times its two sequences' WPO weights."""
+    each pair's loss times its two sequences' WPO weights. sync: after every SYNC_STEPS-th step the frozen reference
+    becomes SYNC_ALPHA x the policy + (1 - SYNC_ALPHA) x itself, and its values are taken again (TR-DPO)."""
     tokenizer = AutoTokenizer.from_pretrained(base)
     sequences = [pair_tokens(tokenizer, pair) for pair in PAIRS]
     train, held_out = sequences[:8], sequences[8:]
@@ -124,6 +129,11 @@ def reference_loop(base: Path, steps: int, lora: bool = False, ipo: bool = False
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        if sync and step % SYNC_STEPS == 0:
+            with torch.no_grad():
+                for mine, theirs in zip(frozen.parameters(), policy.parameters(), strict=True):
+                    mine.mul_(1 - SYNC_ALPHA).add_(theirs, alpha=SYNC_ALPHA)
+            fixed = {"train": reference(train), "eval": reference(held_out)}
         records.append({"step": step, "loss": loss.item(), "rewards/chosen": rewards[:, 0].mean().item(),
                         "rewards/rejected": rewards[:, 1].mean().item(),
                         "rewards/margins": (rewards[:, 0] - rewards[:, 1]).mean().item(),
@@ -146,7 +156,8 @@ def runs(tmp_path_factory) -> dict:
               "training.global_batch_size=8", f"training.lr={LR}", "training.schedule=constant", "training.warmup_steps=0",
               "training.grad_clip=0", "training.eval_every_steps=2", "logging.every_steps=1", "precision=fp32",
               "logging.report_to=[]"]
-    whole, killed, resumed, lora = (folder / name for name in ("whole", "killed", "resumed", "lora"))
+    whole, killed, resumed, lora, synced, synced_resumed = (folder / name for name in (
+        "whole", "killed", "resumed", "lora", "synced", "synced_resumed"))
     result = run_train(["--output-dir", str(whole), *common, f"training.max_steps={STEPS}", "deepspeed.config=zero1"],
                        ranks=1)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -163,7 +174,18 @@ def runs(tmp_path_factory) -> dict:
                         "lora.enabled=true", "activation_checkpointing=true", "dpo.loss=ipo", "dpo.use_weighting=true"],
                        ranks=2)
     assert result.returncode == 0, result.stderr[-3000:]
-    return {"base": folder / "base", "whole": whole, "killed": killed, "resumed": resumed, "lora": lora}
+    sync = ["dpo.sync_ref_model=true", f"dpo.ref_model_sync_steps={SYNC_STEPS}",
+            f"dpo.ref_model_mixup_alpha={SYNC_ALPHA}", f"training.max_steps={STEPS}"]
+    result = run_train(["--kill-after-deepspeed-save", "4", "--output-dir", str(synced), *common, *sync,
+                        "deepspeed.config=zero3", "checkpointing.every_steps=2"],
+                       ranks=2, script="tests/helpers/train_with_probes.py")
+    assert result.returncode != 0 and (synced / "checkpoints/latest").read_text() == "global_step2"
+    shutil.copytree(synced, synced_resumed)
+    result = run_train(["--output-dir", str(synced_resumed), "--resume", *common, *sync, "deepspeed.config=zero2"],
+                       ranks=1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {"base": folder / "base", "whole": whole, "killed": killed, "resumed": resumed, "lora": lora,
+            "synced": synced, "synced_resumed": synced_resumed}
 
 
 def assert_same_curve(records: list[dict], expected: list[dict]) -> None:
@@ -212,3 +234,18 @@ def test_ipo_with_lora_offload_and_checkpointing_takes_the_base_without_adapters
     assert reference_loop(runs["base"], 1, lora=True, ipo=True)[0]["loss"] > expected[0]["loss"] * 1.01
     assert not (runs["lora"] / REFERENCE_FILE).exists()
     assert (runs["lora"] / "adapter" / "adapter_config.json").is_file()
+
+
+def test_tr_dpo_syncs_its_reference_and_resumes_it_in_another_layout(runs, expected):
+    """The synced reference under ZeRO-3 on 2 ranks until the kill, then restored from the step-2 checkpoint on 1 rank
+    at ZeRO-2: the loop's curve with the reference mixed alike, which leaves the plain curve at step 2's evaluation
+    (after the sync) and step 3's loss."""
+    synced = reference_loop(runs["base"], STEPS, sync=True)
+    before = [{key: value for key, value in record.items() if key != "eval_loss"} for record in synced[:2]]
+    assert before == [{key: value for key, value in record.items() if key != "eval_loss"} for record in expected[:2]]
+    assert synced[1]["eval_loss"] != expected[1]["eval_loss"] and synced[2]["loss"] > expected[2]["loss"] + 0.01
+    killed = metrics(runs["synced"])
+    assert_same_curve(killed, synced[:len(killed)])
+    assert_same_curve(metrics(runs["synced_resumed"]), synced)  # steps 1-2 from the killed run, 3-6 resumed
+    assert (runs["synced"] / "checkpoints/global_step2/reference.safetensors").is_file()
+    assert not (runs["synced"] / REFERENCE_FILE).exists()  # no stored values: the reference runs beside each step

@@ -15,7 +15,8 @@ Hence, measured on tiny_llama_dpo's first pairs (chat / string / chat with every
 The weighted sum fails with one term changed: nca_pair's rejected weight 0.45 for 0.5 moves step 1's loss by 0.024.
 RPO ([sigmoid, sft]): loss within 9.5e-7, grad_norm 2.3e-6; the JS divergence's mix: 2.1e-6 and 7.4e-6; LD-DPO
 ([sigmoid, ipo], ld_alpha 0.4) with WPO's weights (use_weighting): 8.3e-7 and 2.4e-6 (without the weights step 1's
-loss is 1.943 for TRL's 1.778).
+loss is 1.943 for TRL's 1.778); TR-DPO (sync_ref_model every 2 steps, alpha 0.6): 2.4e-6 and 5.6e-6 (step 3's
+loss 0.569 against the synced reference, 0.403 unsynced).
 """
 import json
 
@@ -39,6 +40,8 @@ JS = {"loss_type": ["sigmoid", "robust", "ipo", "hinge"], "loss_weights": [1.0, 
 MIX = {"loss_type": ["hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero", "apo_down",
                      "discopop", "sigmoid_norm"],
        "loss_weights": [0.9, 0.05, 0.8, 0.7, 0.6, 0.5, 0.002, 0.4, 0.3, 0.2, 0.1], "label_smoothing": 0.1}
+# TR-DPO: the policy mixed into the reference after steps 2 and 4 (steps 3-4 against the synced one)
+SYNC = {"loss_type": ["sigmoid"], "sync_ref_model": True, "ref_model_sync_steps": 2, "ref_model_mixup_alpha": 0.6}
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins")
 LOGPS = ("logps/chosen", "logps/rejected")
 
@@ -94,9 +97,9 @@ def trl_logs(base, pairs: list[dict], out, losses: dict) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("form, losses", [("chat", SIGMOID), ("string", SIGMOID), ("chat", RPO), ("chat", MIX),
-                                          ("chat", JS), ("chat", LD)],
+                                          ("chat", JS), ("chat", LD), ("chat", SYNC)],
                          ids=["chat", "string", "sigmoid and sft", "every other loss type", "a JS divergence",
-                              "length-desensitized and weighted"])
+                              "length-desensitized and weighted", "a synced reference"])
 def test_dpo_matches_trl_step_by_step(form, losses, tmp_path):
     pairs = chat_pairs() if form == "chat" else string_pairs()
     base, data = tmp_path / "base", tmp_path / "pairs.jsonl"

@@ -247,6 +247,11 @@ class DpoSection(StrictModel):
     # of the pair, in the policy's and the reference's log-probabilities (None or 1: none; 0: only the shared length)
     use_weighting: bool = False  # WPO: each pair's loss times its two sequences' weights, the policy's mean over the
     # tokens of log p(token) - log sum p(v)^2, exponentiated, without a gradient (training/objectives/dpo.py)
+    sync_ref_model: bool = False  # TR-DPO: the reference is a model of its own, run beside each step, and every
+    # ref_model_sync_steps steps becomes ref_model_mixup_alpha x the policy + (1 - alpha) x itself (a full fine-tune;
+    # saved with each checkpoint)
+    ref_model_mixup_alpha: float = Field(0.6, gt=0, le=1)
+    ref_model_sync_steps: PositiveInt = 512
     disable_dropout: bool = True  # the model's dropout off (TRL's default for DPO): the policy's log-probabilities
     # then compare with the reference's, computed without it (training/models/model.py, disable_dropout)
     trl_names: ClassVar[dict[str, str]] = {  # DPOConfig's, for the unknown-key error: where they live here
@@ -256,9 +261,6 @@ class DpoSection(StrictModel):
         "padding_free": "write data.packing (bfd packs the pairs' sequences whole)",
         "precompute_ref_log_probs": "the reference is always precomputed without LoRA (a pass before step 1, "
                                     "reference_logps.npz)",
-        **dict.fromkeys(("sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps"),
-                        "not built for DPO, whose reference log-probabilities are computed once before step 1 (grpo "
-                        "has sync_ref_model)"),
     }
 
     @property

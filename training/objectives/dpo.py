@@ -32,6 +32,7 @@ from training.compat.datasets import fingerprint
 from training.config.recipe import DpoSection, Recipe
 from training.models.model import disable_dropout
 from training.objectives.base import Objective
+from training.objectives.reference import SyncedReference, load_reference, reference_place, synced_note
 from training.parallel import distributed
 from training.planning.kernels import WPO_CHUNK_TOKENS
 from training.planning.plan import RunPlan
@@ -188,8 +189,10 @@ class PreferenceLoss:
     the global batch's pairs; the sft term (TRL's: the chosen completions' negative log-likelihood) a mean over its
     chosen completions' tokens, counted before the step (sft_per_micro_batch)."""
 
-    def __init__(self, section: DpoSection, adapters_off: bool, reference_seconds: float | None):
+    def __init__(self, section: DpoSection, adapters_off: bool, reference_seconds: float | None,
+                 live: torch.nn.Module | None = None):
         self.section, self.adapters_off, self.reference_seconds = section, adapters_off, reference_seconds
+        self.live = live  # dpo.sync_ref_model's reference model, run beside each forward pass
         self.sums: torch.Tensor | None = None
         self.sft_weight = sum(weight for name, weight in section.losses if name == "sft")
         self.sft_per_micro_batch = 1.0  # the step's chosen tokens over micro-batches x ranks (Dpo.start_step)
@@ -200,7 +203,11 @@ class PreferenceLoss:
         return int(batch["real"].sum())
 
     def reference(self, engine: deepspeed.DeepSpeedEngine, batch: dict) -> torch.Tensor:
-        """The batch's stored reference values, or under LoRA the base's, adapters disabled."""
+        """The batch's stored reference values, the synced reference model's (sync_ref_model), or under LoRA the
+        base's, adapters disabled."""
+        if self.live is not None:
+            with torch.no_grad():
+                return pair_logps(self.live, batch, engine.device, self.section.ld_alpha)[0]
         if not self.adapters_off:
             return batch["reference"].to(engine.device, torch.float32)
         with torch.no_grad(), engine.module.disable_adapter():
@@ -284,11 +291,13 @@ def reference_pass(engine: deepspeed.DeepSpeedEngine, micro_batches: Iterable[di
 
 
 def start_preference(engine: deepspeed.DeepSpeedEngine, section: DpoSection, lora: bool, output_dir: Path,
-                     batches: PairBatches, evaluation: EvalPairBatches | None, resume: bool) -> PreferenceLoss:
+                     batches: PairBatches, evaluation: EvalPairBatches | None, resume: bool,
+                     live: torch.nn.Module | None = None) -> PreferenceLoss:
     """The loss, with every pair's reference values in `batches` (and `evaluation`): read from the run's
-    reference_logps.npz when resuming, else computed now by the starting model and written there. Under LoRA, none."""
-    if lora:
-        return PreferenceLoss(section, adapters_off=True, reference_seconds=None)
+    reference_logps.npz when resuming, else computed now by the starting model and written there. Under LoRA, and
+    with a `live` reference model (sync_ref_model), none."""
+    if lora or live is not None:
+        return PreferenceLoss(section, adapters_off=lora, reference_seconds=None, live=live)
     path, started = output_dir / REFERENCE_FILE, time.perf_counter()
     if resume:
         stored = read_reference(path, batches, section.ld_alpha)
@@ -317,7 +326,8 @@ def read_reference(path: Path, batches: PairBatches, ld_alpha: float | None) -> 
     if not path.is_file():
         raise DataError(f"{path} is missing: a resumed DPO run needs the reference log-probabilities its first start "
                         f"computed (the starting model's weights are gone from the checkpoints); start the run again "
-                        f"without --resume")
+                        f"without --resume, or, if it was started with dpo.sync_ref_model=true (its checkpoints hold "
+                        f"the reference), resume with that")
     with np.load(path) as stored:
         if str(stored["data"]) != fingerprint(batches.rows) or len(stored["train"]) != len(batches.rows):
             raise DataError(f"{path} holds reference values for other prepared pairs than this run's: resume with the "
@@ -337,11 +347,18 @@ class Dpo(Objective):
     def __init__(self, plan: RunPlan):
         super().__init__(plan)
         self.preference: PreferenceLoss | None = None
+        self.synced: SyncedReference | None = None
 
     @staticmethod
     def check(recipe: Recipe, model_config: PretrainedConfig | None, world_size: int | None = None) -> None:
         data, parallelism, tiles = recipe.data, recipe.parallelism, recipe.long_context.logits_tile_tokens
+        synced = recipe.dpo.sync_ref_model
         refused = [reason for condition, reason in (
+            (synced and recipe.lora.enabled, "dpo.sync_ref_model with lora: the reference is the base with the "
+                                             "adapters disabled, not a model of its own to mix the policy into (TRL "
+                                             "refuses it alike)"),
+            (synced and not recipe.model.name_or_path, "dpo.sync_ref_model from model.config alone: the reference is "
+                                                       "the starting checkpoint, loaded again; set model.name_or_path"),
             (data.packing == "concat", "data.packing=concat: it would cut sequences across rows; use bfd (pairs "
                                        "packed whole) or none (one sequence per row)"),
             (data.long_documents == "split", "data.long_documents=split: a pair's sequence cut in two has no whole "
@@ -375,6 +392,10 @@ class Dpo(Objective):
             reference = ("the base with the adapters disabled: one more forward pass per micro-batch, without "
                          "gradients (2N FLOPs per token more than the training FLOPs below); no second model, no pass "
                          "before step 1")
+        elif section.sync_ref_model:
+            synced = synced_note(plan, section.ref_model_mixup_alpha, section.ref_model_sync_steps)
+            reference = (f"{reference_place(plan)}, one more forward pass per micro-batch without gradients (2N FLOPs "
+                         f"per token more than the training FLOPs below){synced}")
         else:
             reference = ("the starting model: one forward pass over every training and evaluation pair before step 1, "
                          "in this layout (2N FLOPs per token: a third of an epoch's 6N training FLOPs, at most a "
@@ -399,11 +420,14 @@ class Dpo(Objective):
 
     def start(self, engine: deepspeed.DeepSpeedEngine, batches: PairBatches, evaluation: EvalPairBatches | None,
               resume: bool) -> None:
-        recipe = self.plan.recipe
-        if recipe.dpo.disable_dropout:
+        recipe, section = self.plan.recipe, self.plan.recipe.dpo
+        if section.disable_dropout:
             disable_dropout(engine.module)
-        self.preference = start_preference(engine, recipe.dpo, recipe.lora.enabled, self.plan.output_dir, batches,
-                                           evaluation, resume)
+        if section.sync_ref_model:
+            self.synced = SyncedReference(load_reference(self.plan, engine), section.ref_model_mixup_alpha,
+                                          section.ref_model_sync_steps, "dpo.sync_ref_model")
+        self.preference = start_preference(engine, section, recipe.lora.enabled, self.plan.output_dir, batches,
+                                           evaluation, resume, live=self.synced.model if self.synced else None)
 
     def count(self, batch: dict) -> int:
         return PreferenceLoss.count(batch)
@@ -417,6 +441,18 @@ class Dpo(Objective):
     def loss(self, engine: deepspeed.DeepSpeedEngine, batch: dict, per_micro_batch: float,
              shard: tuple[int, int]) -> torch.Tensor:
         return self.preference(engine, batch, per_micro_batch)
+
+    def end_step(self, engine: deepspeed.DeepSpeedEngine, step: int, applied: bool) -> None:
+        if self.synced:
+            self.synced.end_step(engine.module, step, applied)
+
+    def save(self, folder: Path) -> None:
+        if self.synced:
+            self.synced.save(folder)
+
+    def restore(self, state: dict, folder: Path) -> None:
+        if self.synced:
+            self.synced.restore(folder)
 
     def metrics(self) -> dict:
         return self.preference.metrics()

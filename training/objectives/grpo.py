@@ -47,14 +47,12 @@ from training.objectives.base import Objective
 from training.objectives.grpo_loss import (CLIPPED, EXTREMES, STEP_TOKEN_MEAN, EntropyControl, LossSettings,
                                            entropy_threshold, group_advantages, grpo_loss, kept_tokens, metric_means,
                                            nanstd, normalized_sum_advantages, token_logps, weighted_rewards)
-from training.objectives.reference import (load_reference, partitioned, restore_reference, save_reference,
-                                           sync_reference)
+from training.objectives.reference import SyncedReference, load_reference, partitioned, reference_place, synced_note
 from training.objectives.rewards import load_reward, score
 from training.parallel import distributed
-from training.planning.ds_config import params_offloaded
 from training.planning.flops import flops_per_token, gpu_spec
 from training.planning.kernels import replaced_head
-from training.planning.memory import decoding_reads, generation, reference_bytes
+from training.planning.memory import decoding_reads, generation
 from training.planning.plan import RunPlan
 from training.planning.precision import weights_dtype
 from training.planning.report import format_bytes
@@ -327,16 +325,6 @@ def head_line(plan: RunPlan) -> str:
     return f"{said}, from an fp32 copy of its weight made in each forward pass ({format_bytes(copy)})"
 
 
-def reference_place(plan: RunPlan) -> str:
-    """Where a full fine-tune's reference lives (load_reference) and what it takes per rank (reference_bytes)."""
-    per_rank = format_bytes(reference_bytes(plan.recipe, plan.precision, plan.shape, plan.zero_stage, plan.dp_size))
-    if plan.zero_stage != 3:
-        return f"the starting checkpoint, a frozen copy on each rank ({per_rank})"
-    where = "in CPU memory (offload_param)" if params_offloaded(plan.ds_config) else "on the device"
-    return (f"the starting checkpoint, frozen, partitioned over the {plan.dp_size} ranks by ZeRO-3: {per_rank} per "
-            f"rank, {where}")
-
-
 class Grpo(Objective):
     """training.objective=grpo: a step's completions generated, scored and trained on (module docstring)."""
     name = "grpo"
@@ -346,7 +334,7 @@ class Grpo(Objective):
     def __init__(self, plan: RunPlan):
         super().__init__(plan)
         self.section: GrpoSection = plan.recipe.grpo
-        self.rollout, self.reference, self.first_reward = None, None, None
+        self.rollout, self.reference, self.synced, self.first_reward = None, None, None, None
         self.sums, self.step_metrics, self.logged_up_to = [], {}, None
         self.generation_seconds, self.steps = 0.0, 0  # since the last logged step
         self.loss_settings = loss_settings(self.section)
@@ -419,10 +407,7 @@ class Grpo(Objective):
         reference = ("none (beta 0)" if grpo.beta == 0 else "the base with the adapters disabled"
                      if plan.recipe.lora.enabled else reference_place(plan))
         if grpo.sync_ref_model:
-            whole = reference_bytes(plan.recipe, plan.precision, plan.shape, 0, plan.dp_size)
-            reference += (f", synced to the policy every {grpo.ref_model_sync_steps} steps (alpha "
-                          f"{grpo.ref_model_mixup_alpha:g}) and saved with each checkpoint by rank 0 "
-                          f"({format_bytes(whole)}, held whole in its CPU memory while written)")
+            reference += synced_note(plan, grpo.ref_model_mixup_alpha, grpo.ref_model_sync_steps)
         return [f"batch: {prompts} prompts x {grpo.num_generations} generations = {training.global_batch_size} "
                 f"completions per step; {training.micro_batch_size} completions/rank x {plan.accumulation_steps} "
                 f"accumulation x {plan.dp_size} data-parallel ranks, each a row of prompt + completion (at most "
@@ -463,6 +448,9 @@ class Grpo(Objective):
             disable_dropout(engine.module)
         if grpo.beta > 0 and not plan.recipe.lora.enabled:
             self.reference = load_reference(plan, engine)
+            if grpo.sync_ref_model:
+                self.synced = SyncedReference(self.reference, grpo.ref_model_mixup_alpha, grpo.ref_model_sync_steps,
+                                              "grpo.sync_ref_model")
         if grpo.cast_lm_head_to_fp32:
             for model in (engine.module, self.reference):
                 if model is not None:
@@ -618,27 +606,25 @@ class Grpo(Objective):
     def end_step(self, engine: deepspeed.DeepSpeedEngine, step: int, applied: bool) -> None:
         """After an applied step, adaptive entropy control moves by the step's entropy over every rank's tokens, and
         every ref_model_sync_steps steps the policy is mixed into the reference (sync_ref_model)."""
-        grpo = self.section
         if self.entropy_control:
             entropy_sum, tokens = distributed.all_reduce(torch.stack(self.entropy_window).sum(0)).tolist()
             if applied:
                 self.entropy_control.update(entropy_sum / max(tokens, 1.0))
-        if applied and grpo.sync_ref_model and step % grpo.ref_model_sync_steps == 0:
-            sync_reference(self.reference, engine.module, grpo.ref_model_mixup_alpha)
+        if self.synced:
+            self.synced.end_step(engine.module, step, applied)
 
     def state_dict(self) -> dict:
         return self.entropy_control.state_dict() if self.entropy_control else {}
 
     def save(self, folder: Path) -> None:
-        if self.section.sync_ref_model:
-            save_reference(self.reference, folder)
+        if self.synced:
+            self.synced.save(folder)
 
     def restore(self, state: dict, folder: Path) -> None:
         if self.entropy_control and state:
             self.entropy_control.load_state_dict(state)
-        if self.section.sync_ref_model and not restore_reference(self.reference, folder) and dist.get_rank() == 0:
-            print(f"{folder} holds no synced reference (saved without grpo.sync_ref_model): the reference is the "
-                  f"starting checkpoint until its first sync", flush=True)
+        if self.synced:
+            self.synced.restore(folder)
 
     def generation_metrics(self, per_function: torch.Tensor, rewards: torch.Tensor, std: torch.Tensor,
                            lengths: torch.Tensor, truncated: torch.Tensor, generations: int) -> dict:

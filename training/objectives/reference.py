@@ -1,9 +1,10 @@
-"""GRPO's reference model for a full fine-tune (beta > 0; under LoRA it is the base with the adapters disabled, no
-model of its own): loaded from the starting checkpoint (load_reference) and, with grpo.sync_ref_model (TR-DPO), mixed
-into by the policy every ref_model_sync_steps steps (sync_reference). A synced reference is no longer the starting
-checkpoint, so each checkpoint holds it (save_reference, restore_reference): a resume, in any layout, and a rewind go
-on with the reference of the step they continue from. Under ZeRO-3 the reference is partitioned over the ranks as the
-trained model is, and these go through DeepSpeed's GatheredParameters one weight at a time (no rank holds it whole)."""
+"""The reference model of a full fine-tune, GRPO's (beta > 0) and DPO's with dpo.sync_ref_model (under LoRA it is the
+base with the adapters disabled, no model of its own): loaded from the starting checkpoint (load_reference) and, with
+sync_ref_model (TR-DPO), mixed into by the policy every ref_model_sync_steps steps (SyncedReference). A synced
+reference is no longer the starting checkpoint, so each checkpoint holds it (save_reference, restore_reference): a
+resume, in any layout, and a rewind go on with the reference of the step they continue from. Under ZeRO-3 the
+reference is partitioned over the ranks as the trained model is, and these go through DeepSpeed's GatheredParameters
+one weight at a time (no rank holds it whole)."""
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -15,9 +16,29 @@ from safetensors.torch import save_file
 
 from training.base.errors import ConfigError
 from training.models.model import from_checkpoint
+from training.planning.ds_config import params_offloaded
+from training.planning.memory import reference_bytes
 from training.planning.plan import RunPlan
+from training.planning.report import format_bytes
 
 REFERENCE_FILE = "reference.safetensors"  # in a checkpoint's global_step{N}/, with grpo.sync_ref_model
+
+
+def reference_place(plan: RunPlan) -> str:
+    """Where a full fine-tune's reference lives (load_reference) and what it takes per rank (reference_bytes)."""
+    per_rank = format_bytes(reference_bytes(plan.recipe, plan.precision, plan.shape, plan.zero_stage, plan.dp_size))
+    if plan.zero_stage != 3:
+        return f"the starting checkpoint, a frozen copy on each rank ({per_rank})"
+    where = "in CPU memory (offload_param)" if params_offloaded(plan.ds_config) else "on the device"
+    return (f"the starting checkpoint, frozen, partitioned over the {plan.dp_size} ranks by ZeRO-3: {per_rank} per "
+            f"rank, {where}")
+
+
+def synced_note(plan: RunPlan, alpha: float, every: int) -> str:
+    """The plan's words for a synced reference (SyncedReference): how often, and what each checkpoint holds of it."""
+    whole = reference_bytes(plan.recipe, plan.precision, plan.shape, plan.zero_stage, 1)  # 1 rank: not partitioned
+    return (f", synced to the policy every {every} steps (alpha {alpha:g}) and saved with each checkpoint by rank 0 "
+            f"({format_bytes(whole)}, held whole in its CPU memory while written)")
 
 
 def reference_ds_config(ds_config: dict) -> dict:
@@ -30,12 +51,13 @@ def reference_ds_config(ds_config: dict) -> dict:
 
 
 def load_reference(plan: RunPlan, engine: deepspeed.DeepSpeedEngine) -> torch.nn.Module:
-    """A full fine-tune's reference (beta > 0): the starting checkpoint, frozen, built as the trained model is (its
+    """A full fine-tune's reference model: the starting checkpoint, frozen, built as the trained model is (its
     config, attention and dtype). At ZeRO 0-2 a full copy on each rank. Under ZeRO-3 partitioned over the ranks as the
     trained model is: loaded inside zero.Init (transformers loads there while an HfDeepSpeedConfig is alive), so that
     no rank holds it whole, and run by a DeepSpeed engine without an optimizer, whose forward gathers each layer's
-    weights from every rank: so every rank must run it together, which they do (each rank's generation makes the same
-    number of micro-batches: as many completions over the same micro_batch_size)."""
+    weights from every rank: so every rank must run it together, which they do (each rank's GRPO generation makes the
+    same number of micro-batches, as many completions over the same micro_batch_size; each rank's DPO step and
+    evaluation as many micro-batches of pairs, padded where short)."""
     zero3 = engine.zero_optimization_stage() == 3
     config = reference_ds_config(plan.ds_config) if zero3 else plan.ds_config
     model = from_checkpoint(plan.recipe, plan.model_config, config, next(engine.module.parameters()).dtype)
@@ -109,3 +131,24 @@ def restore_reference(reference: torch.nn.Module, folder: Path) -> bool:
                 if not zero3 or dist.get_rank() == 0:
                     weight.copy_(file.get_tensor(name))
     return True
+
+
+class SyncedReference:
+    """TR-DPO's reference (grpo.sync_ref_model, dpo.sync_ref_model): the policy mixed into it after every `every`-th
+    applied step (a step that DeepSpeed or the stability guard drops does not count), saved with each checkpoint and
+    restored from it. Every rank calls each method."""
+
+    def __init__(self, model: torch.nn.Module, alpha: float, every: int, setting: str):
+        self.model, self.alpha, self.every, self.setting = model, alpha, every, setting
+
+    def end_step(self, policy: torch.nn.Module, step: int, applied: bool) -> None:
+        if applied and step % self.every == 0:
+            sync_reference(self.model, policy, self.alpha)
+
+    def save(self, folder: Path) -> None:
+        save_reference(self.model, folder)
+
+    def restore(self, folder: Path) -> None:
+        if not restore_reference(self.model, folder) and dist.get_rank() == 0:
+            print(f"{folder} holds no synced reference (saved without {self.setting}): the reference is the starting "
+                  f"checkpoint until its first sync", flush=True)

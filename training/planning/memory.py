@@ -4,9 +4,9 @@ checkpointing, and whether they fit.
 Model states use DeepSpeed's own estimators for ZeRO-2 and ZeRO-3 (with and without CPU offload) in mixed
 precision; ZeRO-0/1, and fp32 runs (the estimators assume 16-bit weights), use the ZeRO paper's arithmetic, fp32 under
 ZeRO on DeepSpeed's layout of the weights (fp32_zero_states). DeepSpeed's own buffers (its gradient buckets, sized by
-the resolved config, and Muon's staged momentum) are added to each (with_deepspeed_buffers), and so is GRPO's frozen
-reference model (with_objective). A GRPO generation's own memory (its KV cache, generation) comes between the steps,
-in place of the activations: the peak counts the larger (ModelStates.peak_with).
+the resolved config, and Muon's staged momentum) are added to each (with_deepspeed_buffers), and so is the frozen
+reference model of GRPO and of DPO's sync_ref_model (with_objective). A GRPO generation's own memory (its KV cache,
+generation) comes between the steps, in place of the activations: the peak counts the larger (ModelStates.peak_with).
 
 Activations are the bytes autograd saves for the backward pass, per token, as transformers' Llama-family and
 GPT-2 modules save them with PyTorch's scaled-dot-product attention. The rules below were read off those
@@ -182,12 +182,13 @@ def with_deepspeed_buffers(states: ModelStates, ds_config: dict, precision: str,
 
 
 def reference_bytes(recipe: Recipe, precision: str, shape: ModelShape, stage: int, ranks: int) -> float:
-    """GRPO's reference model per rank (training/objectives/grpo.py, load_reference): with beta > 0 and no LoRA, the
-    starting checkpoint, frozen, in the trained weights' dtype (weights_dtype: fp32 at ZeRO-0, where 16-bit precision
-    is torch autocast), partitioned over the `ranks` data-parallel ranks at ZeRO-3 and a full copy on each at 0-2.
-    0 where there is none to hold: beta 0, an objective that does not generate, or LoRA (the base with its adapters
-    disabled)."""
-    if not recipe.training.traits.generates or recipe.grpo.beta == 0 or recipe.lora.enabled:
+    """The reference model per rank (training/objectives/reference.py, load_reference) of GRPO with beta > 0 and of
+    DPO with dpo.sync_ref_model, without LoRA: the starting checkpoint, frozen, in the trained weights' dtype
+    (weights_dtype: fp32 at ZeRO-0, where 16-bit precision is torch autocast), partitioned over the `ranks`
+    data-parallel ranks at ZeRO-3 and a full copy on each at 0-2. 0 where there is none to hold: GRPO's beta 0, DPO's
+    stored reference values, another objective, or LoRA (the base with its adapters disabled)."""
+    live = recipe.grpo.beta > 0 if recipe.training.traits.generates else recipe.dpo.sync_ref_model
+    if not live or recipe.lora.enabled:
         return 0.0
     whole = shape.parameters * weights_dtype(precision, stage).itemsize
     return whole / ranks if stage == 3 else whole
@@ -263,7 +264,7 @@ def generation(recipe: Recipe, precision: str, shape: ModelShape, stage: int, ra
 
 def with_objective(states: ModelStates, ds_config: dict, recipe: Recipe, precision: str, shape: ModelShape,
                    ranks: int, nodes: int) -> ModelStates:
-    """`states` with what the objective holds beside the trained model under `ds_config`: GRPO's reference
+    """`states` with what the objective holds beside the trained model under `ds_config`: its reference model
     (reference_bytes) on the device, or, where ZeRO-3 offloads the parameters (zero3_offload.json does; the
     reference's config keeps it), in the nodes' memory; and its generation's memory (generation)."""
     stage = zero_stage(ds_config)
@@ -374,12 +375,12 @@ def checkpoint_bytes(params: float, stage: int, ranks: int, precision: str, stat
 
 
 def planned_checkpoint(plan: RunPlan) -> CheckpointSize:
-    """What one save of this run writes (a LoRA run's checkpoints leave the frozen base weights out), with GRPO's
-    synced reference (grpo.sync_ref_model: reference.safetensors, whole, written by rank 0)."""
+    """What one save of this run writes (a LoRA run's checkpoints leave the frozen base weights out), with a synced
+    reference (grpo.sync_ref_model, dpo.sync_ref_model: reference.safetensors, whole, written by rank 0)."""
     shape, recipe = plan.shape, plan.recipe
     size = checkpoint_bytes(shape.lora_parameters or shape.parameters, plan.zero_stage,
                             plan.world_size // plan.pipeline_stages, plan.precision, state_bytes(plan))
-    if not recipe.grpo.sync_ref_model:
+    if not (recipe.grpo.sync_ref_model or recipe.dpo.sync_ref_model):
         return size
     reference = reference_bytes(recipe, plan.precision, shape, plan.zero_stage, 1)  # whole: ranks=1
     return CheckpointSize(size.total + reference, size.largest_rank + reference)

@@ -71,8 +71,7 @@ def test_mistyped_override_names_the_override_and_suggests():
                                                        "write grpo.generation_batch_size"),
     ("tiny_llama_grpo", "grpo.use_vllm=true", "grpo.use_vllm: TRL's name, not this schema's: not built: no vLLM"),
     ("tiny_llama_dpo", "dpo.loss_type=ipo", "dpo.loss_type: TRL's name, not this schema's: write dpo.loss"),
-    ("tiny_llama_dpo", "dpo.sync_ref_model=true", "dpo.sync_ref_model: TRL's name, not this schema's: not built for "
-                                                  "DPO"),
+    ("tiny_llama_dpo", "dpo.padding_free=true", "dpo.padding_free: TRL's name, not this schema's: write data.packing"),
 ])
 def test_a_trl_config_name_says_where_it_lives_here(recipe, override, expected):
     """A TRL user's GRPOConfig or DPOConfig name that this schema spells otherwise, or does not build, is answered

@@ -198,11 +198,35 @@ def test_the_loss_settings_are_checked_when_the_recipe_loads(override, expected)
     ("data.packing=concat", "use bfd .* or none"),
     ("data.long_documents=split", "use truncate or drop"),
     ("long_context.logits_tile_tokens=1024", "logits_tile_tokens"),
+    ("dpo.sync_ref_model=true lora.enabled=true", "dpo.sync_ref_model with lora: the reference is the base"),
+    ("dpo.sync_ref_model=true model.name_or_path=null model.config=recipes/tiny_llama/config.json "
+     "tokenizer.name_or_path=recipes/tiny_llama/tokenizer",
+     "dpo.sync_ref_model from model.config alone"),
 ])
 def test_dpo_refuses_what_it_cannot_do_and_says_why(override, expected):
     """Before anything is built: train.py's checks, and `python -m data_pipeline` (with no model config)."""
     with pytest.raises(ConfigError, match=expected):
-        Dpo.check(load_recipe("tiny_llama_dpo", [override]), None)
+        Dpo.check(load_recipe("tiny_llama_dpo", override.split()), None)
+
+
+@pytest.mark.parametrize("config, held", [("zero2", 1.0), ("zero3", 0.5)])
+def test_the_plan_holds_tr_dpos_reference_and_saves_it_with_each_checkpoint(tmp_path, config, held):
+    """dpo.sync_ref_model: the reference model, whole on each rank at ZeRO 0-2 and half of it on each of 2 ranks at
+    ZeRO-3, in the model states; each checkpoint holds it whole (reference.safetensors), and the dry run says so."""
+    import train
+    from training.planning.memory import planned_checkpoint, planned_model_states
+    save_small_checkpoint(tmp_path / "base")
+
+    def plan(*overrides):
+        args = train.parse_args(["--recipe", "tiny_llama_dpo", "--dry-run", f"model.name_or_path={tmp_path / 'base'}",
+                                 "precision=bf16", f"deepspeed.config={config}", *overrides])
+        return train.make_plan(args, world_size=2)
+
+    synced, stored = plan("dpo.sync_ref_model=true"), plan()
+    whole = stored.shape.parameters * 2  # bf16 at ZeRO 1-3
+    assert planned_model_states(synced).device_bytes - planned_model_states(stored).device_bytes == whole * held
+    assert planned_checkpoint(synced).total - planned_checkpoint(stored).total == whole
+    assert "synced to the policy every 512 steps (alpha 0.6)" in "\n".join(Dpo.describe(synced))
 
 
 @pytest.mark.parametrize("lora", [False, True])
