@@ -16,7 +16,8 @@ The weighted sum fails with one term changed: nca_pair's rejected weight 0.45 fo
 RPO ([sigmoid, sft]): loss within 9.5e-7, grad_norm 2.3e-6; the JS divergence's mix: 2.1e-6 and 7.4e-6; LD-DPO
 ([sigmoid, ipo], ld_alpha 0.4) with WPO's weights (use_weighting): 8.3e-7 and 2.4e-6 (without the weights step 1's
 loss is 1.943 for TRL's 1.778); TR-DPO (sync_ref_model every 2 steps, alpha 0.6): 2.4e-6 and 5.6e-6 (step 3's
-loss 0.569 against the synced reference, 0.403 unsynced).
+loss 0.569 against the synced reference, 0.403 unsynced); AOT ([aot, aot_unpaired]): 1.5e-6 and 2.4e-6 (unsorted,
+step 2 is 3.6e-3 apart).
 """
 import json
 
@@ -40,6 +41,8 @@ JS = {"loss_type": ["sigmoid", "robust", "ipo", "hinge"], "loss_weights": [1.0, 
 MIX = {"loss_type": ["hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero", "apo_down",
                      "discopop", "sigmoid_norm"],
        "loss_weights": [0.9, 0.05, 0.8, 0.7, 0.6, 0.5, 0.002, 0.4, 0.3, 0.2, 0.1], "label_smoothing": 0.1}
+# AOT's two sorted losses (over the 8 pairs: the micro-batch here, TRL's per-device batch), robust at 0.1
+AOT = {"loss_type": ["aot", "aot_unpaired"], "loss_weights": [1.0, 0.5], "label_smoothing": 0.1}
 # TR-DPO: the policy mixed into the reference after steps 2 and 4 (steps 3-4 against the synced one)
 SYNC = {"loss_type": ["sigmoid"], "sync_ref_model": True, "ref_model_sync_steps": 2, "ref_model_mixup_alpha": 0.6}
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins")
@@ -97,9 +100,9 @@ def trl_logs(base, pairs: list[dict], out, losses: dict) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("form, losses", [("chat", SIGMOID), ("string", SIGMOID), ("chat", RPO), ("chat", MIX),
-                                          ("chat", JS), ("chat", LD), ("chat", SYNC)],
+                                          ("chat", JS), ("chat", LD), ("chat", SYNC), ("chat", AOT)],
                          ids=["chat", "string", "sigmoid and sft", "every other loss type", "a JS divergence",
-                              "length-desensitized and weighted", "a synced reference"])
+                              "length-desensitized and weighted", "a synced reference", "sorted"])
 def test_dpo_matches_trl_step_by_step(form, losses, tmp_path):
     pairs = chat_pairs() if form == "chat" else string_pairs()
     base, data = tmp_path / "base", tmp_path / "pairs.jsonl"

@@ -224,7 +224,8 @@ class MoeSection(StrictModel):
 
 
 DpoLoss = Literal["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero",
-                  "apo_down", "discopop", "sigmoid_norm", "sft"]
+                  "apo_down", "discopop", "sigmoid_norm", "aot", "aot_unpaired", "sft"]
+SORTED_LOSSES = {"aot", "aot_unpaired"}  # over a micro-batch's pairs, sorted
 
 
 F_DIVERGENCE_LOSSES = {"sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft"}
@@ -281,6 +282,9 @@ class DpoSection(StrictModel):
             raise ValueError(f"dpo.f_divergence_type={self.f_divergence_type} changes the losses of the reward "
                              f"difference ({', '.join(sorted(F_DIVERGENCE_LOSSES))}), not {', '.join(other)}: use "
                              f"reverse_kl with those")
+        if self.use_weighting and SORTED_LOSSES & set(names):
+            raise ValueError("dpo.use_weighting with aot or aot_unpaired: their losses belong to sorted positions, "
+                             "not to pairs, which WPO weighs (TRL refuses it alike)")
         if self.use_weighting and "sft" in names:
             raise ValueError("dpo.use_weighting with dpo.loss sft: WPO's weights are the policy's, known only in each "
                              "micro-batch's forward pass, and the sft term is a mean over the global batch's chosen "

@@ -29,7 +29,7 @@ from training.base.errors import ConfigError, DataError
 from data_pipeline.loader import EvalPairBatches, PairBatches
 from data_pipeline.prepare import pad_token_id
 from training.compat.datasets import fingerprint
-from training.config.recipe import DpoSection, Recipe
+from training.config.recipe import SORTED_LOSSES, DpoSection, Recipe
 from training.models.model import disable_dropout
 from training.objectives.base import Objective
 from training.objectives.reference import SyncedReference, load_reference, reference_place, synced_note
@@ -147,15 +147,38 @@ def described_loss(section: DpoSection) -> str:
     return " + ".join(f"{weight:g} x {name}" for name, weight in losses)
 
 
+def sorted_loss(name: str, policy: torch.Tensor, reference: torch.Tensor, real: torch.Tensor,
+                section: DpoSection) -> torch.Tensor:
+    """AOT's losses (Melnyk et al. 2024), on the micro-batch's real pairs (zero on its padding pairs): aot compares
+    the sorted policy margins pi_c - pi_r with the sorted reference margins, aot_unpaired the sorted chosen log-ratios
+    with the sorted rejected ones, position by position, each difference d in the robust loss of beta x d. The sort is
+    over the micro-batch, as TRL's is over its per-device batch: which pairs share one matters."""
+    if name == "aot":
+        first, second = policy[:, 0] - policy[:, 1], reference[:, 0] - reference[:, 1]
+    else:
+        ratios = policy - reference
+        first, second = ratios[:, 0], ratios[:, 1]
+    delta = torch.sort(first[real]).values - torch.sort(second[real]).values
+    margin, smoothing = section.beta * delta, section.label_smoothing
+    losses = torch.zeros_like(first)
+    losses[real] = -F.logsigmoid(margin) * (1 - smoothing) - F.logsigmoid(-margin) * smoothing
+    return losses
+
+
 def pair_losses(policy: torch.Tensor, reference: torch.Tensor, tokens: torch.Tensor, section: DpoSection,
-                weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                weights: torch.Tensor | None = None,
+                real: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-pair losses (the weighted sum of dpo.loss's; with WPO's [pairs, 2] `weights`, times the pair's two) and
-    per-sequence rewards, from [pairs, 2] (chosen, rejected) log-probabilities and token counts."""
+    per-sequence rewards, from [pairs, 2] (chosen, rejected) log-probabilities and token counts; `real`: the pairs
+    the sorted losses sort (default all)."""
     ratios = policy - reference
     rewards = section.beta * ratios.detach()
     losses = torch.zeros_like(ratios[:, 0])
+    real = torch.ones_like(losses, dtype=torch.bool) if real is None else real
     for name, weight in section.losses:
-        if name != "sft":  # not a pair's: PreferenceLoss takes it over the batch's chosen tokens
+        if name in SORTED_LOSSES:
+            losses = losses + weight * sorted_loss(name, policy, reference, real, section)
+        elif name != "sft":  # not a pair's: PreferenceLoss takes it over the batch's chosen tokens
             losses = losses + weight * pair_loss(name, ratios, tokens, section)
     if weights is not None:
         losses = losses * weights[:, 0] * weights[:, 1]
@@ -218,8 +241,8 @@ class PreferenceLoss:
         micro-batch's real pairs; the metrics' sums take the pairs in."""
         reference, section = self.reference(engine, batch), self.section
         policy, tokens, weights = pair_logps(engine, batch, engine.device, section.ld_alpha, section.use_weighting)
-        losses, rewards = pair_losses(policy, reference, tokens, section, weights)
         real = batch["real"].to(engine.device)
+        losses, rewards = pair_losses(policy, reference, tokens, section, weights, real)
         self.add(policy.detach()[real], rewards[real])
         return torch.stack([losses[real].sum(), policy[real, 0].sum(), tokens[real, 0].sum()])
 
