@@ -6,6 +6,8 @@ by `sequence_index` (data_pipeline/preference.py). The reference is the starting
 computed once, in a pass over the training and evaluation pairs before step 1, in the run's own DeepSpeed layout (no
 second model in memory), and stored with the run (reference_logps.npz), which a resumed run reads again. Under LoRA
 the reference is the base with the adapters disabled, computed beside each step's forward pass (no pass, no file).
+With dpo.sync_ref_model (TR-DPO) it is a model of its own, run beside each step and mixed with the policy every
+ref_model_sync_steps steps (training/objectives/reference.py: SyncedReference, saved with each checkpoint).
 
 A pair's loss is one of TRL's loss types on its log-ratios to the reference (policy - reference, of chosen and of
 rejected), or a weighted sum of several: with h = beta x (chosen's - rejected's), -log sigmoid(h) (sigmoid, DPO),

@@ -21,7 +21,7 @@ from training.planning.memory import reference_bytes
 from training.planning.plan import RunPlan
 from training.planning.report import format_bytes
 
-REFERENCE_FILE = "reference.safetensors"  # in a checkpoint's global_step{N}/, with grpo.sync_ref_model
+REFERENCE_FILE = "reference.safetensors"  # in a checkpoint's global_step{N}/, with grpo's or dpo's sync_ref_model
 
 
 def reference_place(plan: RunPlan) -> str:
