@@ -227,3 +227,31 @@ def test_a_rewind_restores_the_objectives_state_from_the_checkpoint(tmp_path, mo
     assert [(r["step"], round(r["entropy_coef"], 6)) for r in lines if "event" not in r] == \
         [(1, 0.01), (2, 0.02), (3, 0.03), (4, 0.04)]
 
+
+
+def test_the_fp32_head_trains_in_bf16_with_its_reference_partitioned(tmp_path):
+    """grpo.cast_lm_head_to_fp32 where it acts: bf16 under ZeRO-3 (the head's weight and the reference partitioned),
+    beta > 0. Step 1's KL is 0 (the policy is the reference, both heads cast) and its gradient moves from the bf16
+    head's: the log-probabilities it is taken from are no longer rounded to bf16 logits. (The entropy of this
+    near-uniform random model is flat to that rounding.)"""
+    save_small_checkpoint(tmp_path / "base")
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    records = {}
+    for cast in (False, True):
+        out = tmp_path / f"cast_{cast}"
+        result = run_train(["--recipe", "tiny_llama_grpo", "--output-dir", str(out),
+                            f"model.name_or_path={tmp_path / 'base'}",
+                            f"data.sources=[{{path: {tmp_path / 'prompts.jsonl'}}}]",
+                            f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=20", "grpo.num_generations=4",
+                            "grpo.max_completion_length=8", "training.micro_batch_size=8",
+                            "training.global_batch_size=8", "training.max_steps=2", "logging.every_steps=1",
+                            "logging.report_to=[]", "precision=bf16", "deepspeed.config=zero3", "grpo.beta=0.04",
+                            "grpo.rewards=[{function: length_penalty, params: {target: 40}}]",
+                            f"grpo.cast_lm_head_to_fp32={str(cast).lower()}"], ranks=1)
+        assert result.returncode == 0, result.stderr[-3000:]
+        records[cast] = metrics(out)
+    for cast, steps in records.items():
+        assert all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in steps), cast
+        assert steps[0]["kl"] == pytest.approx(0, abs=1e-7), cast
+    assert records[True][0]["grad_norm"] != records[False][0]["grad_norm"]  # measured 1.58932 against 1.59019
+    assert records[True][0]["grad_norm"] == pytest.approx(records[False][0]["grad_norm"], rel=1e-2)
