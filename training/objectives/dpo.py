@@ -62,22 +62,21 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, sequence_index: t
 
 
 @torch.no_grad()
-def wpo_weights(logits: torch.Tensor, labels: torch.Tensor, sequence_index: torch.Tensor, count: int) -> torch.Tensor:
-    """WPO's weight of each of `count` sequences (Zhou et al. 2024; TRL's use_weighting): the exponential of the mean,
-    over its target tokens, of log p(token) - log sum_v p(v)^2 under the policy, which weighs a sequence by how
-    likely the policy is to produce it, relative to how peaked its distributions are (without ld_alpha's tails'
-    weight, as TRL's). Without a gradient: a weight, not a term."""
+def wpo_weights(logits: torch.Tensor, labels: torch.Tensor, sequence_index: torch.Tensor,
+                tokens: torch.Tensor) -> torch.Tensor:
+    """WPO's weight of each sequence (Zhou et al. 2024; TRL's use_weighting): the exponential of the mean, over its
+    target tokens (`tokens`: each sequence's count, sequence_logps'), of log p(token) - log sum_v p(v)^2 under the
+    policy, which weighs a sequence by how likely the policy is to produce it, relative to how peaked its
+    distributions are (without ld_alpha's tails' weight, as TRL's). Without a gradient: a weight, not a term."""
     targets, owner = labels[:, 1:].reshape(-1), sequence_index[:, 1:].reshape(-1)
     positions = (targets != -100).nonzero().squeeze(-1)
     flat = logits[:, :-1].reshape(-1, logits.shape[-1])
-    sums = torch.zeros(count, dtype=torch.float32, device=logits.device)
+    sums = torch.zeros_like(tokens)
     for chunk in positions.split(WPO_CHUNK_TOKENS):  # a chunk's fp32 [tokens, vocab] at a time, not the batch's
         scores = flat[chunk].float()
         # log p(y) - log sum p^2 = l_y - lse(l) - (lse(2l) - 2 lse(l)), with l the logits and lse their logsumexp
         aligned = scores.gather(-1, targets[chunk].unsqueeze(-1)).squeeze(-1) + scores.logsumexp(-1)
         sums.index_add_(0, owner[chunk], aligned - (2 * scores).logsumexp(-1))
-    tokens = torch.zeros(count, dtype=torch.float32, device=logits.device).index_add_(
-        0, owner[positions], torch.ones(len(positions), dtype=torch.float32, device=logits.device))
     return torch.exp(sums / tokens.clamp(min=1))
 
 
@@ -205,7 +204,7 @@ def pair_logps(model: torch.nn.Module, batch: dict, device: torch.device, ld_alp
     logits = model(**model_inputs(batch, device)).logits
     labels, owners, count = batch["labels"].to(device), batch["sequence_index"].to(device), 2 * batch["pairs"]
     logps, tokens = sequence_logps(logits, labels, owners, count, ld_alpha)
-    weights = wpo_weights(logits, labels, owners, count).view(-1, 2) if weighting else None
+    weights = wpo_weights(logits, labels, owners, tokens).view(-1, 2) if weighting else None
     return logps.view(-1, 2), tokens.view(-1, 2), weights
 
 

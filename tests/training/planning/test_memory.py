@@ -363,7 +363,7 @@ def test_the_wpo_weights_take_what_the_plan_adds(tokens):
     shape = model_shape(AutoConfig.for_model("llama", **CONFIGS["llama"], num_hidden_layers=LAYERS))
     logits = torch.randn(1, tokens + 1, shape.vocab_size, dtype=torch.bfloat16)
     labels, owners = torch.randint(0, shape.vocab_size, (1, tokens + 1)), torch.zeros(1, tokens + 1, dtype=torch.long)
-    measured = allocated_peak(lambda: wpo_weights(logits, labels, owners, 1))
+    measured = allocated_peak(lambda: wpo_weights(logits, labels, owners, torch.tensor([float(tokens)])))
     planned = [activation_bytes(shape, tokens, SEQ_LEN, 2, "sdpa", wpo=wpo).without_checkpointing
                for wpo in (False, True)]
     assert planned[1] - planned[0] == pytest.approx(measured, rel=0.01)
