@@ -152,7 +152,8 @@ def sorted_loss(name: str, policy: torch.Tensor, reference: torch.Tensor, real: 
                 section: DpoSection) -> torch.Tensor:
     """AOT's losses (Melnyk et al. 2024), on the micro-batch's real pairs (zero on its padding pairs): aot compares
     the sorted policy margins pi_c - pi_r with the sorted reference margins, aot_unpaired the sorted chosen log-ratios
-    with the sorted rejected ones, position by position, each difference d in the robust loss of beta x d. The sort is
+    with the sorted rejected ones, position by position, each difference d in the label-smoothed sigmoid loss
+    -(1 - eps) log sigmoid(beta d) - eps log sigmoid(-beta d) (not robust's, which divides by 1 - 2 eps). The sort is
     over the micro-batch, as TRL's is over its per-device batch: which pairs share one matters."""
     if name == "aot":
         first, second = policy[:, 0] - policy[:, 1], reference[:, 0] - reference[:, 1]

@@ -109,20 +109,20 @@ def test_wpo_weights_packed_pairs_as_each_sequence_alone(model):
 
 def test_aot_sorts_the_real_pairs_of_the_micro_batch():
     """aot: the sorted policy margins against the sorted reference margins; aot_unpaired: the sorted chosen log-ratios
-    against the sorted rejected ones; each position's difference in the robust loss. A padding pair (real false, a
-    copy of the last) takes no part in the sort and no loss."""
+    against the sorted rejected ones; each position's difference in the label-smoothed sigmoid loss. A padding pair
+    (real false, a copy of the last) takes no part in the sort and no loss."""
     policy = torch.tensor([[-10.0, -12.0], [-5.0, -4.0], [-7.0, -9.5], [-7.0, -9.5]])
     reference = torch.tensor([[-11.0, -11.0], [-5.5, -5.0], [-7.0, -8.0], [-7.0, -8.0]])
     real = torch.tensor([True, True, True, False])
     section = DpoSection(loss=["aot", "aot_unpaired"], loss_weights=[1.0, 0.5], beta=0.5, label_smoothing=0.1)
 
-    def robust(delta: list[float]) -> torch.Tensor:
+    def smoothed(delta: list[float]) -> torch.Tensor:
         margin = 0.5 * torch.tensor(delta)
         return -F.logsigmoid(margin) * 0.9 - F.logsigmoid(-margin) * 0.1
     # policy margins 2, -1, 2.5 sorted: -1, 2, 2.5; reference margins 0, -0.5, 1 sorted: -0.5, 0, 1
-    aot = robust([-1 - -0.5, 2 - 0, 2.5 - 1])
+    aot = smoothed([-1 - -0.5, 2 - 0, 2.5 - 1])
     # chosen log-ratios 1, 0.5, 0 sorted: 0, 0.5, 1; rejected -1, 1, -1.5 sorted: -1.5, -1, 1
-    unpaired = robust([0 - -1.5, 0.5 - -1, 1 - 1])
+    unpaired = smoothed([0 - -1.5, 0.5 - -1, 1 - 1])
     losses, _ = pair_losses(policy, reference, torch.ones(4, 2), section, real=real)
     torch.testing.assert_close(losses, torch.cat([aot + 0.5 * unpaired, torch.zeros(1)]))
     with pytest.raises(ConfigError, match="dpo.use_weighting with aot or aot_unpaired"):
