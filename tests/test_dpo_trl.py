@@ -41,7 +41,7 @@ JS = {"loss_type": ["sigmoid", "robust", "ipo", "hinge"], "loss_weights": [1.0, 
 MIX = {"loss_type": ["hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "apo_zero", "apo_down",
                      "discopop", "sigmoid_norm"],
        "loss_weights": [0.9, 0.05, 0.8, 0.7, 0.6, 0.5, 0.002, 0.4, 0.3, 0.2, 0.1], "label_smoothing": 0.1}
-# AOT's two sorted losses (over the 8 pairs: the micro-batch here, TRL's per-device batch), robust at 0.1
+# AOT's two sorted losses (over the 8 pairs: the micro-batch here, TRL's per-device batch), label-smoothed at 0.1
 AOT = {"loss_type": ["aot", "aot_unpaired"], "loss_weights": [1.0, 0.5], "label_smoothing": 0.1}
 # TR-DPO: the policy mixed into the reference after steps 2 and 4 (steps 3-4 against the synced one)
 SYNC = {"loss_type": ["sigmoid"], "sync_ref_model": True, "ref_model_sync_steps": 2, "ref_model_mixup_alpha": 0.6}
