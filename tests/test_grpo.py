@@ -7,7 +7,10 @@ completions each, num_generations_eval); the completions' samples; the export lo
 generation. Against TRL's GRPOTrainer step by step: tests/test_grpo_trl.py.
 
 Sixteen sums from tiny_llama_grpo, 4 prompts x 4 generations a step, each generation sampling 2 steps' prompts at
-once (grpo.generation_batch_size; the LoRA run one step's), 8 completions per micro-batch, fp32, rewarded for
+once (grpo.generation_batch_size; the LoRA run one step's), 8 completions per micro-batch on 2 ranks and 16 on 1 (so
+that every layout groups a step's completions alike: TRL's kl, entropy and clip ratios are means of each
+micro-batch's mean, over the ranks' micro-batches together, which differ once completions end at a stop string and
+their lengths differ), fp32, rewarded for
 a length near 40 characters (the small random model's completions differ in length: each group has something to
 learn) and for the right answer. Every
 completion draws from a random stream of its own (training/objectives/grpo.py), so every layout samples the same
@@ -61,16 +64,20 @@ def runs(tmp_path_factory) -> dict:
               "grpo.sync_ref_model=true", "grpo.ref_model_sync_steps=1",
               # one generation of 32 completions for 2 optimizer steps (TRL's steps_per_generation 2 x accumulation)
               "grpo.generation_batch_size=32",
+              # completions may end at a '.' (about 1 in 10 of the random model's do), never before 2 tokens, and
+              # sample as transformers' typical_p does: generate's processors and our warpers under every layout
+              "grpo.generation_kwargs={stop_strings: ['.'], min_new_tokens: 2, typical_p: 0.95}",
               "data.packing=bfd"]  # but in `whole`: one completion per row
     whole, zero3, killed, resumed, lora = (folder / name for name in ("whole", "zero3", "killed", "resumed", "lora"))
-    result = run_train(["--output-dir", str(whole), *common, "deepspeed.config=zero0", "data.packing=none"], ranks=1)
+    result = run_train(["--output-dir", str(whole), *common, "deepspeed.config=zero0", "data.packing=none",
+                        "training.micro_batch_size=16"], ranks=1)
     assert result.returncode == 0, result.stderr[-3000:]
     # the LM head in fp32 (a no-op on fp32 numbers): through ZeRO-3's partitioned head and reference, and LoRA's
     result = run_train(["--output-dir", str(zero3), *common, "deepspeed.config=zero3", "grpo.cast_lm_head_to_fp32=true"],
                        ranks=2)
     assert result.returncode == 0, result.stderr[-3000:]
     result = run_train(["--kill-after-deepspeed-save", "4", "--output-dir", str(killed), *common,
-                        "deepspeed.config=zero1", "checkpointing.every_steps=2"],
+                        "deepspeed.config=zero1", "checkpointing.every_steps=2", "training.micro_batch_size=16"],
                        ranks=1, script="tests/helpers/train_with_probes.py")
     assert result.returncode != 0 and (killed / "checkpoints/latest").read_text() == "global_step2"
     shutil.copytree(killed, resumed)
@@ -122,6 +129,9 @@ def test_a_killed_grpo_run_resumes_in_another_layout_on_the_same_curve(runs):
     samples = [json.loads(line) for line in (runs["resumed"] / COMPLETIONS_FILE).read_text().splitlines()]
     assert [s["generation"] for s in samples] == [g for g in range(STEPS // 2) for _ in range(32)]  # none twice
     assert samples == [json.loads(line) for line in (runs["whole"] / COMPLETIONS_FILE).read_text().splitlines()]
+    stopped = [s["completion"] for s in samples if "." in s["completion"]]
+    # each ends in the token that makes its first '.' (the tokenizer's tokens hold at most 4 characters after one)
+    assert stopped and all(len(c) - c.index(".") <= 5 for c in stopped)
 
 
 def test_the_planned_checkpoint_counts_the_synced_reference(runs):

@@ -303,6 +303,41 @@ class RewardSpec(StrictModel):
     params: dict[str, Any] = {}  # keyword arguments: a built-in's settings, or passed to the callable
 
 
+class GenerationKwargs(StrictModel):
+    """grpo.generation_kwargs: TRL's pass-through to transformers' GenerationConfig, for the settings that keep one
+    seeded sample per completion (training/objectives/grpo.py, sample). Each default is transformers' "off"."""
+    stop_strings: list[str] = []  # a completion also ends where it completes one of them (kept; not truncated)
+    min_new_tokens: NonNegativeInt = 0  # EOS barred before this many completion tokens
+    no_repeat_ngram_size: NonNegativeInt = 0  # no n-gram of this size twice in a prompt and its completion
+    bad_words_ids: list[list[NonNegativeInt]] = []  # token sequences never completed
+    suppress_tokens: list[NonNegativeInt] = []  # tokens never sampled
+    begin_suppress_tokens: list[NonNegativeInt] = []  # tokens never sampled first
+    sequence_bias: list[tuple[list[NonNegativeInt], float]] = []  # [[token ids], bias]: the bias added to the last
+    # token's logit where the others precede it
+    top_h: float | None = Field(None, gt=0, le=1)  # the sampling warpers beyond grpo's own, in transformers' order
+    # (after temperature, top_k, top_p and min_p, but top_h before top_k): top-H's entropy bound,
+    typical_p: float = Field(1.0, gt=0, le=1)  # locally typical sampling's mass,
+    epsilon_cutoff: float = Field(0.0, ge=0, lt=1)  # tokens below this probability cut,
+    eta_cutoff: float = Field(0.0, ge=0, lt=1)  # eta sampling's cut
+    trl_names: ClassVar[dict[str, str]] = {  # GenerationConfig's, which TRL's generation_kwargs also takes
+        **{name: f"write grpo.{name}" for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")},
+        **dict.fromkeys(("max_new_tokens", "max_length"), "write grpo.max_completion_length"),
+        **dict.fromkeys(("do_sample", "num_beams", "num_return_sequences"),
+                        "each completion is one seeded sample; grpo.num_generations sets how many per prompt"),
+    }
+
+    def passed(self) -> dict[str, Any]:
+        """The settings that differ from transformers' defaults, as GenerationConfig takes them (stop_strings and the
+        warpers are applied by sample itself)."""
+        return self.model_dump(exclude_defaults=True, exclude={"stop_strings", "top_h", "typical_p",
+                                                                "epsilon_cutoff", "eta_cutoff"})
+
+    def token_ids(self) -> list[int]:
+        """Every token id written here, for the check against the vocabulary."""
+        return [*(i for ids in self.bad_words_ids for i in ids), *self.suppress_tokens, *self.begin_suppress_tokens,
+                *(i for ids, _ in self.sequence_bias for i in ids)]
+
+
 class GrpoSection(StrictModel):
     """training.objective=grpo (training/objectives/grpo.py): online RL with verifiable rewards. TRL's GRPOConfig names
     and defaults; training.global_batch_size and micro_batch_size count completions."""
@@ -316,6 +351,7 @@ class GrpoSection(StrictModel):
     min_p: float | None = Field(None, ge=0, le=1)  # only tokens at least this x the likeliest's probability (e.g. 0.1)
     repetition_penalty: PositiveFloat = 1.0  # > 1: the logits of tokens already in the prompt or completion divided
     # by it (multiplied where negative; CTRL's penalty, transformers')
+    generation_kwargs: GenerationKwargs = GenerationKwargs()  # stop strings, token bans and biases, other warpers
     beta: NonNegativeFloat = 0.0  # the KL term's weight, against the starting model (LoRA: the base); 0: no reference
     sync_ref_model: bool = False  # TR-DPO: every ref_model_sync_steps steps the reference becomes
     # ref_model_mixup_alpha x the policy + (1 - alpha) x itself (beta > 0, a full fine-tune; saved with each checkpoint)

@@ -32,8 +32,10 @@ import deepspeed
 import numpy as np
 import torch
 import torch.distributed as dist
-from transformers import (GenerationConfig, LogitsProcessor, LogitsProcessorList, MinPLogitsWarper, PretrainedConfig,
-                          RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+from transformers import (EpsilonLogitsWarper, EtaLogitsWarper, GenerationConfig, LogitsProcessor, LogitsProcessorList,
+                          MinPLogitsWarper, PretrainedConfig, PreTrainedTokenizerBase, RepetitionPenaltyLogitsProcessor,
+                          StoppingCriteria, StoppingCriteriaList, StopStringCriteria, TemperatureLogitsWarper,
+                          TopHLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, TypicalLogitsWarper)
 
 from data_pipeline.loader import EvalPromptBatches, PromptBatches
 from data_pipeline.pack import best_fit_decreasing
@@ -85,23 +87,34 @@ class Rollout(NamedTuple):
 
 class SeededSampling(LogitsProcessor):
     """Sampling as transformers' `generate` samples (in its order: repetition_penalty over each row's tokens, its left
-    padding left out; temperature; top_k; top_p; min_p), with a random stream per completion, for `generate`'s greedy
-    search: the Gumbel-max draw, argmax(logits + Gumbel noise), is a sample of softmax(logits) (tokens cut off stay at
-    -inf). transformers' own sampling draws every row from one stream, so a completion would depend on which others
-    share its batch, that is on the layout; here it depends on its seed alone."""
+    padding left out; temperature; top_h; top_k; top_p; min_p; typical_p; epsilon and eta cutoffs), with a random
+    stream per completion, for `generate`'s greedy search: the Gumbel-max draw, argmax(logits + Gumbel noise), is a
+    sample of softmax(logits) (tokens cut off stay at -inf). transformers' own sampling draws every row from one
+    stream, so a completion would depend on which others share its batch, that is on the layout; here it depends on its
+    seed alone. generation_kwargs' token bans and biases are generate's own processors, which run before this one:
+    transformers runs the repetition penalty between them, where it commutes with the bans' -inf."""
 
     def __init__(self, seeds: list[int], section: GrpoSection, padding: torch.Tensor, device: torch.device):
         self.generators = [torch.Generator(device).manual_seed(seed) for seed in seeds]
+        more = section.generation_kwargs
         self.warpers = LogitsProcessorList([TemperatureLogitsWarper(section.temperature)])
         if section.repetition_penalty != 1.0:
             self.warpers.insert(0, RepetitionPenaltyLogitsProcessor(section.repetition_penalty,
                                                                     prompt_ignore_length=padding))
+        if more.top_h is not None:
+            self.warpers.append(TopHLogitsWarper(more.top_h))
         if section.top_k > 0:
             self.warpers.append(TopKLogitsWarper(section.top_k))
         if section.top_p < 1:
             self.warpers.append(TopPLogitsWarper(section.top_p))
         if section.min_p is not None:
             self.warpers.append(MinPLogitsWarper(section.min_p))
+        if more.typical_p < 1:
+            self.warpers.append(TypicalLogitsWarper(more.typical_p))
+        if more.epsilon_cutoff > 0:
+            self.warpers.append(EpsilonLogitsWarper(more.epsilon_cutoff))
+        if more.eta_cutoff > 0:
+            self.warpers.append(EtaLogitsWarper(more.eta_cutoff, device=device))
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         scores = self.warpers(input_ids, scores.float())
@@ -110,28 +123,54 @@ class SeededSampling(LogitsProcessor):
         return scores - noise.log()
 
 
+class StopStrings(StoppingCriteria):
+    """grpo.generation_kwargs.stop_strings, as transformers' StopStringCriteria finds them, noting where each row first
+    completed one: generate pads a stopped row, so its end is not seen in the tokens afterwards."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop_strings: list[str], rows: int):
+        self.criteria, self.ends = StopStringCriteria(tokenizer, stop_strings), [None] * rows
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        done = self.criteria(input_ids, scores)
+        for row in done.nonzero().flatten().tolist():
+            self.ends[row] = self.ends[row] or input_ids.shape[1]
+        return done
+
+
+def generation_config(section: GrpoSection, eos_id: int | None, pad_id: int) -> GenerationConfig:
+    """generate's settings for sample: greedy search over SeededSampling's scores, with generation_kwargs' token bans
+    and biases, which generate applies before it."""
+    return GenerationConfig(do_sample=False, max_new_tokens=section.max_completion_length, eos_token_id=eos_id,
+                            pad_token_id=pad_id, use_cache=True, **section.generation_kwargs.passed())
+
+
 def sample(model: torch.nn.Module, prompts: list[torch.Tensor], seeds: list[int], section: GrpoSection,
-           eos_id: int, pad_id: int, synced: bool) -> tuple[list[torch.Tensor], list[bool]]:
+           eos_id: int, pad_id: int, synced: bool,
+           tokenizer: PreTrainedTokenizerBase | None = None) -> tuple[list[torch.Tensor], list[bool]]:
     """One completion per prompt (1-D tensors; the same prompt repeated for a group), sampled in one batch, the
-    prompts left-padded: each completion ends at its first EOS (kept) or at max_completion_length (truncated)."""
+    prompts left-padded: each completion ends at its first EOS (kept), where it completes one of
+    generation_kwargs.stop_strings (the tokenizer's), or at max_completion_length (truncated)."""
     device, width = prompts[0].device, max(len(p) for p in prompts)
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     inputs = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
     mask = torch.zeros_like(inputs)
     for row, prompt in enumerate(prompts):
         inputs[row, width - len(prompt):], mask[row, width - len(prompt):] = prompt, 1
-    config = GenerationConfig(do_sample=False, max_new_tokens=section.max_completion_length, eos_token_id=eos_id,
-                              pad_token_id=pad_id, use_cache=True)
+    config = generation_config(section, eos_id, pad_id)
+    stops = section.generation_kwargs.stop_strings
+    stop = StopStrings(tokenizer, stops, len(prompts)) if stops else None
     with torch.no_grad():
         out = model.generate(input_ids=inputs, attention_mask=mask, generation_config=config, synced_gpus=synced,
                              logits_processor=LogitsProcessorList([SeededSampling(seeds, section, width - lengths,
-                                                                                  device)]))
+                                                                                  device)]),
+                             stopping_criteria=StoppingCriteriaList([stop] if stop else []))
     completions, truncated = [], []
-    for sequence in out[:, width:]:
-        ends = (sequence == eos_id).nonzero()
-        length = int(ends[0]) + 1 if len(ends) else min(len(sequence), section.max_completion_length)
+    for row, sequence in enumerate(out[:, width:]):
+        ends = [int(e) + 1 for e in (sequence == eos_id).nonzero()[:1]]
+        ends += [stop.ends[row] - width] if stop and stop.ends[row] else []
+        length = min(ends, default=min(len(sequence), section.max_completion_length))
         completions.append(sequence[:length].cpu())
-        truncated.append(not len(ends))
+        truncated.append(not ends)
     return completions, truncated
 
 
@@ -214,11 +253,14 @@ def loss_settings(section: GrpoSection) -> LossSettings:
 
 
 def sampling(section: GrpoSection) -> str:
-    """The plan's words for the sampling settings: the temperature, and those that are set."""
+    """The plan's words for the sampling settings: the temperature, and those that are set (generation_kwargs'
+    too)."""
     settings = {"top_k": section.top_k or None, "top_p": section.top_p if section.top_p < 1 else None,
                 "min_p": section.min_p,
                 "repetition_penalty": section.repetition_penalty if section.repetition_penalty != 1 else None}
-    shown = ", ".join(f"{name} {value:g}" for name, value in settings.items() if value is not None)
+    shown = ", ".join([*(f"{name} {value:g}" for name, value in settings.items() if value is not None),
+                       *(f"{name} {value}" for name, value in
+                         section.generation_kwargs.model_dump(exclude_defaults=True).items())])
     return f"sampled at temperature {section.temperature:g}" + (f" ({shown})" if shown else "")
 
 
@@ -389,6 +431,10 @@ class Grpo(Objective):
             raise ConfigError(f"grpo.num_generations_eval={grpo.num_generations_eval}: more completions of one "
                               f"evaluation prompt than a rank generates in training ({per_rank}), which the memory "
                               f"plan counts; lower it, or raise training.global_batch_size")
+        vocab = getattr(model_config, "vocab_size", None)
+        if vocab and (beyond := [i for i in grpo.generation_kwargs.token_ids() if i >= vocab]):
+            raise ConfigError(f"grpo.generation_kwargs names token id {beyond[0]}, beyond the model's vocabulary of "
+                              f"{vocab}: token ids count from 0 (the tokenizer's convert_tokens_to_ids gives them)")
         if model_config is not None and getattr(model_config, "output_router_logits", False):
             raise ConfigError("training.objective=grpo with the router's load-balancing loss: GRPO's loss has no "
                               "place for it; set moe.aux_loss_coef=0")
@@ -499,7 +545,8 @@ class Grpo(Objective):
         with zero3_whole_weights(engine) if whole else nullcontext(), \
                 decoding(engine.module, self.plan.recipe.model.attn_implementation):
             completions, truncated = sample(engine.module, [ids.to(engine.device) for ids in prompt_ids], seeds, grpo,
-                                            self.eos_id, self.pad_id, synced=zero3 and not whole)
+                                            self.eos_id, self.pad_id, synced=zero3 and not whole,
+                                            tokenizer=self.plan.tokenizer)
         engine.module.train()
         texts = [self.plan.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
         given = [json.loads(p) for p in prompts["prompt"] for _ in range(generations)]

@@ -232,8 +232,12 @@ def generation(recipe: Recipe, precision: str, shape: ModelShape, stage: int, ra
                                               padding's p x p mask of booleans)
       decoding:  KV(seq_len)*(1 + 1/(2L)) + B*V*4*k   (the cache grows by concatenation: a layer's keys, or values,
                                               are copied at a time; the last position's logits in fp32, k copies:
-                                              transformers' and SeededSampling's, 7, and top_p's sort, 10;
-                                              top_k's, min_p's and the repetition penalty's stay within the 7)
+                                              transformers' and SeededSampling's, 7, and the largest warper's
+                                              more: generation_kwargs.typical_p's 8, top_p's sort 3, eta_cutoff's 2;
+                                              top_k's, min_p's, top_h's, epsilon_cutoff's and the repetition
+                                              penalty's stay within the 7; with any of generation_kwargs' token
+                                              bans or biases, generate's processors, one more and their index over
+                                              the vocabulary, 8*V)
       the larger of the two, plus the whole weights (P*a) under ZeRO-3 with grpo.ds3_gather_for_generation.
       With grpo.cast_lm_head_to_fp32 in a run whose weights are not fp32, each pass's fp32 copy of the head's weight
       (4*V*h) is live while the head runs: in prefill, and in decoding in place of the sampling's copies (when larger)
@@ -252,7 +256,10 @@ def generation(recipe: Recipe, precision: str, shape: ModelShape, stage: int, ra
         return kv_cache_bytes(shape, a, completions, tokens)
 
     logits = completions * shape.vocab_size * 4
-    sampling = logits * (10 if grpo.top_p < 1 else 7)
+    more = grpo.generation_kwargs
+    warper = max(8 * (more.typical_p < 1), 3 * (grpo.top_p < 1), 2 * (more.eta_cutoff > 0))
+    processors = bool(more.passed())
+    sampling = logits * (7 + warper + processors) + 8 * shape.vocab_size * processors
     whole = shape.parameters * a if stage == 3 and grpo.ds3_gather_for_generation else 0.0
     head = 4 * shape.vocab_size * shape.hidden_size if grpo.cast_lm_head_to_fp32 and a < 4 else 0.0
     return Generation(kv_cache(seq_len),

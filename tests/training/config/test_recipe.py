@@ -72,15 +72,20 @@ def test_mistyped_override_names_the_override_and_suggests():
     ("tiny_llama_grpo", "grpo.use_vllm=true", "grpo.use_vllm: TRL's name, not this schema's: not built: no vLLM"),
     ("tiny_llama_dpo", "dpo.loss_type=ipo", "dpo.loss_type: TRL's name, not this schema's: write dpo.loss"),
     ("tiny_llama_dpo", "dpo.padding_free=true", "dpo.padding_free: TRL's name, not this schema's: write data.packing"),
+    ("tiny_llama_grpo", "grpo.generation_kwargs.temperature=0.7", "grpo.generation_kwargs.temperature: TRL's name, "
+                                                                  "not this schema's: write grpo.temperature"),
+    ("tiny_llama_grpo", "grpo.generation_kwargs.num_beams=4", "each completion is one seeded sample"),
 ])
 def test_a_trl_config_name_says_where_it_lives_here(recipe, override, expected):
     """A TRL user's GRPOConfig or DPOConfig name that this schema spells otherwise, or does not build, is answered
     with the setting to write (or why none), not with the nearest valid key."""
     with pytest.raises(ConfigError, match=expected):
         load_recipe(recipe, [override])
-    from training.config.recipe import DpoSection, GrpoSection
-    for section in (DpoSection, GrpoSection):
+    from training.config.recipe import DpoSection, GenerationKwargs, GrpoSection
+    for section in (DpoSection, GrpoSection, GenerationKwargs):
         assert not set(section.trl_names) & set(section.model_fields)  # each still a name this schema lacks
+    from transformers import GenerationConfig
+    assert set(GenerationKwargs.model_fields) | set(GenerationKwargs.trl_names) <= set(GenerationConfig().__dict__)
 
 
 @pytest.mark.slow  # trl takes 5 s to import

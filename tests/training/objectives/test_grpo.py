@@ -9,16 +9,16 @@ import datasets
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM, AutoTokenizer, TopPLogitsWarper
+from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList, TopPLogitsWarper
 
 from data_pipeline.config import DataConfig
 from data_pipeline.loader import EvalPromptBatches, PromptBatches
 from data_pipeline.prepare import build_dataset
 from tests.conftest import REPO, save_small_checkpoint
 from training.base.errors import ConfigError, DataError
-from training.config.recipe import GrpoSection, load_recipe
-from training.objectives.grpo import (Grpo, SeededSampling, completion_logps, completion_rows, decoding, loss_lines,
-                                      sample)
+from training.config.recipe import GenerationKwargs, GrpoSection, load_recipe
+from training.objectives.grpo import (Grpo, SeededSampling, completion_logps, completion_rows, decoding,
+                                      generation_config, loss_lines, sample)
 from training.objectives.grpo_loss import LOSS_TYPES, LossSettings, grpo_loss
 from training.planning.plan import RunPlan
 from training.planning.precision import DTYPES
@@ -80,6 +80,78 @@ def test_seeded_sampling_warps_the_logits_as_transformers_sampling_does(small, s
         torch.testing.assert_close(warped, scores, rtol=0, atol=0)
         cut = (scores == -math.inf).any(-1)
         assert cut.all() if section.top_k else not cut.any()
+
+
+class Forced(LogitsProcessor):
+    """Notes our warpers' scores of what generate's processors give, then forces the next token of `sequences`."""
+
+    def __init__(self, sampling: SeededSampling, sequences: torch.Tensor):
+        self.sampling, self.sequences, self.warped = sampling, sequences, []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.warped.append(self.sampling.warpers(input_ids, scores.float()))
+        forced = torch.full_like(scores, -math.inf)
+        return forced.scatter(1, self.sequences[:, input_ids.shape[1], None], 0.0)
+
+
+KWARGS = {"top_h": 0.7, "typical_p": 0.9, "epsilon_cutoff": 3e-4, "eta_cutoff": 3e-4, "min_new_tokens": 3,
+          "no_repeat_ngram_size": 2, "suppress_tokens": [5, 6], "begin_suppress_tokens": [7],
+          "bad_words_ids": [[8], [9, 10]], "sequence_bias": [[[11], 4.0], [[12, 13], -3.0]]}
+
+
+@pytest.mark.parametrize("kwargs, top_k", [
+    (KWARGS, 20), ({"typical_p": 0.8}, 20), ({"top_h": 0.2}, 20), ({"sequence_bias": [[[11], 4.0]]}, 20),
+    ({"epsilon_cutoff": 3e-4}, 0), ({"eta_cutoff": 0.9}, 0),  # each cuts tokens that top_k=20 (or top_p) would have
+], ids=["every-setting", "typical", "top-h", "bias", "epsilon", "eta"])
+def test_generation_kwargs_sample_as_transformers_sampling_does(small, kwargs, top_k):
+    """grpo.generation_kwargs beside every other sampling setting, over a left-padded batch: generate's own processors
+    (built from the GenerationConfig that sample passes) and then our warpers give, at each step, the scores that
+    transformers' generate(do_sample=True) with the same settings samples from. Our side runs on transformers' tokens,
+    forced in a greedy run."""
+    from transformers import GenerationConfig
+    _, model, tokenizer = small
+    prompts = [torch.tensor(tokenizer(text)["input_ids"]) for text in ("1=", "17+25=", "Write a function that")]
+    width = max(len(p) for p in prompts)
+    inputs = torch.stack([torch.cat([torch.zeros(width - len(p), dtype=torch.long), p]) for p in prompts])
+    mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+    section = SECTION.model_copy(update={**SETTINGS, "top_k": top_k, "generation_kwargs": GenerationKwargs(**kwargs)})
+    theirs = GenerationConfig(do_sample=True, temperature=section.temperature, top_p=section.top_p, top_k=section.top_k,
+                              min_p=section.min_p, repetition_penalty=section.repetition_penalty, **kwargs,
+                              max_new_tokens=section.max_completion_length, pad_token_id=0,
+                              eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    out = model.generate(input_ids=inputs, attention_mask=mask, generation_config=theirs, output_scores=True,
+                         return_dict_in_generate=True)
+    forced = Forced(SeededSampling([0] * len(prompts), section, width - mask.sum(1), torch.device("cpu")),
+                    out.sequences)
+    again = model.generate(input_ids=inputs, attention_mask=mask,
+                           generation_config=generation_config(section, tokenizer.eos_token_id, 0),
+                           logits_processor=LogitsProcessorList([forced]))
+    assert torch.equal(again, out.sequences)
+    for warped, scores in zip(forced.warped, out.scores, strict=True):
+        torch.testing.assert_close(warped, scores, rtol=0, atol=0)
+    if kwargs is KWARGS:  # the bans act: suppressed, suppressed first, a banned word, EOS before min_new_tokens
+        assert (forced.warped[0][:, [5, 6, 7, 8, tokenizer.eos_token_id]] == -math.inf).all()
+
+
+def test_a_completion_ends_where_it_completes_a_stop_string(small):
+    """generation_kwargs.stop_strings: a completion ends at the token that completes the string (kept, not counted as
+    truncated); up to there it is the completion its seed gives without the stop strings."""
+    _, model, tokenizer = small
+    prompts = [torch.tensor(tokenizer(text)["input_ids"]) for text in ("1=", "17+25=", "Write a function that")]
+    section = SECTION.model_copy(update={"max_completion_length": 24})
+    free, _ = sample(model, prompts, [1, 2, 3], section, tokenizer.eos_token_id, 0, False)
+    texts = [tokenizer.decode(c) for c in free]
+    stop = texts[0][len(texts[0]) // 2:][:3]  # a string that the first completion makes midway
+    section = section.model_copy(update={"generation_kwargs": GenerationKwargs(stop_strings=[stop])})
+    stopped, truncated = sample(model, prompts, [1, 2, 3], section, tokenizer.eos_token_id, 0, False, tokenizer)
+    for whole, cut, text, cut_short in zip(free, stopped, texts, truncated):
+        if stop in text:
+            assert torch.equal(whole[:len(cut)], cut) and not cut_short
+            assert stop in tokenizer.decode(cut) and stop not in tokenizer.decode(cut[:-1])
+        else:
+            assert torch.equal(whole, cut)
+    assert len(stopped[0]) < len(free[0])
 
 
 def test_seeded_sampling_draws_from_the_tempered_top_p_distribution():
@@ -247,6 +319,14 @@ def test_grpo_refuses_before_anything_is_built(tmp_path, overrides, expected):
         Grpo.check(grpo_recipe(tmp_path, *overrides), None)
 
 
+def test_a_generation_kwargs_token_beyond_the_vocabulary_is_named(tmp_path):
+    recipe = grpo_recipe(tmp_path, "grpo.generation_kwargs.bad_words_ids=[[5, 4096]]")
+    Grpo.check(recipe, SimpleNamespace(vocab_size=4097))
+    with pytest.raises(ConfigError, match="grpo.generation_kwargs names token id 4096, beyond the model's vocabulary "
+                                          "of 4096"):
+        Grpo.check(recipe, SimpleNamespace(vocab_size=4096))
+
+
 def test_a_prompt_over_the_budget_is_named_or_dropped(tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": text, "answer": "1"}) + "\n" for text in ["1+0=", "word " * 40, "0+1="]))
@@ -329,11 +409,13 @@ def test_the_dry_run_shows_prompts_generations_and_generation_memory(tmp_path, c
     save_small_checkpoint(tmp_path / "base")
     assert train.main(["--recipe", "tiny_llama_grpo", "--dry-run", "--output-dir", str(tmp_path / "out"),
                        f"model.name_or_path={tmp_path / 'base'}", "grpo.top_k=20", "grpo.min_p=0.1",
+                       "grpo.generation_kwargs={stop_strings: [</answer>], typical_p: 0.9}",
                        "grpo.sync_ref_model=true", "grpo.ref_model_sync_steps=2"]) == 0, \
         capsys.readouterr().err
     out = capsys.readouterr().out
     assert "batch: 8 prompts x 8 generations = 64 completions per step; 32 completions/rank x 2 accumulation" in out
-    assert "in one batch, sampled at temperature 1 (top_k 20, min_p 0.1), up to 16 decoding passes" in out
+    assert ("in one batch, sampled at temperature 1 (top_k 20, min_p 0.1, stop_strings ['</answer>'], typical_p 0.9), "
+            "up to 16 decoding passes") in out
     assert "GRPO: loss dapo (token-level ratio, scale_rewards group), beta 0.04, epsilon 0.2/0.2" in out
     assert "rewards: rewards:closeness x 1, exact_answer x 1" in out and "note" not in out
     assert "KV cache" in out

@@ -303,8 +303,13 @@ SAMPLING = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, voca
     (SAMPLING, torch.float32, 32, 16, {"top_k": 50, "top_p": 0.9, "min_p": 0.05, "repetition_penalty": 1.2}),
     (dict(num_hidden_layers=2, hidden_size=512, intermediate_size=2048, vocab_size=256), torch.float32, 204, 4, {}),
     (SAMPLING, torch.bfloat16, 32, 16, {"cast_lm_head_to_fp32": True}),  # the head's fp32 copy the most
+    *((SAMPLING, torch.float32, 32, 16, {f"generation_kwargs.{key}": value for key, value in settings.items()})
+      for settings in ({"typical_p": 0.9, "top_h": 0.5, "epsilon_cutoff": 1e-4, "eta_cutoff": 1e-4,
+                        "sequence_bias": [[[5, 6], -2.0]]},  # typical_p's buffers the most, and a processor's
+                       {"eta_cutoff": 1e-4, "suppress_tokens": [5, 6], "min_new_tokens": 4,
+                        "no_repeat_ngram_size": 2, "bad_words_ids": [[5, 6]]})),
 ], ids=["kv-cache", "kv-cache-bf16", "sampling-top-p", "sampling-top-k-min-p-penalty",
-        "sampling-every-setting", "prefill", "fp32-head"])
+        "sampling-every-setting", "prefill", "fp32-head", "generation-kwargs-typical", "generation-kwargs-eta"])
 def test_the_generation_rule_matches_the_allocations(tmp_path, shape_of, dtype, seq_len, completion, sampling):
     """A GRPO generation's memory (memory.generation) against what generate allocates on CPU, with prompts at the
     budget and no completion ending early: a bound within 10% where the KV cache, the sampling's buffers over a large
