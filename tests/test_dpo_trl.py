@@ -11,7 +11,9 @@ Hence, measured on tiny_llama_dpo's first pairs (chat / string / chat with every
 - rewards (beta x a difference of two such sums, averaged over 8 pairs): 1e-5 absolute (measured 3.5e-6 / 5.2e-6;
   pairs of sums near -1,000 can bring that to the tolerance itself);
 - logps: 1e-6 relative (measured 6.1e-5 absolute, 2e-7 relative); grad_norm (no clipping on either side): 5e-5
-  relative (measured 2e-6 / 5.8e-6 / 1.6e-6); accuracies: equal.
+  relative (measured 2e-6 / 5.8e-6 / 1.6e-6); accuracies: equal; the token means (TRL's fused head's against our
+  chunked pass over the whole logits): entropy and logits/* 1e-5 relative (measured 1.1e-7 and 6.8e-7),
+  mean_token_accuracy to fp32's rounding of TRL's (TRL's 0.031578946858644485 at step 4 for our 6/190).
 The weighted sum fails with one term changed: nca_pair's rejected weight 0.45 for 0.5 moves step 1's loss by 0.024.
 RPO ([sigmoid, sft]): loss within 9.5e-7, grad_norm 2.3e-6; the JS divergence's mix: 2.1e-6 and 7.4e-6; LD-DPO
 ([sigmoid, ipo], ld_alpha 0.4) with WPO's weights (use_weighting): 8.3e-7 and 2.4e-6 (without the weights step 1's
@@ -47,6 +49,7 @@ AOT = {"loss_type": ["aot", "aot_unpaired"], "loss_weights": [1.0, 0.5], "label_
 SYNC = {"loss_type": ["sigmoid"], "sync_ref_model": True, "ref_model_sync_steps": 2, "ref_model_mixup_alpha": 0.6}
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins")
 LOGPS = ("logps/chosen", "logps/rejected")
+TOKENS = ("entropy", "logits/chosen", "logits/rejected")  # means over the completion tokens
 
 
 def chat_pairs() -> list[dict]:
@@ -124,4 +127,7 @@ def test_dpo_matches_trl_step_by_step(form, losses, tmp_path):
         for name in LOGPS:
             assert mine[name] == pytest.approx(trl[name], rel=1e-6), f"step {step}: {name}"
         assert mine["rewards/accuracies"] == trl["rewards/accuracies"], f"step {step}"
+        for name in TOKENS:
+            assert mine[name] == pytest.approx(trl[name], rel=1e-5), f"step {step}: {name}"
+        assert mine["mean_token_accuracy"] == pytest.approx(trl["mean_token_accuracy"], abs=1e-7), f"step {step}"
         assert mine["grad_norm"] == pytest.approx(trl["grad_norm"], rel=5e-5), f"step {step}: grad_norm"

@@ -106,10 +106,13 @@ class ObjectiveTraits:
     unit: str  # what micro_batch_size and global_batch_size count
     examples: Examples  # what the data holds (data_pipeline/config.py)
     generates: bool = False  # it samples from the trained model (grpo:): the plan counts the generation and reference
+    token_statistics: bool = False  # it reads statistics of the logits a chunk of tokens at a time (dpo: TRL's token
+    # metrics and WPO's weights), whose chunk the plan counts
 
 
 OBJECTIVES = {"lm": ObjectiveTraits(model_loss=True, rows_per_example=1, unit="rows", examples="documents"),
-              "dpo": ObjectiveTraits(model_loss=False, rows_per_example=2, unit="pairs", examples="pairs"),
+              "dpo": ObjectiveTraits(model_loss=False, rows_per_example=2, unit="pairs", examples="pairs",
+                                     token_statistics=True),
               "grpo": ObjectiveTraits(model_loss=False, rows_per_example=1, unit="completions", examples="prompts",
                                       generates=True)}
 

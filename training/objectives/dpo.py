@@ -19,6 +19,7 @@ import os
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import deepspeed
 import numpy as np
@@ -36,12 +37,14 @@ from training.models.model import disable_dropout
 from training.objectives.base import Objective
 from training.objectives.reference import SyncedReference, load_reference, reference_place, synced_note
 from training.parallel import distributed
-from training.planning.kernels import WPO_CHUNK_TOKENS
+from training.planning.kernels import DPO_CHUNK_TOKENS
 from training.planning.plan import RunPlan
 from training.state.output_dir import REFERENCE_FILE
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
-           "logps/rejected")
+           "logps/rejected")  # means over pairs
+TOKEN_METRICS = ("entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy")  # means over target tokens:
+# chosen and rejected, chosen, rejected, chosen
 
 
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, sequence_index: torch.Tensor, count: int,
@@ -62,22 +65,33 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, sequence_index: t
 
 
 @torch.no_grad()
-def wpo_weights(logits: torch.Tensor, labels: torch.Tensor, sequence_index: torch.Tensor,
-                tokens: torch.Tensor) -> torch.Tensor:
-    """WPO's weight of each sequence (Zhou et al. 2024; TRL's use_weighting): the exponential of the mean, over its
-    target tokens (`tokens`: each sequence's count, sequence_logps'), of log p(token) - log sum_v p(v)^2 under the
-    policy, which weighs a sequence by how likely the policy is to produce it, relative to how peaked its
-    distributions are (without ld_alpha's tails' weight, as TRL's). Without a gradient: a weight, not a term."""
+def token_statistics(logits: torch.Tensor, labels: torch.Tensor, sequence_index: torch.Tensor, tokens: torch.Tensor,
+                     weighting: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One pass over the target tokens' logits without a gradient, DPO_CHUNK_TOKENS tokens at a time (a chunk's fp32
+    [tokens, vocab], not the batch's): each sequence's sums, over its target tokens, of the policy's entropy, of the
+    mean of the logits over the vocabulary and of the tokens it ranks first ([sequences, 3]: TRL's entropy,
+    logits/chosen and logits/rejected, and mean_token_accuracy); and with `weighting` each sequence's WPO weight
+    (Zhou et al. 2024; TRL's use_weighting): the exponential of the mean, over its target tokens (`tokens`: each
+    sequence's count, sequence_logps'), of log p(token) - log sum_v p(v)^2 under the policy, which weighs a sequence
+    by how likely the policy is to produce it, relative to how peaked its distributions are (without ld_alpha's
+    tails' weight, as TRL's)."""
     targets, owner = labels[:, 1:].reshape(-1), sequence_index[:, 1:].reshape(-1)
     positions = (targets != -100).nonzero().squeeze(-1)
     flat = logits[:, :-1].reshape(-1, logits.shape[-1])
-    sums = torch.zeros_like(tokens)
-    for chunk in positions.split(WPO_CHUNK_TOKENS):  # a chunk's fp32 [tokens, vocab] at a time, not the batch's
+    sums = torch.zeros(len(tokens), 3, dtype=torch.float32, device=logits.device)
+    aligned = torch.zeros_like(tokens) if weighting else None
+    for chunk in positions.split(DPO_CHUNK_TOKENS):
         scores = flat[chunk].float()
-        # log p(y) - log sum p^2 = l_y - lse(l) - (lse(2l) - 2 lse(l)), with l the logits and lse their logsumexp
-        aligned = scores.gather(-1, targets[chunk].unsqueeze(-1)).squeeze(-1) + scores.logsumexp(-1)
-        sums.index_add_(0, owner[chunk], aligned - (2 * scores).logsumexp(-1))
-    return torch.exp(sums / tokens.clamp(min=1))
+        normalizer = scores.logsumexp(-1)
+        probabilities = (scores - normalizer.unsqueeze(-1)).exp_()
+        entropy = normalizer - (probabilities * scores).sum(-1)
+        del probabilities  # the WPO terms' logsumexp is the pass's other peak: 12 bytes per token and entry
+        hits = (scores.argmax(-1) == targets[chunk]).float()
+        sums.index_add_(0, owner[chunk], torch.stack([entropy, scores.mean(-1), hits], dim=-1))
+        if aligned is not None:  # log p(y) - log sum p^2 = l_y - lse(l) - (lse(2l) - 2 lse(l)), lse the logsumexp
+            target = scores.gather(-1, targets[chunk].unsqueeze(-1)).squeeze(-1)
+            aligned.index_add_(0, owner[chunk], target + normalizer - (2 * scores).logsumexp(-1))
+    return sums, None if aligned is None else torch.exp(aligned / tokens.clamp(min=1))
 
 
 def length_weights(owners: torch.Tensor, tokens: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -198,15 +212,24 @@ def model_inputs(batch: dict, device: torch.device) -> dict:
     return {name: batch[name].to(device, non_blocking=True) for name in ("input_ids", "position_ids")}
 
 
+class PairLogps(NamedTuple):
+    """A packed micro-batch's [pairs, 2] values (chosen, rejected)."""
+    logps: torch.Tensor
+    tokens: torch.Tensor  # target tokens
+    statistics: torch.Tensor | None  # [pairs, 2, 3]: token_statistics' sums (the policy's; not the reference's)
+    weights: torch.Tensor | None  # WPO's (dpo.use_weighting)
+
+
 def pair_logps(model: torch.nn.Module, batch: dict, device: torch.device, ld_alpha: float | None = None,
-               weighting: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """[pairs, 2] log-probabilities (chosen, rejected), token counts and, with `weighting`, WPO's weights of a packed
-    micro-batch."""
+               statistics: bool = False, weighting: bool = False) -> PairLogps:
+    """The micro-batch's log-probabilities and token counts, and with `statistics` the tokens' (token_statistics),
+    WPO's weights with `weighting` too."""
     logits = model(**model_inputs(batch, device)).logits
     labels, owners, count = batch["labels"].to(device), batch["sequence_index"].to(device), 2 * batch["pairs"]
     logps, tokens = sequence_logps(logits, labels, owners, count, ld_alpha)
-    weights = wpo_weights(logits, labels, owners, tokens).view(-1, 2) if weighting else None
-    return logps.view(-1, 2), tokens.view(-1, 2), weights
+    sums, weights = token_statistics(logits, labels, owners, tokens, weighting) if statistics else (None, None)
+    return PairLogps(logps.view(-1, 2), tokens.view(-1, 2), None if sums is None else sums.view(-1, 2, 3),
+                     None if weights is None else weights.view(-1, 2))
 
 
 class PreferenceLoss:
@@ -242,10 +265,11 @@ class PreferenceLoss:
         """[the summed pair loss, the chosen completions' summed log-probability, their target tokens] over the
         micro-batch's real pairs; the metrics' sums take the pairs in."""
         reference, section = self.reference(engine, batch), self.section
-        policy, tokens, weights = pair_logps(engine, batch, engine.device, section.ld_alpha, section.use_weighting)
+        policy, tokens, statistics, weights = pair_logps(engine, batch, engine.device, section.ld_alpha,
+                                                         statistics=True, weighting=section.use_weighting)
         real = batch["real"].to(engine.device)
         losses, rewards = pair_losses(policy, reference, tokens, section, weights, real)
-        self.add(policy.detach()[real], rewards[real])
+        self.add(policy.detach()[real], rewards[real], statistics[real], tokens[real])
         return torch.stack([losses[real].sum(), policy[real, 0].sum(), tokens[real, 0].sum()])
 
     def __call__(self, engine: deepspeed.DeepSpeedEngine, batch: dict, pairs_per_micro_batch: float) -> torch.Tensor:
@@ -254,19 +278,25 @@ class PreferenceLoss:
         pair_loss, chosen_logps, _ = self.terms(engine, batch)
         return pair_loss / pairs_per_micro_batch - self.sft_weight * chosen_logps / self.sft_per_micro_batch
 
-    def add(self, policy: torch.Tensor, rewards: torch.Tensor) -> None:
+    def add(self, policy: torch.Tensor, rewards: torch.Tensor, statistics: torch.Tensor, tokens: torch.Tensor) -> None:
+        """The sums of the real pairs' metrics: each of METRICS's, the pairs, then TOKEN_METRICS's and their tokens."""
         sums = torch.stack([rewards[:, 0].sum(), rewards[:, 1].sum(), (rewards[:, 0] - rewards[:, 1]).sum(),
                             (rewards[:, 0] > rewards[:, 1]).float().sum(), policy[:, 0].sum(), policy[:, 1].sum(),
-                            torch.tensor(float(len(policy)), device=policy.device)]).double()
+                            torch.tensor(float(len(policy)), device=policy.device),
+                            statistics[..., 0].sum(), statistics[:, 0, 1].sum(), statistics[:, 1, 1].sum(),
+                            statistics[:, 0, 2].sum(), tokens.sum(), tokens[:, 0].sum(), tokens[:, 1].sum()]).double()
         self.sums = sums if self.sums is None else self.sums + sums
 
     def start_step(self) -> None:
         self.sums = None
 
     def metrics(self, prefix: str = "") -> dict:
-        """The means over every pair every rank has seen since start_step."""
+        """The means over every pair, or every target token, every rank has seen since start_step."""
         sums = distributed.all_reduce(self.sums.clone())
-        return {f"{prefix}{name}": (sums[i] / sums[-1]).item() for i, name in enumerate(METRICS)}
+        pairs, (entropy, chosen_logits, rejected_logits, hits, tokens, chosen, rejected) = sums[6], sums[7:]
+        means = [*(sums[:6] / pairs), entropy / tokens, chosen_logits / chosen, rejected_logits / rejected,
+                 hits / chosen]
+        return {f"{prefix}{name}": mean.item() for name, mean in zip(METRICS + TOKEN_METRICS, means, strict=True)}
 
     def evaluate(self, engine: deepspeed.DeepSpeedEngine, batches: EvalPairBatches) -> dict:
         """eval_loss (the mean pair loss, and the sft term over every evaluation pair's chosen tokens) and the rewards
@@ -279,7 +309,7 @@ class PreferenceLoss:
                 terms += self.terms(engine, batch).double()
         engine.train()
         metrics = self.metrics("eval_")
-        pair_loss, chosen_logps, chosen_tokens, pairs = distributed.all_reduce(torch.cat([terms, self.sums[-1:]]))
+        pair_loss, chosen_logps, chosen_tokens, pairs = distributed.all_reduce(torch.cat([terms, self.sums[6:7]]))
         self.start_step()
         sft = -self.sft_weight * chosen_logps / chosen_tokens if self.sft_weight else 0.0
         return {"eval_loss": float(pair_loss / pairs + sft), **metrics}
@@ -367,7 +397,7 @@ def read_reference(path: Path, batches: PairBatches, ld_alpha: float | None) -> 
 class Dpo(Objective):
     """training.objective=dpo: preference pairs, the loss against the reference (PreferenceLoss), TRL's rewards."""
     name = "dpo"
-    carried = ("eval_", "rewards/", "logps/")
+    carried = ("eval_", "rewards/", "logps/", "logits/", "entropy", "mean_token_accuracy")
 
     def __init__(self, plan: RunPlan):
         super().__init__(plan)

@@ -4,8 +4,8 @@ training/models/fused_loss.py."""
 from training.config.recipe import Recipe
 
 CHUNK_TOKENS = 2048  # per chunk: [2048, vocab] logits, 1 GB in fp32 for 128k; few chunks to add up
-WPO_CHUNK_TOKENS = 512  # DPO's WPO weights (training/objectives/dpo.py), without a gradient: 12 bytes per token and
-# vocabulary entry live (the fp32 logits, and each logsumexp's), 0.8 GB for a 128k vocabulary
+DPO_CHUNK_TOKENS = 512  # DPO's token statistics and WPO weights (training/objectives/dpo.py), without a gradient: 12
+# bytes per token and vocabulary entry live (the fp32 logits, and each logsumexp's), 0.8 GB for a 128k vocabulary
 
 
 def uses_fused_loss(recipe: Recipe, router_loss: bool) -> bool:

@@ -52,7 +52,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem
 from training.compat.deepspeed import zero_cuts
 from training.planning.ds_config import ds_config_file, params_offloaded, zero_setting, zero_stage
 from training.config.recipe import Recipe
-from training.planning.kernels import CHUNK_TOKENS, WPO_CHUNK_TOKENS, uses_fused_loss
+from training.planning.kernels import CHUNK_TOKENS, DPO_CHUNK_TOKENS, uses_fused_loss
 from training.planning.layout import EXPERT_PARALLEL_STAGES
 from training.planning.optimizer_states import optimizer_state_bytes
 from training.planning.plan import Machine, RunPlan
@@ -474,7 +474,7 @@ def activation_bytes(shape: ModelShape, tokens: int, seq_len: int, dtype_bytes: 
                      offload_checkpoints: bool = False, expert_parallel: int = 1,
                      fused_loss: bool = False, compiled: bool = False,
                      entropy_gradient: bool = False, fp32_head: bool = False,
-                     wpo: bool = False) -> Activations | None:
+                     dpo_statistics: bool = False) -> Activations | None:
     """Peak activation memory of one micro-batch of `tokens` tokens (on this rank: a 1/N slice of each row under
     sequence parallelism) through `layers` decoder layers (default: all) and, with_head, the embedding, head and
     loss; None for a model type without a rule.
@@ -491,8 +491,8 @@ def activation_bytes(shape: ModelShape, tokens: int, seq_len: int, dtype_bytes: 
     fp32 head (fp32_head, grpo.cast_lm_head_to_fp32) in a bf16 run saves its input in fp32 (in place of the run
     dtype's) and an fp32 copy of its weight (4*V*h, once per micro-batch; none needed at ZeRO-0, whose weights are
     fp32: an upper bound there), and makes the logits in fp32 from the start, without the run-dtype logits beside
-    their fp32 copy. DPO's WPO weights (wpo, dpo.use_weighting) hold 12 bytes per token and vocabulary entry of a
-    chunk of WPO_CHUNK_TOKENS tokens at a time."""
+    their fp32 copy. DPO's token statistics and WPO weights (dpo_statistics, every DPO run) hold 12 bytes per token
+    and vocabulary entry of a chunk of DPO_CHUNK_TOKENS tokens at a time."""
     a, h, vocab = dtype_bytes, shape.hidden_size, shape.vocab_size
     per_layer = layer_bytes_per_token(shape, seq_len, a, attn_implementation, sequence_parallel, compiled)
     if per_layer is None:
@@ -513,8 +513,8 @@ def activation_bytes(shape: ModelShape, tokens: int, seq_len: int, dtype_bytes: 
     if with_head and fp32_head and a < 4:
         outside += (4 - a) * h - a * vocab
         transient += 4 * vocab * h
-    if with_head and wpo:
-        transient += min(tokens, WPO_CHUNK_TOKENS) * 12 * vocab
+    if with_head and dpo_statistics:
+        transient += min(tokens, DPO_CHUNK_TOKENS) * 12 * vocab
     if layers:
         transient += tokens * all_to_all_bytes_per_token(shape, a, expert_parallel)
     on_device = 1 if offload_checkpoints and layers else layers
@@ -559,7 +559,8 @@ def activations(recipe: Recipe, precision: str, shape: ModelShape, setting: str 
                                                        and recipe.moe.aux_loss_coef != 0),
                             compiled=recipe.compile is True and (setting is None or int(setting[0]) < 3),
                             entropy_gradient=recipe.grpo.entropy_bonus,
-                            fp32_head=recipe.grpo.cast_lm_head_to_fp32, wpo=recipe.dpo.use_weighting,
+                            fp32_head=recipe.grpo.cast_lm_head_to_fp32,
+                            dpo_statistics=recipe.training.traits.token_statistics,
                             **stage)
 
 

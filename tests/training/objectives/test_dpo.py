@@ -2,6 +2,7 @@
 same loss as unpacked), and the losses and rewards are the papers' formulas."""
 import math
 from types import SimpleNamespace
+from unittest.mock import patch
 
 import numpy as np
 import pytest
@@ -42,7 +43,7 @@ def test_packed_pairs_give_each_sequence_its_log_probability_alone(model, packin
     prompts = np.array([3, 1, 4, 2, 4])
     batch = pack_pairs(chosen, rejected, prompts, 64, 0, packing)
     with torch.no_grad():
-        logps, tokens, _ = pair_logps(model, batch, torch.device("cpu"))
+        logps, tokens, *_ = pair_logps(model, batch, torch.device("cpu"))
         expected = [[alone(model, c, p), alone(model, r, p)] for c, r, p in zip(chosen, rejected, prompts)]
     torch.testing.assert_close(logps, torch.tensor(expected), rtol=1e-5, atol=1e-5)
     assert tokens.tolist() == [[len(c) - p, len(r) - p] for c, r, p in zip(chosen, rejected, prompts)]
@@ -75,11 +76,37 @@ def test_ld_alpha_weighs_the_tokens_past_the_shorter_completion(model):
         logps = model(input_ids=ids).logits[0, :-1].float().log_softmax(-1).gather(1, ids[0, 1:, None])[prompt - 1:, 0]
         return float(logps[:shared].sum() + 0.3 * logps[shared:].sum())
     with torch.no_grad():
-        logps, tokens, _ = pair_logps(model, batch, torch.device("cpu"), ld_alpha=0.3)
+        logps, tokens, *_ = pair_logps(model, batch, torch.device("cpu"), ld_alpha=0.3)
         expected = [[weighted(c, p, min(len(c), len(r)) - p), weighted(r, p, min(len(c), len(r)) - p)]
                     for c, r, p in zip(chosen, rejected, prompts)]
     torch.testing.assert_close(logps, torch.tensor(expected), rtol=1e-5, atol=1e-5)
     assert tokens.tolist() == [[len(c) - p, len(r) - p] for c, r, p in zip(chosen, rejected, prompts)]
+
+
+def test_token_statistics_of_packed_pairs_are_each_sequence_alone(model):
+    """TRL's token metrics' sums (the policy's entropy, the logits' mean over the vocabulary, the target ranked first)
+    over each sequence's completion tokens: the same packed as alone, computed in chunks of fewer tokens than a row."""
+    rng = np.random.default_rng(5)
+    chosen = [rng.integers(3, 1000, length) for length in (12, 7, 20)]
+    rejected = [rng.integers(3, 1000, length) for length in (9, 15, 20)]
+    with torch.no_grad():
+        for position in range(6, 10):  # tokens the model ranks first, so that the count is tested, not only its zero
+            logits = model(input_ids=torch.from_numpy(chosen[0][:position])[None]).logits
+            chosen[0][position] = int(logits[0, -1].argmax())
+    prompts = np.array([4, 2, 5])
+    batch = pack_pairs(chosen, rejected, prompts, 64, 0, "bfd")
+
+    def alone(sequence: np.ndarray, prompt: int) -> list[float]:
+        ids = torch.from_numpy(sequence).long()[None]
+        logits = model(input_ids=ids).logits[0, :-1].double()[prompt - 1:]
+        entropy = torch.distributions.Categorical(logits=logits).entropy()
+        hits = logits.argmax(-1) == ids[0, prompt:]
+        return [float(entropy.sum()), float(logits.mean(-1).sum()), float(hits.sum())]
+    with torch.no_grad(), patch("training.objectives.dpo.DPO_CHUNK_TOKENS", 5):
+        statistics = pair_logps(model, batch, torch.device("cpu"), statistics=True).statistics
+        expected = torch.tensor([[alone(c, p), alone(r, p)] for c, r, p in zip(chosen, rejected, prompts)])
+    torch.testing.assert_close(statistics, expected.float(), rtol=1e-5, atol=1e-4)
+    assert statistics[0, 0, 2] >= 4
 
 
 def test_wpo_weights_packed_pairs_as_each_sequence_alone(model):
@@ -97,10 +124,11 @@ def test_wpo_weights_packed_pairs_as_each_sequence_alone(model):
         aligned = logps.gather(1, ids[0, prompt:, None])[:, 0] - (2 * logps).logsumexp(-1)
         return math.exp(float(aligned.mean()))
     with torch.no_grad():
-        logps, _, weights = pair_logps(model, batch, torch.device("cpu"), ld_alpha=0.3, weighting=True)
+        logps, _, _, weights = pair_logps(model, batch, torch.device("cpu"), ld_alpha=0.3, statistics=True,
+                                          weighting=True)
         expected = torch.tensor([[weight(c, p), weight(r, p)] for c, r, p in zip(chosen, rejected, prompts)])
     torch.testing.assert_close(weights, expected.float(), rtol=1e-5, atol=0)
-    assert not weights.requires_grad and pair_logps(model, batch, torch.device("cpu"))[2] is None
+    assert not weights.requires_grad and pair_logps(model, batch, torch.device("cpu"), statistics=True).weights is None
     reference = logps - 0.5
     plain, _ = pair_losses(logps, reference, torch.ones(3, 2), DpoSection(loss=["sigmoid", "hinge"]))
     weighted, _ = pair_losses(logps, reference, torch.ones(3, 2), DpoSection(loss=["sigmoid", "hinge"]), weights)

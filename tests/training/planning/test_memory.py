@@ -361,14 +361,17 @@ def test_the_entropy_bonus_keeps_what_the_plan_adds():
 
 
 @pytest.mark.parametrize("tokens", [300, 1500])
-def test_the_wpo_weights_take_what_the_plan_adds(tokens):
-    """DPO's use_weighting: its weights, computed without a gradient a chunk at a time, allocate what
-    activation_bytes(wpo) adds to the transient, within 1% (one chunk, or the whole batch when smaller)."""
-    from training.objectives.dpo import wpo_weights
+@pytest.mark.parametrize("weighting", [False, True])
+def test_the_dpo_token_statistics_take_what_the_plan_adds(tokens, weighting):
+    """DPO's token statistics (TRL's token metrics, and with use_weighting WPO's weights), computed without a gradient
+    a chunk at a time, allocate what activation_bytes(dpo_statistics) adds to the transient, within 1% (one chunk, or
+    the whole batch when smaller)."""
+    from training.objectives.dpo import token_statistics
     shape = model_shape(AutoConfig.for_model("llama", **CONFIGS["llama"], num_hidden_layers=LAYERS))
     logits = torch.randn(1, tokens + 1, shape.vocab_size, dtype=torch.bfloat16)
     labels, owners = torch.randint(0, shape.vocab_size, (1, tokens + 1)), torch.zeros(1, tokens + 1, dtype=torch.long)
-    measured = allocated_peak(lambda: wpo_weights(logits, labels, owners, torch.tensor([float(tokens)])))
-    planned = [activation_bytes(shape, tokens, SEQ_LEN, 2, "sdpa", wpo=wpo).without_checkpointing
-               for wpo in (False, True)]
+    measured = allocated_peak(lambda: token_statistics(logits, labels, owners, torch.tensor([float(tokens)]),
+                                                       weighting))
+    planned = [activation_bytes(shape, tokens, SEQ_LEN, 2, "sdpa", dpo_statistics=statistics).without_checkpointing
+               for statistics in (False, True)]
     assert planned[1] - planned[0] == pytest.approx(measured, rel=0.01)
