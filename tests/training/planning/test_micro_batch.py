@@ -9,6 +9,7 @@ import pytest
 
 import train
 from training.base.errors import ConfigError
+from training.planning.kernels import DPO_CHUNK_TOKENS
 from training.planning.micro_batch import choose_micro_batch
 from training.config.recipe import Recipe, load_recipe
 from training.models.model import load_model_config
@@ -71,14 +72,17 @@ def test_the_largest_divisor_that_fits_for_any_memory(ranks, setting, checkpoint
 
 
 def test_dpo_plans_two_rows_per_pair():
-    """Under DPO a micro-batch of m pairs is planned as 2m rows: the pairs that fit are half the rows that do."""
+    """Under DPO a micro-batch of m pairs is planned as 2m rows, and its token statistics' chunk: the pairs that fit are
+    half the rows that do."""
     machine = Machine(1, 1, 80 * 2**30, "--gpu-mem")
     config = load_model_config(llama_1b().model)
     rows, _ = choose_micro_batch(llama_1b("fused_loss=false"), config, "bf16", "1", machine, 1)  # DPO's loss: unfused
     pairs_recipe = load_recipe("tiny_llama_dpo", LLAMA_1B[2:])
     pairs, choice = choose_micro_batch(pairs_recipe, config, "bf16", "1", machine, 1)
     assert pairs.training.micro_batch_size == rows.training.micro_batch_size // 2
-    assert choice.planned_bytes == pytest.approx(planned(rows, "1", machine, 2 * pairs.training.micro_batch_size))
+    statistics = DPO_CHUNK_TOKENS * 12 * config.vocab_size
+    assert choice.planned_bytes == pytest.approx(planned(rows, "1", machine, 2 * pairs.training.micro_batch_size)
+                                                 + statistics)
 
 
 def test_micro_batch_1_not_fitting_exits_2_with_the_numbers_and_what_would_fit(no_model_building, capsys):
