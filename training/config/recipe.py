@@ -439,6 +439,13 @@ class GrpoSection(StrictModel):
                              f"{self.entropy_coef_max}: adaptive entropy control keeps the coefficient between them")
         return self
 
+    @model_validator(mode="after")
+    def completions_can_be_as_long_as_asked(self) -> "GrpoSection":
+        if self.generation_kwargs.min_new_tokens > self.max_completion_length:
+            raise ValueError(f"grpo.generation_kwargs.min_new_tokens={self.generation_kwargs.min_new_tokens} is above "
+                             f"grpo.max_completion_length={self.max_completion_length}: no completion could end")
+        return self
+
 
 class ExportSection(StrictModel):
     merge: bool = False  # with lora: also write the base weights with the adapters merged into them (hf/)

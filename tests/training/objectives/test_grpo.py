@@ -319,6 +319,12 @@ def test_grpo_refuses_before_anything_is_built(tmp_path, overrides, expected):
         Grpo.check(grpo_recipe(tmp_path, *overrides), None)
 
 
+def test_min_new_tokens_above_the_completion_length_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="grpo.generation_kwargs.min_new_tokens=20 is above "
+                                          "grpo.max_completion_length=16: no completion could end"):
+        grpo_recipe(tmp_path, "grpo.generation_kwargs.min_new_tokens=20")
+
+
 def test_a_generation_kwargs_token_beyond_the_vocabulary_is_named(tmp_path):
     recipe = grpo_recipe(tmp_path, "grpo.generation_kwargs.bad_words_ids=[[5, 4096]]")
     Grpo.check(recipe, SimpleNamespace(vocab_size=4097))
