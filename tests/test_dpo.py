@@ -80,9 +80,27 @@ def wpo_weight(model, ids: torch.Tensor, start: int) -> torch.Tensor:
         return (logps.gather(1, ids[start:, None])[:, 0] - (probabilities ** 2).sum(-1).log()).mean().exp()
 
 
+def token_metrics(model, pairs) -> dict:
+    """TRL's token metrics of the pairs, from each sequence alone: the policy's entropy over every completion token,
+    the logits' mean over the vocabulary per completion token of the chosen and of the rejected, and the share of the
+    chosen tokens the policy ranks first."""
+    sums = torch.zeros(2, 4, dtype=torch.float64)  # [chosen, rejected] x [entropy, mean logit, hits, tokens]
+    with torch.no_grad():
+        for pair in pairs:
+            for side, (ids, start) in enumerate(pair):
+                logits = model(input_ids=ids[None]).logits[0, :-1].double()[start - 1:]
+                entropy = torch.distributions.Categorical(logits=logits).entropy()
+                hits = logits.argmax(-1) == ids[start:]
+                sums[side] += torch.stack([entropy.sum(), logits.mean(-1).sum(), hits.sum(), torch.tensor(len(hits))])
+    return {"entropy": (sums[:, 0].sum() / sums[:, 3].sum()).item(),
+            "logits/chosen": (sums[0, 1] / sums[0, 3]).item(), "logits/rejected": (sums[1, 1] / sums[1, 3]).item(),
+            "mean_token_accuracy": (sums[0, 2] / sums[0, 3]).item()}
+
+
 def reference_loop(base: Path, steps: int, lora: bool = False, ipo: bool = False, sft: float = 0.0,
                    wpo: bool = False, sync: bool = False) -> list[dict]:
-    """Each step's loss, rewards and log-probabilities, and the evaluation's at steps 2, 4, 6 (after the update).
+    """Each step's loss, rewards, log-probabilities and token metrics, and the evaluation's loss at steps 2, 4, 6
+    (after the update).
     ipo: IPO's loss, on the log-ratios' means over the completion tokens. sft: the weight of the chosen completions'
     negative log-likelihood, a mean over all their tokens, added to the pairs' mean loss (TRL's sft loss type). wpo:
     each pair's loss times its two sequences' WPO weights. sync: after every SYNC_STEPS-th step the frozen reference
@@ -125,6 +143,7 @@ def reference_loop(base: Path, steps: int, lora: bool = False, ipo: bool = False
     fixed = {"train": reference(train), "eval": reference(held_out)}
     records = []
     for step in range(1, steps + 1):
+        before = token_metrics(policy, train)
         loss, rewards, logps = losses(train, fixed["train"])
         loss.backward()
         optimizer.step()
@@ -137,7 +156,8 @@ def reference_loop(base: Path, steps: int, lora: bool = False, ipo: bool = False
         records.append({"step": step, "loss": loss.item(), "rewards/chosen": rewards[:, 0].mean().item(),
                         "rewards/rejected": rewards[:, 1].mean().item(),
                         "rewards/margins": (rewards[:, 0] - rewards[:, 1]).mean().item(),
-                        "logps/chosen": logps[:, 0].mean().item(), "logps/rejected": logps[:, 1].mean().item()})
+                        "logps/chosen": logps[:, 0].mean().item(), "logps/rejected": logps[:, 1].mean().item(),
+                        **before})
         if step % 2 == 0:
             with torch.no_grad():
                 records[-1]["eval_loss"] = losses(held_out, fixed["eval"])[0].item()

@@ -43,6 +43,7 @@ from training.state.output_dir import REFERENCE_FILE
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
            "logps/rejected")  # means over pairs
+PAIRS = len(METRICS)  # where PreferenceLoss's sums hold the pairs' count, after METRICS's sums
 TOKEN_METRICS = ("entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy")  # means over target tokens:
 # chosen and rejected, chosen, rejected, chosen
 
@@ -293,8 +294,8 @@ class PreferenceLoss:
     def metrics(self, prefix: str = "") -> dict:
         """The means over every pair, or every target token, every rank has seen since start_step."""
         sums = distributed.all_reduce(self.sums.clone())
-        pairs, (entropy, chosen_logits, rejected_logits, hits, tokens, chosen, rejected) = sums[6], sums[7:]
-        means = [*(sums[:6] / pairs), entropy / tokens, chosen_logits / chosen, rejected_logits / rejected,
+        pairs, (entropy, chosen_logits, rejected_logits, hits, tokens, chosen, rejected) = sums[PAIRS], sums[PAIRS + 1:]
+        means = [*(sums[:PAIRS] / pairs), entropy / tokens, chosen_logits / chosen, rejected_logits / rejected,
                  hits / chosen]
         return {f"{prefix}{name}": mean.item() for name, mean in zip(METRICS + TOKEN_METRICS, means, strict=True)}
 
@@ -309,7 +310,8 @@ class PreferenceLoss:
                 terms += self.terms(engine, batch).double()
         engine.train()
         metrics = self.metrics("eval_")
-        pair_loss, chosen_logps, chosen_tokens, pairs = distributed.all_reduce(torch.cat([terms, self.sums[6:7]]))
+        pair_loss, chosen_logps, chosen_tokens, pairs = distributed.all_reduce(
+            torch.cat([terms, self.sums[PAIRS:PAIRS + 1]]))
         self.start_step()
         sft = -self.sft_weight * chosen_logps / chosen_tokens if self.sft_weight else 0.0
         return {"eval_loss": float(pair_loss / pairs + sft), **metrics}
