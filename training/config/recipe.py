@@ -234,6 +234,17 @@ SORTED_LOSSES = {"aot", "aot_unpaired"}  # over a micro-batch's pairs, sorted
 F_DIVERGENCE_LOSSES = {"sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft"}
 
 
+TRL_SHARED_NAMES = {  # DPOConfig's and GRPOConfig's alike, for the unknown-key error: where they live here
+    "model_init_kwargs": "the model section builds the model (model.name_or_path, model.attn_implementation, "
+                         "model.trust_remote_code) in the run's precision",
+    "trust_remote_code": "write model.trust_remote_code",
+    "router_aux_loss_coef": "write moe.aux_loss_coef (0 with dpo and grpo: their losses have no place for the "
+                            "router's)",
+    "pad_to_multiple_of": "rows are data.seq_len long when packed (data.packing), else padded to the micro-batch's "
+                          "longest",
+}
+
+
 class DpoSection(StrictModel):
     """training.objective=dpo (training/objectives/dpo.py): the preference loss against a frozen reference, the
     starting model (its log-probabilities computed once, before step 1) or, with LoRA, the base without adapters."""
@@ -265,6 +276,12 @@ class DpoSection(StrictModel):
         "padding_free": "write data.packing (bfd packs the pairs' sequences whole)",
         "precompute_ref_log_probs": "the reference is always precomputed without LoRA (a pass before step 1, "
                                     "reference_logps.npz)",
+        "precompute_ref_batch_size": "the reference pass runs in the training layout's micro-batches "
+                                     "(training.micro_batch_size)",
+        "dataset_num_proc": "write data.num_proc",
+        "activation_offloading": "write long_context.offload_checkpoints (with activation_checkpointing: true)",
+        "pad_token": "the tokenizer's pad token is used, else its EOS (tokenizer.name_or_path names the tokenizer)",
+        **TRL_SHARED_NAMES,
     }
 
     @property
@@ -418,12 +435,22 @@ class GrpoSection(StrictModel):
                         "write grpo.log_completions_every (steps between samples in completions.jsonl)"),
         "shuffle_dataset": "the prompts are always shuffled, seeded by training.seed",
         **dict.fromkeys(("use_vllm", "vllm_mode", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size",
-                         "vllm_importance_sampling_correction"),
+                         "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+                         "vllm_importance_sampling_cap", "vllm_importance_sampling_clip_min",
+                         "vllm_importance_sampling_clip_max", "vllm_model_impl", "vllm_enable_sleep_mode",
+                         "vllm_max_model_length", "vllm_structured_outputs_regex", "vllm_server_base_url",
+                         "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port"),
                         "not built: no vLLM release installs beside this product's pins; generation runs on "
                         "transformers' generate (docs/grpo.md)"),
-        **dict.fromkeys(("use_transformers_paged", "use_transformers_continuous_batching"),
+        **dict.fromkeys(("use_transformers_paged", "use_transformers_continuous_batching",
+                         "transformers_continuous_batching_config"),
                         "not built: generation runs on transformers' generate, batched"),
+        "cache_implementation": "not built: generate's default KV cache (dynamic), which the memory plan counts",
         "max_tool_calling_iterations": "not built: tool calling",
+        **dict.fromkeys(("log_unique_prompts", "log_completions_hub_repo"),
+                        "write grpo.log_completions_every (samples in the run's completions.jsonl)"),
+        "log_multimodal": "not built: prompts and completions are text",
+        **TRL_SHARED_NAMES,
     }
 
     @property
