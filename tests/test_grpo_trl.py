@@ -178,7 +178,7 @@ def our_logs(tmp_path, monkeypatch, base, loss_type, beta, iterations, accumulat
     from transformers import AutoTokenizer
     table = completion_table(AutoTokenizer.from_pretrained(base))
 
-    def sample(model, prompts, seeds, section, eos_id, pad_id, synced):
+    def sample(model, prompts, seeds, section, eos_id, pad_id, synced, tokenizer=None):
         completions = fixed_completions(table, prompts)
         return ([torch.tensor(ids) for ids in completions],
                 [ids[-1] != eos_id and len(ids) == section.max_completion_length for ids in completions])
