@@ -146,6 +146,22 @@ def save_small_checkpoint(path: Path, **save_options) -> None:
     AutoTokenizer.from_pretrained(REPO / "recipes/tiny_llama/tokenizer").save_pretrained(path)
 
 
+def save_small_reward_model(path: Path) -> None:
+    """A reward model of SMALL_MODEL's architecture: a sequence classifier with one label (TRL's), seeded random
+    weights whose score head gives completions rewards of different sizes, and tiny_llama's tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+    config = AutoConfig.from_pretrained(REPO / "recipes/tiny_llama/config.json", num_hidden_layers=2, hidden_size=64,
+                                        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                        head_dim=16, num_labels=1)
+    torch.manual_seed(11)
+    model = AutoModelForSequenceClassification.from_config(config)
+    with torch.no_grad():
+        model.score.weight.normal_(0, 1.0)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(REPO / "recipes/tiny_llama/tokenizer").save_pretrained(path)
+
+
 def launch_in(command) -> str | None:
     """What a command line starts that only the slow tier may start: train.py or a script of tests/helpers/ (which
     wrap train.py or run under the launcher), the deepspeed or accelerate launcher, or a datatrove job; None for

@@ -27,7 +27,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.conftest import REPO, run_train, save_small_checkpoint, train_in_process
+from tests.conftest import REPO, run_train, save_small_checkpoint, save_small_reward_model, train_in_process
 from training.state.output_dir import COMPLETIONS_FILE
 
 pytestmark = pytest.mark.slow
@@ -44,6 +44,7 @@ def metrics(out: Path) -> list[dict]:
 def runs(tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("grpo")
     save_small_checkpoint(folder / "base")
+    save_small_reward_model(folder / "judge")
     (folder / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     common = ["--recipe", "tiny_llama_grpo", f"model.name_or_path={folder / 'base'}",
               f"data.sources=[{{path: {folder / 'prompts.jsonl'}}}]", f"data.cache_dir={folder / 'cache'}",
@@ -51,8 +52,11 @@ def runs(tmp_path_factory) -> dict:
               "training.micro_batch_size=8", "training.global_batch_size=16", "training.lr=1e-3",
               "training.schedule=constant", "training.warmup_steps=0", "logging.every_steps=1", "precision=fp32",
               "logging.report_to=[]", "grpo.log_completions_every=1", f"training.max_steps={STEPS}", "grpo.beta=0.04",
-              # the small random model's answers are rarely numbers: a length penalty makes every group's rewards differ
-              "grpo.rewards=[{function: length_penalty, params: {target: 40}}, {function: exact_answer}]",
+              # the small random model's answers are rarely numbers: a length penalty makes every group's rewards
+              # differ; and a reward model (a whole copy on each rank, scoring a group at a time: the same rewards
+              # exactly under every layout)
+              "grpo.rewards=[{function: length_penalty, params: {target: 40}}, {function: exact_answer}, "
+              f"{{model: {folder / 'judge'}, weight: 0.1}}]",
               # 3 prompts held out, evaluated by generation at steps 2 and 4 (on 2 ranks the second's batch padded)
               "data.eval={fraction: 0.2}", "training.eval_every_steps=2",
               "grpo.num_generations_eval=2",  # 2 completions of each (TRL's num_generations_eval), 4 in training
@@ -110,6 +114,7 @@ def test_grpo_takes_the_same_steps_on_one_rank_and_under_zero3(runs):
     whole = metrics(runs["whole"])
     assert len(whole) == STEPS and all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in whole)
     assert any(r["reward_std"] > 0 for r in whole)  # the groups' rewards differ: there is something to learn
+    assert all(r["rewards/judge/std"] > 0 for r in whole)  # the reward model scores completions apart
     assert [r["step"] for r in whole if "eval_reward" in r] == [2, 4]
     # sampling is inside the first step of each generation, and the second trains on what it sampled
     assert all(0 < r["generation_time_s"] < r["step_time_s"] for r in whole[::2])

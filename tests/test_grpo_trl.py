@@ -35,6 +35,8 @@ the masked case's grad_norm):
   it changes the loss). top_entropy_quantile is proven there only: this random model's token entropies lie within
   2e-3 of each other, and the 1e-6 by which TRL's forward and ours round them apart reorders neighbours at the
   quantile (seen: step 2's threshold token differs);
+- a reward model beside the functions (a sequence classifier with one label, from its path on both sides: TRL's
+  AutoModelForSequenceClassification, ours training/objectives/rewards.py RewardModel): its rewards/judge/* equal;
 - reward, rewards/<fn>/{mean,std}, frac_reward_zero_std, completions/*: of the generation; TRL logs them only on
   steps that generate (with num_iterations=2 every other step), ours repeats them: compared where TRL has them;
 - gradient accumulation 2 (dapo): TRL shuffles the generation batch before cutting it into micro-batches
@@ -53,7 +55,7 @@ import json
 import pytest
 import torch
 
-from tests.conftest import save_small_checkpoint, train_in_process
+from tests.conftest import save_small_checkpoint, save_small_reward_model, train_in_process
 from tests.helpers.trl_state import left_as_found
 
 GENERATIONS, MAX_COMPLETION, TEMPERATURE, STEPS = 4, 6, 0.7, 3
@@ -104,7 +106,10 @@ CASES = [  # loss_type, beta, num_iterations, gradient accumulation steps, other
     # one generation of both prompts' groups for 2 optimizer steps of one group each (TRL's steps_per_generation 2):
     # step 2 is off the policy, and dapo divides each step by the generation's tokens / 2
     pytest.param("dapo", 0.04, 1, 1, {"generation_batch_size": 8}, id="dapo-beta0.04-generation-of-2-steps"),
+    # a third reward from a reward model (a sequence classifier with one label, TRL's reward_funcs given its path)
+    pytest.param("grpo", 0.04, 1, 1, {"reward_model": True}, id="grpo-reward-model-beta0.04"),
 ]
+JUDGE_WEIGHT = 0.1  # the reward model's: its random scores span about 20
 
 
 def steps_of(settings: dict) -> tuple[int, int]:
@@ -118,6 +123,13 @@ def steps_of(settings: dict) -> tuple[int, int]:
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("base")
     save_small_checkpoint(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def judge(tmp_path_factory):
+    path = tmp_path_factory.mktemp("models") / "judge"
+    save_small_reward_model(path)
     return path
 
 
@@ -152,9 +164,10 @@ def fixed_completions(table, prompt_ids: list) -> list[list[int]]:
     return [table[tuple(int(t) for t in ids)][row % GENERATIONS] for row, ids in enumerate(prompt_ids)]
 
 
-def recipe_yaml(base, prompts, cache, loss_type, beta, iterations, accumulation, settings) -> str:
-    rewards = ", ".join(f"{{function: {name}, params: {json.dumps(params)}, weight: {weight}}}"
-                        for name, params, weight in REWARDS)
+def recipe_yaml(base, prompts, cache, loss_type, beta, iterations, accumulation, settings, judge=None) -> str:
+    rewards = ", ".join([f"{{function: {name}, params: {json.dumps(params)}, weight: {weight}}}"
+                         for name, params, weight in REWARDS] + ([f"{{model: {judge}, weight: {JUDGE_WEIGHT}}}"]
+                                                                 if judge else []))
     batch, steps = steps_of(settings)
     return f"""
 model: {{name_or_path: {base}}}
@@ -173,7 +186,8 @@ stability: {{enabled: false}}
 """
 
 
-def our_logs(tmp_path, monkeypatch, base, loss_type, beta, iterations, accumulation, settings) -> list[dict]:
+def our_logs(tmp_path, monkeypatch, base, loss_type, beta, iterations, accumulation, settings,
+             judge=None) -> list[dict]:
     import training.objectives.grpo as grpo
     from transformers import AutoTokenizer
     table = completion_table(AutoTokenizer.from_pretrained(base))
@@ -188,13 +202,14 @@ def our_logs(tmp_path, monkeypatch, base, loss_type, beta, iterations, accumulat
     data.write_text("".join(json.dumps(row) + "\n" for row in PROMPTS))
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(recipe_yaml(base, data, tmp_path / "cache", loss_type, beta, iterations, accumulation,
-                                  settings))
+                                  settings, judge))
     result = train_in_process(["--recipe", str(recipe), "--output-dir", str(tmp_path / "run")])
     assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-2000:]
     return [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
 
 
-def trl_logs(tmp_path, monkeypatch, base, loss_type, beta, iterations, accumulation, settings) -> list[dict]:
+def trl_logs(tmp_path, monkeypatch, base, loss_type, beta, iterations, accumulation, settings,
+             judge=None) -> list[dict]:
     import datasets
     import trl.trainer.grpo_trainer
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -210,7 +225,8 @@ def trl_logs(tmp_path, monkeypatch, base, loss_type, beta, iterations, accumulat
                       max_completion_length=MAX_COMPLETION, temperature=TEMPERATURE, loss_type=loss_type, beta=beta,
                       epsilon=EPSILON, **{"epsilon_high": EPSILON_HIGH, **settings}, scale_rewards="group",
                       num_iterations=iterations,
-                      reward_weights=[weight for *_, weight in REWARDS], max_steps=steps, learning_rate=LR,
+                      reward_weights=[weight for *_, weight in REWARDS] + ([JUDGE_WEIGHT] if judge else []),
+                      max_steps=steps, learning_rate=LR,
                       lr_scheduler_type="constant", warmup_steps=0, weight_decay=WEIGHT_DECAY, adam_beta1=BETAS[0],
                       adam_beta2=BETAS[1], adam_epsilon=EPS, optim="adamw_torch", max_grad_norm=GRAD_CLIP,
                       logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False, fp16=False,
@@ -218,7 +234,8 @@ def trl_logs(tmp_path, monkeypatch, base, loss_type, beta, iterations, accumulat
     with left_as_found():
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
         optimizer = torch.optim.AdamW(weight_decay_groups(model, WEIGHT_DECAY), lr=LR, betas=BETAS, eps=EPS)
-        trainer = GRPOTrainer(model=model, reward_funcs=[load_reward(name, params) for name, params, _ in REWARDS],
+        trainer = GRPOTrainer(model=model, reward_funcs=[load_reward(name, params) for name, params, _ in REWARDS]
+                              + ([str(judge)] if judge else []),
                               args=args, train_dataset=datasets.Dataset.from_list([PROMPTS[i] for i in our_order()]),
                               processing_class=tokenizer,
                               optimizers=(optimizer, None))
@@ -229,11 +246,13 @@ def trl_logs(tmp_path, monkeypatch, base, loss_type, beta, iterations, accumulat
 
 @pytest.mark.slow
 @pytest.mark.parametrize("loss_type, beta, iterations, accumulation, settings", CASES)
-def test_grpo_matches_trl_step_by_step(tmp_path, monkeypatch, checkpoint, loss_type, beta, iterations, accumulation,
-                                       settings):
+def test_grpo_matches_trl_step_by_step(tmp_path, monkeypatch, checkpoint, judge, loss_type, beta, iterations,
+                                       accumulation, settings):
+    scored_by = judge if settings.get("reward_model") else None
+    settings = {key: value for key, value in settings.items() if key != "reward_model"}
     case = (loss_type, beta, iterations, accumulation, settings)
-    ours = our_logs(tmp_path, monkeypatch, checkpoint, *case)
-    theirs = trl_logs(tmp_path, monkeypatch, checkpoint, *case)
+    ours = our_logs(tmp_path, monkeypatch, checkpoint, *case, judge=scored_by)
+    theirs = trl_logs(tmp_path, monkeypatch, checkpoint, *case, judge=scored_by)
     batch, steps = steps_of(settings)
     generate_every = iterations * settings.get("generation_batch_size", batch) // batch
     assert [r["step"] for r in ours] == [log["step"] for log in theirs] == list(range(1, steps + 1))
@@ -256,7 +275,8 @@ def test_grpo_matches_trl_step_by_step(tmp_path, monkeypatch, checkpoint, loss_t
         assert ("kl" in ours[step - 1]) == bool(beta), f"step {step}"
         generated = (step - 1) % generate_every == 0
         assert ("reward" in theirs[step - 1]) == generated, f"step {step}: TRL generates every {generate_every} step(s)"
-        for name in GENERATION_METRICS if generated else ():
+        judged = ("rewards/judge/mean", "rewards/judge/std") if scored_by else ()
+        for name in GENERATION_METRICS + judged if generated else ():
             compare(name, step)
     print(f"\n{'-'.join(map(str, case[:4]))} {settings}: "
           + ", ".join(f"{name} {value:.1e}" for name, value in differences.items()))
@@ -266,6 +286,8 @@ def test_grpo_matches_trl_step_by_step(tmp_path, monkeypatch, checkpoint, loss_t
     assert ours[0]["grad_norm"] > GRAD_CLIP, "clipping exercised, shaping the later steps"
     assert ours[0]["frac_reward_zero_std"] == 0, "rewards differ within each group"
     assert ours[0]["completions/clipped_ratio"] == 0.25, "truncated completions among them"
+    if scored_by:
+        assert ours[0]["rewards/judge/std"] > 1, "the reward model scores the completions apart"
     if beta:  # a synced reference follows the policy: 0.4 of its distance left after every step
         assert ours[-1]["kl"] > (1e-3 if settings.get("sync_ref_model") else 0.05), "the policy moved away from it"
     if settings.get("use_adaptive_entropy"):

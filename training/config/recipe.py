@@ -316,11 +316,22 @@ class DpoSection(StrictModel):
 
 
 class RewardSpec(StrictModel):
-    """One reward function of grpo.rewards (training/objectives/rewards.py)."""
-    function: str  # a built-in (exact_answer, format_regex, length_penalty) or module:function, TRL's signature;
-    # a module beside the recipe's YAML is found by its name
+    """One reward function of grpo.rewards (training/objectives/rewards.py): a function, or a reward model."""
+    function: str | None = None  # a built-in (exact_answer, format_regex, length_penalty) or module:function, TRL's
+    # signature; a module beside the recipe's YAML is found by its name
+    model: HubIdOrPath | None = None  # or a reward model (TRL's, named in reward_funcs): a sequence classifier
+    # checkpoint with one label, whose logit scores each prompt and completion (a local folder, or a hub id)
     weight: float = 1.0  # the rewards' weighted sum is the reward the advantages are taken of
     params: dict[str, Any] = {}  # keyword arguments: a built-in's settings, or passed to the callable
+
+    @model_validator(mode="after")
+    def a_function_or_a_model(self) -> "RewardSpec":
+        if (self.function is None) == (self.model is None):
+            raise ValueError("a reward names a function or a model, one of them: {function: exact_answer} or "
+                             "{model: path/to/reward_model}")
+        if self.model is not None and self.params:
+            raise ValueError("a reward model takes no params (they are a function's keyword arguments)")
+        return self
 
 
 class GenerationKwargs(StrictModel):

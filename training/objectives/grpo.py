@@ -50,23 +50,35 @@ from training.objectives.grpo_loss import (CLIPPED, EXTREMES, STEP_TOKEN_MEAN, E
                                            entropy_threshold, group_advantages, grpo_loss, kept_tokens, metric_means,
                                            nanstd, normalized_sum_advantages, token_logps, weighted_rewards)
 from training.objectives.reference import SyncedReference, load_reference, partitioned, reference_place, synced_note
-from training.objectives.rewards import load_reward, score
+from training.objectives.rewards import RewardModel, load_reward, score
 from training.parallel import distributed
 from training.planning.flops import flops_per_token, gpu_spec
 from training.planning.kernels import replaced_head
-from training.planning.memory import decoding_reads, generation
+from training.planning.memory import decoding_reads, generation, reward_model_bytes
 from training.planning.plan import RunPlan
-from training.planning.precision import weights_dtype
+from training.planning.precision import DTYPES, weights_dtype
 from training.planning.report import format_bytes
+from training.planning.shape import reward_model_shape
 from training.state.output_dir import COMPLETIONS_FILE
 
 
-def reward_functions(recipe: Recipe) -> list:
-    """grpo.rewards loaded (a module beside the recipe's YAML found by its name); a ConfigError names a bad one."""
+def reward_functions(recipe: Recipe, device: torch.device | None = None, dtype: torch.dtype | None = None) -> list:
+    """grpo.rewards loaded (a module beside the recipe's YAML found by its name), and its reward models built on
+    `device` in `dtype` (without a device only their configs are read: the check before anything is built); a
+    ConfigError names a bad one."""
     folder = str(Path(recipe.path).resolve().parent)
     if folder not in sys.path:
         sys.path.append(folder)
-    return [load_reward(spec.function, spec.params) for spec in recipe.grpo.rewards]
+    functions = []
+    for spec in recipe.grpo.rewards:
+        if spec.function:
+            functions.append(load_reward(spec.function, spec.params))
+        elif device is None:
+            reward_model_shape(spec.model, recipe.model.trust_remote_code)
+        else:
+            functions.append(RewardModel(spec.model, recipe.grpo.num_generations, device, dtype,
+                                         recipe.model.trust_remote_code, recipe.grpo.chat_template_kwargs))
+    return functions
 
 
 def sampling_seed(seed: int, generation: int, row: int, index: int, evaluation: bool = False) -> int:
@@ -299,7 +311,8 @@ def loss_lines(section: GrpoSection, steps: int = 1) -> list[str]:
         (settings.beta and not settings.use_bias_correction_kl, "KL without the ratio")) if setting]
     lines = [f"GRPO: loss {settings.loss_type} ({', '.join(extras)}), beta {settings.beta:g}, epsilon "
              f"{settings.epsilon_low:g}/{settings.epsilon_high:g}, {steps * section.num_iterations} step(s) per "
-             f"generation; rewards: " + ", ".join(f"{spec.function} x {spec.weight:g}" for spec in section.rewards)]
+             f"generation; rewards: " + ", ".join(f"{spec.function or spec.model} x {spec.weight:g}"
+                                                   for spec in section.rewards)]
     level = settings.importance_sampling_level
     if settings.loss_type == "luspo" and level == "token":
         lines.append("note (TRL warns alike): luspo is meant with importance_sampling_level=sequence, GSPO's ratio")
@@ -469,7 +482,11 @@ class Grpo(Objective):
                 f"({format_bytes(memory.prefill)}) and the last decoding pass ({format_bytes(memory.decoding)}, of "
                 f"which KV cache {format_bytes(memory.kv_cache)})"
                 + (f" + the whole weights gathered ({format_bytes(memory.gathered_weights)})"
-                   if memory.gathered_weights else ""),
+                   if memory.gathered_weights else "")
+                + (f"; or a reward model's pass over one group, if larger ({format_bytes(memory.scoring)})"
+                   if memory.scoring else ""),
+                *([f"reward models: a whole frozen copy on each rank, {format_bytes(models)} in the model states"]
+                  if (models := reward_model_bytes(plan.recipe, plan.precision)) else []),
                 generation_cost(plan, per_rank)]
 
     def batches(self, prepared, rank: int) -> tuple[PromptBatches, EvalPromptBatches | None]:
@@ -486,7 +503,7 @@ class Grpo(Objective):
 
     def start(self, engine: deepspeed.DeepSpeedEngine, batches, evaluation, resume: bool) -> None:
         plan, grpo = self.plan, self.section
-        self.functions = reward_functions(plan.recipe)
+        self.functions = reward_functions(plan.recipe, engine.device, DTYPES[plan.precision])
         self.names = [function.__name__ for function in self.functions]
         self.weights = [spec.weight for spec in grpo.rewards]
         self.eos_id, self.pad_id = plan.tokenizer.eos_token_id, pad_token_id(plan.tokenizer)

@@ -14,6 +14,9 @@ Built-ins, each named by load_reward with its parameters:
   newlines too), else 0.0.
 - length_penalty(target): -min(1, |characters - target| / target): 0 at the target length in characters, down to -1
   at an empty completion or at twice the target and beyond.
+
+A reward model (RewardModel, TRL's reward_funcs given a model) scores each prompt and completion with a sequence
+classifier's one logit.
 """
 import functools
 import importlib
@@ -25,6 +28,7 @@ from collections.abc import Callable, Sequence
 from fractions import Fraction
 
 import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from training.base.errors import ConfigError, DataError
 
@@ -181,3 +185,39 @@ def score(functions: Sequence[RewardFunction], prompts: list, completions: list,
                        getattr(function, "__name__", type(function).__name__), len(prompts))
                for function in functions]
     return torch.tensor(columns, dtype=torch.float32).reshape(len(functions), len(prompts)).T
+
+
+class RewardModel:
+    """TRL's reward model: a sequence classifier with one label (AutoModelForSequenceClassification, num_labels=1),
+    whose logit at each sequence's last token is its reward. A chat prompt and its completion are rendered by the
+    reward model's own tokenizer's chat template (with grpo.chat_template_kwargs), a string prompt is joined to its
+    completion; tokenized without special tokens added and right-padded, its pad token the EOS where it has none, as
+    TRL's. Frozen, in the run's dtype, a whole copy on each rank. It scores one group (`group` completions of a prompt,
+    which come together) per pass, so that a completion's reward does not depend on which others share its rank."""
+
+    def __init__(self, name_or_path: str, group: int, device: torch.device, dtype: torch.dtype,
+                 trust_remote_code: bool, chat_template_kwargs: dict):
+        self.model = AutoModelForSequenceClassification.from_pretrained(
+            name_or_path, num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code).to(device).eval()
+        self.model.requires_grad_(False)
+        self.tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model.config.get_text_config().pad_token_id = self.tokenizer.pad_token_id  # where each row ends
+        self.group, self.device, self.chat_template_kwargs = group, device, chat_template_kwargs
+        self.__name__ = name_or_path.rstrip("/").rsplit("/", 1)[-1]  # TRL's: rewards/<name>/mean
+
+    def text(self, prompt: str | list[dict], completion: str | list[dict]) -> str:
+        if isinstance(prompt, str):
+            return prompt + completion
+        return self.tokenizer.apply_chat_template(prompt + completion, tokenize=False, **self.chat_template_kwargs)
+
+    def __call__(self, prompts: list, completions: list, **_) -> list[float]:
+        texts = [self.text(prompt, completion) for prompt, completion in zip(prompts, completions, strict=True)]
+        rewards = []
+        for start in range(0, len(texts), self.group):
+            inputs = self.tokenizer(text=texts[start:start + self.group], return_tensors="pt", padding=True,
+                                    padding_side="right", add_special_tokens=False).to(self.device)
+            with torch.inference_mode():
+                rewards += self.model(**inputs).logits[:, 0].float().tolist()
+        return rewards

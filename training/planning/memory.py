@@ -57,7 +57,7 @@ from training.planning.layout import EXPERT_PARALLEL_STAGES
 from training.planning.optimizer_states import optimizer_state_bytes
 from training.planning.plan import Machine, RunPlan
 from training.planning.precision import DTYPES, is_mixed, weights_dtype
-from training.planning.shape import ModelShape
+from training.planning.shape import ModelShape, reward_model_parameters, reward_model_shape
 
 ZERO_SETTINGS = ("0", "1", "2", "3", "2_offload", "3_offload")  # named as the ds_configs/zero*.json files
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")  # the MoE ones with their own MLP term
@@ -194,6 +194,20 @@ def reference_bytes(recipe: Recipe, precision: str, shape: ModelShape, stage: in
     return whole / ranks if stage == 3 else whole
 
 
+def reward_models(recipe: Recipe) -> list[ModelShape]:
+    """The shapes of GRPO's reward models (grpo.rewards' model entries)."""
+    if not recipe.training.traits.generates:
+        return []
+    return [reward_model_shape(spec.model, recipe.model.trust_remote_code) for spec in recipe.grpo.rewards
+            if spec.model]
+
+
+def reward_model_bytes(recipe: Recipe, precision: str) -> float:
+    """GRPO's reward models per rank (training/objectives/rewards.py, RewardModel): each a whole frozen copy on every
+    rank, in the run's dtype."""
+    return sum(reward_model_parameters(shape) for shape in reward_models(recipe)) * DTYPES[precision].itemsize
+
+
 @dataclass(frozen=True)
 class Generation:
     """What a GRPO generation holds per rank beside the model states (generation)."""
@@ -201,10 +215,11 @@ class Generation:
     prefill: float  # the prompts' pass: their KV cache and one layer's working set
     decoding: float  # the last decoding pass: the whole KV cache, its growth and the sampling's buffers
     gathered_weights: float  # ZeRO-3 with grpo.ds3_gather_for_generation: the whole weights, gathered
+    scoring: float = 0.0  # a reward model's pass over one group, after the generation's memory is freed
 
     @property
     def total(self) -> float:
-        return max(self.prefill, self.decoding) + self.gathered_weights
+        return max(max(self.prefill, self.decoding) + self.gathered_weights, self.scoring)
 
 
 def kv_cache_bytes(shape: ModelShape, itemsize: int, rows: int, tokens: int) -> float:
@@ -242,6 +257,10 @@ def generation(recipe: Recipe, precision: str, shape: ModelShape, stage: int, ra
       With grpo.cast_lm_head_to_fp32 in a run whose weights are not fp32, each pass's fp32 copy of the head's weight
       (4*V*h) is live while the head runs: in prefill, and in decoding in place of the sampling's copies (when larger)
       beside 3 of them (the head's logits, and the previous pass's two that generate still holds).
+    A reward model (grpo.rewards' model) scores one group of G = num_generations sequences of at most seq_len (s)
+    tokens at a time, after the generation's memory is freed, without a gradient, its own shape's:
+      scoring:   G*s*((3i + 6h + 2d)*a + s)   (one layer's working set, as in prefill, without a KV cache; the
+                                              2 more hidden-wide tensors measured on CPU, 3-4% above it)
     Read off transformers' Llama modules and generate, and checked against a measurement of the allocations on CPU
     (tests/training/planning/test_memory.py). Not counted: the attention's p x p scores, which CPU's math kernel
     makes for a padded batch and CUDA's memory-efficient kernel does not."""
@@ -262,21 +281,27 @@ def generation(recipe: Recipe, precision: str, shape: ModelShape, stage: int, ra
     sampling = logits * (7 + warper + processors) + 8 * shape.vocab_size * processors
     whole = shape.parameters * a if stage == 3 and grpo.ds3_gather_for_generation else 0.0
     head = 4 * shape.vocab_size * shape.hidden_size if grpo.cast_lm_head_to_fp32 and a < 4 else 0.0
-    return Generation(kv_cache(seq_len),
-                      kv_cache(prompt) + completions * prompt * ((3 * shape.intermediate_size + 4 * shape.hidden_size
-                                                                  + 2 * shape.head_dim) * a + prompt) + head,
+    def layer_pass(model: ModelShape, rows: int, tokens: int, itemsize: int, hidden_wide: int) -> float:
+        return rows * tokens * ((3 * model.intermediate_size + hidden_wide * model.hidden_size + 2 * model.head_dim)
+                                * itemsize + tokens)
+
+    scoring = max((layer_pass(model, grpo.num_generations, seq_len, DTYPES[precision].itemsize, 6)
+                   for model in reward_models(recipe)), default=0.0)
+    return Generation(kv_cache(seq_len), kv_cache(prompt) + layer_pass(shape, completions, prompt, a, 4) + head,
                       kv_cache(seq_len) * (1 + 1 / (2 * shape.num_layers))
-                      + max(sampling, head + 3 * logits if head else 0.0), whole)
+                      + max(sampling, head + 3 * logits if head else 0.0), whole, scoring)
 
 
 def with_objective(states: ModelStates, ds_config: dict, recipe: Recipe, precision: str, shape: ModelShape,
                    ranks: int, nodes: int) -> ModelStates:
     """`states` with what the objective holds beside the trained model under `ds_config`: its reference model
     (reference_bytes) on the device, or, where ZeRO-3 offloads the parameters (zero3_offload.json does; the
-    reference's config keeps it), in the nodes' memory; and its generation's memory (generation)."""
+    reference's config keeps it), in the nodes' memory; its reward models (reward_model_bytes) on the device; and its
+    generation's memory (generation)."""
     stage = zero_stage(ds_config)
     per_rank = reference_bytes(recipe, precision, shape, stage, ranks)
-    states = replace(states, generation_bytes=generation(recipe, precision, shape, stage, ranks).total)
+    states = replace(states, generation_bytes=generation(recipe, precision, shape, stage, ranks).total,
+                     device_bytes=states.device_bytes + reward_model_bytes(recipe, precision))
     if params_offloaded(ds_config):
         return replace(states, host_bytes=states.host_bytes + per_rank * ranks / nodes)
     return replace(states, device_bytes=states.device_bytes + per_rank)

@@ -28,7 +28,8 @@ def test_dpo_and_grpo_start_with_the_models_dropout_as_trl_does_by_default(tmp_p
                                              "lora.enabled=true", *overrides]), world_size=1)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_layer=1, n_embd=16, n_head=2,
                                                                   vocab_size=64))
-    OBJECTIVES[plan.recipe.training.objective](plan).start(SimpleNamespace(module=model), None, None, False)
+    engine = SimpleNamespace(module=model, device=torch.device("cpu"))
+    OBJECTIVES[plan.recipe.training.objective](plan).start(engine, None, None, False)
     assert {module.p for module in model.modules() if isinstance(module, torch.nn.Dropout)} == {0.0 if off else 0.1}
 
 

@@ -120,3 +120,45 @@ def test_score_names_the_function_that_returns_the_wrong_rewards(returned, messa
 
     with pytest.raises(DataError, match=message):
         score([bad], ["p", "p"], ["a", "b"], {})
+
+
+@pytest.fixture(scope="module")
+def reward_model(tmp_path_factory):
+    from tests.conftest import save_small_reward_model
+    path = tmp_path_factory.mktemp("models") / "judge"
+    save_small_reward_model(path)
+    return path
+
+
+def test_a_reward_model_scores_each_completion_as_it_scores_it_alone(reward_model):
+    """TRL's reward model: the sequence classifier's logit at the last token of the prompt and completion, a string
+    prompt joined to its completion, chat turns rendered by the reward model's chat template; right-padded among a
+    group's other completions it gives each the score it has alone, and the metrics' name is its folder's."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from training.objectives.rewards import RewardModel
+    judge = RewardModel(str(reward_model), 3, torch.device("cpu"), torch.float32, False, {})
+    alone = AutoModelForSequenceClassification.from_pretrained(reward_model).eval()
+    tokenizer = AutoTokenizer.from_pretrained(reward_model)
+
+    def score_alone(text: str) -> float:
+        with torch.no_grad():
+            return alone(**tokenizer(text, return_tensors="pt", add_special_tokens=False)).logits[0, 0].item()
+    prompts = ["17+25=", "17+25=", "17+25=", "3+4=", "3+4=", "3+4="]
+    completions = [" 42", " 41 and some more words", "42", " 7", " eight", " 7 and then more and more words"]
+    rewards = judge(prompts, completions)
+    assert rewards == pytest.approx([score_alone(p + c) for p, c in zip(prompts, completions)], abs=1e-5)
+    assert len({round(r, 3) for r in rewards}) == 6 and judge.__name__ == "judge"
+    chats = [[{"role": "user", "content": "17+25?"}]] * 3
+    replies = [[{"role": "assistant", "content": text}] for text in (" 42", " 41 and more", "42")]
+    rendered = [tokenizer.apply_chat_template(p + r, tokenize=False) for p, r in zip(chats, replies)]
+    assert judge(chats, replies) == pytest.approx([score_alone(text) for text in rendered], abs=1e-5)
+    assert not any(p.requires_grad for p in judge.model.parameters())
+
+
+def test_a_reward_names_a_function_or_a_model(tmp_path, reward_model):
+    from training.config.recipe import load_recipe
+    for override in ("grpo.rewards=[{weight: 1}]", f"grpo.rewards=[{{function: exact_answer, model: {reward_model}}}]"):
+        with pytest.raises(ConfigError, match="a reward names a function or a model, one of them"):
+            load_recipe("tiny_llama_grpo", [override])
+    with pytest.raises(ConfigError, match="a reward model takes no params"):
+        load_recipe("tiny_llama_grpo", [f"grpo.rewards=[{{model: {reward_model}, params: {{a: 1}}}}]"])

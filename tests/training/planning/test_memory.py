@@ -375,3 +375,31 @@ def test_the_dpo_token_statistics_take_what_the_plan_adds(tokens, weighting):
     planned = [activation_bytes(shape, tokens, SEQ_LEN, 2, "sdpa", dpo_statistics=statistics).without_checkpointing
                for statistics in (False, True)]
     assert planned[1] - planned[0] == pytest.approx(measured, rel=0.01)
+
+
+def test_a_reward_models_weights_and_pass_are_what_the_plan_counts(tmp_path):
+    """GRPO's reward model (grpo.rewards' model): its weights per rank are the loaded classifier's parameters in the
+    run's dtype (reward_model_bytes), and its pass over one group of seq_len-token sequences (Generation.scoring) a
+    bound within 10% of what scoring allocates on CPU."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from tests.conftest import REPO, save_small_checkpoint
+    from training.config.recipe import load_recipe
+    from training.objectives.rewards import RewardModel
+    from training.planning.memory import generation, reward_model_bytes
+    group, seq_len = 8, 128
+    config = AutoConfig.for_model("llama", num_hidden_layers=2, hidden_size=256, intermediate_size=1024,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=4096, num_labels=1)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path / "judge")
+    AutoTokenizer.from_pretrained(REPO / "recipes/tiny_llama/tokenizer").save_pretrained(tmp_path / "judge")
+    save_small_checkpoint(tmp_path / "base")
+    recipe = load_recipe("tiny_llama_grpo", [
+        f"model.name_or_path={tmp_path / 'base'}", f"grpo.num_generations={group}", f"data.seq_len={seq_len}",
+        f"training.global_batch_size={group}", f"training.micro_batch_size={group}", "grpo.max_completion_length=64",
+        f"grpo.rewards=[{{model: {tmp_path / 'judge'}}}]"])
+    judge = RewardModel(str(tmp_path / "judge"), group, torch.device("cpu"), torch.float32, False, {})
+    assert reward_model_bytes(recipe, "fp32") == 4 * sum(p.numel() for p in judge.model.parameters())
+    assert reward_model_bytes(recipe, "bf16") == 2 * sum(p.numel() for p in judge.model.parameters())
+    prompts, completions = [" a" * 64] * group, [" a" * (seq_len - 64)] * group  # one token each: seq_len in all
+    measured = allocated_peak(lambda: judge(prompts, completions))
+    planned = generation(recipe, "fp32", model_shape(AutoConfig.from_pretrained(tmp_path / "base")), 1, 1).scoring
+    assert measured <= planned <= 1.1 * measured, (measured, planned)
