@@ -192,8 +192,9 @@ class RewardModel:
     whose logit at each sequence's last token is its reward. A chat prompt and its completion are rendered by the
     reward model's own tokenizer's chat template (with grpo.chat_template_kwargs), a string prompt is joined to its
     completion; tokenized without special tokens added and right-padded, its pad token the EOS where it has none, as
-    TRL's. Frozen, in the run's dtype, a whole copy on each rank. It scores one group (`group` completions of a prompt,
-    which come together) per pass, so that a completion's reward does not depend on which others share its rank."""
+    TRL's. Frozen, in the run's dtype, a whole copy on each rank. It scores one group (the completions of a prompt,
+    which come together; at most `group` at a time) per pass, so that a completion's reward does not depend on which
+    other groups share its rank, and the pass's memory is one group's."""
 
     def __init__(self, name_or_path: str, group: int, device: torch.device, dtype: torch.dtype,
                  trust_remote_code: bool, chat_template_kwargs: dict):
@@ -214,10 +215,14 @@ class RewardModel:
 
     def __call__(self, prompts: list, completions: list, **_) -> list[float]:
         texts = [self.text(prompt, completion) for prompt, completion in zip(prompts, completions, strict=True)]
-        rewards = []
-        for start in range(0, len(texts), self.group):
-            inputs = self.tokenizer(text=texts[start:start + self.group], return_tensors="pt", padding=True,
-                                    padding_side="right", add_special_tokens=False).to(self.device)
+        rewards, start = [], 0
+        while start < len(texts):
+            end = start + 1
+            while end < min(len(texts), start + self.group) and prompts[end] == prompts[start]:
+                end += 1
+            inputs = self.tokenizer(text=texts[start:end], return_tensors="pt", padding=True, padding_side="right",
+                                    add_special_tokens=False).to(self.device)
             with torch.inference_mode():
                 rewards += self.model(**inputs).logits[:, 0].float().tolist()
+            start = end
         return rewards

@@ -148,6 +148,12 @@ def test_a_reward_model_scores_each_completion_as_it_scores_it_alone(reward_mode
     rewards = judge(prompts, completions)
     assert rewards == pytest.approx([score_alone(p + c) for p, c in zip(prompts, completions)], abs=1e-5)
     assert len({round(r, 3) for r in rewards}) == 6 and judge.__name__ == "judge"
+    passes = []  # the rows of each pass: a prompt's group, at most `group` rows
+    judge.model.register_forward_pre_hook(lambda _, args, kwargs: passes.append(len(kwargs["input_ids"])),
+                                          with_kwargs=True)
+    judge(prompts, completions)
+    judge.group = 2
+    assert judge(prompts, completions) == pytest.approx(rewards, abs=1e-5) and passes == [3, 3, 2, 1, 2, 1]
     chats = [[{"role": "user", "content": "17+25?"}]] * 3
     replies = [[{"role": "assistant", "content": text}] for text in (" 42", " 41 and more", "42")]
     rendered = [tokenizer.apply_chat_template(p + r, tokenize=False) for p, r in zip(chats, replies)]
