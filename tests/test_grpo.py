@@ -55,8 +55,10 @@ def runs(tmp_path_factory) -> dict:
               # the small random model's answers are rarely numbers: a length penalty makes every group's rewards
               # differ; and a reward model (a whole copy on each rank, scoring a group at a time: the same rewards
               # exactly under every layout)
+              # and TRL's whole signature, weighing nothing: it logs a metric and a completions.jsonl column
               "grpo.rewards=[{function: length_penalty, params: {target: 40}}, {function: exact_answer}, "
-              f"{{model: {folder / 'judge'}, weight: 0.1}}]",
+              f"{{model: {folder / 'judge'}, weight: 0.1}}, {{function: 'tests.helpers.trl_rewards:progress', "
+              "weight: 0}]",
               # 3 prompts held out, evaluated by generation at steps 2 and 4 (on 2 ranks the second's batch padded)
               "data.eval={fraction: 0.2}", "training.eval_every_steps=2",
               "grpo.num_generations_eval=2",  # 2 completions of each (TRL's num_generations_eval), 4 in training
@@ -100,7 +102,7 @@ def assert_same_curve(records: list[dict], expected: list[dict]) -> None:
     assert [r["step"] for r in records] == [e["step"] for e in expected]
     for record, reference in zip(records, expected):
         for key, value in reference.items():
-            if key.startswith(("reward", "completions/", "frac_", "eval_")):
+            if key.startswith(("reward", "completions/", "frac_", "eval_", "progress/")):
                 assert record[key] == value, (record["step"], key)  # the same completions, scored alike
             elif key in ("loss", "entropy", "kl", "param_norm", "clip_ratio/low_mean", "clip_ratio/high_mean",
                          "clip_ratio/region_mean", "policy_loss", "entropy_coef"):
@@ -115,6 +117,7 @@ def test_grpo_takes_the_same_steps_on_one_rank_and_under_zero3(runs):
     assert len(whole) == STEPS and all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in whole)
     assert any(r["reward_std"] > 0 for r in whole)  # the groups' rewards differ: there is something to learn
     assert all(r["rewards/judge/std"] > 0 for r in whole)  # the reward model scores completions apart
+    assert [r["progress/steps_done"] for r in whole] == [0, 0, 2, 2]  # trainer_state: before each generation
     assert [r["step"] for r in whole if "eval_reward" in r] == [2, 4]
     # sampling is inside the first step of each generation, and the second trains on what it sampled
     assert all(0 < r["generation_time_s"] < r["step_time_s"] for r in whole[::2])
@@ -134,6 +137,7 @@ def test_a_killed_grpo_run_resumes_in_another_layout_on_the_same_curve(runs):
     samples = [json.loads(line) for line in (runs["resumed"] / COMPLETIONS_FILE).read_text().splitlines()]
     assert [s["generation"] for s in samples] == [g for g in range(STEPS // 2) for _ in range(32)]  # none twice
     assert samples == [json.loads(line) for line in (runs["whole"] / COMPLETIONS_FILE).read_text().splitlines()]
+    assert all(1 <= s["ids"] <= 10 for s in samples)  # log_extra's column: each completion's token count
     stopped = [s["completion"] for s in samples if "." in s["completion"]]
     # each ends in the token that makes its first '.' (the tokenizer's tokens hold at most 4 characters after one)
     assert stopped and all(len(c) - c.index(".") <= 5 for c in stopped)

@@ -37,6 +37,8 @@ the masked case's grad_norm):
   quantile (seen: step 2's threshold token differs);
 - a reward model beside the functions (a sequence classifier with one label, from its path on both sides: TRL's
   AutoModelForSequenceClassification, ours training/objectives/rewards.py RewardModel): its rewards/judge/* equal;
+  and a function of TRL's whole signature (tests/helpers/trl_rewards.py: completion_ids, trainer_state's
+  global_step, a metric through log_metric, a completions column through log_extra): its rewards and metrics equal;
 - reward, rewards/<fn>/{mean,std}, frac_reward_zero_std, completions/*: of the generation; TRL logs them only on
   steps that generate (with num_iterations=2 every other step), ours repeats them: compared where TRL has them;
 - gradient accumulation 2 (dapo): TRL shuffles the generation batch before cutting it into micro-batches
@@ -106,10 +108,12 @@ CASES = [  # loss_type, beta, num_iterations, gradient accumulation steps, other
     # one generation of both prompts' groups for 2 optimizer steps of one group each (TRL's steps_per_generation 2):
     # step 2 is off the policy, and dapo divides each step by the generation's tokens / 2
     pytest.param("dapo", 0.04, 1, 1, {"generation_batch_size": 8}, id="dapo-beta0.04-generation-of-2-steps"),
-    # a third reward from a reward model (a sequence classifier with one label, TRL's reward_funcs given its path)
-    pytest.param("grpo", 0.04, 1, 1, {"reward_model": True}, id="grpo-reward-model-beta0.04"),
+    # two more rewards: a reward model (a sequence classifier with one label, TRL's reward_funcs given its path), and
+    # a function of TRL's whole signature (completion_ids, trainer_state, log_metric, log_extra)
+    pytest.param("grpo", 0.04, 1, 1, {"more_rewards": True}, id="grpo-reward-model-trl-arguments-beta0.04"),
 ]
 JUDGE_WEIGHT = 0.1  # the reward model's: its random scores span about 20
+PROGRESS = "tests.helpers.trl_rewards:progress"
 
 
 def steps_of(settings: dict) -> tuple[int, int]:
@@ -166,8 +170,9 @@ def fixed_completions(table, prompt_ids: list) -> list[list[int]]:
 
 def recipe_yaml(base, prompts, cache, loss_type, beta, iterations, accumulation, settings, judge=None) -> str:
     rewards = ", ".join([f"{{function: {name}, params: {json.dumps(params)}, weight: {weight}}}"
-                         for name, params, weight in REWARDS] + ([f"{{model: {judge}, weight: {JUDGE_WEIGHT}}}"]
-                                                                 if judge else []))
+                         for name, params, weight in REWARDS]
+                        + ([f"{{model: {judge}, weight: {JUDGE_WEIGHT}}}", f"{{function: '{PROGRESS}'}}"]
+                           if judge else []))
     batch, steps = steps_of(settings)
     return f"""
 model: {{name_or_path: {base}}}
@@ -225,7 +230,7 @@ def trl_logs(tmp_path, monkeypatch, base, loss_type, beta, iterations, accumulat
                       max_completion_length=MAX_COMPLETION, temperature=TEMPERATURE, loss_type=loss_type, beta=beta,
                       epsilon=EPSILON, **{"epsilon_high": EPSILON_HIGH, **settings}, scale_rewards="group",
                       num_iterations=iterations,
-                      reward_weights=[weight for *_, weight in REWARDS] + ([JUDGE_WEIGHT] if judge else []),
+                      reward_weights=[weight for *_, weight in REWARDS] + ([JUDGE_WEIGHT, 1.0] if judge else []),
                       max_steps=steps, learning_rate=LR,
                       lr_scheduler_type="constant", warmup_steps=0, weight_decay=WEIGHT_DECAY, adam_beta1=BETAS[0],
                       adam_beta2=BETAS[1], adam_epsilon=EPS, optim="adamw_torch", max_grad_norm=GRAD_CLIP,
@@ -235,7 +240,7 @@ def trl_logs(tmp_path, monkeypatch, base, loss_type, beta, iterations, accumulat
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
         optimizer = torch.optim.AdamW(weight_decay_groups(model, WEIGHT_DECAY), lr=LR, betas=BETAS, eps=EPS)
         trainer = GRPOTrainer(model=model, reward_funcs=[load_reward(name, params) for name, params, _ in REWARDS]
-                              + ([str(judge)] if judge else []),
+                              + ([str(judge), load_reward(PROGRESS)] if judge else []),
                               args=args, train_dataset=datasets.Dataset.from_list([PROMPTS[i] for i in our_order()]),
                               processing_class=tokenizer,
                               optimizers=(optimizer, None))
@@ -248,8 +253,8 @@ def trl_logs(tmp_path, monkeypatch, base, loss_type, beta, iterations, accumulat
 @pytest.mark.parametrize("loss_type, beta, iterations, accumulation, settings", CASES)
 def test_grpo_matches_trl_step_by_step(tmp_path, monkeypatch, checkpoint, judge, loss_type, beta, iterations,
                                        accumulation, settings):
-    scored_by = judge if settings.get("reward_model") else None
-    settings = {key: value for key, value in settings.items() if key != "reward_model"}
+    scored_by = judge if settings.get("more_rewards") else None
+    settings = {key: value for key, value in settings.items() if key != "more_rewards"}
     case = (loss_type, beta, iterations, accumulation, settings)
     ours = our_logs(tmp_path, monkeypatch, checkpoint, *case, judge=scored_by)
     theirs = trl_logs(tmp_path, monkeypatch, checkpoint, *case, judge=scored_by)
@@ -275,7 +280,8 @@ def test_grpo_matches_trl_step_by_step(tmp_path, monkeypatch, checkpoint, judge,
         assert ("kl" in ours[step - 1]) == bool(beta), f"step {step}"
         generated = (step - 1) % generate_every == 0
         assert ("reward" in theirs[step - 1]) == generated, f"step {step}: TRL generates every {generate_every} step(s)"
-        judged = ("rewards/judge/mean", "rewards/judge/std") if scored_by else ()
+        judged = ("rewards/judge/mean", "rewards/judge/std", "rewards/progress/mean", "progress/steps_done",
+                  "progress/mean_ids") if scored_by else ()
         for name in GENERATION_METRICS + judged if generated else ():
             compare(name, step)
     print(f"\n{'-'.join(map(str, case[:4]))} {settings}: "
@@ -288,6 +294,7 @@ def test_grpo_matches_trl_step_by_step(tmp_path, monkeypatch, checkpoint, judge,
     assert ours[0]["completions/clipped_ratio"] == 0.25, "truncated completions among them"
     if scored_by:
         assert ours[0]["rewards/judge/std"] > 1, "the reward model scores the completions apart"
+        assert [r["progress/steps_done"] for r in ours] == [0, 1, 2], "trainer_state: the steps done before each"
     if beta:  # a synced reference follows the policy: 0.4 of its distance left after every step
         assert ours[-1]["kl"] > (1e-3 if settings.get("sync_ref_model") else 0.05), "the policy moved away from it"
     if settings.get("use_adaptive_entropy"):

@@ -35,12 +35,12 @@ import torch.distributed as dist
 from transformers import (EpsilonLogitsWarper, EtaLogitsWarper, GenerationConfig, LogitsProcessor, LogitsProcessorList,
                           MinPLogitsWarper, PretrainedConfig, PreTrainedTokenizerBase, RepetitionPenaltyLogitsProcessor,
                           StoppingCriteria, StoppingCriteriaList, StopStringCriteria, TemperatureLogitsWarper,
-                          TopHLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, TypicalLogitsWarper)
+                          TopHLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, TrainerState, TypicalLogitsWarper)
 
 from data_pipeline.loader import EvalPromptBatches, PromptBatches
 from data_pipeline.pack import best_fit_decreasing
 from data_pipeline.prepare import pad_token_id
-from training.base.errors import ConfigError
+from training.base.errors import ConfigError, DataError
 from training.compat.deepspeed import zero3_whole_weights
 from training.config.recipe import GrpoSection, Recipe
 from training.loop.metrics import device_name
@@ -50,7 +50,7 @@ from training.objectives.grpo_loss import (CLIPPED, EXTREMES, STEP_TOKEN_MEAN, E
                                            entropy_threshold, group_advantages, grpo_loss, kept_tokens, metric_means,
                                            nanstd, normalized_sum_advantages, token_logps, weighted_rewards)
 from training.objectives.reference import SyncedReference, load_reference, partitioned, reference_place, synced_note
-from training.objectives.rewards import RewardModel, load_reward, score
+from training.objectives.rewards import RewardLog, RewardModel, load_reward, score
 from training.parallel import distributed
 from training.planning.flops import flops_per_token, gpu_spec
 from training.planning.kernels import replaced_head
@@ -95,6 +95,7 @@ class Rollout(NamedTuple):
     texts: list[str]
     truncated: list[bool]
     per_function: torch.Tensor  # [completions, functions], NaN: no opinion
+    log: RewardLog  # what the reward functions logged (log_metric, log_extra)
 
 
 class SeededSampling(LogitsProcessor):
@@ -380,6 +381,29 @@ def head_line(plan: RunPlan) -> str:
     return f"{said}, from an fp32 copy of its weight made in each forward pass ({format_bytes(copy)})"
 
 
+def logged_metrics(log: RewardLog) -> dict[str, float]:
+    """The reward functions' log_metric values of a generation: each name's mean over every call on every rank (TRL's),
+    the names gathered so that every rank reduces the same ones in the same order."""
+    names = [None] * dist.get_world_size()
+    dist.all_gather_object(names, sorted(log.metrics))
+    names = sorted(set().union(*names))
+    if not names:
+        return {}
+    sums = distributed.all_reduce_on_host([value for name in names for value in
+                                           (sum(log.metrics.get(name, [])), len(log.metrics.get(name, [])))])
+    return {name: sums[2 * i] / sums[2 * i + 1] for i, name in enumerate(names)}
+
+
+def extra_columns(log: RewardLog, count: int) -> dict[str, list]:
+    """The reward functions' log_extra columns of a rank's `count` completions; a DataError names one of another
+    length."""
+    for column, values in log.columns.items():
+        if len(values) != count:
+            raise DataError(f"a reward function's log_extra({column!r}, ...) gave {len(values)} values for {count} "
+                            f"completions; give one per completion")
+    return log.columns
+
+
 class Grpo(Objective):
     """training.objective=grpo: a step's completions generated, scored and trained on (module docstring)."""
     name = "grpo"
@@ -392,6 +416,7 @@ class Grpo(Objective):
         self.rollout, self.reference, self.synced, self.first_reward = None, None, None, None
         self.sums, self.step_metrics, self.logged_up_to = [], {}, None
         self.generation_seconds, self.steps = 0.0, 0  # since the last logged step
+        self.last_step = 0  # the last step ended, for the evaluation's trainer_state
         self.loss_settings = loss_settings(self.section)
         self.steps_per_generation = steps_per_generation(plan.recipe)
         self.entropy_control = entropy_control(self.section) if self.section.use_adaptive_entropy else None
@@ -498,8 +523,11 @@ class Grpo(Objective):
         prompts_per_rank = completions // grpo.num_generations  # whole groups (check)
         evaluation = EvalPromptBatches(prepared["eval"], completions // eval_generations(grpo), rank, plan.dp_size,
                                        training.eval_max_rows) if "eval" in prepared else None
-        return PromptBatches(prepared["train"], prompts_per_rank, rank, plan.dp_size, training.seed,
-                             grpo.num_iterations, self.steps_per_generation), evaluation
+        batches = PromptBatches(prepared["train"], prompts_per_rank, rank, plan.dp_size, training.seed,
+                                grpo.num_iterations, self.steps_per_generation)
+        self.steps_per_epoch = batches.steps_per_epoch  # and the run's steps, as train.py counts them: where the
+        self.total_steps = training.max_steps or training.epochs * batches.steps_per_epoch  # trainer_state says
+        return batches, evaluation
 
     def start(self, engine: deepspeed.DeepSpeedEngine, batches, evaluation, resume: bool) -> None:
         plan, grpo = self.plan, self.section
@@ -532,7 +560,8 @@ class Grpo(Objective):
         generation's steps in order: the prompts come step by step)."""
         seeds = [sampling_seed(self.plan.recipe.training.seed, prompts["generation"], int(row), index)
                  for row in prompts["rows"] for index in range(self.section.num_generations)]
-        rollout = self.rollout_of(engine, prompts, seeds)
+        done = prompts["generation"] * self.steps_per_generation * self.section.num_iterations  # steps before it
+        rollout = self.rollout_of(engine, prompts, seeds, self.trainer_state(done))
         advantages = self.advantages(engine, prompts["generation"], rollout)
         micro, data, batches = self.plan.recipe.training.micro_batch_size, self.plan.recipe.data, []
         for start in range(0, len(rollout.completions), micro):
@@ -550,10 +579,15 @@ class Grpo(Objective):
         per_step = len(batches) // steps
         return [batches[step * per_step:(step + 1) * per_step] for step in range(steps)]
 
-    def rollout_of(self, engine: deepspeed.DeepSpeedEngine, prompts: dict, seeds: list[int]) -> Rollout:
+    def trainer_state(self, step: int) -> TrainerState:
+        """Where the run is, for the reward functions (TRL's trainer_state): `step` optimizer steps done."""
+        return TrainerState(global_step=step, max_steps=self.total_steps, epoch=step / self.steps_per_epoch)
+
+    def rollout_of(self, engine: deepspeed.DeepSpeedEngine, prompts: dict, seeds: list[int],
+                   state: TrainerState) -> Rollout:
         """Completions of each of the rank's prompts, as many as their seeds (num_generations, or in evaluation
         num_generations_eval), sampled in one batch, and the reward functions' scores of them (each given the prompt,
-        the completion and the row's other fields)."""
+        the completion, the row's other fields and TRL's other arguments: rewards.py)."""
         grpo, generations = self.section, len(seeds) // len(prompts["prompt_ids"])
         prompt_ids = [torch.from_numpy(ids) for ids in prompts["prompt_ids"] for _ in range(generations)]
         zero3 = engine.zero_optimization_stage() == 3
@@ -570,8 +604,10 @@ class Grpo(Objective):
         replies = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(given, texts)]
         fields = [json.loads(f) for f in prompts["fields"] for _ in range(generations)]
         row_fields = {name: [f.get(name) for f in fields] for name in (fields[0] if fields else {})}
-        per_function = score(self.functions, given, replies, row_fields)
-        return Rollout(prompt_ids, given, completions, texts, truncated, per_function)
+        log = RewardLog()
+        per_function = score(self.functions, given, replies, row_fields, trainer_state=state, log_metric=log.metric,
+                             log_extra=log.extra, completion_ids=[c.tolist() for c in completions])
+        return Rollout(prompt_ids, given, completions, texts, truncated, per_function, log)
 
     def advantages(self, engine: deepspeed.DeepSpeedEngine, generation: int, rollout: Rollout) -> torch.Tensor:
         """The rank's completions' advantages, from the rewards of the whole generation (every rank's, put in the
@@ -584,13 +620,12 @@ class Grpo(Objective):
         everyone, lengths, truncated = (values[in_order] for values in gathered)
         rewards = weighted_rewards(everyone, self.weights)
         advantages, std = self.advantages_of(everyone, rewards, self.section.num_generations)
-        self.step_metrics = self.generation_metrics(everyone, rewards, std, lengths, truncated,
-                                                    self.section.num_generations)
+        self.step_metrics = {**self.generation_metrics(everyone, rewards, std, lengths, truncated,
+                                                       self.section.num_generations), **logged_metrics(rollout.log)}
         if self.first_reward is None:
             self.first_reward = self.step_metrics["reward"]
         share = in_order.argsort()[rank * count:(rank + 1) * count]  # the rank's completions, in its own order
-        self.log_samples(generation, rollout.prompts, rollout.texts, rollout.per_function, rewards[share],
-                         in_order.tolist())
+        self.log_samples(generation, rollout, rewards[share], in_order.tolist())
         return advantages[share].cpu()
 
     def advantages_of(self, per_function: torch.Tensor, rewards: torch.Tensor,
@@ -676,6 +711,7 @@ class Grpo(Objective):
                 self.entropy_control.update(entropy_sum / max(tokens, 1.0))
         if self.synced:
             self.synced.end_step(engine.module, step, applied)
+        self.last_step = step
 
     def state_dict(self) -> dict:
         return self.entropy_control.state_dict() if self.entropy_control else {}
@@ -728,17 +764,20 @@ class Grpo(Objective):
         return {**self.step_metrics, **{name: float(np.mean([m[name] for m in means])) for name in means[0]},
                 **settings}
 
-    def log_samples(self, generation: int, prompts: list, completions: list[str], per_function: torch.Tensor,
-                    rewards: torch.Tensor, in_order: list[int]) -> None:
-        """Every grpo.log_completions_every generations, every rank's prompts, completions and rewards appended to
-        completions.jsonl by rank 0 in the prompts' order (`in_order`: the indices of the ranks' records, rank by rank,
-        in it; lines of a generation at or past this one, from before a resume, replaced)."""
+    def log_samples(self, generation: int, rollout: Rollout, rewards: torch.Tensor, in_order: list[int]) -> None:
+        """Every grpo.log_completions_every generations, every rank's prompts, completions, rewards and the reward
+        functions' log_extra columns appended to completions.jsonl by rank 0 in the prompts' order (`in_order`: the
+        indices of the ranks' records, rank by rank, in it; lines of a generation at or past this one, from before a
+        resume, replaced)."""
         every = self.section.log_completions_every
         if not every or generation % every:
             return
+        columns = extra_columns(rollout.log, len(rollout.texts))
         records = [{"generation": generation, "prompt": p, "completion": c, "reward": float(r),
-                    **{name: float(v) for name, v in zip(self.names, values)}}
-                   for p, c, r, values in zip(prompts, completions, rewards.tolist(), per_function.tolist())]
+                    **{name: float(v) for name, v in zip(self.names, values)},
+                    **{column: values[index] for column, values in columns.items()}}
+                   for index, (p, c, r, values) in enumerate(zip(rollout.prompts, rollout.texts, rewards.tolist(),
+                                                                 rollout.per_function.tolist()))]
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, records)
         if dist.get_rank() != 0:
@@ -781,8 +820,8 @@ class Grpo(Objective):
             seeds = [sampling_seed(seed, 0, int(row), index, evaluation=True)
                      for row in prompts["rows"] for index in range(generations)]
             real = torch.from_numpy(prompts["real"]).repeat_interleave(generations).to(engine.device)
-            parts.append((*self.gathered(engine, self.rollout_of(engine, prompts, seeds)),
-                          distributed.all_gather(real)))
+            rollout = self.rollout_of(engine, prompts, seeds, self.trainer_state(self.last_step))  # its log unused
+            parts.append((*self.gathered(engine, rollout), distributed.all_gather(real)))
         per_function, lengths, truncated, real = (torch.cat(values) for values in zip(*parts))
         per_function, lengths, truncated = per_function[real], lengths[real], truncated[real]
         rewards = weighted_rewards(per_function, self.weights)

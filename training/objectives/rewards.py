@@ -1,7 +1,11 @@
-"""GRPO's reward functions, in TRL's form: f(prompts, completions, **row_fields) -> one float, or None (no opinion:
+"""GRPO's reward functions, in TRL's form: f(prompts, completions, **kwargs) -> one float, or None (no opinion:
 TRL's NaN), per completion. prompts and completions are lists of N (each prompt repeated once per generation); a
 completion is a string or, for chat, a list of messages ({"role": ..., "content": ...}) whose last message's text is
-what the built-ins read; row_fields are the data set's other columns, each a list of N.
+what the built-ins read. The keyword arguments are TRL's: the data set's other columns, each a list of N;
+completion_ids, each completion's token ids; trainer_state, a transformers TrainerState whose global_step, max_steps
+and epoch say where the run is (the optimizer steps done before the generation); log_metric(name, value), a scalar
+logged with the step's metrics under its name, the mean of every call on every rank in the generation; and
+log_extra(column, values), one value per completion, a column of completions.jsonl (RewardLog).
 
 Built-ins, each named by load_reward with its parameters:
 - exact_answer: 1.0 where the completion's final answer equals the row's reference (its `answer` field, else its
@@ -178,10 +182,25 @@ def checked(values, name: str, count: int) -> list[float]:
     return [math.nan if value is None else float(value) for value in values]
 
 
-def score(functions: Sequence[RewardFunction], prompts: list, completions: list,
-          row_fields: dict[str, list]) -> torch.Tensor:
-    """[N, F] float32: each function's rewards for the N completions, None as NaN (as TRL's)."""
-    columns = [checked(function(prompts=prompts, completions=completions, **row_fields),
+class RewardLog:
+    """What the reward functions log in a generation through TRL's log_metric and log_extra."""
+
+    def __init__(self):
+        self.metrics: dict[str, list[float]] = {}
+        self.columns: dict[str, list] = {}
+
+    def metric(self, name: str, value: float) -> None:
+        self.metrics.setdefault(name, []).append(float(value))
+
+    def extra(self, column: str, values: list) -> None:
+        self.columns.setdefault(column, []).extend(values)
+
+
+def score(functions: Sequence[RewardFunction], prompts: list, completions: list, row_fields: dict[str, list],
+          **extras) -> torch.Tensor:
+    """[N, F] float32: each function's rewards for the N completions, None as NaN (as TRL's); `extras` (TRL's
+    completion_ids, trainer_state, log_metric, log_extra) passed to each beside the row's fields."""
+    columns = [checked(function(prompts=prompts, completions=completions, **row_fields, **extras),
                        getattr(function, "__name__", type(function).__name__), len(prompts))
                for function in functions]
     return torch.tensor(columns, dtype=torch.float32).reshape(len(functions), len(prompts)).T

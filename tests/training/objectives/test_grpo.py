@@ -632,3 +632,14 @@ def test_decoding_runs_compiled_layers_eagerly_and_flex_attention_models_with_sd
             completions[attention], _ = sample(model, prompts, [1, 2], SECTION, eos_id=2, pad_id=0, synced=False)
         assert model.config._attn_implementation == attention and not traced
     assert [c.tolist() for c in completions["flex_attention"]] == [c.tolist() for c in completions["sdpa"]]
+
+
+def test_a_log_extra_column_of_another_length_is_named():
+    from training.objectives.grpo import extra_columns
+    from training.objectives.rewards import RewardLog
+    log = RewardLog()
+    log.extra("ids", [1, 2, 3])
+    assert extra_columns(log, 3) == {"ids": [1, 2, 3]}
+    log.extra("ids", [4])
+    with pytest.raises(DataError, match=r"log_extra\('ids', ...\) gave 4 values for 3 completions"):
+        extra_columns(log, 3)
