@@ -73,11 +73,23 @@ def parse_args(argv: list[str] | None, labels: dict[str, str] | None = None) -> 
         key, _, values = vary.partition("=")
         if not key or not values:
             parser.error(f"--vary {vary}: write KEY=V1,V2,... (e.g. optimizer.name=adamw,lion)")
-        args.varied.append([f"{key}={value}" for value in re.split(r",(?![^\[{]*[\]}])", values)])
+        args.varied.append([f"{key}={value}" for value in split_values(values)])
     args.labels = [(labels or {}).get(vary, f"--vary {vary}") for vary in args.vary]
     args.cells = [list(cell) for cell in itertools.product(*args.varied)]
     args.folders = dict(zip(map(tuple, args.cells), cell_folders(args.cells)))
     return args
+
+
+def split_values(values: str) -> list[str]:
+    """A --vary's V1,V2,...: the commas outside every [...] and {...} separate the values, those inside (nested too:
+    [{a: 1}, {b: 2}]) belong to a value."""
+    parts, depth, start = [], 0, 0
+    for index, char in enumerate(values):
+        depth += {"[": 1, "{": 1, "]": -1, "}": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            parts.append(values[start:index])
+            start = index + 1
+    return [*parts, values[start:]]
 
 
 def cell_name(cell: list[str]) -> str:

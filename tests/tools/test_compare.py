@@ -91,6 +91,17 @@ def test_a_varied_key_may_go_inside_a_fixed_mapping(tmp_path, no_launch):
                       "--output-dir", str(tmp_path / "out")])
 
 
+def test_a_varied_value_keeps_the_commas_inside_its_brackets():
+    """A list of mappings is one value (grpo.rewards' entries), nested as deep as it goes."""
+    args = compare.parse_args(["--recipe", "tiny_llama_grpo", "--vary",
+                               "grpo.rewards=[{function: a}, {function: b}],[{function: a}, {model: m, weight: 0.1}]",
+                               "--vary", "training.betas=[0.9,0.95],[0.9,0.99]", "--vary", "data.seq_len=64,128"])
+    assert args.varied == [["grpo.rewards=[{function: a}, {function: b}]",
+                            "grpo.rewards=[{function: a}, {model: m, weight: 0.1}]"],
+                           ["training.betas=[0.9,0.95]", "training.betas=[0.9,0.99]"],
+                           ["data.seq_len=64", "data.seq_len=128"]]
+
+
 def test_cells_get_folders_of_their_own():
     """Values that differ only in characters a folder name replaces, or in case (macOS and Windows ignore it), or
     a folder that would be another cell's log: each cell still writes into a place of its own."""
