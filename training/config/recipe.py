@@ -457,7 +457,7 @@ class GrpoSection(StrictModel):
                          "transformers_continuous_batching_config"),
                         "not built: generation runs on transformers' generate, batched"),
         "cache_implementation": "not built: generate's default KV cache (dynamic), which the memory plan counts",
-        "max_tool_calling_iterations": "not built: tool calling",
+        **dict.fromkeys(("tools", "max_tool_calling_iterations"), "not built: tool calling"),
         **dict.fromkeys(("log_unique_prompts", "log_completions_hub_repo"),
                         "write grpo.log_completions_every (samples in the run's completions.jsonl)"),
         "log_multimodal": "not built: prompts and completions are text",

@@ -281,6 +281,7 @@ def generation(recipe: Recipe, precision: str, shape: ModelShape, stage: int, ra
     sampling = logits * (7 + warper + processors) + 8 * shape.vocab_size * processors
     whole = shape.parameters * a if stage == 3 and grpo.ds3_gather_for_generation else 0.0
     head = 4 * shape.vocab_size * shape.hidden_size if grpo.cast_lm_head_to_fp32 and a < 4 else 0.0
+
     def layer_pass(model: ModelShape, rows: int, tokens: int, itemsize: int, hidden_wide: int) -> float:
         return rows * tokens * ((3 * model.intermediate_size + hidden_wide * model.hidden_size + 2 * model.head_dim)
                                 * itemsize + tokens)

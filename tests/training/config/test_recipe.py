@@ -75,6 +75,7 @@ def test_mistyped_override_names_the_override_and_suggests():
     ("tiny_llama_grpo", "grpo.generation_kwargs.temperature=0.7", "grpo.generation_kwargs.temperature: TRL's name, "
                                                                   "not this schema's: write grpo.temperature"),
     ("tiny_llama_grpo", "grpo.generation_kwargs.num_beams=4", "each completion is one seeded sample"),
+    ("tiny_llama_grpo", "grpo.tools=[search]", "grpo.tools: TRL's name, not this schema's: not built: tool calling"),
 ])
 def test_a_trl_config_name_says_where_it_lives_here(recipe, override, expected):
     """A TRL user's GRPOConfig or DPOConfig name that this schema spells otherwise, or does not build, is answered
