@@ -176,7 +176,7 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
     claim_output_dir(plan.output_dir, args.resume)
     objective = OBJECTIVES[training.objective](plan)
     batches, evaluation, data_stats = make_batches(plan, objective)
-    total_steps = training.max_steps or training.epochs * batches.steps_per_epoch
+    total_steps = training.total_steps(batches.steps_per_epoch)
     if plan.resume_universal:
         convert_on_rank_0(checkpoints, latest_tag(checkpoints))
 

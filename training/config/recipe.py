@@ -148,6 +148,10 @@ class TrainingSection(StrictModel):
     def traits(self) -> ObjectiveTraits:
         return OBJECTIVES[self.objective]
 
+    def total_steps(self, steps_per_epoch: int) -> int:
+        """The run's optimizer steps: max_steps, or epochs of `steps_per_epoch` (the training batches')."""
+        return self.max_steps or self.epochs * steps_per_epoch
+
     @model_validator(mode="after")
     def steps_or_epochs(self) -> "TrainingSection":
         if (self.max_steps is None) == (self.epochs is None):

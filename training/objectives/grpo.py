@@ -525,8 +525,8 @@ class Grpo(Objective):
                                        training.eval_max_rows) if "eval" in prepared else None
         batches = PromptBatches(prepared["train"], prompts_per_rank, rank, plan.dp_size, training.seed,
                                 grpo.num_iterations, self.steps_per_generation)
-        self.steps_per_epoch = batches.steps_per_epoch  # and the run's steps, as train.py counts them: where the
-        self.total_steps = training.max_steps or training.epochs * batches.steps_per_epoch  # trainer_state says
+        self.steps_per_epoch = batches.steps_per_epoch  # and the run's steps: where the trainer_state says the run is
+        self.total_steps = training.total_steps(batches.steps_per_epoch)
         return batches, evaluation
 
     def start(self, engine: deepspeed.DeepSpeedEngine, batches, evaluation, resume: bool) -> None:
