@@ -66,7 +66,7 @@ def check_prepare_output(output: Path, inputs: list[Path], engine: str) -> None:
     The datatrove job's work folder beside it is held to the same inputs."""
     from data_pipeline.prepare import PREPARE_COMMAND
     from data_pipeline.work_folder import check_work_folder, work_folder
-    if (output.exists() or output.is_symlink()) and not overlap(output, inputs):
+    if output.exists() and not output.is_symlink() and not overlap(output, inputs):  # a link: check_output names it
         raise DataError(f"{output} already exists; choose another --output or remove it")
     check_output(output, PREPARE_COMMAND, inputs, option="--output")
     if engine == "datatrove":

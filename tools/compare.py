@@ -40,7 +40,8 @@ sys.path.insert(0, str(REPO))
 from training.base.errors import ConfigError, exit_code, positive_int  # noqa: E402
 from training.parallel.launch import failure_reason, launcher_command  # noqa: E402
 from training.base.output_guard import (MARKER, begin_in_place, check_output, files_under, finish_in_place,  # noqa: E402
-                                         kept_line, lists_files, owned_files, remove_owned, written_by)
+                                         kept_line, lists_files, owned_files, remove_owned, shown_list, way_out,
+                                         written_by)
 from training.planning.memory import planned_model_states, planned_peak  # noqa: E402
 from training.config.recipe import load_recipe, parse_override, recipe_inputs  # noqa: E402
 
@@ -263,13 +264,17 @@ def prepare_output(args: argparse.Namespace, recipe_name: str, inputs: list[Path
     if args.output_dir is None:
         args.output_dir = next_free(OUTPUT_ROOT / f"compare-{recipe_name}")
     replace = check_output(args.output_dir, COMMAND, inputs, args.overwrite, option="--output-dir")
-    writes = {f"{folder}.log" for folder in args.folders.values()} | set(REPORTS)
-    in_the_way = sorted(name for name in files_under(args.output_dir) - comparison_files(args.output_dir)
-                        if name in writes or name.split("/")[0] in args.folders.values()) if replace else []
+    folders = set(args.folders.values())
+    writes = {f"{folder}.log" for folder in folders} | set(REPORTS) | folders
+    ours = comparison_files(args.output_dir) if replace else set()
+    # a link at a name the comparison writes is another's even in a killed comparison's folder: it makes none there
+    in_the_way = [name for name in (files_under(args.output_dir) if replace else set())
+                  if (name in writes or name.split("/")[0] in folders)
+                  and (name not in ours or (name in writes and (args.output_dir / name).is_symlink()))]
     if in_the_way:
-        raise ConfigError(f"--output-dir {args.output_dir} holds {', '.join(in_the_way[:5])}, which {COMMAND} did not "
-                          f"write, where the comparison writes: nothing was deleted; move it away, or choose another "
-                          f"--output-dir")
+        raise ConfigError(f"--output-dir {args.output_dir} holds {shown_list(args.output_dir, in_the_way)}, which "
+                          f"{COMMAND} did not write, where the comparison writes: nothing was deleted; "
+                          f"{way_out(args.output_dir, in_the_way, '--output-dir')}")
     return replace
 
 

@@ -4,6 +4,9 @@ compare), checked before any work starts:
 - the output never contains, and never lies inside, an input the command reads (on resolved paths, so a symlink
   or `..` does not slip past);
 - the output's nearest existing folder is a folder this user can write to;
+- a symbolic link is never written through nor followed: an output that is one is refused, a link inside an
+  output is a file of its own (listed, kept or removed as a link, its target never read or touched), and a link of
+  another's where the command writes is refused before anything is removed;
 - an existing output is replaced only with --overwrite, and only when an earlier run of the same command wrote
   it. Every output carries a marker naming the command that wrote it: a folder `.written-by.json` inside it, a
   file `.NAME.written-by.json` beside it. An unmarked folder or file is never replaced, whatever it holds.
@@ -99,16 +102,47 @@ def remove_owned(folder: Path, owned: set[str], under: str = "") -> set[str]:
 
 
 def files_under(folder: Path, under: str = "") -> set[str]:
-    """Every file under `folder`, or under its part `under` alone (symbolic links as files, not followed), as POSIX
-    paths relative to `folder`, its marker aside."""
+    """Every file under `folder`, or under its part `under` alone, as POSIX paths relative to `folder`, its marker
+    aside. A symbolic link is a file, never followed: `under` that is one is itself the only file, one that lies
+    beyond a link has none."""
+    if under and (link := link_on_the_way(folder, under)):
+        return {link} if link == Path(under).as_posix() else set()
     found = {path.relative_to(folder).as_posix() for path in (folder / under).rglob("*")
              if path.is_file() or path.is_symlink()}
     return found - {MARKER}
 
 
+def link_on_the_way(folder: Path, name: str) -> str | None:
+    """The first symbolic link on the way from `folder` to `name` (relative to it), `name` included, as a path
+    relative to `folder`; None where the way holds none."""
+    parts = Path(name).parts
+    return next((Path(*parts[:depth]).as_posix() for depth in range(1, len(parts) + 1)
+                 if (folder / Path(*parts[:depth])).is_symlink()), None)
+
+
+def shown(folder: Path, name: str) -> str:
+    """`name` (relative to `folder`), with what it points to where it is a symbolic link."""
+    path = folder / name
+    return f"{name} (a symbolic link to {os.readlink(path)})" if path.is_symlink() else name
+
+
+def shown_list(folder: Path, names: Iterable[str]) -> str:
+    names = sorted(names)
+    return ", ".join(shown(folder, name) for name in names[:5]) + (f", ... ({len(names)} in all)"
+                                                                  if len(names) > 5 else "")
+
+
+def way_out(folder: Path, names: Iterable[str], option: str) -> str:
+    """How to clear files of another's from where a command writes: a link is removed alone (its target stays)."""
+    links = sorted(name for name in names if (folder / name).is_symlink())
+    move = "move it away" if not links else f"remove the link ({' '.join(f'rm {folder / name}' for name in links[:3])}: " \
+                                            f"what it points to stays)"
+    return f"{move}, or choose another {option}"
+
+
 def kept_line(kept: set[str], command: str) -> str:
-    shown = ", ".join(sorted(kept)[:5]) + (f", ... ({len(kept)} in all)" if len(kept) > 5 else "")
-    return f"kept {len(kept)} file{'s' if len(kept) != 1 else ''} that {command} did not write: {shown}"
+    names = ", ".join(sorted(kept)[:5]) + (f", ... ({len(kept)} in all)" if len(kept) > 5 else "")
+    return f"kept {len(kept)} file{'s' if len(kept) != 1 else ''} that {command} did not write: {names}"
 
 
 def overlap(output: Path, inputs: Iterable[Path | str | None]) -> tuple[str, Path] | None:
@@ -141,8 +175,15 @@ def check_writable_place(output: Path, option: str, folder: bool = True) -> None
     existing = nearest_existing(output if folder else output.parent)
     if not existing.is_dir():
         raise ConfigError(f"{option} {output}: {existing} is a file, not a folder; choose another {option}")
+    if os.statvfs(existing).f_flag & os.ST_RDONLY:
+        raise ConfigError(f"{option} {output}: {existing} is on a read-only file system; choose another {option}")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"{option} {output}: {existing} is not writable by this user; choose another {option}")
+
+
+def link_refusal(output: Path, option: str, folder: bool = True) -> str:
+    return (f"{option} {output} is a symbolic link (to {os.readlink(output)}), which the command would write through; "
+            f"name the real {'folder' if folder else 'file'}, or choose another {option} (nothing was written)")
 
 
 def check_output(output: Path, command: str, inputs: Iterable[Path | str | None], overwrite: bool = False,
@@ -155,12 +196,11 @@ def check_output(output: Path, command: str, inputs: Iterable[Path | str | None]
         raise ConfigError(f"{option} {output} {how} {source}, which this command reads: an output never "
                           f"{'holds' if how == 'contains' else 'goes inside'} an input; choose {option} elsewhere "
                           f"(nothing was written)")
-    check_writable_place(output, option, folder)
-    if not (output.exists() or output.is_symlink()):
-        return False
     if output.is_symlink():
-        raise ConfigError(f"{option} {output} is a symbolic link; name the real {'folder' if folder else 'file'}, or "
-                          f"choose another {option}")
+        raise ConfigError(link_refusal(output, option, folder))
+    check_writable_place(output, option, folder)
+    if not output.exists():
+        return False
     if not overwrite:
         raise ConfigError(f"{option} {output} already exists; choose another {option}, or pass --overwrite to replace "
                           f"an earlier output of {command}")
@@ -213,18 +253,18 @@ def staged_folder(output: Path, command: str) -> Iterator[Path]:
 def replace_listed_files(output: Path, staging: Path, written: set[str], command: str) -> None:
     """The earlier output's listed files (and the folders they leave empty) replaced by the staged ones; every other
     file stays, named in one line. A staged file where a kept one lies is refused before anything is removed."""
-    listed = listed_files(output)
-    kept = files_under(output) - listed
-    clashing = sorted(k for k in kept if any(w == k or w.startswith(f"{k}/") or k.startswith(f"{w}/") for w in written))
+    present = files_under(output)
+    listed = listed_files(output) & present  # a listed name beyond a link (or gone) is not there to replace
+    kept = present - listed
+    clashing = [k for k in kept if any(w == k or w.startswith(f"{k}/") or k.startswith(f"{w}/") for w in written)]
     if clashing:
-        raise ConfigError(f"{output} holds {', '.join(clashing[:5])}, which {command} did not write (its "
-                          f"{MARKER} does not list it), where the new output writes: nothing was replaced; move "
-                          f"it away, or choose another output")
+        raise ConfigError(f"{output} holds {shown_list(output, clashing)}, which {command} did not write (its "
+                          f"{MARKER} does not list it), where the new output writes: nothing was replaced; "
+                          f"{way_out(output, clashing, 'output')}")
     earlier = staging.with_name(f"{staging.name}-earlier")
     for name in sorted(listed):  # aside first: a failure below leaves the earlier files, not a mix
-        if (output / name).is_file() or (output / name).is_symlink():
-            (earlier / name).parent.mkdir(parents=True, exist_ok=True)
-            os.replace(output / name, earlier / name)
+        (earlier / name).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(output / name, earlier / name)
     remove_empty_folders(output, [Path(name).parent for name in listed])
     for name in sorted(written):
         (output / name).parent.mkdir(parents=True, exist_ok=True)
@@ -238,6 +278,6 @@ def replace_listed_files(output: Path, staging: Path, written: set[str], command
 def remove_empty_folders(root: Path, folders: Iterable[Path]) -> None:
     """Each of the folders (relative to root) and its parents below root, where emptied."""
     for folder in sorted({root / f for f in folders if f != Path(".")}, key=lambda f: len(f.parts), reverse=True):
-        while folder != root and folder.is_dir() and not any(folder.iterdir()):
+        while folder != root and folder.is_dir() and not folder.is_symlink() and not any(folder.iterdir()):
             folder.rmdir()
             folder = folder.parent

@@ -2,6 +2,7 @@
 not a run, and what a run writes into it first. A run writes its folder as it goes (training/base/output_guard.py's
 begin_in_place): --overwrite removes the earlier run's own files and keeps, and names, every other file."""
 import json
+import re
 from pathlib import Path
 
 import torch.distributed as dist
@@ -9,7 +10,8 @@ import yaml
 
 from training.base.errors import ConfigError
 from training.base.output_guard import (MARKER, begin_in_place, check_writable_place, files_under, finish_in_place,
-                                         kept_line, lists_files, owned_files, overlap, remove_owned, written_by)
+                                         kept_line, link_refusal, lists_files, owned_files, overlap, remove_owned,
+                                         shown_list, way_out, written_by)
 from training.planning.plan import RunPlan
 
 OUTPUT_ROOT = Path("outputs")
@@ -20,9 +22,11 @@ RUN_FILES = ("metrics.jsonl", "summary.json", "resolved_recipe.yaml", "ds_config
              "tensorboard", "wandb", "mlruns", "benchmarks", REFERENCE_FILE, COMPLETIONS_FILE)  # wandb, mlruns: training/loop/trackers.py
 
 
-# what a run writes by name, or as a whole folder (hf/, adapter/, a checkpoint): a file of another's there is refused
+# what a run writes by name, the folders it writes into, and what it writes as a whole folder (hf/, adapter/, a
+# checkpoint): a file of another's (or a link, which the run would write through) at those names is refused
 NAMED_FILES = {"metrics.jsonl", "summary.json", "resolved_recipe.yaml", "ds_config.json", REFERENCE_FILE, COMPLETIONS_FILE,
-               "checkpoints/latest"}
+               "checkpoints/latest", "checkpoints/zero_to_fp32.py"}
+RUN_FOLDERS = {name for name in RUN_FILES if "." not in name} | {"checkpoints/universal"}
 WHOLE_FOLDERS = ("hf/", "adapter/", "checkpoints/global_step")
 
 
@@ -37,9 +41,10 @@ def is_run(path: Path) -> bool:
 
 
 def default_output_dir(recipe_name: str, resume: bool) -> Path:
-    """outputs/<recipe>, or outputs/<recipe>-2, -3, ... when earlier runs hold those; --resume takes the latest."""
+    """outputs/<recipe>, or outputs/<recipe>-2, -3, ... when earlier runs (or symbolic links) hold those; --resume
+    takes the latest."""
     runs = [OUTPUT_ROOT / recipe_name]
-    while holds_run(runs[-1]):
+    while holds_run(runs[-1]) or runs[-1].is_symlink():
         runs.append(OUTPUT_ROOT / f"{recipe_name}-{len(runs) + 1}")
     return runs[-2] if resume and len(runs) > 1 else runs[-1]
 
@@ -55,24 +60,58 @@ def check_output_dir(output_dir: Path, resume: bool, overwrite: bool, inputs: li
         how, source = found
         raise ConfigError(f"--output-dir {output_dir} {how} {source}, which the recipe reads: a run never writes "
                           f"{'around' if how == 'contains' else 'into'} its inputs; choose another --output-dir")
+    if output_dir.is_symlink():
+        raise ConfigError(link_refusal(output_dir, "--output-dir"))
     check_writable_place(output_dir, "--output-dir")
     if resume and not (output_dir / "checkpoints" / "latest").exists():
         raise ConfigError(f"--resume: {output_dir}/checkpoints holds no checkpoint to continue from")
-    if resume:
-        return
-    clashing = [name for name in RUN_FILES if (output_dir / name).exists()]
-    if clashing and not is_run(output_dir):
-        raise ConfigError(f"--output-dir {output_dir} holds {', '.join(clashing)}, which train.py did not write (no "
-                          f"{MARKER} naming it): a run would write over them; choose another --output-dir (nothing "
-                          f"was deleted)")
-    if clashing and not overwrite:
+    clashing = [name for name in RUN_FILES if (output_dir / name).exists() or (output_dir / name).is_symlink()]
+    if clashing and not resume and not is_run(output_dir):
+        raise ConfigError(f"--output-dir {output_dir} holds {shown_list(output_dir, clashing)}, which train.py did not "
+                          f"write (no {MARKER} naming it): a run would write over them; choose another --output-dir "
+                          f"(nothing was deleted)")
+    if clashing and not resume and not overwrite:
         raise ConfigError(f"{output_dir} already holds a run; pass --resume to continue it, --overwrite to "
                           f"replace it, or another --output-dir")
-    in_the_way = sorted(name for name in files_under(output_dir) - run_files(output_dir)
-                        if name in NAMED_FILES or name.startswith(WHOLE_FOLDERS)) if output_dir.is_dir() else []
+    in_the_way = others_where_the_run_writes(output_dir, resume)
     if in_the_way:
-        raise ConfigError(f"--output-dir {output_dir} holds {', '.join(in_the_way[:5])}, which train.py did not write, "
-                          f"where the run writes: nothing was deleted; move it away, or choose another --output-dir")
+        raise ConfigError(f"--output-dir {output_dir} holds {shown_list(output_dir, in_the_way)}, which train.py did "
+                          f"not write, where the run writes: nothing was deleted; "
+                          f"{way_out(output_dir, in_the_way, '--output-dir')}")
+
+
+def others_where_the_run_writes(output_dir: Path, resume: bool) -> list[str]:
+    """The files (and symbolic links) of another's in the folder where the run writes (written_there)."""
+    if not output_dir.is_dir():
+        return []
+    ours = run_files(output_dir) if resume or is_run(output_dir) else set()  # --resume: the checkpoints are a run's
+    # a link is another's even in a killed run's folder (whose files are every file but those there before it):
+    # train.py makes none where it writes
+    others = {name for name in files_under(output_dir) if name not in ours or (output_dir / name).is_symlink()}
+    return [name for name in others if written_there(output_dir, name, resume)]
+
+
+def written_there(output_dir: Path, name: str, resume: bool) -> bool:
+    """Whether the run writes at `name` or below it: a name it writes, a folder it writes into, or a folder it writes
+    whole. A resumed run writes again only the files save_pretrained writes into hf/ and adapter/ (so a plain file of
+    another's there stays where it is, and a link is refused: a write could go through it) and the checkpoints after
+    the latest (an earlier checkpoint's folder it only prunes of its own files)."""
+    if name in NAMED_FILES or name in RUN_FOLDERS:
+        return True
+    if not name.startswith(WHOLE_FOLDERS):
+        return False
+    if not resume:
+        return True
+    if name.startswith("checkpoints/"):
+        return saved_after_latest(output_dir, name)
+    return (output_dir / name).is_symlink()
+
+
+def saved_after_latest(output_dir: Path, name: str) -> bool:
+    """Whether `name` lies in a checkpoint folder of a step after the latest checkpoint's: one a resumed run saves."""
+    tag, latest = Path(name).parts[1], (output_dir / "checkpoints" / "latest").read_text().strip()
+    steps = [re.fullmatch(r"global_step(\d+)", text) for text in (tag, latest)]
+    return all(steps) and int(steps[0][1]) > int(steps[1][1])
 
 
 def run_files(output_dir: Path) -> set[str]:

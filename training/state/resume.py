@@ -15,6 +15,7 @@ from training.models.model import check_resumed_model
 from training.parallel.pipeline import layer_files
 from training.planning.plan import RunPlan
 from training.state.run_state import RunState
+from training.state.universal import check_conversion_place
 
 
 def plan_resume(plan: RunPlan) -> bool:
@@ -26,6 +27,8 @@ def plan_resume(plan: RunPlan) -> bool:
     check_resumed_model(checkpoints / tag, plan.model_config, plan.tokenizer)
     if plan.pipeline_stages > 1:
         check_files(checkpoints, tag, layer_files(plan.model_config))
+    if universal:
+        check_conversion_place(checkpoints, tag)
     return universal
 
 

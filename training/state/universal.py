@@ -29,6 +29,7 @@ from pydantic import ValidationError
 from training.compat.deepspeed import convert_with_tensor_parallel, make_stage_neutral, pipeline_layer_file
 from training.parallel.distributed import patient_barrier
 from training.base.errors import ConfigError
+from training.base.output_guard import link_on_the_way
 from training.planning.layout import Layout
 from training.planning.optimizer_states import SHAPED
 from training.state.run_state import RunState
@@ -112,9 +113,20 @@ def universal_folder(checkpoint_dir: Path, tag: str) -> Path:
     return checkpoint_dir / UNIVERSAL / tag
 
 
+def check_conversion_place(checkpoint_dir: Path, tag: str) -> None:
+    """The conversion writes under checkpoints/universal/ (train.py's own cache): a symbolic link there, which it
+    would write through, is refused before anything is written."""
+    for name in (f"{UNIVERSAL}/{tag}", f"{UNIVERSAL}/.{tag}.partial"):
+        if link := link_on_the_way(checkpoint_dir, name):
+            raise ConfigError(f"{checkpoint_dir / link} is a symbolic link (to {os.readlink(checkpoint_dir / link)}) "
+                              f"where the universal conversion of {tag} writes: nothing was written; remove the link "
+                              f"(rm {checkpoint_dir / link}: what it points to stays)")
+
+
 def convert(checkpoint_dir: Path, tag: str) -> Path:
     """checkpoints/<tag> as a universal checkpoint in checkpoints/universal/<tag>, made once; a cached conversion that
     is not whole (a file missing or cut short since) is made again."""
+    check_conversion_place(checkpoint_dir, tag)
     target, source = universal_folder(checkpoint_dir, tag), checkpoint_dir / tag
     if target.is_dir():
         fault = conversion_fault(target)

@@ -2,6 +2,7 @@
 keeps, and names, every file the command did not write: for outputs staged whole (export, evaluate) and for outputs
 written as the command goes (train.py, compare: begin_in_place / finish_in_place), finished or killed."""
 import json
+import os
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -156,3 +157,124 @@ def test_a_foreign_file_at_any_depth_survives_the_replacement_of_an_output_writt
     assert kept == mine == files_under(out)
     assert all((out / name).read_text() == "mine" for name in mine)
     assert not [path for path in out.rglob("*") if path.is_dir() and not any(path.iterdir())]
+
+
+KINDS = ["file", "link to a file outside", "link to a folder outside", "link to a file inside", "link to a folder inside",
+         "dangling link"]
+
+
+def outside_area(root) -> dict[str, bytes]:
+    """A folder beside the output that links may point into: a file, and a folder holding one."""
+    write(root / "outside", {"theirs.txt": "theirs", "folder/inner.txt": "theirs too"})
+    return snapshot(root / "outside")
+
+
+def place(out, name: str, kind: str, root) -> None:
+    """A file of the user's at `name`, or a symbolic link of the given kind there."""
+    path = out / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "file":
+        path.write_text("mine")
+        return
+    path.symlink_to({"link to a file outside": root / "outside/theirs.txt", "link to a folder outside": root / "outside/folder",
+                     "link to a file inside": out / "a", "link to a folder inside": out / "b",
+                     "dangling link": root / "missing"}[kind])
+
+
+def untouched(out, name: str, kind: str, root, outside: dict[str, bytes]) -> None:
+    """Nothing outside the output changed or appeared; the user's file, or the link itself, is as it was placed."""
+    assert snapshot(root / "outside") == outside and not (root / "missing").exists()
+    path = out / name
+    if kind == "file":
+        assert not path.is_symlink() and path.read_text() == "mine"
+    else:
+        assert path.is_symlink() and os.readlink(path) != ""
+
+
+@settings(max_examples=80, deadline=None)
+@given(earlier=st.sets(NAMES, min_size=1, max_size=6), new=st.sets(NAMES, min_size=1, max_size=6), foreign=NAMES,
+       kind=st.sampled_from(KINDS))
+def test_a_link_at_any_depth_is_never_followed_by_a_replacement(tmp_path_factory, earlier, new, foreign, kind):
+    """The property above with the user's entry any kind of symbolic link (to a file or a folder, inside the output
+    or outside it, dangling): never followed, never removed or changed, nothing written through it; refused where the
+    new output writes at it or below it, kept otherwise (export, evaluate)."""
+    root = tmp_path_factory.mktemp("links")
+    out, outside = root / "out", outside_area(root)
+    files = {name for name in earlier if not any(other.startswith(name + "/") for other in earlier)}
+    export(out, {name: "earlier" for name in files})
+    taken = files_under(out)
+    if foreign in taken or any(foreign.startswith(t + "/") or t.startswith(foreign + "/") for t in taken):
+        return
+    place(out, foreign, kind, root)
+    new_files = {n for n in new if not any(o.startswith(n + "/") for o in new)}
+    blocked = any(n == foreign or n.startswith(foreign + "/") or foreign.startswith(n + "/") for n in new_files)
+    try:
+        export(out, {name: "new" for name in new_files})
+    except ConfigError as error:
+        assert blocked and foreign in str(error)
+        assert kind == "file" or "a symbolic link to" in str(error) and "what it points to stays" in str(error)
+    else:
+        assert not blocked
+        assert files_under(out) == new_files | {foreign} and listed_files(out) == new_files
+    untouched(out, foreign, kind, root, outside)
+
+
+@settings(max_examples=80, deadline=None)
+@given(written=st.sets(NAMES, min_size=1, max_size=6), foreign=NAMES, kind=st.sampled_from(KINDS),
+       before=st.booleans(), killed=st.booleans())
+def test_a_link_in_an_output_written_in_place_is_never_followed(tmp_path_factory, written, foreign, kind, before,
+                                                                  killed):
+    """train.py's and compare's outputs: a link of the user's there before the command began, or dropped after it
+    ended, is kept whatever it points to, and its target is never read into the command's files nor removed; the
+    command's own files beyond it are not there to remove."""
+    root = tmp_path_factory.mktemp("links")
+    out, outside = root / "out", outside_area(root)
+    out.mkdir()
+    if before:
+        place(out, foreign, kind, root)
+    begin_in_place(out, IN_PLACE, set())
+    ours = {n for n in written if not any(o.startswith(n + "/") for o in written)
+            and not (before and (n == foreign or n.startswith(foreign + "/") or foreign.startswith(n + "/")))}
+    write(out, {name: "written" for name in ours})
+    if not killed:
+        finish_in_place(out, IN_PLACE)
+    dropped = not before and not killed and not any(
+        n == foreign or n.startswith(foreign + "/") or foreign.startswith(n + "/") for n in ours)
+    if dropped:
+        place(out, foreign, kind, root)
+    kept = remove_owned(out, owned_files(out))
+    assert kept == ({foreign} if before or dropped else set()) == files_under(out)
+    if before or dropped:
+        untouched(out, foreign, kind, root, outside)
+    assert snapshot(root / "outside") == outside
+
+
+@pytest.mark.parametrize("kind", ["link to a folder outside", "dangling link"])
+def test_a_part_of_an_output_that_is_a_link_holds_no_files_of_the_command(tmp_path, kind):
+    """Pruning a checkpoint (remove_owned under a part) whose folder a link replaced: the link alone is there; what
+    it points to is not the command's to remove, even in an output still being written."""
+    outside = outside_area(tmp_path)
+    out = tmp_path / "out"
+    begin_in_place(out, IN_PLACE, set())
+    write(out, {"checkpoints/global_step1/x.pt": "x"})
+    place(out, "checkpoints/global_step2", kind, tmp_path)
+    assert files_under(out, "checkpoints/global_step2") == {"checkpoints/global_step2"}
+    assert files_under(out, "checkpoints/global_step2/inner.txt") == set()
+    remove_owned(out, owned_files(out, "checkpoints/global_step2"), "checkpoints/global_step2")
+    assert not (out / "checkpoints/global_step2").exists() or kind == "dangling link"
+    assert snapshot(tmp_path / "outside") == outside
+
+
+def test_a_listed_folder_the_user_replaced_by_a_link_keeps_what_the_link_points_to(tmp_path):
+    """The earlier export wrote folder/inner.txt; the user put a link to a folder of theirs (holding an inner.txt)
+    where that folder was. Replacing the export must not reach through the link for the listed name."""
+    outside = outside_area(tmp_path)
+    out = tmp_path / "out"
+    export(out, {"folder/inner.txt": "earlier", "config.json": "old"})
+    for path in (out / "folder").iterdir():
+        path.unlink()
+    (out / "folder").rmdir()
+    place(out, "folder", "link to a folder outside", tmp_path)
+    export(out, {"config.json": "new"})
+    assert snapshot(tmp_path / "outside") == outside
+    assert files_under(out) == {"config.json", "folder"} and (out / "folder").is_symlink()
