@@ -126,7 +126,7 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> RunPla
     if args.resume and plan_resume(plan):  # the checkpoint loads in this layout only through a universal conversion
         plan = replace(plan, ds_config=ds_config(True), resume_universal=True)
     if not args.dry_run:
-        check_room_to_start(plan, args.overwrite)
+        check_room_to_start(plan, args.overwrite, args.resume)
     return plan
 
 

@@ -484,7 +484,9 @@ class Grpo(Objective):
         prompts = training.global_batch_size // grpo.num_generations
         per_rank = training.global_batch_size // plan.dp_size * steps  # completions a rank generates at once
         memory = generation(plan.recipe, plan.precision, plan.shape, plan.zero_stage, plan.dp_size)
-        gathered = ("the rank's own full weights" if plan.zero_stage != 3 else
+        ignored = (f" (grpo.ds3_gather_for_generation is ZeRO-3's and does nothing at ZeRO-{plan.zero_stage})"
+                   if grpo.ds3_gather_for_generation else "")
+        gathered = (f"the rank's own full weights{ignored}" if plan.zero_stage != 3 else
                     "ZeRO-3, gathered whole once per generation (grpo.ds3_gather_for_generation)"
                     if grpo.ds3_gather_for_generation else
                     "ZeRO-3: each layer's weights gathered for its forward pass, as in training (no full copy)")

@@ -33,12 +33,14 @@ def check_room(folder: Path, needed: float, what: str, fix: str, freed: int = 0)
                           f"{format_bytes(free)} free{' once the earlier run is removed' if freed else ''}: {fix}")
 
 
-def check_room_to_start(plan: RunPlan, overwrite: bool) -> None:
-    """Before anything is built: room for the first checkpoint (and a resume's universal copy of the last one)."""
+def check_room_to_start(plan: RunPlan, overwrite: bool, resume: bool) -> None:
+    """Before anything is built: room for the run's first checkpoint, or a resumed run's next one (and its universal
+    copy of the last one)."""
     folder, size = plan.output_dir, planned_checkpoint(plan).total
     earlier = run_files(folder) if overwrite and folder.is_dir() and is_run(folder) else set()
     freed = sum((folder / name).stat().st_size for name in earlier if (folder / name).is_file())
-    what = "the run's first checkpoint" + (" and the universal conversion of the last" if plan.resume_universal else "")
+    what = ("the resumed run's next checkpoint" if resume else "the run's first checkpoint") + (
+        " and the universal conversion of the last" if plan.resume_universal else "")
     check_room(folder, size * (2 if plan.resume_universal else 1), what,
                "free space, or choose an --output-dir on another disk; nothing was started", freed)
 

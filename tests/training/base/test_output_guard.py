@@ -278,3 +278,17 @@ def test_a_listed_folder_the_user_replaced_by_a_link_keeps_what_the_link_points_
     export(out, {"config.json": "new"})
     assert snapshot(tmp_path / "outside") == outside
     assert files_under(out) == {"config.json", "folder"} and (out / "folder").is_symlink()
+
+
+def test_a_read_only_file_system_is_named_as_such(tmp_path, monkeypatch):
+    """As root, os.access says every folder is writable; a read-only mount is told by its flag (statvfs)."""
+    from training.base import output_guard
+    real = os.statvfs
+
+    def read_only(path):
+        result = real(path)
+        return os.statvfs_result((*result[:8], result.f_flag | os.ST_RDONLY, result.f_namemax))
+    monkeypatch.setattr(output_guard.os, "statvfs", read_only)
+    with pytest.raises(ConfigError, match=f"--output-dir {tmp_path / 'out'}: {tmp_path} is on a read-only file system; "
+                                          "choose another --output-dir"):
+        output_guard.check_writable_place(tmp_path / "out", "--output-dir")

@@ -583,6 +583,9 @@ def test_the_memory_plan_counts_a_generation_in_place_of_the_activations(tmp_pat
                            Machine(ranks, 1, 0.99 * needed, "test"), ranks)
     assert "generation memory per rank, between the steps" in " ".join(Grpo.describe(gathered))
     assert "+ the whole weights gathered" in " ".join(Grpo.describe(gathered))
+    assert ("weights: the rank's own full weights (grpo.ds3_gather_for_generation is ZeRO-3's and does nothing at "
+            "ZeRO-2)") in " ".join(Grpo.describe(zero2))
+    assert "does nothing" not in " ".join(Grpo.describe(gathered) + Grpo.describe(sharded))
 
 
 def test_under_flex_attention_generation_and_packed_log_probabilities_equal_sdpas():

@@ -30,6 +30,12 @@ def test_a_disk_without_room_for_the_first_checkpoint_is_refused_before_anything
     assert not (tmp_path / "run").exists()
 
 
+def test_a_resume_without_room_names_its_next_checkpoint(earlier_run, monkeypatch):
+    monkeypatch.setattr(disk_room, "free_bytes", lambda folder: MiB)
+    with pytest.raises(ConfigError, match="the resumed run's next checkpoint needs about"):
+        train.make_plan(train.parse_args(["--recipe", "tiny_llama", "--output-dir", str(earlier_run), "--resume"]))
+
+
 def test_a_file_system_that_reports_no_size_is_not_judged(tmp_path, monkeypatch):
     monkeypatch.setattr(disk_room.shutil, "disk_usage", lambda folder: SimpleNamespace(total=0, free=0))
     disk_room.check_room(tmp_path, 10 * MiB, "a save", "")
