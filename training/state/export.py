@@ -246,13 +246,20 @@ def export_hf(engine: DeepSpeedEngine, tokenizer: PreTrainedTokenizerBase, out_d
 
 def save_hf(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, out_dir: Path, state_dict: dict,
             dtype: torch.dtype) -> None:
-    """`save_pretrained` with the given weights; the config names their dtype (not the module's)."""
-    config = model.config
-    use_cache, config.use_cache = config.use_cache, True  # training turns the KV cache off; inference wants it
+    """`save_pretrained` with the given weights; the config names their dtype (not the module's). Training turns the
+    KV cache off (training/models/model.py), in the config and the generation config the model derived from it;
+    the export carries inference's default, the cache on: generate follows generation_config.json's use_cache."""
+    config, generation = model.config, getattr(model, "generation_config", None)
+    training_cache = config.use_cache, generation.use_cache if generation else None
+    config.use_cache = True
+    if generation:
+        generation.use_cache = True
     model.save_pretrained(out_dir, state_dict=state_dict)
     module_dtype, config.dtype = config.dtype, dtype
     config.save_pretrained(out_dir)
-    config.use_cache, config.dtype = use_cache, module_dtype
+    (config.use_cache, cache), config.dtype = training_cache, module_dtype
+    if generation:
+        generation.use_cache = cache
     tokenizer.save_pretrained(out_dir)
 
 

@@ -122,3 +122,16 @@ def test_a_bf16_tensor_parallel_zero3_checkpoint_exports_its_fp32_master_weights
         assert tensor.dtype == exported[name].dtype == torch.bfloat16 and master[name].dtype == torch.float32
         assert torch.equal(exported[name], tensor) and torch.equal(master[name].bfloat16(), tensor), name
     assert any(not torch.equal(master[name], tensor.float()) for name, tensor in trained.items())  # more precise
+
+
+def test_the_export_decodes_with_a_kv_cache_by_default(tensor_parallel_checkpoint, tmp_path):
+    """Training turns the KV cache off, and the checkpoint's config says so; the export carries inference's default,
+    which transformers' generate (and TRL's sampling from the export) follows when the caller does not set it."""
+    tag, _ = tensor_parallel_checkpoint
+    config = json.loads((tag / "hf/config.json").read_text())
+    (tag / "hf/config.json").write_text(json.dumps({**config, "use_cache": False}))  # as train.py saves it
+    assert export(tag, tmp_path / "out") == 0
+    assert json.loads((tmp_path / "out/generation_config.json").read_text())["use_cache"] is True
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
+    assert out.past_key_values is not None and out.sequences.shape == (1, 5)
