@@ -70,6 +70,10 @@ def pair_documents(columns: dict, source: DataSource, index: int, first_row: int
                             f"goes with string completions, chat messages with chat messages (set prompt_field "
                             f"in the recipe's data source if the prompt is elsewhere)")
         for name, reply in ((source.chosen_field, chosen), (source.rejected_field, rejected)):
+            if not field_text(reply).strip():
+                raise DataError(f"{where}: field '{name}' holds an empty reply ({json.dumps(reply)[:80]}): a preference "
+                                f"for or against saying nothing is a broken row, not a pair to learn from; give the "
+                                f"reply its text, or remove the row")
             if is_conversation(reply) and reply[-1]["role"] != "assistant":
                 raise DataError(f"{where}: field '{name}' ends in a {reply[-1]['role']!r} turn, not the 'assistant' "
                                 f"reply the chat template renders after the prompt (another role moves where the "

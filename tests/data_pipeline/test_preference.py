@@ -88,10 +88,16 @@ def test_ultrafeedback_layout_a_string_prompt_beside_full_conversations(tmp_path
     ({"prompt": "Q", "chosen": 3, "rejected": "B"}, "row 2: field 'chosen' holds int"),
     ({"prompt": "Q", "chosen": "A", "rejected": [{"role": "assistant", "content": "B"}]}, "row 2: one of 'chosen'"),
     ({"prompt": [{"role": "user", "content": "Q"}], "chosen": "A", "rejected": "B"}, "row 2: field 'prompt'"),
+    ({"prompt": [{"role": "user", "content": "Q"}], "chosen": [{"role": "assistant", "content": ""}],
+      "rejected": [{"role": "assistant", "content": "B"}]}, "row 2: field 'chosen' holds an empty reply"),
+    ({"chosen": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": " \n"}],
+      "rejected": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "B"}]},
+     "row 2: field 'chosen' holds an empty reply"),  # TRL's implicit prompt: the reply after the shared turns
+    ({"prompt": "Q", "chosen": "A", "rejected": "  "}, "row 2: field 'rejected' holds an empty reply"),
 ])
 def test_a_bad_pair_is_named_by_row_and_field(tmp_path, row, message):
     path = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "Q", "chosen": "A", "rejected": "B"}, row])
-    with pytest.raises(DataError, match=message):
+    with pytest.raises(DataError, match=f"{path}: {message}"):
         load_pairs(DataConfig(sources=[{"path": path}], seq_len=64, examples="pairs").sources)
 
 
