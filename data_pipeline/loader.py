@@ -5,7 +5,7 @@ import datasets
 import numpy as np
 import torch
 
-from training.base.errors import DataError
+from training.base.errors import ConfigError, DataError
 from data_pipeline.preference import pack_pairs
 
 ROW_COLUMNS = ("input_ids", "labels", "position_ids", "length")
@@ -85,14 +85,24 @@ class StepBatches:
     def pass_over(self, count: int) -> None:
         """Batches are read by their position: passing over some needs nothing (a stream must read them)."""
 
+    # state_dict's fields in the recipe's words, the settings a user changes first (a resume names what changed)
+    settings = {"global_batch_size": "training.global_batch_size", "seed": "training.seed",
+                "rows": "the prepared data's rows (data.sources, their filters and data.seq_len)"}
+
     def state_dict(self) -> dict:
         """What a position means, checked when resuming (the position itself is in the run state)."""
         return {"rows": len(self.rows), "global_batch_size": self.global_batch_size, "seed": self.seed}
 
     def load_state_dict(self, state: dict) -> None:
-        if state != self.state_dict():
-            raise DataError(f"the checkpoint's data position was taken over {state}, this run has "
-                            f"{self.state_dict()}: resume with the same prepared data, global batch size and seed")
+        """A ConfigError naming each setting whose value the checkpoint's position was counted under and this run
+        changes (fields a checkpoint predates are not compared)."""
+        current = self.state_dict()
+        changed = [key for key in self.settings if key in state and state[key] != current[key]]
+        if changed:
+            raise ConfigError("--resume: the checkpoint's data position counts batches of another shape: " + "; ".join(
+                f"{self.settings[key]} is {state[key]} there and {current[key]} in this run" for key in changed) +
+                f". Resume with the checkpoint's {self.settings[changed[0]].split(' (')[0]}, or start a new run "
+                f"(another --output-dir, or --overwrite)")
 
 
 
@@ -192,9 +202,10 @@ class PromptBatches(StepBatches):
     unit = "prompts"
 
     def __init__(self, prompts: datasets.Dataset, prompts_per_rank: int, dp_rank: int, dp_size: int, seed: int,
-                 num_iterations: int, steps_per_generation: int = 1):
+                 num_iterations: int, num_generations: int, steps_per_generation: int = 1):
         super().__init__(prompts, prompts_per_rank, steps_per_generation, dp_rank, dp_size, seed)
         self.num_iterations, self.steps_per_generation = num_iterations, steps_per_generation
+        self.num_generations = num_generations  # the completions of each prompt: a resume names a change of it
         self.cycle = steps_per_generation * num_iterations  # the data positions one generation serves
         self.generations_per_epoch, self.steps_per_epoch = self.steps_per_epoch, self.steps_per_epoch * self.cycle
 
@@ -206,5 +217,10 @@ class PromptBatches(StepBatches):
                  "fields": list(batch["fields"]), "rows": rows, "generation": generation,
                  "part": step % self.steps_per_generation}]
 
+    settings = {"num_generations": "grpo.num_generations", "num_iterations": "grpo.num_iterations",
+                "global_batch_size": "the prompts of a generation (training.global_batch_size / grpo.num_generations "
+                                     "x the generation's steps, grpo.generation_batch_size / training.global_batch_size)",
+                "seed": "training.seed", "rows": "the prepared data's prompts (data.sources and their filters)"}
+
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "num_iterations": self.num_iterations}
+        return {**super().state_dict(), "num_iterations": self.num_iterations, "num_generations": self.num_generations}

@@ -142,7 +142,8 @@ def our_order() -> list[int]:
     given in, unshuffled: both sides then take the same prompts at each step of the first epoch."""
     import datasets
     from data_pipeline.loader import PromptBatches
-    return list(PromptBatches(datasets.Dataset.from_list(PROMPTS), 1, 0, 1, seed=1234, num_iterations=1).epoch_order(0))
+    return list(PromptBatches(datasets.Dataset.from_list(PROMPTS), 1, 0, 1, seed=1234, num_iterations=1,
+                              num_generations=2).epoch_order(0))
 
 
 def completion_table(tokenizer) -> dict[tuple[int, ...], list[list[int]]]:

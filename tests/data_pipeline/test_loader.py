@@ -2,7 +2,7 @@ import datasets
 import numpy as np
 import pytest
 
-from training.base.errors import DataError
+from training.base.errors import ConfigError, DataError
 from data_pipeline.loader import EvalBatches, StepBatches
 from data_pipeline.prepare import rows_to_dataset
 
@@ -40,6 +40,18 @@ def test_same_seed_same_batches_and_a_fresh_loader_resumes_at_any_step():
     first, second = StepBatches(numbered_rows(50), 2, 2, 1, 2, seed=3), StepBatches(numbered_rows(50), 2, 2, 1, 2, seed=3)
     assert [rows_seen(first, s) for s in range(10)] == [rows_seen(second, s) for s in (range(10))]
     assert rows_seen(StepBatches(numbered_rows(50), 2, 2, 1, 2, seed=4), 0) != rows_seen(first, 0)
+
+
+def test_a_resume_that_changes_what_a_position_means_names_each_setting():
+    saved = StepBatches(numbered_rows(50), 2, 2, 0, 1, seed=3).state_dict()
+    with pytest.raises(ConfigError, match="training.global_batch_size is 4 there and 8 in this run; training.seed is "
+                                          "3 there and 4 in this run. Resume with the checkpoint's "
+                                          "training.global_batch_size, or start a new run"):
+        StepBatches(numbered_rows(50), 2, 4, 0, 1, seed=4).load_state_dict(saved)
+    with pytest.raises(ConfigError, match=r"the prepared data's rows \(data.sources, their filters and data.seq_len\) "
+                                          "is 50 there and 40 in this run"):
+        StepBatches(numbered_rows(40), 2, 2, 0, 1, seed=3).load_state_dict(saved)
+    StepBatches(numbered_rows(50), 1, 2, 1, 2, seed=3).load_state_dict(saved)  # another layout: the same positions
 
 
 def test_batches_are_int64_tensors_of_micro_batch_rows():

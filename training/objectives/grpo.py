@@ -526,7 +526,7 @@ class Grpo(Objective):
         evaluation = EvalPromptBatches(prepared["eval"], completions // eval_generations(grpo), rank, plan.dp_size,
                                        training.eval_max_rows) if "eval" in prepared else None
         batches = PromptBatches(prepared["train"], prompts_per_rank, rank, plan.dp_size, training.seed,
-                                grpo.num_iterations, self.steps_per_generation)
+                                grpo.num_iterations, grpo.num_generations, self.steps_per_generation)
         self.steps_per_epoch = batches.steps_per_epoch  # and the run's steps: where the trainer_state says the run is
         self.total_steps = training.total_steps(batches.steps_per_epoch)
         return batches, evaluation

@@ -173,8 +173,8 @@ def test_each_rank_samples_whole_groups_of_the_same_global_batch_under_any_layou
                                           "prompt": [json.dumps(f"p{i}") for i in range(12)],
                                           "fields": [json.dumps({"answer": str(i)}) for i in range(12)],
                                           "source": [0] * 12})
-    one = PromptBatches(prompts, 4, 0, 1, seed=5, num_iterations=2)
-    two = [PromptBatches(prompts, 2, rank, 2, seed=5, num_iterations=2) for rank in range(2)]
+    one = PromptBatches(prompts, 4, 0, 1, seed=5, num_iterations=2, num_generations=2)
+    two = [PromptBatches(prompts, 2, rank, 2, seed=5, num_iterations=2, num_generations=2) for rank in range(2)]
     assert one.steps_per_epoch == 6  # 3 generations of 4 prompts, 2 steps each
     for position in range(8):
         [whole] = one.micro_batches(position)
@@ -185,6 +185,26 @@ def test_each_rank_samples_whole_groups_of_the_same_global_batch_under_any_layou
     assert list(one.micro_batches(0)[0]["rows"]) == list(one.micro_batches(1)[0]["rows"])  # one generation, 2 steps
 
 
+def test_a_resume_with_another_number_of_generations_names_it():
+    """Issue 68: the refusal spoke of a changed "global_batch_size" (the prompts per generation, 4 against 2) while the
+    user's training.global_batch_size was the same; it names grpo.num_generations, the checkpoint's and this run's."""
+    prompts = datasets.Dataset.from_dict({"prompt_ids": [[i, i + 1] for i in range(8)], "fields": ["{}"] * 8,
+                                          "prompt": [json.dumps(f"p{i}") for i in range(8)], "source": [0] * 8})
+    saved = PromptBatches(prompts, 4, 0, 1, seed=5, num_iterations=1, num_generations=2).state_dict()
+    resumed = PromptBatches(prompts, 2, 0, 1, seed=5, num_iterations=1, num_generations=4)  # the same 8 completions
+    with pytest.raises(ConfigError) as refused:
+        resumed.load_state_dict(saved)
+    assert str(refused.value) == (
+        "--resume: the checkpoint's data position counts batches of another shape: grpo.num_generations is 2 there "
+        "and 4 in this run; the prompts of a generation (training.global_batch_size / grpo.num_generations x the "
+        "generation's steps, grpo.generation_batch_size / training.global_batch_size) is 4 there and 2 in this run. "
+        "Resume with the checkpoint's grpo.num_generations, or start a new run (another --output-dir, or --overwrite)")
+    older = {key: value for key, value in saved.items() if key != "num_generations"}  # a checkpoint from before it
+    with pytest.raises(ConfigError, match="the prompts of a generation .* is 4 there and 2 in this run"):
+        resumed.load_state_dict(older)
+    PromptBatches(prompts, 4, 0, 1, seed=5, num_iterations=1, num_generations=2).load_state_dict(older)
+
+
 def test_a_generation_of_several_steps_samples_their_prompts_at_once_and_each_step_trains_on_its_own():
     """grpo.generation_batch_size of 2 global batches, num_iterations 2: one generation serves 4 data positions (steps
     0, 1, 0, 1 of it, TRL's order); each step's prompts, over the ranks, are those a run generating every step takes
@@ -192,9 +212,10 @@ def test_a_generation_of_several_steps_samples_their_prompts_at_once_and_each_st
     prompts = datasets.Dataset.from_dict({"prompt_ids": [[i, i + 1] for i in range(16)],
                                           "prompt": [json.dumps(f"p{i}") for i in range(16)],
                                           "fields": ["{}"] * 16, "source": [0] * 16})
-    every_step = PromptBatches(prompts, 4, 0, 1, seed=5, num_iterations=1)
-    one = PromptBatches(prompts, 4, 0, 1, seed=5, num_iterations=2, steps_per_generation=2)
-    two = [PromptBatches(prompts, 2, rank, 2, seed=5, num_iterations=2, steps_per_generation=2) for rank in range(2)]
+    every_step = PromptBatches(prompts, 4, 0, 1, seed=5, num_iterations=1, num_generations=2)
+    one = PromptBatches(prompts, 4, 0, 1, seed=5, num_iterations=2, num_generations=2, steps_per_generation=2)
+    two = [PromptBatches(prompts, 2, rank, 2, seed=5, num_iterations=2, num_generations=2, steps_per_generation=2)
+           for rank in range(2)]
     assert one.steps_per_epoch == 8 and one.generations_per_epoch == 2  # 2 generations of 8 prompts, 4 steps each
     for position in range(10):
         generation, part = position // 4, position % 2
