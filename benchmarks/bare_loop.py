@@ -17,6 +17,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from training.base.strict_json import dumps  # noqa: E402
 from training.loop.metrics import Stopwatch  # noqa: E402  (train.py's clock: synchronized at both ends)
 
 
@@ -55,7 +56,7 @@ def main() -> None:
     elapsed = clock.take()
     tokens = (args.steps - 1) * ds_config["train_batch_size"] * seq_len
     if torch.distributed.get_rank() == 0:
-        json.dump({"mean_tokens_per_s": tokens / elapsed}, open(args.result, "w"))
+        Path(args.result).write_text(dumps({"mean_tokens_per_s": tokens / elapsed}))
 
 
 if __name__ == "__main__":

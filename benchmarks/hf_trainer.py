@@ -38,6 +38,7 @@ from transformers import (AutoModelForCausalLM, Trainer, TrainerCallback, Traini
 from data_pipeline.loader import ROW_COLUMNS  # noqa: E402
 from data_pipeline.prepare import prepare_dataset  # noqa: E402
 from training.base.errors import ConfigError  # noqa: E402
+from training.base.strict_json import dumps  # noqa: E402
 from training.loop.metrics import (Stopwatch, device_name, flops_meter, peak_memory_bytes,  # noqa: E402
                                    peak_reserved_bytes)
 from training.parallel import distributed  # noqa: E402
@@ -203,7 +204,7 @@ def run(plan: RunPlan, output_dir: Path) -> int:
         output_dir.mkdir(parents=True, exist_ok=True)
         for name in ("summary.json", "metrics.jsonl"):
             (output_dir / name).unlink(missing_ok=True)
-        (output_dir / "ds_config.json").write_text(json.dumps(plan.ds_config, indent=2) + "\n")
+        (output_dir / "ds_config.json").write_text(dumps(plan.ds_config, indent=2) + "\n")
     with distributed.local_main_first():
         prepared, _ = prepare_dataset(plan.recipe.data, plan.tokenizer)
     rows = prepared["train"].select_columns(list(ROW_COLUMNS))
@@ -219,8 +220,8 @@ def run(plan: RunPlan, output_dir: Path) -> int:
     records = global_records(clock.records, trainer.args.device)
     summary = summarize(plan, trainer, records, time.perf_counter() - start)
     if dist.get_rank() == 0:
-        (output_dir / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
-        (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (output_dir / "metrics.jsonl").write_text("".join(dumps(record) + "\n" for record in records))
+        (output_dir / "summary.json").write_text(dumps(summary, indent=2) + "\n")
         print(f"HF Trainer: {summary['mean_tokens_per_s']:,.0f} tokens/s after step 1, first step "
               f"{summary['first_step_s']:.1f} s, final loss {summary['final_loss']:.4f}", flush=True)
     return 0

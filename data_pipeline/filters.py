@@ -9,7 +9,6 @@ or dropped whole. Each filter's parameters are its library's, with the library's
 stats.json and a seeded sample of what each filter removed.
 """
 import inspect
-import json
 import re
 from importlib import resources
 from pathlib import Path
@@ -26,6 +25,7 @@ from pydantic import BaseModel, Field, PositiveInt, ValidationError, create_mode
 from transformers import PreTrainedTokenizerBase
 
 from training.base.errors import DataError
+from training.base.strict_json import dumps
 from training.base.schema import StrictModel
 from training.compat.datatrove import ArrayScores, language_filter, warm_word_tokenizers
 
@@ -338,5 +338,5 @@ def merge(summaries: list[dict], samples: int) -> dict:
 def write_samples(samples: list[dict], folder: Path) -> None:
     """The removed documents each filter's sample holds, one JSON object per line: filter (its index in data.filters),
     type, reason, source (its index in data.sources) and text."""
-    lines = (json.dumps({k: v for k, v in sample.items() if k != "key"}, ensure_ascii=False) for sample in samples)
+    lines = (dumps({k: v for k, v in sample.items() if k != "key"}, ensure_ascii=False) for sample in samples)
     (folder / SAMPLES_FILE).write_text("".join(line + "\n" for line in lines), encoding="utf-8")

@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from data_pipeline import processes
 from training.base.errors import DataError
+from training.base.strict_json import dumps
 from data_pipeline.config import PREPARE_AGAIN, DataConfig, DataSource, DedupConfig, check_prepared, matching_files
 from data_pipeline.dedup import EncodedAt, NearDuplicates, normalized_bytes, repeated_mask, text_hashes
 from data_pipeline.pack import fit_to_length, pack_bfd, pack_concat, pack_padded
@@ -345,7 +346,7 @@ def save_prepared(prepared: datasets.DatasetDict, stats: dict, removed: list[dic
     if "filters" in stats:
         from data_pipeline.filters import write_samples
         write_samples(removed, partial)
-    (partial / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+    (partial / "stats.json").write_text(dumps(stats, indent=2) + "\n")
     mark(partial, PREPARE_COMMAND)
     try:
         partial.rename(path)

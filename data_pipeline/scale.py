@@ -41,6 +41,7 @@ from datatrove.utils.hashing import HashConfig
 from transformers import PreTrainedTokenizerBase
 
 from training.base.errors import DataError
+from training.base.strict_json import dumps
 from data_pipeline.config import DataConfig, DataSource, matching_files
 from data_pipeline.dedup import lsh_bands, normalize, normalized_bytes
 from data_pipeline.files import check_lines, field_problem, is_json_lines
@@ -156,7 +157,7 @@ class QualityFilters(PipelineStep):
                     yield doc
         folder = Path(self.work("filters"))
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"{rank:05d}.json").write_text(json.dumps(summary) + "\n")
+        (folder / f"{rank:05d}.json").write_text(dumps(summary) + "\n")
 
 
 class FilteredDocuments(JsonlReader):
@@ -250,7 +251,7 @@ class TokenizeAndPack(PipelineStep):
             if packed is not None:
                 rows = rows_to_dataset(packed, f"{job_fingerprint(self.work)}-task-{rank}")
                 rows.save_to_disk(str(folder / f"train-{rank:05d}"))
-            (folder / f"train-{rank:05d}.json").write_text(json.dumps(stats) + "\n")
+            (folder / f"train-{rank:05d}.json").write_text(dumps(stats) + "\n")
             self.stat_update("documents", value=len(documents))
             self.stat_update("rows", value=stats["rows"])
 

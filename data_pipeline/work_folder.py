@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from training.base.errors import DataError
+from training.base.strict_json import dumps
 from training.base.output_guard import overlap
 
 JOB_KEYS = {"fingerprint": "data section, source files or tokenizer", "tasks": "--tasks",
@@ -53,7 +54,7 @@ def claim_work_folder(work: Layout, job: dict) -> None:
                             f"and --tasks to finish it, or remove {work.root} to start over")
         return
     marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_text(json.dumps(job, indent=2) + "\n")
+    marker.write_text(dumps(job, indent=2) + "\n")
 
 
 def job_fingerprint(work: Layout) -> str:

@@ -311,6 +311,13 @@ def data_cache(tmp_path_factory) -> str:
     return f"data.cache_dir={tmp_path_factory.mktemp('data_cache')}"
 
 
+def strict_loads(text: str):
+    """json.loads as jq and JavaScript's JSON.parse read: NaN, Infinity and -Infinity are not JSON."""
+    def refuse(constant: str):
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
 def snapshot(folder: Path) -> dict[str, bytes]:
     return {str(path.relative_to(folder)): path.read_bytes() for path in folder.rglob("*") if path.is_file()}
 

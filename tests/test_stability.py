@@ -16,7 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import SMALL_MODEL, run_train
+from tests.conftest import SMALL_MODEL, run_train, strict_loads
+from training.base.strict_json import number
 
 pytestmark = pytest.mark.slow
 
@@ -37,11 +38,12 @@ RUNS = {  # name: (probe spec, ds_config, more overrides)
 
 
 def lines(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    """metrics.jsonl, read as strictly as jq does (a NaN loss is the text "nan": strict_json)."""
+    return [strict_loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def losses(out: Path) -> list[float]:
-    return [record["loss"] for record in lines(out) if "event" not in record]
+    return [number(record["loss"]) for record in lines(out) if "event" not in record]
 
 
 def events(out: Path) -> list[dict]:
@@ -71,7 +73,7 @@ def test_a_skipped_batch_is_the_only_difference(runs, name, tolerance):
     reason = "loss_spike" if "spike" in name else "nonfinite_loss"
     assert (event["event"], event["step"], event["data_position"], event["reason"]) == ("skip", POISONED + 1, POISONED,
                                                                                          reason)
-    summary = json.loads((out / "summary.json").read_text())
+    summary = strict_loads((out / "summary.json").read_text())
     assert summary["stability"]["skip"] == 1 and summary["stability"]["events"] == [event]
     assert summary["steps"] == STEPS and summary["tokens_seen"] == json.loads(
         (runs["reference"][0] / "summary.json").read_text())["tokens_seen"]  # the skipped batch is not counted
@@ -104,6 +106,7 @@ def test_a_rewind_goes_back_to_the_checkpoint_and_past_the_spike(runs):
 def test_without_the_guard_the_same_data_ruins_the_run(runs):
     out, result = runs["nonfinite, ZeRO-0, guard off"]
     assert result.returncode == 0 and math.isnan(losses(out)[-1]) and not events(out)
+    assert strict_loads((out / "summary.json").read_text())["final_loss"] == "nan"
     out, result = runs["spike, ZeRO-2, guard off"]
     assert result.returncode == 0
     curve, reference = losses(out), losses(runs["reference"][0])

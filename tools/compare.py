@@ -39,6 +39,7 @@ sys.path.insert(0, str(REPO))
 
 from training.base.errors import ConfigError, exit_code, positive_int  # noqa: E402
 from training.parallel.launch import failure_reason, launcher_command  # noqa: E402
+from training.base.strict_json import number  # noqa: E402
 from training.base.output_guard import (MARKER, begin_in_place, check_output, files_under, finish_in_place,  # noqa: E402
                                          kept_line, lists_files, owned_files, remove_owned, shown_list, way_out,
                                          written_by)
@@ -330,7 +331,7 @@ def read_run(run_dir: Path) -> tuple[dict, dict[int, float]]:
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [record for record in map(json.loads, (run_dir / "metrics.jsonl").open())
                if "event" not in record]  # stability events have lines of their own
-    losses = {record["step"]: record["loss"] for record in records}
+    losses = {record["step"]: number(record["loss"]) for record in records}  # "nan" as text: strict_json
     generation = [record["generation_time_s"] for record in records[1:] if "generation_time_s" in record]
     measured = summary.get("model_state_bytes") or {}
     device = "cuda" if "cuda" in measured else "cpu"
@@ -341,7 +342,7 @@ def read_run(run_dir: Path) -> tuple[dict, dict[int, float]]:
            "model_states_host_bytes": measured.get("cpu") if device == "cuda" else None,
            "generation_time_s": sum(generation) / len(generation) if generation else summary.get("generation_time_s"),
            "first_reward": summary.get("first_reward"),
-           "final_reward": summary.get("reward"), "final_loss": summary["final_loss"]}
+           "final_reward": summary.get("reward"), "final_loss": number(summary["final_loss"])}
     return row, losses
 
 

@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from training.base.errors import ConfigError
+from training.base.strict_json import dumps
 
 MARKER = ".written-by.json"
 
@@ -53,7 +54,7 @@ def mark(output: Path, command: str, folder: bool = True, files: Iterable[str] |
     """Record that `command` wrote `output` (a folder, or a file: the marker goes beside it), and for a folder the
     files it wrote there (relative paths), when known."""
     record = {"command": command} if files is None else {"command": command, "files": sorted(files)}
-    marker_path(output, folder).write_text(json.dumps(record) + "\n", encoding="utf-8")
+    marker_path(output, folder).write_text(dumps(record) + "\n", encoding="utf-8")
 
 
 def listed_files(folder: Path) -> set[str]:
@@ -81,13 +82,13 @@ def begin_in_place(folder: Path, command: str, owned: set[str]) -> None:
     of the command it continues) is another's, whatever appears from now on is the command's."""
     folder.mkdir(parents=True, exist_ok=True)
     record = {"command": command, "writing": True, "others": sorted(files_under(folder) - owned)}
-    write_atomically(marker_path(folder, True), json.dumps(record) + "\n")
+    write_atomically(marker_path(folder, True), dumps(record) + "\n")
 
 
 def finish_in_place(folder: Path, command: str) -> None:
     """The command has ended: its marker lists the files it wrote (begin_in_place)."""
     record = {"command": command, "files": sorted(owned_files(folder))}
-    write_atomically(marker_path(folder, True), json.dumps(record) + "\n")
+    write_atomically(marker_path(folder, True), dumps(record) + "\n")
 
 
 def remove_owned(folder: Path, owned: set[str], under: str = "") -> set[str]:

@@ -27,6 +27,7 @@ from training.planning.plan import RunPlan
 from training.state.checkpoint import restore_rng_states, rng_states
 from training.state.export import export_tag
 from training.base.output_guard import check_output, staged_folder, write_atomically
+from training.base.strict_json import dumps
 
 REPO = Path(__file__).resolve().parent.parent.parent
 SHIPPED = REPO / "eval_tasks"
@@ -138,7 +139,7 @@ def benchmark(hf_dir: Path, tasks: list[str], output_dir: Path, batch_size: int 
     if results is None:
         return None
     with staged_folder(output_dir, COMMAND) as staging:
-        (staging / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+        (staging / "results.json").write_text(dumps(results, indent=2, default=str) + "\n")
         (staging / "results.md").write_text(make_table(results) + "\n")
     print(make_table(results))
     return scores(results)
@@ -178,7 +179,7 @@ def evaluate_folder(target: Path, tasks: list[str], output_dir: Path | None, ove
     if found is not None and is_run(target):
         summary = json.loads((target / "summary.json").read_text())
         summary["benchmarks"] = {**summary.get("benchmarks", {}), **found}
-        write_atomically(target / "summary.json", json.dumps(summary, indent=2) + "\n")
+        write_atomically(target / "summary.json", dumps(summary, indent=2) + "\n")
     return found
 
 

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
+from training.base.strict_json import dumps
 from training.compat.torch import is_fake
 from training.loop.trackers import Trackers, flat
 from training.parallel.build import describe_kernels
@@ -274,7 +275,7 @@ class MetricsLogger:
     def event(self, event: dict) -> None:
         """A stability event (training/loop/stability.py): a line of its own in metrics.jsonl and on the console."""
         if self.enabled:
-            self.file.write(json.dumps(event) + "\n")
+            self.file.write(dumps(event) + "\n")
             self.file.flush()
             if self.trackers:
                 self.trackers.event(event)
@@ -293,7 +294,7 @@ class MetricsLogger:
         if not self.enabled or scores is None:
             return
         record = {"event": "benchmark", "step": step, "benchmarks": scores}
-        self.file.write(json.dumps(record) + "\n")
+        self.file.write(dumps(record) + "\n")
         self.file.flush()
         if self.trackers:
             self.trackers.log(record)
@@ -312,7 +313,7 @@ class MetricsLogger:
         """objective_text: the objective's console text of the record's fields of its own."""
         if not self.enabled:
             return
-        self.file.write(json.dumps(record) + "\n")
+        self.file.write(dumps(record) + "\n")
         self.file.flush()
         if self.trackers:
             self.trackers.log(record)
@@ -347,7 +348,7 @@ def write_summary(plan: RunPlan, totals: RunTotals, start_step: int, total_steps
                "activation_checkpointing": plan.recipe.activation_checkpointing, "steps": total_steps,
                "start_step": start_step, **totals.fields(), "wall_time_s": wall_time_s, "output_dir": str(plan.output_dir),
                "data": data, "ds_config": plan.ds_config}
-    (plan.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (plan.output_dir / "summary.json").write_text(dumps(summary, indent=2) + "\n")
     print_summary(summary, objective_rows(summary))
     return summary
 

@@ -43,11 +43,6 @@ def finite(value: float | None) -> bool:
     return value is None or math.isfinite(value)
 
 
-def as_json(value: float) -> float | str:
-    """A number for metrics.jsonl, which stays strict JSON: 'nan' and 'inf' as text."""
-    return value if math.isfinite(value) else str(value)
-
-
 def rewind(engine: DeepSpeedEngine, batches: StepBatches | StreamingBatches, checkpoint_dir: Path, position: int,
            layout: Layout) -> RunState:
     """Back to the latest checkpoint, every rank: weights, optimizer, schedule and RNG as they were there, and the
@@ -113,8 +108,8 @@ class StabilityGuard:
             if grad_norm is not None:
                 self.grad_norms.append(grad_norm)
             return None
-        found = {"step": step, "data_position": position, "reason": reason, "loss": as_json(loss),
-                 **({"grad_norm": as_json(grad_norm)} if grad_norm is not None and not skipped else {})}
+        found = {"step": step, "data_position": position, "reason": reason, "loss": loss,
+                 **({"grad_norm": grad_norm} if grad_norm is not None and not skipped else {})}
         if reason == "loss_spike":
             found["threshold"] = statistics.fmean(self.losses) + self.section.spike_sigma * statistics.pstdev(self.losses)
         if reason == "grad_spike":

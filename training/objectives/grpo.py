@@ -41,6 +41,7 @@ from data_pipeline.loader import EvalPromptBatches, PromptBatches
 from data_pipeline.pack import best_fit_decreasing
 from data_pipeline.prepare import pad_token_id
 from training.base.errors import ConfigError, DataError
+from training.base.strict_json import dumps
 from training.compat.deepspeed import zero3_whole_weights
 from training.config.recipe import GrpoSection, Recipe
 from training.loop.metrics import device_name
@@ -792,7 +793,7 @@ class Grpo(Objective):
         rank_by_rank = [record for rank_records in gathered[::self.plan.world_size // self.plan.dp_size]
                         for record in rank_records]
         with path.open("a") as file:
-            file.writelines(json.dumps(rank_by_rank[index]) + "\n" for index in in_order)
+            file.writelines(dumps(rank_by_rank[index]) + "\n" for index in in_order)
         self.logged_up_to = generation
 
     def console(self, record: dict) -> str:

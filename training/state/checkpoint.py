@@ -31,6 +31,7 @@ from pydantic import ValidationError
 from training.compat.deepspeed import loading_universal, universal_load_repaired, z0_grad_scaler
 from training.base.errors import ConfigError
 from training.base.output_guard import kept_line, owned_files, remove_owned, write_atomically
+from training.base.strict_json import dumps
 from training.config.recipe import Recipe
 from training.planning.layout import Layout
 from training.state.run_state import RunState, faults
@@ -97,7 +98,7 @@ def save_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, run_state: di
     dist.barrier()
     size = 0
     if rank == 0:
-        write_atomically(tag_dir / RUN_STATE, json.dumps(run_state, indent=2) + "\n")  # last: the tag is complete
+        write_atomically(tag_dir / RUN_STATE, dumps(run_state, indent=2) + "\n")  # last: the tag is complete
         write_atomically(checkpoint_dir / "latest", tag)
         size = sum(path.stat().st_size for path in tag_dir.rglob("*") if path.is_file())
         if keep_last:
@@ -120,7 +121,7 @@ def record_position(engine: DeepSpeedEngine, checkpoint_dir: Path, run_state: di
     torch.save(rank_state(engine, data_state), temporary)
     os.replace(temporary, path)
     if dist.get_rank() == 0:
-        write_atomically(tag_dir / RUN_STATE, json.dumps(run_state, indent=2) + "\n")
+        write_atomically(tag_dir / RUN_STATE, dumps(run_state, indent=2) + "\n")
     os.sync()
     dist.barrier()
 

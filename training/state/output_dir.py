@@ -1,7 +1,6 @@
 """The output folder: its default name, the checks that no flag combination loses an earlier run or anything that is
 not a run, and what a run writes into it first. A run writes its folder as it goes (training/base/output_guard.py's
 begin_in_place): --overwrite removes the earlier run's own files and keeps, and names, every other file."""
-import json
 import re
 from pathlib import Path
 
@@ -9,6 +8,7 @@ import torch.distributed as dist
 import yaml
 
 from training.base.errors import ConfigError
+from training.base.strict_json import dumps
 from training.base.output_guard import (MARKER, begin_in_place, check_writable_place, files_under, finish_in_place,
                                          kept_line, link_refusal, lists_files, owned_files, overlap, remove_owned,
                                          shown_list, way_out, written_by)
@@ -144,7 +144,7 @@ def start_output_dir(plan: RunPlan, overwrite: bool, resume: bool) -> None:
             begin_in_place(plan.output_dir, COMMAND, set())
         recipe_tree = plan.recipe.model_dump(mode="json")
         (plan.output_dir / "resolved_recipe.yaml").write_text(yaml.safe_dump(recipe_tree, sort_keys=False))
-        (plan.output_dir / "ds_config.json").write_text(json.dumps(plan.ds_config, indent=2) + "\n")
+        (plan.output_dir / "ds_config.json").write_text(dumps(plan.ds_config, indent=2) + "\n")
     dist.barrier()
 
 

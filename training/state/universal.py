@@ -30,6 +30,7 @@ from training.compat.deepspeed import convert_with_tensor_parallel, make_stage_n
 from training.parallel.distributed import patient_barrier
 from training.base.errors import ConfigError
 from training.base.output_guard import link_on_the_way
+from training.base.strict_json import dumps
 from training.planning.layout import Layout
 from training.planning.optimizer_states import SHAPED
 from training.state.run_state import RunState
@@ -163,7 +164,7 @@ def convert(checkpoint_dir: Path, tag: str) -> Path:
     make_stage_neutral(staging / tag)  # training/compat/deepspeed.py
     files = {str(path.relative_to(staging / tag)): path.stat().st_size for path in (staging / tag).rglob("*")
              if path.is_file()}
-    (staging / tag / MANIFEST).write_text(json.dumps(files, indent=1) + "\n")
+    (staging / tag / MANIFEST).write_text(dumps(files, indent=1) + "\n")
     if target.is_dir():  # the conversion it replaces, set aside into the staging folder, goes with it
         os.replace(target, staging / "replaced")
     os.replace(staging / tag, target)
