@@ -20,6 +20,7 @@ buffers).
 """
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -174,14 +175,19 @@ def test_the_grpo_export_loads_in_transformers_and_keeps_the_trained_weights(run
     assert torch.isfinite(model(input_ids=torch.tensor([[1, 2, 3]])).logits).all()
 
 
-def test_a_reward_function_that_returns_the_wrong_count_ends_the_run_by_name(tmp_path):
-    """A reward function that goes wrong at the third generation: every rank stops with one named error, printed
-    once, and the checkpoint saved at step 2 is the latest, whole."""
+def test_a_reward_function_that_raises_ends_every_rank_with_one_error_and_its_own_frames(tmp_path):
+    """A user's reward function that raises at the third generation (step 3): every rank stops with exit code 2 and
+    one `error:` line naming the function, the generation and the step, then the function's own frames, none of
+    training/'s; the checkpoint saved at step 2 stays the latest, whole. (A wrong count is named alike, fast:
+    tests/training/objectives/test_rewards.py.)"""
     save_small_checkpoint(tmp_path / "base")
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
-    (tmp_path / "flaky.py").write_text("calls = []\n\n\ndef flaky(prompts, completions, **row_fields):\n"
-                                       "    calls.append(1)\n"
-                                       "    return [0.0] * (len(completions) - (len(calls) == 3))\n")
+    flaky = tmp_path / "flaky.py"
+    flaky.write_text("calls = []\n\n\ndef flaky(prompts, completions, **row_fields):\n"
+                     "    calls.append(1)\n"
+                     "    if len(calls) == 3:\n"
+                     "        raise ValueError('my reward is broken')\n"
+                     "    return [0.0] * len(completions)\n")
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text((REPO / "recipes/tiny_llama_grpo/recipe.yaml").read_text())
     out = tmp_path / "run"
@@ -191,9 +197,14 @@ def test_a_reward_function_that_returns_the_wrong_count_ends_the_run_by_name(tmp
                         "training.global_batch_size=16", "grpo.rewards=[{function: flaky:flaky}]", "grpo.beta=0",
                         "checkpointing.every_steps=2", "training.max_steps=4", "logging.report_to=[]",
                         f"data.cache_dir={tmp_path / 'cache'}"], ranks=2)
-    assert result.returncode != 0
-    message = "reward function flaky returned 7 rewards for 8 completions"
-    assert result.stderr.count(message) == 1, result.stderr[-3000:]
+    assert result.returncode == 2, result.stderr[-3000:]
+    line = "error: reward function flaky raised ValueError: my reward is broken (generation 2, step 3)\n"
+    assert result.stderr.count("error:") == 1 and result.stderr.count(line) == 1, result.stderr[-3000:]
+    frames = result.stderr[result.stderr.index(line) + len(line):]
+    assert frames.startswith(f'  File "{flaky.resolve()}", line 7, in flaky\n'
+                             f"    raise ValueError('my reward is broken')"), result.stderr[-3000:]
+    assert frames.count("  File ") == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert not re.search(r'File ".*/training/', result.stderr), result.stderr[-3000:]
     assert (out / "checkpoints/latest").read_text() == "global_step2"
     assert json.loads((out / "checkpoints/global_step2/run_state.json").read_text())["step"] == 2
 

@@ -51,7 +51,7 @@ from training.objectives.grpo_loss import (CLIPPED, EXTREMES, STEP_TOKEN_MEAN, E
                                            entropy_threshold, group_advantages, grpo_loss, kept_tokens, metric_means,
                                            nanstd, normalized_sum_advantages, token_logps, weighted_rewards)
 from training.objectives.reference import SyncedReference, load_reference, partitioned, reference_place, synced_note
-from training.objectives.rewards import RewardLog, RewardModel, load_reward, score
+from training.objectives.rewards import RewardLog, RewardModel, check_rewarded, load_reward, score
 from training.parallel import distributed
 from training.planning.flops import flops_per_token, gpu_spec
 from training.planning.kernels import replaced_head
@@ -564,8 +564,9 @@ class Grpo(Objective):
         seeds = [sampling_seed(self.plan.recipe.training.seed, prompts["generation"], int(row), index)
                  for row in prompts["rows"] for index in range(self.section.num_generations)]
         done = prompts["generation"] * self.steps_per_generation * self.section.num_iterations  # steps before it
-        rollout = self.rollout_of(engine, prompts, seeds, self.trainer_state(done))
-        advantages = self.advantages(engine, prompts["generation"], rollout)
+        where = f"generation {prompts['generation']}, step {done + 1}"  # for the rewards' errors
+        rollout = self.rollout_of(engine, prompts, seeds, self.trainer_state(done), where)
+        advantages = self.advantages(engine, prompts["generation"], rollout, where)
         micro, data, batches = self.plan.recipe.training.micro_batch_size, self.plan.recipe.data, []
         for start in range(0, len(rollout.completions), micro):
             part = slice(start, start + micro)
@@ -587,10 +588,11 @@ class Grpo(Objective):
         return TrainerState(global_step=step, max_steps=self.total_steps, epoch=step / self.steps_per_epoch)
 
     def rollout_of(self, engine: deepspeed.DeepSpeedEngine, prompts: dict, seeds: list[int],
-                   state: TrainerState) -> Rollout:
+                   state: TrainerState, where: str) -> Rollout:
         """Completions of each of the rank's prompts, as many as their seeds (num_generations, or in evaluation
         num_generations_eval), sampled in one batch, and the reward functions' scores of them (each given the prompt,
-        the completion, the row's other fields and TRL's other arguments: rewards.py)."""
+        the completion, the row's other fields and TRL's other arguments: rewards.py; `where` names the run's moment
+        in their errors)."""
         grpo, generations = self.section, len(seeds) // len(prompts["prompt_ids"])
         prompt_ids = [torch.from_numpy(ids) for ids in prompts["prompt_ids"] for _ in range(generations)]
         zero3 = engine.zero_optimization_stage() == 3
@@ -608,19 +610,23 @@ class Grpo(Objective):
         fields = [json.loads(f) for f in prompts["fields"] for _ in range(generations)]
         row_fields = {name: [f.get(name) for f in fields] for name in (fields[0] if fields else {})}
         log = RewardLog()
-        per_function = score(self.functions, given, replies, row_fields, trainer_state=state, log_metric=log.metric,
-                             log_extra=log.extra, completion_ids=[c.tolist() for c in completions])
+        per_function = score(self.functions, given, replies, row_fields, where, trainer_state=state,
+                             log_metric=log.metric, log_extra=log.extra,
+                             completion_ids=[c.tolist() for c in completions])
         return Rollout(prompt_ids, given, completions, texts, truncated, per_function, log)
 
-    def advantages(self, engine: deepspeed.DeepSpeedEngine, generation: int, rollout: Rollout) -> torch.Tensor:
+    def advantages(self, engine: deepspeed.DeepSpeedEngine, generation: int, rollout: Rollout,
+                   where: str) -> torch.Tensor:
         """The rank's completions' advantages, from the rewards of the whole generation (every rank's, put in the
-        prompts' order); notes the generation's metrics and logs its samples."""
+        prompts' order; a DataError on every rank where none has a reward); notes the generation's metrics and logs
+        its samples."""
         rank, count, steps = self.plan.dp_rank(dist.get_rank()), len(rollout.completions), self.steps_per_generation
         gathered = self.gathered(engine, rollout)  # rank by rank, each rank's steps in turn
         # into the prompts' order, step by step, the same in every layout (so the sums over the generation add alike)
         in_order = torch.arange(len(gathered[0]), device=engine.device).view(-1, steps, count // steps)
         in_order = in_order.transpose(0, 1).reshape(-1)
         everyone, lengths, truncated = (values[in_order] for values in gathered)
+        check_rewarded(everyone, self.names, where)
         rewards = weighted_rewards(everyone, self.weights)
         advantages, std = self.advantages_of(everyone, rewards, self.section.num_generations)
         self.step_metrics = {**self.generation_metrics(everyone, rewards, std, lengths, truncated,
@@ -738,7 +744,7 @@ class Grpo(Objective):
             "reward_std": nanstd(rewards).item(),  # TRL's: over the whole generation, not the groups' mean
             "frac_reward_zero_std": (std.view(-1, generations)[:, 0] < 1e-6).float().mean().item(),
             **{f"rewards/{name}/mean": per_function[:, i].nanmean().item() for i, name in enumerate(self.names)},
-            **{f"rewards/{name}/std": per_function[:, i][~per_function[:, i].isnan()].std().nan_to_num().item()
+            **{f"rewards/{name}/std": nanstd(per_function[:, i]).nan_to_num().item()  # 0 under 2 values (TRL: NaN)
                for i, name in enumerate(self.names)},
             "completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
             "completions/max_length": lengths.max().item(), "completions/clipped_ratio": truncated.float().mean().item(),
@@ -818,15 +824,16 @@ class Grpo(Objective):
         """The evaluation prompts' completions, num_generations_eval each, sampled as in training (with streams of
         their own, the same at every evaluation) and scored: TRL's generation metrics, named eval_*."""
         generations, seed = eval_generations(self.section), self.plan.recipe.training.seed
-        parts = []
+        where, parts = f"evaluation after step {self.last_step}", []
         for prompts in evaluation:
             seeds = [sampling_seed(seed, 0, int(row), index, evaluation=True)
                      for row in prompts["rows"] for index in range(generations)]
             real = torch.from_numpy(prompts["real"]).repeat_interleave(generations).to(engine.device)
-            rollout = self.rollout_of(engine, prompts, seeds, self.trainer_state(self.last_step))  # its log unused
+            rollout = self.rollout_of(engine, prompts, seeds, self.trainer_state(self.last_step), where)  # log unused
             parts.append((*self.gathered(engine, rollout), distributed.all_gather(real)))
         per_function, lengths, truncated, real = (torch.cat(values) for values in zip(*parts))
         per_function, lengths, truncated = per_function[real], lengths[real], truncated[real]
+        check_rewarded(per_function, self.names, where)
         rewards = weighted_rewards(per_function, self.weights)
         _, std = self.advantages_of(per_function, rewards, generations)
         metrics = self.generation_metrics(per_function, rewards, std, lengths, truncated, generations)

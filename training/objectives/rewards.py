@@ -1,11 +1,14 @@
-"""GRPO's reward functions, in TRL's form: f(prompts, completions, **kwargs) -> one float, or None (no opinion:
-TRL's NaN), per completion. prompts and completions are lists of N (each prompt repeated once per generation); a
-completion is a string or, for chat, a list of messages ({"role": ..., "content": ...}) whose last message's text is
-what the built-ins read. The keyword arguments are TRL's: the data set's other columns, each a list of N;
-completion_ids, each completion's token ids; trainer_state, a transformers TrainerState whose global_step, max_steps
-and epoch say where the run is (the optimizer steps done before the generation); log_metric(name, value), a scalar
-logged with the step's metrics under its name, the mean of every call on every rank in the generation; and
-log_extra(column, values), one value per completion, a column of completions.jsonl (RewardLog).
+"""GRPO's reward functions, in TRL's form: f(prompts, completions, **kwargs) -> one reward per completion, what TRL's
+torch.tensor([nan if r is None else r for r in output]) takes: a list or tuple of numbers (Python's, numpy's or 0-d
+tensors) or None, or a 1-D numpy array or tensor. None and NaN both mean no opinion (TRL turns None into NaN and
+treats them alike: left out of the sums, means and stds); an infinity is refused (checked). prompts and completions
+are lists of N (each prompt repeated once per generation); a completion is a string or, for chat, a list of messages
+({"role": ..., "content": ...}) whose last message's text is what the built-ins read. The keyword arguments are
+TRL's: the data set's other columns, each a list of N; completion_ids, each completion's token ids; trainer_state, a
+transformers TrainerState whose global_step, max_steps and epoch say where the run is (the optimizer steps done
+before the generation); log_metric(name, value), a scalar logged with the step's metrics under its name, the mean of
+every call on every rank in the generation; and log_extra(column, values), one value per completion, a column of
+completions.jsonl (RewardLog).
 
 Built-ins, each named by load_reward with its parameters:
 - exact_answer: 1.0 where the completion's final answer equals the row's reference (its `answer` field, else its
@@ -21,6 +24,12 @@ Built-ins, each named by load_reward with its parameters:
 
 A reward model (RewardModel, TRL's reward_funcs given a model) scores each prompt and completion with a sequence
 classifier's one logit.
+
+What the user's function raises ends the run with one line naming it (RewardFunctionError), where the built-ins and
+RewardModel, this module's code, keep their traceback as a bug (a DataError of theirs, such as exact_answer's missing
+field, names the input already; a reward model out of memory gets errors.py's advice on fitting). A generation
+whose completions none of the functions scored stops the run too (check_rewarded): TRL warns and trains on, every
+advantage 0 (at beta 0 every step a loss and a gradient of 0).
 """
 import functools
 import importlib
@@ -28,9 +37,11 @@ import inspect
 import math
 import numbers
 import re
+import traceback
 from collections.abc import Callable, Sequence
 from fractions import Fraction
 
+import numpy as np
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -168,18 +179,73 @@ def load_reward(name: str, params: dict | None = None) -> RewardFunction:
 
 
 def checked(values, name: str, count: int) -> list[float]:
-    """A reward function's output as floats (None: NaN), or a DataError naming the function."""
-    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+    """A reward function's output as floats (None: NaN), or a DataError naming the function: `count` rewards in a
+    list or tuple (each a number, numpy's too, a 0-d tensor, or None) or a 1-D numpy array or tensor. An infinity
+    is refused, where TRL takes it: its group's mean is infinite too, so the group's advantages are NaN, trained as
+    0, or under scale_rewards none float32's extreme, -3.4e38, and nothing says so."""
+    if isinstance(values, (np.ndarray, torch.Tensor)):
+        if values.ndim != 1:
+            raise DataError(f"reward function {name} returned a {values.ndim}-D {type(values).__name__} of shape "
+                            f"{tuple(values.shape)}; return {count} rewards, one per completion, in a list or a "
+                            f"1-D array")
+        values = values.tolist()
+    elif isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise DataError(f"reward function {name} returned a {type(values).__name__}; return a list of {count} "
                         f"rewards, one per completion (a number, or None where it has no opinion)")
     if len(values) != count:
         raise DataError(f"reward function {name} returned {len(values)} rewards for {count} completions; return "
                         f"one per completion (None where it has no opinion)")
+    rewards = []
     for index, value in enumerate(values):
-        if value is not None and not isinstance(value, numbers.Real):
+        scalar = isinstance(value, (np.generic, np.ndarray, torch.Tensor)) and value.ndim == 0
+        number = value.item() if scalar else value
+        if number is not None and not isinstance(number, numbers.Real):
             raise DataError(f"reward function {name} returned {value!r} ({type(value).__name__}) for completion "
                             f"{index}; return a number, or None where it has no opinion")
-    return [math.nan if value is None else float(value) for value in values]
+        rewards.append(math.nan if number is None else float(number))
+        if math.isinf(rewards[-1]):
+            raise DataError(f"reward function {name} returned {rewards[-1]} for completion {index}: an infinite reward "
+                            f"breaks its whole group's advantages; return a finite number (clip it to a range), or "
+                            f"None where it has no opinion")
+    return rewards
+
+
+def check_rewarded(per_function: torch.Tensor, names: Sequence[str], where: str) -> None:
+    """A DataError where no function scored any completion ([N, F] all NaN: each returned None or NaN for every
+    one), at `where` (the run's moment). Pass every rank's rewards, gathered: every rank then raises it together,
+    and none waits in a collective for a rank that left."""
+    if per_function.isnan().all():
+        raise DataError(f"no reward for any of the {len(per_function)} completions ({where}, every rank's): reward "
+                        f"function(s) {', '.join(names)} returned None or NaN for each, which leaves nothing to learn "
+                        f"from (every advantage 0) or to measure; check that the rows hold the fields the functions "
+                        f"read (e.g. exact_answer's `answer` or `solution`, not None) and that the functions score "
+                        f"these completions")
+
+
+class RewardFunctionError(DataError):
+    """A user's reward function raised: the message is one line naming it, what it raised and when, then the
+    traceback's frames from the function inward."""
+
+
+def function_name(function: RewardFunction) -> str:
+    return getattr(function, "__name__", type(function).__name__)
+
+
+def called(function: RewardFunction, where: str, **arguments) -> object:
+    """function(**arguments). What a user's function raises (an Exception: not Ctrl-C nor SystemExit; not our own
+    ConfigError or DataError, which name their input) becomes a RewardFunctionError naming the function and
+    `where`, with the frames from the function inward only: training/'s above it say nothing to the user. This
+    module's own functions (the built-ins, RewardModel, whose __module__ is this one) keep their traceback: a bug of
+    ours."""
+    try:
+        return function(**arguments)
+    except Exception as error:
+        if getattr(function, "__module__", None) == __name__ or isinstance(error, (ConfigError, DataError)):
+            raise
+        frames = traceback.extract_tb(error.__traceback__)[1:]  # the first is the call above
+        raised = type(error).__name__ + (f": {error}" if str(error) else "")
+        raise RewardFunctionError(f"reward function {function_name(function)} raised {raised} ({where})\n"
+                                  + "".join(traceback.format_list(frames)).rstrip()) from None
 
 
 class RewardLog:
@@ -197,11 +263,12 @@ class RewardLog:
 
 
 def score(functions: Sequence[RewardFunction], prompts: list, completions: list, row_fields: dict[str, list],
-          **extras) -> torch.Tensor:
+          where: str, **extras) -> torch.Tensor:
     """[N, F] float32: each function's rewards for the N completions, None as NaN (as TRL's); `extras` (TRL's
-    completion_ids, trainer_state, log_metric, log_extra) passed to each beside the row's fields."""
-    columns = [checked(function(prompts=prompts, completions=completions, **row_fields, **extras),
-                       getattr(function, "__name__", type(function).__name__), len(prompts))
+    completion_ids, trainer_state, log_metric, log_extra) passed to each beside the row's fields. `where`, the run's
+    moment (e.g. "generation 2, step 3"), names it in the error of a function that raises (called)."""
+    columns = [checked(called(function, where, prompts=prompts, completions=completions, **row_fields, **extras),
+                       function_name(function), len(prompts))
                for function in functions]
     return torch.tensor(columns, dtype=torch.float32).reshape(len(functions), len(prompts)).T
 

@@ -233,7 +233,7 @@ def test_advantages_equal_trl(checkpoint, tmp_path, scale_rewards, aggregation):
                                         {}, None, None)
     output = theirs._generate_and_score_completions(rows)
 
-    per_function = score([reward_a, reward_b], ["x"] * len(rows), completions, {"a": A, "b": B})
+    per_function = score([reward_a, reward_b], ["x"] * len(rows), completions, {"a": A, "b": B}, "a test")
     trl_per_function = torch.tensor([theirs._logs["rewards"][name] for name in ("reward_a", "reward_b")]).T
     torch.testing.assert_close(per_function, trl_per_function, equal_nan=True, rtol=0, atol=0)
     if aggregation == "normalize_then_sum":

@@ -2,12 +2,18 @@
 errors for what cannot be loaded or scored."""
 import math
 import sys
+import warnings
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
-from training.base.errors import ConfigError, DataError
-from training.objectives.rewards import exact_answer, format_regex, length_penalty, load_reward, score
+from training.base.errors import ConfigError, DataError, failure
+from training.objectives import rewards as rewards_module
+from training.objectives.grpo import Grpo
+from training.objectives.rewards import (RewardFunctionError, check_rewarded, exact_answer, format_regex,
+                                         length_penalty, load_reward, score)
 
 
 def chat(text: str) -> list[dict]:
@@ -102,10 +108,30 @@ def test_score_gives_one_column_per_function_none_as_nan():
     def half(prompts, completions, answer, **kwargs):
         return [0.5 if a == "1" else None for a in answer]
 
-    rewards = score([load_reward("exact_answer"), half], ["p"] * 3, ["1", chat("2"), "3"], {"answer": ["1", "2", "4"]})
+    rewards = score([load_reward("exact_answer"), half], ["p"] * 3, ["1", chat("2"), "3"], {"answer": ["1", "2", "4"]},
+                    "generation 0, step 1")
     assert rewards.dtype == torch.float32 and rewards.shape == (3, 2)
     assert rewards[:, 0].tolist() == [1.0, 1.0, 0.0]
     assert rewards[0, 1].item() == 0.5 and math.isnan(rewards[1, 1]) and math.isnan(rewards[2, 1])
+
+
+@pytest.mark.parametrize("returned, expected", [
+    (np.array([0.5, -1.0]), [0.5, -1.0]),
+    (np.array([1, 0], dtype=np.int64), [1.0, 0.0]),
+    (np.array([0.5, None], dtype=object), [0.5, math.nan]),
+    (torch.tensor([0.25, 2.0], requires_grad=True), [0.25, 2.0]),
+    ([np.float32(0.5), np.int64(3)], [0.5, 3.0]),
+    ([torch.tensor(0.5), None], [0.5, math.nan]),
+    ((np.bool_(True), math.nan), [1.0, math.nan]),  # NaN, as None: no opinion
+    ([np.array(2.0), 1], [2.0, 1.0]),
+])
+def test_score_takes_what_trl_takes_numpy_and_torch_rewards_too(returned, expected):
+    def forms(prompts, completions, **kwargs):
+        return returned
+
+    rewards = score([forms], ["p", "p"], ["a", "b"], {}, "generation 0, step 1")
+    assert rewards.dtype == torch.float32 and rewards.shape == (2, 1)
+    torch.testing.assert_close(rewards[:, 0], torch.tensor(expected), equal_nan=True, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("returned, message", [
@@ -113,13 +139,97 @@ def test_score_gives_one_column_per_function_none_as_nan():
     ([1.0, "1.0"], "reward function bad returned '1.0' \\(str\\) for completion 1; return a number"),
     ([1.0, [1.0]], "reward function bad returned \\[1.0\\] \\(list\\) for completion 1"),
     (None, "reward function bad returned a NoneType; return a list of 2 rewards"),
+    ("ab", "reward function bad returned a str; return a list of 2 rewards"),
+    ({"a": 1.0, "b": 0.0}, "reward function bad returned a dict; return a list of 2 rewards"),
+    (np.zeros((2, 1)), "returned a 2-D ndarray of shape \\(2, 1\\); return 2 rewards, one per completion, in a list"),
+    (torch.zeros(1, 2), "reward function bad returned a 2-D Tensor of shape \\(1, 2\\)"),
+    (np.array(1.0), "reward function bad returned a 0-D ndarray of shape \\(\\)"),
+    (np.zeros(3), "reward function bad returned 3 rewards for 2 completions"),
+    (np.array(["1", "0"]), "reward function bad returned '1' \\(str\\) for completion 0"),
+    ([torch.tensor([1.0]), 0.0], "reward function bad returned tensor\\(\\[1.\\]\\) \\(Tensor\\) for completion 0"),
+    ([0.0, np.complex64(1)], "returned np.complex64\\(1\\+0j\\) \\(complex64\\) for completion 1"),
+    ([0.0, math.inf], "reward function bad returned inf for completion 1: an infinite reward"),
+    (np.array([-math.inf, 0.0]), "reward function bad returned -inf for completion 0: .* return a finite number"),
+    ([torch.tensor(math.inf), np.float32(0)], "reward function bad returned inf for completion 0"),
 ])
 def test_score_names_the_function_that_returns_the_wrong_rewards(returned, message):
     def bad(prompts, completions, **kwargs):
         return returned
 
     with pytest.raises(DataError, match=message):
-        score([bad], ["p", "p"], ["a", "b"], {})
+        score([bad], ["p", "p"], ["a", "b"], {}, "generation 0, step 1")
+
+
+@pytest.fixture
+def flaky_module(tmp_path, monkeypatch):
+    """flaky.py on sys.path: `flaky` fails inside a helper of its own."""
+    path = tmp_path / "flaky.py"
+    path.write_text("def check(completions):\n"
+                    "    raise ValueError('my reward is broken')\n"
+                    "\n"
+                    "\n"
+                    "def flaky(prompts, completions, **kwargs):\n"
+                    "    check(completions)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield path
+    sys.modules.pop("flaky", None)
+
+
+def test_a_reward_function_that_raises_is_named_with_its_own_frames_only(flaky_module):
+    """One line (the function, what it raised, the run's moment), then the frames from the function inward: the
+    message failure() prints after `error: ` once, exit code 2, and no frame of ours."""
+    with pytest.raises(RewardFunctionError) as raised:
+        score([load_reward("flaky:flaky")], ["p"], ["a"], {"answer": ["1"]}, "generation 2, step 3")
+    lines = str(raised.value).splitlines()
+    assert lines[0] == "reward function flaky raised ValueError: my reward is broken (generation 2, step 3)"
+    assert [line.strip() for line in lines[1:] if not line.strip().startswith(("^", "~"))] == [
+        f'File "{flaky_module}", line 6, in flaky', "check(completions)",
+        f'File "{flaky_module}", line 2, in check', "raise ValueError('my reward is broken')"]
+    assert raised.value.__suppress_context__ and isinstance(raised.value, DataError)
+    code, message = failure(raised.value)
+    assert code == 2 and message == "error: " + str(raised.value) and message.count("error:") == 1
+    assert rewards_module.__file__ not in message
+
+
+def test_what_a_reward_function_raises_that_is_not_its_bug_passes_through():
+    """Ctrl-C stays Ctrl-C; a DataError of ours (exact_answer's missing field) names its input already; a built-in's
+    bug keeps its traceback (here length_penalty given a completion that is no text)."""
+    def interrupted(prompts, completions, **kwargs):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        score([interrupted], ["p"], ["a"], {}, "generation 0, step 1")
+    with pytest.raises(DataError, match="^reward exact_answer: the rows have neither") as raised:
+        score([load_reward("exact_answer")], ["p"], ["a"], {}, "generation 0, step 1")
+    assert not isinstance(raised.value, RewardFunctionError)
+    with pytest.raises(TypeError):
+        score([load_reward("length_penalty", {"target": 4})], ["p"], [3], {}, "generation 0, step 1")
+
+
+def test_a_generation_without_any_reward_stops_the_run_by_name():
+    """Every function returned None or NaN for every completion (of every rank: the gathered rewards): nothing to
+    learn, a DataError naming the moment, the functions, the completions and the fix. One reward anywhere is
+    enough."""
+    missing = torch.full((16, 2), math.nan)
+    with pytest.raises(DataError, match="^no reward for any of the 16 completions \\(generation 2, step 3, every "
+                                        "rank's\\): reward function\\(s\\) exact_answer, closeness returned None or "
+                                        "NaN for each, .* check that the rows hold the fields the functions read"):
+        check_rewarded(missing, ["exact_answer", "closeness"], "generation 2, step 3")
+    missing[5, 1] = 0.0
+    check_rewarded(missing, ["exact_answer", "closeness"], "evaluation after step 4")
+
+
+def test_a_function_with_one_reward_or_none_logs_a_std_of_0_without_torchs_warning():
+    """generation_metrics' rewards/<name>/std: 0 where fewer than 2 values are present (torch's std() warns of its
+    degrees of freedom there)."""
+    per_function = torch.tensor([[math.nan, 1.0], [math.nan, math.nan], [math.nan, math.nan], [math.nan, math.nan]])
+    rewards, lengths = per_function[:, 1], torch.tensor([3.0, 4.0, 5.0, 6.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        metrics = Grpo.generation_metrics(SimpleNamespace(names=["none", "once"]), per_function, rewards,
+                                          torch.zeros(4), lengths, torch.zeros(4, dtype=torch.bool), 4)
+    assert metrics["rewards/none/std"] == metrics["rewards/once/std"] == 0.0
+    assert metrics["rewards/once/mean"] == 1.0 and math.isnan(metrics["rewards/none/mean"])
 
 
 @pytest.fixture(scope="module")
