@@ -133,6 +133,13 @@ class Loop:
     def run(self) -> RunTotals:
         self.engine.train()  # from_pretrained gives eval mode: dropout (LoRA's too) and the router's loss off
         self.clock.start()
+        try:
+            self.train_steps()
+        finally:
+            self.logger.close()  # an error that ends the run is printed below the progress bar, not on its line
+        return self.totals()
+
+    def train_steps(self) -> None:
         while self.state.step < self.total_steps:
             lr, loss_share, grad_norm, tokens, stop, event = self.step()
             if event and event["event"] != "spike":
@@ -157,8 +164,6 @@ class Loop:
                 if stop:
                     break
                 self.clock.start()
-        self.logger.close()
-        return self.totals()
 
     def step(self) -> tuple:
         """One optimizer step on the batches at the data position, which moves on: the learning rate, this rank's
