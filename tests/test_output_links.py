@@ -48,7 +48,8 @@ def finished_run(run: Path) -> Path:
 
 
 RUN_WRITES = ["hf", "checkpoints", "tensorboard", "benchmarks", "adapter", "metrics.jsonl", "summary.json",
-              "checkpoints/latest", "checkpoints/universal", "hf/config.json", "checkpoints/global_step6"]
+              "checkpoints/latest", "checkpoints/universal", "checkpoints/zero_to_torch.py", "hf/config.json",
+              "checkpoints/global_step6"]
 
 
 @pytest.mark.parametrize("flag", ["--overwrite", "--resume"])
