@@ -43,7 +43,9 @@ def test_a_ragged_gather_concatenates_every_ranks_values_in_rank_order():
 
 
 def slow_first_rank(rank: int, port: int, wait: str, results: dict) -> None:
-    """Local rank 0 works 4 s in a process group whose timeout is 1.5 s while rank 1 waits (`wait`: how)."""
+    """Local rank 0 works 4 s in a process group whose timeout is 1.5 s while rank 1 waits (`wait`: how). The ranks
+    meet through a store of their own that waits a minute for them: the group's short timeout is for its
+    collectives, and a rank that starts 2 s late on a loaded machine (seen in CI) would time the rendezvous out."""
     import os
     import time
     from datetime import timedelta
@@ -51,7 +53,8 @@ def slow_first_rank(rank: int, port: int, wait: str, results: dict) -> None:
     from training.parallel.distributed import local_main_first
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE="2")
-    dist.init_process_group("gloo", timeout=timedelta(seconds=1.5))
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=1.5))
     try:
         if wait == "collective barrier":
             if rank == 0:
