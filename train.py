@@ -36,7 +36,7 @@ from training.models.compile import resolve_compile
 from training.models.model import (check_checkpoint_folder, check_checkpoint_matches, check_recipe_against_model,
                                    load_model_config, load_tokenizer, weights_digest)
 from training.models.moe import router_meter, with_router_loss
-from training.objectives import OBJECTIVES, Objective
+from training.objectives.base import Objective, objective_class
 from training.parallel import distributed
 from training.parallel.build import build_run_model
 from training.parallel.op_builds import wait_for_op_builds
@@ -132,7 +132,7 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> RunPla
 
 def show_plan(plan: RunPlan, machine: Machine) -> None:
     """--dry-run's report, with the objective's part."""
-    print_plan(plan, machine, OBJECTIVES[plan.recipe.training.objective].describe(plan))
+    print_plan(plan, machine, objective_class(plan.recipe.training.spec).describe(plan))
 
 
 def make_batches(plan: RunPlan, objective: Objective) -> tuple:
@@ -174,7 +174,7 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
     training, checkpoints = plan.recipe.training, plan.output_dir / "checkpoints"
     distributed.check_shared_folder(plan.output_dir)
     claim_output_dir(plan.output_dir, args.resume)
-    objective = OBJECTIVES[training.objective](plan)
+    objective = objective_class(training.spec)(plan)
     batches, evaluation, data_stats = make_batches(plan, objective)
     total_steps = training.total_steps(batches.steps_per_epoch)
     if plan.resume_universal:

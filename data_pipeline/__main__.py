@@ -80,9 +80,9 @@ def prepare(args: argparse.Namespace) -> int:
     from training.compat import check_versions
     from training.models.model import load_tokenizer
     from training.config.recipe import load_recipe, recipe_inputs
-    from training.objectives import OBJECTIVES
+    from training.objectives.base import objective_class
     recipe = load_recipe(args.recipe, args.overrides)
-    OBJECTIVES[recipe.training.objective].check(recipe, None)  # its refusals of data settings, before any work
+    objective_class(recipe.training.spec).check(recipe, None)  # its refusals of data settings, before any work
     if recipe.data.prepared or recipe.data.streaming:
         raise DataError("the recipe's data is already prepared (data.prepared) or streamed (data.streaming); to "
                         "prepare a streamed recipe's sources anyway, add data.streaming=false")

@@ -197,7 +197,7 @@ class PromptBatches(StepBatches):
     once (grpo.generation_batch_size), and num_iterations passes over those steps train on it: the data position p
     reads generation p // (steps_per_generation x num_iterations), for its step p % steps_per_generation. A batch is
     the rank's prompts of the whole generation, step by step (whose completions the objective generates,
-    training/objectives/grpo.py), with each prompt's row in the data set (which seeds its sampling), the generation's
+    training/objectives/grpo/objective.py), with each prompt's row in the data set (which seeds its sampling), the generation's
     index and the step's place in it (part)."""
     unit = "prompts"
 

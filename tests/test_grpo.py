@@ -13,7 +13,7 @@ micro-batch's mean, over the ranks' micro-batches together, which differ once co
 their lengths differ), fp32, rewarded for
 a length near 40 characters (the small random model's completions differ in length: each group has something to
 learn) and for the right answer. Every
-completion draws from a random stream of its own (training/objectives/grpo.py), so every layout samples the same
+completion draws from a random stream of its own (training/objectives/grpo/objective.py), so every layout samples the same
 completions and the rewards match exactly; the losses, entropies and the weights' norm after each step match within
 1e-5 (the engine sums the same terms in another order), the gradient norm within 5e-5 (ZeRO computes it over its flat
 buffers).

@@ -1,6 +1,6 @@
 """train.py's GRPO (training.objective=grpo) against TRL 1.16's GRPOTrainer, step by step: the same checkpoint,
 prompts, reward functions and settings, and the same completions on both sides (generation stubbed: ours
-training.objectives.grpo.sample, TRL's _generate_single_turn, so that TRL's own prompt tokenization, decoding,
+training.objectives.grpo.objective.sample, TRL's _generate_single_turn, so that TRL's own prompt tokenization, decoding,
 truncation detection and length metrics still run), fp32, one rank, ZeRO-0, 3 optimizer steps. Ours packs each
 micro-batch's completions into rows (data.packing=bfd), TRL runs one per row: the same numbers.
 
@@ -36,7 +36,7 @@ the masked case's grad_norm):
   2e-3 of each other, and the 1e-6 by which TRL's forward and ours round them apart reorders neighbours at the
   quantile (seen: step 2's threshold token differs);
 - a reward model beside the functions (a sequence classifier with one label, from its path on both sides: TRL's
-  AutoModelForSequenceClassification, ours training/objectives/rewards.py RewardModel): its rewards/judge/* equal;
+  AutoModelForSequenceClassification, ours training/objectives/grpo/rewards.py RewardModel): its rewards/judge/* equal;
   and a function of TRL's whole signature (tests/helpers/trl_rewards.py: completion_ids, trainer_state's
   global_step, a metric through log_metric, a completions column through log_extra): its rewards and metrics equal;
 - reward, rewards/<fn>/{mean,std}, frac_reward_zero_std, completions/*: of the generation; TRL logs them only on
@@ -194,7 +194,7 @@ stability: {{enabled: false}}
 
 def our_logs(tmp_path, monkeypatch, base, loss_type, beta, iterations, accumulation, settings,
              judge=None) -> list[dict]:
-    import training.objectives.grpo as grpo
+    import training.objectives.grpo.objective as grpo
     from transformers import AutoTokenizer
     table = completion_table(AutoTokenizer.from_pretrained(base))
 
@@ -220,7 +220,7 @@ def trl_logs(tmp_path, monkeypatch, base, loss_type, beta, iterations, accumulat
     import trl.trainer.grpo_trainer
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
-    from training.objectives.rewards import load_reward
+    from training.objectives.grpo.rewards import load_reward
     from training.planning.shape import weight_decay_groups
     tokenizer = AutoTokenizer.from_pretrained(base)
     table = completion_table(tokenizer)

@@ -3,6 +3,7 @@ package below or to another module of its own package, and no modules import eac
 Entry points (train.py, `python -m training`, `python -m data_pipeline`) and training/checks.py, which calls every
 feature's check, sit on top. Function-level imports count."""
 import ast
+import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -11,6 +12,9 @@ ORDER = ["training.base", "training.compat", "data_pipeline", "training.config",
 ENTRIES = {"train", "training.__main__", "data_pipeline.__main__",
            "training.checks"}  # the checks of every feature together, before anything is built: train.py's first step
 PACKAGE_INITS = {"training": "training.compat"}  # training/__init__.py sets up logging and compat's import finder
+# what an objective is before anything is built (its spec: the recipe section, traits and checks) loads with the
+# recipe's schema, which takes the sections from the registry; the objectives' package files import nothing
+PLAN_TIME = re.compile(r"training\.objectives(\.\w+)?\.spec|training\.objectives\.registry")
 
 
 def module_name(path: Path) -> str:
@@ -23,6 +27,9 @@ def layer(module: str) -> int:
     if module in ENTRIES:
         return len(ORDER)
     module = PACKAGE_INITS.get(module, module)
+    is_package = (REPO / module.replace(".", "/") / "__init__.py").is_file()
+    if PLAN_TIME.fullmatch(module) or is_package and module.startswith("training.objectives"):
+        return ORDER.index("training.config")
     return max(i for i, package in enumerate(ORDER) if module == package or module.startswith(package + "."))
 
 

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import train
 from tests.conftest import REPO, SMALL_MODEL, run_train, save_small_checkpoint, train_in_process
-from training.objectives.lm import LanguageModel
+from training.objectives.lm.objective import LanguageModel
 from training.trainer import train_step
 
 

@@ -5,7 +5,7 @@ from transformers import PretrainedConfig
 from training.planning.ds_config import (check_nvme_offload, config_source, ds_config_file, load_ds_config, offloads,
                                        zero_setting, zero_stage)
 from training.base.errors import ConfigError
-from training.objectives import OBJECTIVES
+from training.objectives.base import objective_class
 from training.models.lora import check_lora
 from training.models.moe import check_moe
 from training.loop.optimizer import check_optimizer
@@ -20,7 +20,7 @@ from training.parallel.tensor_parallel import check_tensor_parallel
 def check_layout(recipe: Recipe, model_config: PretrainedConfig, raw_ds_config: dict, precision: str,
                  world_size: int, for_gpus: bool = False) -> None:
     """The checks of the ranks' layout, the ZeRO stage, the precision, the optimizer and the objective together."""
-    OBJECTIVES[recipe.training.objective].check(recipe, model_config, world_size)
+    objective_class(recipe.training.spec).check(recipe, model_config, world_size)
     stage, parallelism = zero_stage(raw_ds_config), recipe.parallelism
     if precision == "fp8" and stage == 0:
         raise ConfigError(f"precision=fp8 with ZeRO-0 ({ds_config_file(recipe.deepspeed.config).name}): ZeRO-0 runs "

@@ -18,7 +18,7 @@ from training.loop.stability import StabilityGuard, finite, rewind
 from training.loop.trackers import Trackers
 from training.models.lora import lora_files
 from training.models.moe import RouterMeter
-from training.objectives import Objective
+from training.objectives.base import Objective
 from training.parallel import distributed
 from training.parallel.pipeline import pipeline_batches
 from training.parallel.tensor_parallel import loss_copies

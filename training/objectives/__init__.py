@@ -1,8 +1,5 @@
-"""Training objectives, each one module (docs/objectives.md): the language model's next-token loss (lm.py) and
-preference tuning (dpo.py) and online RL with verifiable rewards (grpo.py), by their name in training.objective (training/config/recipe.py's OBJECTIVES)."""
-from training.objectives.base import Objective
-from training.objectives.dpo import Dpo
-from training.objectives.grpo import Grpo
-from training.objectives.lm import LanguageModel
-
-OBJECTIVES: dict[str, type[Objective]] = {"lm": LanguageModel, "dpo": Dpo, "grpo": Grpo}
+"""Training objectives, one folder each (docs/objectives.md): lm (the next-token loss), dpo (preference tuning) and
+grpo (online RL with verifiable rewards). A folder holds its spec.py (the recipe section, traits and checks, loaded
+with the recipe's schema), its objective.py (the run-time class) and the modules only it uses; registry.py names
+them all, base.py is what every objective's class shares, reference.py the frozen reference model dpo and grpo
+share. This file imports nothing: the schema loads the specs without the run-time code."""

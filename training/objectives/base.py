@@ -2,6 +2,7 @@
 plan, the batches it trains on, the loss of a micro-batch and what the loss is a mean over, what it does before step 1,
 the metrics of a logged step and their console text, its evaluation, and what it adds to summary.json and its table.
 docs/objectives.md says how to add one."""
+import importlib
 from pathlib import Path
 
 import deepspeed
@@ -9,6 +10,7 @@ import torch
 from transformers import PretrainedConfig
 
 from training.config.recipe import Recipe
+from training.objectives.spec import ObjectiveSpec
 from training.planning.plan import RunPlan
 
 
@@ -99,3 +101,10 @@ class Objective:
     def table(self, summary: dict) -> list[tuple[str, str]]:
         """The summary table's rows of the objective's own, from summary.json's fields."""
         return []
+
+
+def objective_class(spec: ObjectiveSpec) -> type[Objective]:
+    """The run-time class the spec names (its "module:Class"): loaded here, at the top of the import order, so that
+    the schema, which holds the specs, never imports the run-time code."""
+    module, _, name = spec.runtime.partition(":")
+    return getattr(importlib.import_module(module), name)

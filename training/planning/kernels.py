@@ -4,7 +4,7 @@ training/models/fused_loss.py."""
 from training.config.recipe import Recipe
 
 CHUNK_TOKENS = 2048  # per chunk: [2048, vocab] logits, 1 GB in fp32 for 128k; few chunks to add up
-DPO_CHUNK_TOKENS = 512  # DPO's token statistics and WPO weights (training/objectives/dpo.py), without a gradient: 12
+DPO_CHUNK_TOKENS = 512  # DPO's token statistics and WPO weights (training/objectives/dpo/objective.py), without a gradient: 12
 # bytes per token and vocabulary entry live (the fp32 logits, and each logsumexp's), 0.8 GB for a 128k vocabulary
 
 
@@ -15,7 +15,7 @@ def uses_fused_loss(recipe: Recipe, router_loss: bool) -> bool:
     DPO needs every sequence's log-probabilities; an MoE model with a router_loss adds it in its own forward; and
     where another module replaces the head."""
     parallelism = recipe.parallelism
-    return (recipe.fused_loss and recipe.training.traits.model_loss and parallelism.pipeline_stages == 1
+    return (recipe.fused_loss and recipe.training.spec.model_loss and parallelism.pipeline_stages == 1
             and parallelism.tensor_parallel == 1 and not recipe.long_context.logits_tile_tokens
             and not router_loss and not replaced_head(recipe))
 

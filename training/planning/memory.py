@@ -187,7 +187,7 @@ def reference_bytes(recipe: Recipe, precision: str, shape: ModelShape, stage: in
     (weights_dtype: fp32 at ZeRO-0, where 16-bit precision is torch autocast), partitioned over the `ranks`
     data-parallel ranks at ZeRO-3 and a full copy on each at 0-2. 0 where there is none to hold: GRPO's beta 0, DPO's
     stored reference values, another objective, or LoRA (the base with its adapters disabled)."""
-    live = recipe.grpo.beta > 0 if recipe.training.traits.generates else recipe.dpo.sync_ref_model
+    live = recipe.grpo.beta > 0 if recipe.training.spec.generates else recipe.dpo.sync_ref_model
     if not live or recipe.lora.enabled:
         return 0.0
     whole = shape.parameters * weights_dtype(precision, stage).itemsize
@@ -196,14 +196,14 @@ def reference_bytes(recipe: Recipe, precision: str, shape: ModelShape, stage: in
 
 def reward_models(recipe: Recipe) -> list[ModelShape]:
     """The shapes of GRPO's reward models (grpo.rewards' model entries)."""
-    if not recipe.training.traits.generates:
+    if not recipe.training.spec.generates:
         return []
     return [reward_model_shape(spec.model, recipe.model.trust_remote_code) for spec in recipe.grpo.rewards
             if spec.model]
 
 
 def reward_model_bytes(recipe: Recipe, precision: str) -> float:
-    """GRPO's reward models per rank (training/objectives/rewards.py, RewardModel): each a whole frozen copy on every
+    """GRPO's reward models per rank (training/objectives/grpo/rewards.py, RewardModel): each a whole frozen copy on every
     rank, in the run's dtype."""
     return sum(reward_model_parameters(shape) for shape in reward_models(recipe)) * DTYPES[precision].itemsize
 
@@ -236,7 +236,7 @@ def decoding_reads(shape: ModelShape, itemsize: int, rows: int, prompt: int, pas
 
 
 def generation(recipe: Recipe, precision: str, shape: ModelShape, stage: int, ranks: int) -> Generation:
-    """A generation's memory per rank (training/objectives/grpo.py, sample): the rank's B = generation_batch_size /
+    """A generation's memory per rank (training/objectives/grpo/objective.py, sample): the rank's B = generation_batch_size /
     ranks completions (global_batch_size where unset) in one batch, each after a prompt of at most
     p = seq_len - max_completion_length tokens (what the data stage lets in), with c = kv_heads x head_dim, L layers,
     a the weights' bytes (weights_dtype):
@@ -264,7 +264,7 @@ def generation(recipe: Recipe, precision: str, shape: ModelShape, stage: int, ra
     Read off transformers' Llama modules and generate, and checked against a measurement of the allocations on CPU
     (tests/training/planning/test_memory.py). Not counted: the attention's p x p scores, which CPU's math kernel
     makes for a padded batch and CUDA's memory-efficient kernel does not."""
-    if not recipe.training.traits.generates:
+    if not recipe.training.spec.generates:
         return Generation(0.0, 0.0, 0.0, 0.0)
     grpo, seq_len = recipe.grpo, recipe.data.seq_len
     generated = grpo.generation_batch_size or recipe.training.global_batch_size  # over all ranks, at once
@@ -563,7 +563,7 @@ def stage_bounds(layer_parameters: list[int], stages: int, method: str) -> list[
 
 def micro_batch_rows(recipe: Recipe) -> int:
     """The rows of a micro-batch; under DPO at its largest, every sequence of its pairs a whole row."""
-    return recipe.training.micro_batch_size * recipe.training.traits.rows_per_example
+    return recipe.training.micro_batch_size * recipe.training.spec.rows_per_example
 
 
 def activations(recipe: Recipe, precision: str, shape: ModelShape, setting: str | None = None,
@@ -586,7 +586,7 @@ def activations(recipe: Recipe, precision: str, shape: ModelShape, setting: str 
                             compiled=recipe.compile is True and (setting is None or int(setting[0]) < 3),
                             entropy_gradient=recipe.grpo.entropy_bonus,
                             fp32_head=recipe.grpo.cast_lm_head_to_fp32,
-                            dpo_statistics=recipe.training.traits.token_statistics,
+                            dpo_statistics=recipe.training.spec.token_statistics,
                             **stage)
 
 

@@ -82,7 +82,7 @@ def print_micro_batch_choice(plan: RunPlan) -> None:
     """Why training.micro_batch_size=auto took this micro-batch (training/planning/micro_batch.py): its planned peak per
     rank, and the next larger divisor's, which did not fit."""
     choice, training = plan.micro_batch, plan.recipe.training
-    machine, unit = choice.machine, training.traits.unit
+    machine, unit = choice.machine, training.spec.unit
     budget = (f"{format_bytes(choice.planned_bytes)} per rank within {format_bytes(HEADROOM * machine.memory_per_rank)} "
               f"({HEADROOM:.0%} of {format_bytes(machine.memory_per_rank)}, {machine.memory_source})")
     if choice.kept:

@@ -82,7 +82,8 @@ def test_a_trl_config_name_says_where_it_lives_here(recipe, override, expected):
     with the setting to write (or why none), not with the nearest valid key."""
     with pytest.raises(ConfigError, match=expected):
         load_recipe(recipe, [override])
-    from training.config.recipe import DpoSection, GenerationKwargs, GrpoSection
+    from training.objectives.dpo.spec import DpoSection
+    from training.objectives.grpo.spec import GenerationKwargs, GrpoSection
     for section in (DpoSection, GrpoSection, GenerationKwargs):
         assert not set(section.trl_names) & set(section.model_fields)  # each still a name this schema lacks
     from transformers import GenerationConfig
@@ -98,7 +99,8 @@ def test_the_trl_names_are_trls():
     import inspect
     from transformers import TrainingArguments
     from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer
-    from training.config.recipe import DpoSection, GrpoSection
+    from training.objectives.dpo.spec import DpoSection
+    from training.objectives.grpo.spec import GrpoSection
     trainer_arguments = {field.name for field in dataclasses.fields(TrainingArguments)}
     for section, config, trainer in ((GrpoSection, GRPOConfig, GRPOTrainer), (DpoSection, DPOConfig, DPOTrainer)):
         fields = {field.name for field in dataclasses.fields(config)}

@@ -5,7 +5,7 @@ from training.base.errors import ConfigError
 from training.config.recipe import load_recipe
 from training.models.model import load_model_config
 from training.models.moe import check_moe, with_router_loss
-from training.objectives.dpo import Dpo
+from training.objectives.dpo.objective import Dpo
 
 DPO = ["training.objective=dpo", "data.packing=bfd", "data.long_documents=truncate"]
 

@@ -9,11 +9,12 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
-import training.config.recipe as schema
 from data_pipeline.loader import model_inputs
 from tests.conftest import SMALL_MODEL, save_small_checkpoint, train_in_process
-from training.objectives import OBJECTIVES
-from training.objectives.lm import LanguageModel
+from training.objectives.base import Objective, objective_class
+from training.objectives.registry import SPECS
+from training.objectives.lm.objective import LanguageModel
+from training.objectives.spec import ObjectiveSpec
 
 
 @pytest.mark.parametrize("recipe, overrides, off", [
@@ -29,13 +30,13 @@ def test_dpo_and_grpo_start_with_the_models_dropout_as_trl_does_by_default(tmp_p
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_layer=1, n_embd=16, n_head=2,
                                                                   vocab_size=64))
     engine = SimpleNamespace(module=model, device=torch.device("cpu"))
-    OBJECTIVES[plan.recipe.training.objective](plan).start(engine, None, None, False)
+    objective_class(plan.recipe.training.spec)(plan).start(engine, None, None, False)
     assert {module.p for module in model.modules() if isinstance(module, torch.nn.Dropout)} == {0.0 if off else 0.1}
 
 
 def test_every_objective_the_recipe_names_has_its_training_code():
-    assert set(OBJECTIVES) == set(schema.OBJECTIVES)
-    assert all(cls.name == name for name, cls in OBJECTIVES.items())
+    classes = {name: objective_class(spec) for name, spec in SPECS.items()}
+    assert all(issubclass(cls, Objective) and cls.name == name for name, cls in classes.items())
 
 
 class TokenLossFromLogits(LanguageModel):
@@ -51,9 +52,9 @@ class TokenLossFromLogits(LanguageModel):
 
 @pytest.mark.slow
 def test_a_toy_objective_added_in_a_few_lines_trains_as_the_language_model(tmp_path, data_cache, monkeypatch):
-    monkeypatch.setitem(schema.OBJECTIVES, "toy", schema.ObjectiveTraits(model_loss=False, rows_per_example=1,
-                                                                         unit="rows", examples="documents"))
-    monkeypatch.setitem(OBJECTIVES, "toy", TokenLossFromLogits)
+    monkeypatch.setitem(SPECS, "toy", ObjectiveSpec(name="toy", runtime=f"{__name__}:TokenLossFromLogits",
+                                                    trains_on="documents", model_loss=False, rows_per_example=1,
+                                                    unit="rows", examples="documents"))
     losses = {}
     for objective in ("lm", "toy"):
         out = tmp_path / objective

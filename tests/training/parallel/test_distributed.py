@@ -17,7 +17,7 @@ LENGTHS = [(3, 5), (4, 0), (0, 0)]  # per case, each rank's count of values
 
 
 def ragged_rank(rank: int, port: int, results: dict) -> None:
-    from training.objectives.grpo_loss import entropy_threshold
+    from training.objectives.grpo.loss import entropy_threshold
     from training.parallel.distributed import all_gather_ragged
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:

@@ -316,7 +316,7 @@ def test_the_generation_rule_matches_the_allocations(tmp_path, shape_of, dtype, 
     vocabulary (with every sampling setting), or the prompts' pass is the most."""
     from tests.conftest import save_small_checkpoint
     from training.config.recipe import load_recipe
-    from training.objectives.grpo import sample
+    from training.objectives.grpo.objective import sample
     from training.planning.memory import generation
     config = AutoConfig.for_model("llama", num_attention_heads=4, num_key_value_heads=2, **shape_of)
     torch.manual_seed(0)
@@ -340,7 +340,7 @@ def test_the_generation_rule_matches_the_allocations(tmp_path, shape_of, dtype, 
 def test_the_entropy_bonus_keeps_what_the_plan_adds():
     """GRPO's entropy bonus takes the entropies' gradient: autograd keeps the fp32 probabilities beside the
     log-probabilities, one more [tokens, vocabulary] fp32 tensor, which activation_bytes(entropy_gradient) adds."""
-    from training.objectives.grpo_loss import token_logps
+    from training.objectives.grpo.loss import token_logps
 
     def saved(entropy_gradient: bool) -> int:
         storages = {}
@@ -366,7 +366,7 @@ def test_the_dpo_token_statistics_take_what_the_plan_adds(tokens, weighting):
     """DPO's token statistics (TRL's token metrics, and with use_weighting WPO's weights), computed without a gradient
     a chunk at a time, allocate what activation_bytes(dpo_statistics) adds to the transient, within 1% (one chunk, or
     the whole batch when smaller)."""
-    from training.objectives.dpo import token_statistics
+    from training.objectives.dpo.objective import token_statistics
     shape = model_shape(AutoConfig.for_model("llama", **CONFIGS["llama"], num_hidden_layers=LAYERS))
     logits = torch.randn(1, tokens + 1, shape.vocab_size, dtype=torch.bfloat16)
     labels, owners = torch.randint(0, shape.vocab_size, (1, tokens + 1)), torch.zeros(1, tokens + 1, dtype=torch.long)
@@ -384,7 +384,7 @@ def test_a_reward_models_weights_and_pass_are_what_the_plan_counts(tmp_path):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
     from tests.conftest import REPO, save_small_checkpoint
     from training.config.recipe import load_recipe
-    from training.objectives.rewards import RewardModel
+    from training.objectives.grpo.rewards import RewardModel
     from training.planning.memory import generation, reward_model_bytes
     group, seq_len = 8, 128
     config = AutoConfig.for_model("llama", num_hidden_layers=2, hidden_size=256, intermediate_size=1024,

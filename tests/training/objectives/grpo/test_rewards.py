@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from training.base.errors import ConfigError, DataError, failure
-from training.objectives import rewards as rewards_module
-from training.objectives.grpo import Grpo
-from training.objectives.rewards import (RewardFunctionError, check_rewarded, exact_answer, format_regex,
+from training.objectives.grpo import rewards as rewards_module
+from training.objectives.grpo.objective import Grpo
+from training.objectives.grpo.rewards import (RewardFunctionError, check_rewarded, exact_answer, format_regex,
                                          length_penalty, load_reward, score)
 
 
@@ -245,7 +245,7 @@ def test_a_reward_model_scores_each_completion_as_it_scores_it_alone(reward_mode
     prompt joined to its completion, chat turns rendered by the reward model's chat template; right-padded among a
     group's other completions it gives each the score it has alone, and the metrics' name is its folder's."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
-    from training.objectives.rewards import RewardModel
+    from training.objectives.grpo.rewards import RewardModel
     judge = RewardModel(str(reward_model), 3, torch.device("cpu"), torch.float32, False, {})
     alone = AutoModelForSequenceClassification.from_pretrained(reward_model).eval()
     tokenizer = AutoTokenizer.from_pretrained(reward_model)

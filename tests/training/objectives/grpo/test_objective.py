@@ -16,10 +16,11 @@ from data_pipeline.loader import EvalPromptBatches, PromptBatches
 from data_pipeline.prepare import build_dataset
 from tests.conftest import REPO, save_small_checkpoint
 from training.base.errors import ConfigError, DataError
-from training.config.recipe import GenerationKwargs, GrpoSection, load_recipe
-from training.objectives.grpo import (Grpo, SeededSampling, completion_logps, completion_rows, decoding,
+from training.config.recipe import load_recipe
+from training.objectives.grpo.spec import GenerationKwargs, GrpoSection
+from training.objectives.grpo.objective import (Grpo, SeededSampling, completion_logps, completion_rows, decoding,
                                       generation_config, loss_lines, sample)
-from training.objectives.grpo_loss import LOSS_TYPES, LossSettings, grpo_loss
+from training.objectives.grpo.loss import LOSS_TYPES, LossSettings, grpo_loss
 from training.planning.plan import RunPlan
 from training.planning.precision import DTYPES
 from training.planning.report import format_bytes
@@ -457,7 +458,7 @@ def test_on_a_gpu_of_the_table_the_plan_gives_the_generations_floor(monkeypatch)
     """Memory-bound: every decoding pass reads the bf16 weights and the KV cache so far, for the rank's 32 rows
     (256 completions over 8 ranks), at the GPU's bandwidth; compute-bound with 8 new tokens after 1,016."""
     import train
-    from training.objectives import grpo
+    from training.objectives.grpo import objective as grpo
 
     def cost(*overrides: str) -> tuple[RunPlan, str]:
         plan = train.make_plan(train.parse_args(["--recipe", "qwen2_5_1_5b_grpo", "--dry-run", "precision=bf16",
@@ -659,8 +660,8 @@ def test_decoding_runs_compiled_layers_eagerly_and_flex_attention_models_with_sd
 
 
 def test_a_log_extra_column_of_another_length_is_named():
-    from training.objectives.grpo import extra_columns
-    from training.objectives.rewards import RewardLog
+    from training.objectives.grpo.objective import extra_columns
+    from training.objectives.grpo.rewards import RewardLog
     log = RewardLog()
     log.extra("ids", [1, 2, 3])
     assert extra_columns(log, 3) == {"ids": [1, 2, 3]}

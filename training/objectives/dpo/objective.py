@@ -32,7 +32,8 @@ from training.base.errors import ConfigError, DataError
 from data_pipeline.loader import EvalPairBatches, PairBatches
 from data_pipeline.prepare import pad_token_id
 from training.compat.datasets import fingerprint
-from training.config.recipe import SORTED_LOSSES, DpoSection, Recipe
+from training.config.recipe import Recipe
+from training.objectives.dpo.spec import SORTED_LOSSES, DpoSection
 from training.models.model import disable_dropout
 from training.objectives.base import Objective
 from training.objectives.reference import SyncedReference, load_reference, reference_place, synced_note

@@ -43,15 +43,16 @@ from data_pipeline.prepare import pad_token_id
 from training.base.errors import ConfigError, DataError
 from training.base.strict_json import dumps
 from training.compat.deepspeed import zero3_whole_weights
-from training.config.recipe import GrpoSection, Recipe
+from training.config.recipe import Recipe
 from training.loop.metrics import device_name
 from training.models.model import cast_lm_head_to_fp32, disable_dropout
 from training.objectives.base import Objective
-from training.objectives.grpo_loss import (CLIPPED, EXTREMES, STEP_TOKEN_MEAN, EntropyControl, LossSettings,
+from training.objectives.grpo.spec import GrpoSection
+from training.objectives.grpo.loss import (CLIPPED, EXTREMES, STEP_TOKEN_MEAN, EntropyControl, LossSettings,
                                            entropy_threshold, group_advantages, grpo_loss, kept_tokens, metric_means,
                                            nanstd, normalized_sum_advantages, token_logps, weighted_rewards)
 from training.objectives.reference import SyncedReference, load_reference, partitioned, reference_place, synced_note
-from training.objectives.rewards import RewardLog, RewardModel, check_rewarded, load_reward, score
+from training.objectives.grpo.rewards import RewardLog, RewardModel, check_rewarded, load_reward, score
 from training.parallel import distributed
 from training.planning.flops import flops_per_token, gpu_spec
 from training.planning.kernels import replaced_head

@@ -8,7 +8,7 @@
   micro-batch;
 - adaptive entropy control: three optimizer steps of two micro-batches through _compute_loss (TRL updates its
   coefficient at the step's end, accelerate's sync_gradients) and through EntropyControl around grpo_loss, as
-  training/objectives/grpo.py runs them: each micro-batch's loss, and the coefficient and the step's entropy after
+  training/objectives/grpo/objective.py runs them: each micro-batch's loss, and the coefficient and the step's entropy after
   each step;
 - the advantages: _generate_and_score_completions with _generate stubbed to return fixed completions, two reward
   functions that return crafted values (None among them, a group whose rewards are all equal); TRL's advantages,
@@ -22,10 +22,10 @@ from tests.conftest import save_small_checkpoint
 from tests.helpers.trl_state import left_as_found
 from dataclasses import replace
 
-from training.objectives.grpo_loss import (STEP_TOKEN_MEAN, EntropyControl, LossSettings, entropy_threshold,
+from training.objectives.grpo.loss import (STEP_TOKEN_MEAN, EntropyControl, LossSettings, entropy_threshold,
                                            grpo_loss, group_advantages, kept_tokens, metric_means,
                                            normalized_sum_advantages, token_logps, weighted_rewards)
-from training.objectives.rewards import score
+from training.objectives.grpo.rewards import score
 
 BATCH, ACCUMULATION, GENERATIONS, MAX_COMPLETION, TEMPERATURE = 4, 2, 4, 8, 0.7
 EPSILON, EPSILON_HIGH, PAD = 0.2, 0.28, 3

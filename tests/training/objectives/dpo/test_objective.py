@@ -12,9 +12,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from data_pipeline.preference import pack_pairs
 from training.base.errors import ConfigError
-from training.config.recipe import DpoSection, load_recipe
-from training.objectives import dpo
-from training.objectives.dpo import (Dpo, chosen_targets, described_loss, f_divergence_scores, pair_logps,
+from training.config.recipe import load_recipe
+from training.objectives.dpo.spec import DpoSection
+from training.objectives.dpo import objective as dpo
+from training.objectives.dpo.objective import (Dpo, chosen_targets, described_loss, f_divergence_scores, pair_logps,
                                      pair_losses)
 from tests.conftest import REPO, save_small_checkpoint
 
@@ -102,7 +103,7 @@ def test_token_statistics_of_packed_pairs_are_each_sequence_alone(model):
         entropy = torch.distributions.Categorical(logits=logits).entropy()
         hits = logits.argmax(-1) == ids[0, prompt:]
         return [float(entropy.sum()), float(logits.mean(-1).sum()), float(hits.sum())]
-    with torch.no_grad(), patch("training.objectives.dpo.DPO_CHUNK_TOKENS", 5):
+    with torch.no_grad(), patch("training.objectives.dpo.objective.DPO_CHUNK_TOKENS", 5):
         statistics = pair_logps(model, batch, torch.device("cpu"), statistics=True).statistics
         expected = torch.tensor([[alone(c, p), alone(r, p)] for c, r, p in zip(chosen, rejected, prompts)])
     torch.testing.assert_close(statistics, expected.float(), rtol=1e-5, atol=1e-4)

@@ -1,0 +1,1 @@
+"""training.objective=dpo: preference tuning against a frozen reference (spec.py: the dpo section; objective.py)."""

@@ -1,0 +1,1 @@
+"""training.objective=lm: the next-token loss (spec.py, objective.py)."""

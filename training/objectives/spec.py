@@ -1,0 +1,37 @@
+"""What an objective is before anything is built (docs/objectives.md): its recipe section, the traits the plan reads,
+its check against the rest of the recipe, and where its run-time class lives. An objective's folder holds its spec
+(<name>/spec.py), which loads with the recipe's schema: it imports nothing above training/config."""
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from data_pipeline.config import Examples
+from training.base.schema import StrictModel
+
+
+@dataclass(frozen=True)
+class ObjectiveSpec:
+    name: str  # training.objective's value, and its recipe section's key
+    runtime: str  # "module:Class" of its Objective (training/objectives/base.py), loaded by the run's top layer
+    trains_on: str  # what it trains on, in the error for a section set under another objective
+    model_loss: bool  # its loss is the model's next-token loss over target tokens, which the fused loss may replace
+    rows_per_example: int  # the rows a training example takes at most, for the memory plan (a DPO pair: 2)
+    unit: str  # what micro_batch_size and global_batch_size count
+    examples: Examples  # what the data holds (data_pipeline/config.py)
+    generates: bool = False  # it samples from the trained model (grpo:): the plan counts the generation and reference
+    token_statistics: bool = False  # it reads statistics of the logits a chunk of tokens at a time (dpo: TRL's token
+    # metrics and WPO's weights), whose chunk the plan counts
+    settings: type[StrictModel] | None = None  # its recipe section, under `name`
+    check_recipe: Callable[[Any], None] | None = None  # its section against the rest of the validated recipe: raises
+    # ValueError (reported as the recipe's problem); may fill the data section's settings that follow from it
+
+
+TRL_SHARED_NAMES = {  # DPOConfig's and GRPOConfig's alike, for the unknown-key error: where they live here
+    "model_init_kwargs": "the model section builds the model (model.name_or_path, model.attn_implementation, "
+                         "model.trust_remote_code) in the run's precision",
+    "trust_remote_code": "write model.trust_remote_code",
+    "router_aux_loss_coef": "write moe.aux_loss_coef (0 with dpo and grpo: their losses have no place for the "
+                            "router's)",
+    "pad_to_multiple_of": "rows are data.seq_len long when packed (data.packing), else padded to the micro-batch's "
+                          "longest",
+}
