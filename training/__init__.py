@@ -1,6 +1,7 @@
-"""Library code behind train.py, one folder per concern, in import order (README.md, Layout; tests/test_import_order.py):
-base, compat (every workaround of upstream internals), then data_pipeline, config, planning, models, parallel, state,
-loop, and checks.py on top."""
+"""Library code behind train.py, one folder per concern, in import order (README.md, Layout;
+tests/test_import_order.py): base, compat (every workaround of upstream internals), then data_pipeline, config,
+planning, models, parallel, state, loop, objectives (one folder each; their specs load with config), trainer.py (the
+loop) and checks.py on top."""
 import logging
 
 from training.compat import no_mlflow_for_autotuner

@@ -1,2 +1,3 @@
-"""What a run leaves behind: checkpoints, the run state, resume, universal conversion, export, the output folder's
-rules."""
+"""What a run leaves behind: checkpoints (checkpoint.py), the run state they record (run_state.py), --resume
+(resume.py), the universal conversion that resumes in another layout (universal.py), export to Hugging Face folders
+(export.py), the output folder's rules (output_dir.py) and room on disk for a save (disk_room.py)."""
