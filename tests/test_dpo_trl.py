@@ -37,7 +37,7 @@ SIGMOID = {"loss_type": ["sigmoid"]}
 RPO = {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5]}  # DPO plus the chosen completions' NLL
 # f-DPO, on the losses of the reward difference; an alpha divergence's exp(-(1 - alpha) u) amplifies the layouts'
 # rounding: at alpha 0.7 steps 1-2 agree (loss 6e-7, grad_norm 5.2e-6) and step 3 is 5e-5 apart, so it is checked
-# against its closed form (tests/training/objectives/test_dpo.py) and the bounded JS divergence here
+# against its closed form (tests/training/objectives/dpo/test_objective.py) and the bounded JS divergence here
 # LD-DPO (tails count 0.4), with WPO's weights (use_weighting: each pair's loss times its sequences' weights)
 LD = {"loss_type": ["sigmoid", "ipo"], "loss_weights": [1.0, 0.05], "ld_alpha": 0.4, "use_weighting": True}
 JS = {"loss_type": ["sigmoid", "robust", "ipo", "hinge"], "loss_weights": [1.0, 0.5, 0.05, 0.3], "label_smoothing": 0.1,

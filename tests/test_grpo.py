@@ -13,8 +13,8 @@ micro-batch's mean, over the ranks' micro-batches together, which differ once co
 their lengths differ), fp32, rewarded for
 a length near 40 characters (the small random model's completions differ in length: each group has something to
 learn) and for the right answer. Every
-completion draws from a random stream of its own (training/objectives/grpo/objective.py), so every layout samples the same
-completions and the rewards match exactly; the losses, entropies and the weights' norm after each step match within
+completion draws from a random stream of its own (training/objectives/grpo/sampling.py), so every layout samples the
+same completions and the rewards match exactly; the losses, entropies and the weights' norm after each step match within
 1e-5 (the engine sums the same terms in another order), the gradient norm within 5e-5 (ZeRO computes it over its flat
 buffers).
 """
@@ -80,8 +80,8 @@ def runs(tmp_path_factory) -> dict:
                         "training.micro_batch_size=16"], ranks=1)
     assert result.returncode == 0, result.stderr[-3000:]
     # the LM head in fp32 (a no-op on fp32 numbers): through ZeRO-3's partitioned head and reference, and LoRA's
-    result = run_train(["--output-dir", str(zero3), *common, "deepspeed.config=zero3", "grpo.cast_lm_head_to_fp32=true"],
-                       ranks=2)
+    result = run_train(["--output-dir", str(zero3), *common, "deepspeed.config=zero3",
+                        "grpo.cast_lm_head_to_fp32=true"], ranks=2)
     assert result.returncode == 0, result.stderr[-3000:]
     result = run_train(["--kill-after-deepspeed-save", "4", "--output-dir", str(killed), *common,
                         "deepspeed.config=zero1", "checkpointing.every_steps=2", "training.micro_batch_size=16"],
@@ -148,7 +148,7 @@ def test_the_planned_checkpoint_counts_the_synced_reference(runs):
     """The plan's size of a save, which training/state/disk_room.py holds against the free space before each save,
     with grpo.sync_ref_model: DeepSpeed's files and reference.safetensors of the killed run's step-2 checkpoint."""
     import train
-    from training.planning.memory import planned_checkpoint
+    from training.planning.checkpoint_size import planned_checkpoint
     plan = train.make_plan(train.parse_args([*runs["common"], "--dry-run", "deepspeed.config=zero1",
                                              "checkpointing.every_steps=2"]), world_size=1)
     tag = runs["killed"] / "checkpoints/global_step2"
@@ -179,7 +179,7 @@ def test_a_reward_function_that_raises_ends_every_rank_with_one_error_and_its_ow
     """A user's reward function that raises at the third generation (step 3): every rank stops with exit code 2 and
     one `error:` line naming the function, the generation and the step, then the function's own frames, none of
     training/'s; the checkpoint saved at step 2 stays the latest, whole. (A wrong count is named alike, fast:
-    tests/training/objectives/test_rewards.py.)"""
+    tests/training/objectives/grpo/test_rewards.py.)"""
     save_small_checkpoint(tmp_path / "base")
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     flaky = tmp_path / "flaky.py"
@@ -216,7 +216,8 @@ def test_a_sigterm_inside_a_generation_saves_at_its_end(tmp_path):
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     out = tmp_path / "out"
     result = run_train(["--sigterm-in-step", "3", "--recipe", "tiny_llama_grpo", "--output-dir", str(out),
-                        f"model.name_or_path={tmp_path / 'base'}", f"data.sources=[{{path: {tmp_path / 'prompts.jsonl'}}}]",
+                        f"model.name_or_path={tmp_path / 'base'}",
+                        f"data.sources=[{{path: {tmp_path / 'prompts.jsonl'}}}]",
                         f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=20", "grpo.num_generations=4",
                         "grpo.max_completion_length=6", "grpo.num_iterations=2", "training.micro_batch_size=16",
                         "training.global_batch_size=16", "training.max_steps=8", "checkpointing.every_steps=null",

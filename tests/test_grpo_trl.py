@@ -31,7 +31,7 @@ the masked case's grad_norm):
   policy_loss and entropy_coef logged) and its adaptive control (the coefficient moving every step), a reference
   synced to the policy every step (sync_ref_model), and (together) the off-policy sequence mask and
   use_bias_correction_kl=false, in cases with num_iterations=2, so that the off-policy step's
-  ratios count; delta is set in one of them (tests/training/objectives/test_grpo_loss.py proves it against TRL where
+  ratios count; delta is set in one of them (tests/training/objectives/grpo/test_loss.py proves it against TRL where
   it changes the loss). top_entropy_quantile is proven there only: this random model's token entropies lie within
   2e-3 of each other, and the 1e-6 by which TRL's forward and ours round them apart reorders neighbours at the
   quantile (seen: step 2's threshold token differs);
@@ -141,6 +141,7 @@ def our_order() -> list[int]:
     """The order our run draws the prompts in, its first epoch's (data_pipeline/loader.py), which TRL's data set is
     given in, unshuffled: both sides then take the same prompts at each step of the first epoch."""
     import datasets
+
     from data_pipeline.loader import PromptBatches
     return list(PromptBatches(datasets.Dataset.from_list(PROMPTS), 1, 0, 1, seed=1234, num_iterations=1,
                               num_generations=2).epoch_order(0))
@@ -194,8 +195,9 @@ stability: {{enabled: false}}
 
 def our_logs(tmp_path, monkeypatch, base, loss_type, beta, iterations, accumulation, settings,
              judge=None) -> list[dict]:
-    import training.objectives.grpo.objective as grpo
     from transformers import AutoTokenizer
+
+    import training.objectives.grpo.objective as grpo
     table = completion_table(AutoTokenizer.from_pretrained(base))
 
     def sample(model, prompts, seeds, section, eos_id, pad_id, synced, tokenizer=None):
@@ -220,6 +222,7 @@ def trl_logs(tmp_path, monkeypatch, base, loss_type, beta, iterations, accumulat
     import trl.trainer.grpo_trainer
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
+
     from training.objectives.grpo.rewards import load_reward
     from training.planning.shape import weight_decay_groups
     tokenizer = AutoTokenizer.from_pretrained(base)

@@ -349,9 +349,15 @@ class RecipeSections(StrictModel):
         return self.tokenizer.name_or_path or self.model.name_or_path
 
 
-Recipe = create_model("Recipe", __base__=RecipeSections, __module__=__name__,
-                      **{spec.name: (spec.settings, spec.settings()) for spec in SPECS.values() if spec.settings})
-Recipe.__doc__ = """A validated recipe: the sections above and each objective's own (training/objectives/registry.py)."""
+def recipe_schema(specs: dict[str, ObjectiveSpec]) -> type[RecipeSections]:
+    """The recipe's model: the shared sections above and each objective's own section, under its name."""
+    schema = create_model("Recipe", __base__=RecipeSections, __module__=__name__,
+                          **{spec.name: (spec.settings, spec.settings()) for spec in specs.values() if spec.settings})
+    schema.__doc__ = "A validated recipe: the shared sections and each objective's (training/objectives/registry.py)."
+    return schema
+
+
+Recipe = recipe_schema(SPECS)
 
 
 def recipe_inputs(recipe: Recipe) -> list[Path]:
