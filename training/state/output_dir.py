@@ -16,7 +16,7 @@ from training.planning.plan import RunPlan
 
 OUTPUT_ROOT = Path("outputs")
 COMMAND = "train.py"
-REFERENCE_FILE = "reference_logps.npz"  # a DPO run's reference log-probabilities (training/objectives/dpo/objective.py)
+REFERENCE_FILE = "reference_logps.npz"  # a DPO run's reference log-probabilities (objectives/dpo/reference_logps.py)
 COMPLETIONS_FILE = "completions.jsonl"  # a GRPO run's samples of prompts, completions and rewards (objectives/grpo.py)
 RUN_FILES = ("metrics.jsonl", "summary.json", "resolved_recipe.yaml", "ds_config.json", "checkpoints", "hf", "adapter",
              "tensorboard", "wandb", "mlruns", "benchmarks", REFERENCE_FILE, COMPLETIONS_FILE)  # wandb, mlruns: training/loop/trackers.py

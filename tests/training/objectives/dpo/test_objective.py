@@ -11,20 +11,22 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from data_pipeline.preference import pack_pairs
+from tests.conftest import REPO, save_small_checkpoint
 from training.base.errors import ConfigError
 from training.config.recipe import load_recipe
+from training.objectives.dpo import reference_logps
+from training.objectives.dpo.loss import chosen_targets, described_loss, f_divergence_scores, pair_losses
+from training.objectives.dpo.objective import Dpo
+from training.objectives.dpo.preference_loss import pair_logps
 from training.objectives.dpo.spec import DpoSection
-from training.objectives.dpo import objective as dpo
-from training.objectives.dpo.objective import (Dpo, chosen_targets, described_loss, f_divergence_scores, pair_logps,
-                                     pair_losses)
-from tests.conftest import REPO, save_small_checkpoint
 
 
 @pytest.fixture(scope="module")
 def model():
+    # use_cache=False as training/models/model.py builds it: packed attention
     config = AutoConfig.from_pretrained(REPO / "recipes/tiny_llama/config.json", num_hidden_layers=2, hidden_size=64,
-                                        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                        use_cache=False)  # as training/models/model.py builds it: packed attention
+                                        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                        head_dim=16, use_cache=False)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).eval()
 
@@ -103,7 +105,7 @@ def test_token_statistics_of_packed_pairs_are_each_sequence_alone(model):
         entropy = torch.distributions.Categorical(logits=logits).entropy()
         hits = logits.argmax(-1) == ids[0, prompt:]
         return [float(entropy.sum()), float(logits.mean(-1).sum()), float(hits.sum())]
-    with torch.no_grad(), patch("training.objectives.dpo.objective.DPO_CHUNK_TOKENS", 5):
+    with torch.no_grad(), patch("training.objectives.dpo.loss.DPO_CHUNK_TOKENS", 5):
         statistics = pair_logps(model, batch, torch.device("cpu"), statistics=True).statistics
         expected = torch.tensor([[alone(c, p), alone(r, p)] for c, r, p in zip(chosen, rejected, prompts)])
     torch.testing.assert_close(statistics, expected.float(), rtol=1e-5, atol=1e-4)
@@ -159,16 +161,16 @@ def test_aot_sorts_the_real_pairs_of_the_micro_batch():
 
 
 def test_a_resume_with_another_ld_alpha_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(dpo, "fingerprint", lambda rows: "the pairs")
+    monkeypatch.setattr(reference_logps, "fingerprint", lambda rows: "the pairs")
     batches = SimpleNamespace(rows=[0, 1])
     path = tmp_path / "reference_logps.npz"
-    np.savez(path, data=np.array("the pairs"), ld_alpha=np.array(dpo.ld_key(0.5)), train=np.zeros((2, 2)))
-    assert set(dpo.read_reference(path, batches, 0.5)) == {"train"}
+    np.savez(path, data=np.array("the pairs"), ld_alpha=np.array(reference_logps.ld_key(0.5)), train=np.zeros((2, 2)))
+    assert set(reference_logps.read_reference(path, batches, 0.5)) == {"train"}
     with pytest.raises(ConfigError, match="summed with dpo.ld_alpha=0.5, not null: resume with the ld_alpha"):
-        dpo.read_reference(path, batches, None)
+        reference_logps.read_reference(path, batches, None)
     np.savez(path, data=np.array("the pairs"), train=np.zeros((2, 2)))  # written before ld_alpha: none
     with pytest.raises(ConfigError, match="summed with dpo.ld_alpha=null, not 0.5"):
-        dpo.read_reference(path, batches, 0.5)
+        reference_logps.read_reference(path, batches, 0.5)
 
 
 def test_sigmoid_loss_is_dpo_and_starts_at_log_2():
