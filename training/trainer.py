@@ -12,8 +12,15 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from training.compat.deepspeed import loss_scale, withheld_step, zero0_grad_norm
 from training.loop.benchmarks import benchmark_checkpoint
 from training.loop.health import WeightWatch
-from training.loop.metrics import FlopsMeter, MetricsLogger, RunTotals, Stopwatch, Throughput, gpu_metrics, \
-    peak_memory_bytes
+from training.loop.metrics import (
+    FlopsMeter,
+    MetricsLogger,
+    RunTotals,
+    Stopwatch,
+    Throughput,
+    gpu_metrics,
+    peak_memory_bytes,
+)
 from training.loop.stability import StabilityGuard, finite, rewind
 from training.loop.trackers import Trackers
 from training.models.lora import lora_files
@@ -232,16 +239,16 @@ class Loop:
         self.logger.note(f"checkpoint global_step{step}: {self.saves[-1]['bytes'] / 2**20:,.1f} MiB in "
                          f"{self.saves[-1]['seconds']:.2f} s")
 
-    def run_state(self) -> dict:
+    def run_state(self) -> RunState:
         """What a checkpoint records besides DeepSpeed's states (training/state/run_state.py): where the run is (the
         data position runs ahead of the step by the batches passed over), what wrote it, its tracker runs' ids and the
         objective's state."""
         plan, state, base = self.plan, self.state, self.plan.recipe.model.name_or_path
-        return {"step": state.step, "tokens_seen": state.tokens_seen, "data_position": state.data_position,
-                "recipe": plan.recipe.name, "trackers": self.trackers.ids,
-                "micro_batch_size": plan.recipe.training.micro_batch_size, "objective": self.objective.state_dict(),
-                **plan.layout().model_dump(),
-                **({"base_model": {"name_or_path": base, "digest": plan.base_digest}} if base else {})}
+        return RunState.written(step=state.step, tokens_seen=state.tokens_seen, data_position=state.data_position,
+                                recipe=plan.recipe.name, trackers=self.trackers.ids,
+                                micro_batch_size=plan.recipe.training.micro_batch_size,
+                                objective=self.objective.state_dict(), **plan.layout().model_dump(),
+                                **({"base_model": {"name_or_path": base, "digest": plan.base_digest}} if base else {}))
 
     def totals(self) -> RunTotals:
         objective, records = self.objective, self.records

@@ -28,10 +28,9 @@ from deepspeed import DeepSpeedEngine
 from deepspeed.accelerator import get_accelerator
 from pydantic import ValidationError
 
-from training.compat.deepspeed import loading_universal, universal_load_repaired, z0_grad_scaler
 from training.base.errors import ConfigError
 from training.base.output_guard import kept_line, owned_files, remove_owned, write_atomically
-from training.base.strict_json import dumps
+from training.compat.deepspeed import loading_universal, universal_load_repaired, z0_grad_scaler
 from training.config.recipe import Recipe
 from training.planning.layout import Layout
 from training.state.run_state import RunState, faults
@@ -77,17 +76,17 @@ def has_frozen_parameters(engine: DeepSpeedEngine) -> bool:
     return any(not p.requires_grad for p in engine.module.parameters())
 
 
-def save_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, run_state: dict, data_state: dict,
+def save_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, run_state: RunState, data_state: dict,
                     hf_files: tuple, keep_last: int | None, write_more: Callable[[Path], None] | None = None) -> dict:
-    """Every rank calls it. `run_state` must hold `step`; `hf_files` is (model config, tokenizer); `write_more`
-    writes files of the caller's into the tag's folder (every rank calls it, before the run state completes the save).
+    """Every rank calls it. `hf_files` is (model config, tokenizer); `write_more` writes files of the caller's into
+    the tag's folder (every rank calls it, before the run state completes the save).
     Returns the save's `seconds` (until `latest` names it) and the `bytes` of its folder (counted on rank 0, else 0)."""
     started = time.perf_counter()
-    tag, rank = f"global_step{run_state['step']}", dist.get_rank()
+    tag, rank = f"global_step{run_state.step}", dist.get_rank()
     tag_dir = checkpoint_dir / tag
     tag_dir.mkdir(parents=True, exist_ok=True)
     torch.save(rank_state(engine, data_state), tag_dir / f"rank_state{rank}.pt")
-    engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state={"step": run_state["step"]}, save_latest=False,
+    engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state={"step": run_state.step}, save_latest=False,
                            exclude_frozen_parameters=has_frozen_parameters(engine))
     if rank == 0:
         for item in hf_files:
@@ -98,30 +97,31 @@ def save_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, run_state: di
     dist.barrier()
     size = 0
     if rank == 0:
-        write_atomically(tag_dir / RUN_STATE, dumps(run_state, indent=2) + "\n")  # last: the tag is complete
+        write_atomically(tag_dir / RUN_STATE, run_state.file_text())  # last: the tag is complete
         write_atomically(checkpoint_dir / "latest", tag)
         size = sum(path.stat().st_size for path in tag_dir.rglob("*") if path.is_file())
         if keep_last:
-            saved = [t for t in checkpoint_tags(checkpoint_dir) if int(TAG.fullmatch(t).group(1)) <= run_state["step"]]
+            saved = [t for t in checkpoint_tags(checkpoint_dir) if int(TAG.fullmatch(t).group(1)) <= run_state.step]
             for old in saved[:-keep_last]:
                 remove_run_folder(checkpoint_dir, old)
-                remove_run_folder(checkpoint_dir, str(universal_folder(checkpoint_dir, old).relative_to(checkpoint_dir)))
+                universal = universal_folder(checkpoint_dir, old).relative_to(checkpoint_dir)
+                remove_run_folder(checkpoint_dir, str(universal))
     seconds = time.perf_counter() - started
     dist.barrier()
     return {"seconds": seconds, "bytes": size}
 
 
-def record_position(engine: DeepSpeedEngine, checkpoint_dir: Path, run_state: dict, data_state: dict) -> None:
+def record_position(engine: DeepSpeedEngine, checkpoint_dir: Path, run_state: RunState, data_state: dict) -> None:
     """Every rank calls it when the latest checkpoint is at this step already and only the data position has moved
     on (batches passed over since): the run and rank states are replaced, each file atomically, and DeepSpeed's
     files, which are the same, are left alone (rewriting them in place could leave no complete checkpoint)."""
-    tag_dir = checkpoint_dir / f"global_step{run_state['step']}"
+    tag_dir = checkpoint_dir / f"global_step{run_state.step}"
     path = tag_dir / f"rank_state{dist.get_rank()}.pt"
     temporary = path.with_name(f".{path.name}.tmp")
     torch.save(rank_state(engine, data_state), temporary)
     os.replace(temporary, path)
     if dist.get_rank() == 0:
-        write_atomically(tag_dir / RUN_STATE, dumps(run_state, indent=2) + "\n")
+        write_atomically(tag_dir / RUN_STATE, run_state.file_text())
     os.sync()
     dist.barrier()
 
@@ -144,8 +144,8 @@ def way_back(checkpoint_dir: Path, damaged: str | None) -> str:
         return "no earlier complete checkpoint is here: start a new run (--overwrite, or another --output-dir)"
     aside = (f"mv {checkpoint_dir / damaged} {checkpoint_dir / ('damaged-' + damaged)} && "
              if damaged and (checkpoint_dir / damaged).is_dir() else "")
-    return (f"to resume from the newest complete one before it: {aside}echo {earlier[-1]} > {checkpoint_dir / 'latest'} "
-            f"(complete checkpoints: {', '.join(earlier)})")
+    return (f"to resume from the newest complete one before it: {aside}echo {earlier[-1]} > "
+            f"{checkpoint_dir / 'latest'} (complete checkpoints: {', '.join(earlier)})")
 
 
 def read_run_state(checkpoint_dir: Path, tag: str | None = None) -> RunState:
@@ -170,7 +170,8 @@ def check_resume(checkpoint_dir: Path, layout: Layout, recipe: Recipe, base_dige
     universal checkpoint (another layout), False when DeepSpeed loads it as it is; a ConfigError, before anything is
     built, that says whether the checkpoint is damaged or does not fit this run, and the way out."""
     run_state, tag = read_run_state(checkpoint_dir), latest_tag(checkpoint_dir)
-    later = [t for t in checkpoint_tags(checkpoint_dir) if step_of(t) > run_state.step and is_complete(checkpoint_dir / t)]
+    later = [t for t in checkpoint_tags(checkpoint_dir)
+             if step_of(t) > run_state.step and is_complete(checkpoint_dir / t)]
     if later:
         raise ConfigError(f"--resume: {checkpoint_dir} holds complete checkpoints after {tag}, which `latest` names: "
                           f"{', '.join(later)}. A resume from {tag} would save over them, and they are never deleted: "
@@ -197,15 +198,16 @@ def check_files(checkpoint_dir: Path, tag: str, names: list[str]) -> None:
 
 
 def check_same_base(tag_dir: Path, run_state: RunState, recipe: Recipe, base_digest: str | None) -> None:
-    """A LoRA checkpoint holds only the adapters: they resume on the base weights they were trained on, or not at all."""
+    """A LoRA checkpoint holds only the adapters: they resume on the base weights they were trained on, or not at
+    all."""
     wrote = run_state.base_model
     if wrote is None or wrote.digest is None or base_digest is None or wrote.digest == base_digest:
         return  # written before the base was recorded, or a base not on this machine: nothing to compare
-    raise ConfigError(f"--resume: the LoRA adapters in {tag_dir} were trained on the base model at {wrote.name_or_path} "
-                      f"(weights digest {wrote.digest}), and model.name_or_path={recipe.model.name_or_path} now holds "
-                      f"other weights (digest {base_digest}); adapters continued on another base would be silently "
-                      f"wrong: point model.name_or_path at the base they were trained on, or start a new run "
-                      f"(--overwrite, or another --output-dir)")
+    raise ConfigError(f"--resume: the LoRA adapters in {tag_dir} were trained on the base model at "
+                      f"{wrote.name_or_path} (weights digest {wrote.digest}), and model.name_or_path="
+                      f"{recipe.model.name_or_path} now holds other weights (digest {base_digest}); adapters continued "
+                      f"on another base would be silently wrong: point model.name_or_path at the base they were "
+                      f"trained on, or start a new run (--overwrite, or another --output-dir)")
 
 
 def remove_run_folder(checkpoint_dir: Path, folder: str) -> None:
@@ -245,7 +247,8 @@ def load_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, layout: Layou
     try:
         with loading_universal(engine, universal), universal_load_repaired(engine.optimizer) if universal \
                 else nullcontext():
-            path, _ = engine.load_checkpoint(str(load_dir), tag=tag, load_module_strict=not has_frozen_parameters(engine))
+            path, _ = engine.load_checkpoint(str(load_dir), tag=tag,
+                                             load_module_strict=not has_frozen_parameters(engine))
         rank_state = torch.load(rank_state_file, weights_only=False)
     except (*READ_ERRORS, AssertionError) as error:  # DeepSpeed asserts on some missing files
         raise ConfigError(load_failure(checkpoint_dir, tag, universal, error)) from None

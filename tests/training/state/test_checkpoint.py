@@ -3,10 +3,11 @@ import sys
 import deepspeed
 import torch
 
-from training.planning.layout import Layout
-from training.state.checkpoint import load_checkpoint, save_checkpoint
 from training.compat.deepspeed import FP16BlockGradScaler, provide_universal_info
+from training.planning.layout import Layout
 from training.planning.precision import fp16_block
+from training.state.checkpoint import load_checkpoint, save_checkpoint
+from training.state.run_state import RunState
 
 RUN_STATE = {"step": 4, "tokens_seen": 64, "world_size": 1, "zero_stage": 0, "precision": "fp16"}
 
@@ -42,7 +43,7 @@ def test_the_zero0_fp16_loss_scale_survives_save_and_resume(one_rank, tmp_path):
         scaler.update()
     saved = scaler.state_dict()
     assert saved["scale"] == 256
-    save_checkpoint(engine, tmp_path, RUN_STATE, {"position": 3}, hf_files=(), keep_last=None)
+    save_checkpoint(engine, tmp_path, RunState.written(**RUN_STATE), {"position": 3}, hf_files=(), keep_last=None)
 
     resumed = engine_with_fp16_block_scaler()
     assert resumed.torch_autocast_z0_gradscaler.get_scale() == 1024
@@ -57,8 +58,9 @@ def test_a_zero0_checkpoint_loads_as_it_is_in_another_zero0_layout(one_rank, tmp
     they are (needs_universal), never through a universal conversion, which ZeRO-0 checkpoints do not have."""
     engine = engine_with_fp16_block_scaler()
     wrote = {**RUN_STATE, "world_size": 2}
-    save_checkpoint(engine, tmp_path, wrote, {"position": 3}, hf_files=(), keep_last=None)
-    (tmp_path / "global_step4" / "rank_state1.pt").write_bytes((tmp_path / "global_step4" / "rank_state0.pt").read_bytes())
+    save_checkpoint(engine, tmp_path, RunState.written(**wrote), {"position": 3}, hf_files=(), keep_last=None)
+    tag = tmp_path / "global_step4"
+    (tag / "rank_state1.pt").write_bytes((tag / "rank_state0.pt").read_bytes())
     run_state, data_state = load_checkpoint(engine_with_fp16_block_scaler(), tmp_path, layout=Layout(
         world_size=1, zero_stage=0, precision="bf16"))
     assert run_state.world_size == 2 and data_state == {"position": 3}
@@ -70,7 +72,7 @@ def test_a_run_resumed_through_a_universal_conversion_loads_its_own_checkpoints(
     engine = linear_engine(1, checkpoint={"load_universal": True})
     model = engine.module
     wrote = {**RUN_STATE, "zero_stage": 1, "precision": "fp32"}
-    save_checkpoint(engine, tmp_path, wrote, {"position": 3}, hf_files=(), keep_last=None)
+    save_checkpoint(engine, tmp_path, RunState.written(**wrote), {"position": 3}, hf_files=(), keep_last=None)
     saved = model.weight.detach().clone()
     with torch.no_grad():
         model.weight.zero_()
