@@ -5,7 +5,7 @@
 Trains the recipe for a few steps through the `deepspeed` launcher with a checkpoint after every step, reads
 each save's size and seconds from the run's console (train.py prints them), and takes the write rate of
 the busiest rank (rank 0: it also writes the weights). Then, for each model recipe on the GPUs it is
-written for, the --dry-run's checkpoint size (training/planning/memory.py, checked against DeepSpeed's files in
+written for, the --dry-run's checkpoint size (training/planning/checkpoint_size.py, checked against DeepSpeed's files in
 tests/test_train_distributed.py) and the seconds its busiest rank needs at that measured rate, against the
 30 s DeepSpeed's launcher allows between SIGTERM and SIGKILL. The rate is this machine's disk: rerun on
 the cluster's file system for its numbers. Writes table.md (the printed table) to --output.
@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO))
 
 import train  # noqa: E402
 from training.parallel.launch import launcher_command  # noqa: E402
-from training.planning.memory import LAUNCHER_GRACE_S, checkpoint_bytes  # noqa: E402
+from training.planning.checkpoint_size import LAUNCHER_GRACE_S, checkpoint_bytes  # noqa: E402
 from training.planning.report import format_bytes  # noqa: E402
 
 RECIPE_GPUS = {"llama2_7b": 8, "llama2_7b_sft": 8, "llama3_8b": 8, "mistral_7b": 8, "qwen2_5_1_5b": 1, "gpt2": 1}

@@ -114,10 +114,10 @@ def test_one_rank_sees_the_same_global_batches_as_two(curves):
 
 @pytest.mark.parametrize("precision, stage", [(p, stage) for p, stages in STAGES.items() for stage in stages])
 def test_planned_checkpoint_size_is_what_deepspeed_writes(curves, precision, stage):
-    """The --dry-run's checkpoint line (training/planning/memory.py) against the files, in total and from rank 0 (which
-    also writes the weights below ZeRO-3). DeepSpeed's pickles add a few KB per file."""
+    """The --dry-run's checkpoint line (training/planning/checkpoint_size.py) against the files, in total and from
+    rank 0 (which also writes the weights below ZeRO-3). DeepSpeed's pickles add a few KB per file."""
     from transformers import AutoConfig
-    from training.planning.memory import checkpoint_bytes
+    from training.planning.checkpoint_size import checkpoint_bytes
     from training.planning.shape import model_shape
     config = AutoConfig.from_pretrained("recipes/tiny_llama/config.json", num_hidden_layers=2, hidden_size=64,
                                         intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)

@@ -16,10 +16,11 @@ the real `deepspeed` launcher and train.py, for --steps steps, logging every ste
   <cell>/, <cell>.log             each run's own output folder and console log
 The default --output-dir is outputs/compare-<recipe>, or outputs/compare-<recipe>-2, -3, ... when earlier
 comparisons are there; an existing --output-dir is replaced only with --overwrite, and only when an earlier
-comparison wrote it: its files go, any other file there stays (named). Each cell runs what its label says: a key given twice (in two --vary, or in a --vary and
-as a fixed override), a value given twice, or a key that compare.py sets itself (training.max_steps from
---steps, training.epochs unset, logging.every_steps=1) is refused. A cell that cannot run (refused by train.py's checks, or failing,
-e.g. out of memory) is a row with its error. Every check is made before anything is written or launched.
+comparison wrote it: its files go, any other file there stays (named). Each cell runs what its label says: a key
+given twice (in two --vary, or in a --vary and as a fixed override), a value given twice, or a key that compare.py
+sets itself (training.max_steps from --steps, training.epochs unset, logging.every_steps=1) is refused. A cell that
+cannot run (refused by train.py's checks, or failing, e.g. out of memory) is a row with its error. Every check is
+made before anything is written or launched.
 tools/compare_zero.py is the short form for ZeRO stages.
 """
 import argparse
@@ -37,16 +38,26 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from training.base.errors import ConfigError, exit_code, positive_int  # noqa: E402
-from training.parallel.launch import failure_reason, launcher_command  # noqa: E402
-from training.base.strict_json import number  # noqa: E402
-from training.base.output_guard import (MARKER, begin_in_place, check_output, files_under, finish_in_place,  # noqa: E402
-                                         kept_line, lists_files, owned_files, remove_owned, shown_list, way_out,
-                                         written_by)
-from training.planning.memory import planned_model_states, planned_peak  # noqa: E402
-from training.config.recipe import load_recipe, parse_override, recipe_inputs  # noqa: E402
-
 import train  # noqa: E402
+from training.base.errors import ConfigError, exit_code, positive_int  # noqa: E402
+from training.base.output_guard import (  # noqa: E402
+    MARKER,
+    begin_in_place,
+    check_output,
+    files_under,
+    finish_in_place,
+    kept_line,
+    lists_files,
+    owned_files,
+    remove_owned,
+    shown_list,
+    way_out,
+    written_by,
+)
+from training.base.strict_json import number  # noqa: E402
+from training.config.recipe import load_recipe, parse_override, recipe_inputs  # noqa: E402
+from training.parallel.launch import failure_reason, launcher_command  # noqa: E402
+from training.planning.memory import planned_model_states, planned_peak  # noqa: E402
 
 COMMAND = "tools/compare.py"
 OUTPUT_ROOT = REPO / "outputs"
@@ -63,10 +74,11 @@ def parse_args(argv: list[str] | None, labels: dict[str, str] | None = None) -> 
     parser.add_argument("--recipe", required=True)
     parser.add_argument("--vary", action="append", required=True, metavar="KEY=V1,V2,...",
                         help="a recipe key and the values to compare; repeat for a grid")
-    parser.add_argument("--num-gpus", type=positive_int, default=1, help="ranks on this machine (GPUs, or CPU processes)")
+    parser.add_argument("--num-gpus", type=positive_int, default=1,
+                        help="ranks on this machine (GPUs, or CPU processes)")
     parser.add_argument("--steps", type=positive_int, default=30, help="training steps per cell (default 30)")
-    parser.add_argument("--output-dir", type=Path, help="default: outputs/compare-<recipe>, or outputs/compare-<recipe>-N "
-                        "when earlier comparisons are there")
+    parser.add_argument("--output-dir", type=Path, help="default: outputs/compare-<recipe>, or "
+                        "outputs/compare-<recipe>-N when earlier comparisons are there")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier comparison in --output-dir")
     parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="applied to every cell")
     args = parser.parse_intermixed_args(argv)

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import compare  # noqa: E402
 
-from training.planning.memory import ZERO_SETTINGS  # noqa: E402
+from training.planning.model_states import ZERO_SETTINGS  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,7 @@ import pytest
 
 from tests.conftest import REPO, SMALL_MODEL
 from training.base.output_guard import written_by
+from training.config.recipe import load_recipe
 
 sys.path.insert(0, str(REPO / "tools"))
 import compare  # noqa: E402
@@ -46,7 +47,8 @@ def refused(capsys, argv: list[str], message: str, main=compare.main) -> None:
      "--vary deepspeed.overrides={a: 1},{a: 2} sets deepspeed.overrides, which overlaps deepspeed.overrides.b from "
      "the override deepspeed.overrides.b=1"),
     (["--vary", "training.lr=0.001,0.001"], "--vary training.lr=0.001,0.001: training.lr=0.001 and training.lr=0.001 "
-                                            "are the same value, which would run the same cell twice; give each value once"),
+                                            "are the same value, which would run the same cell twice; give each value "
+                                            "once"),
     (["--vary", "training.lr=0.001,0.0010"], "training.lr=0.001 and training.lr=0.0010 are the same value"),
     (["--vary", "training.lr=0.001,1e-3"], "the cells training.lr=0.001 and training.lr=1e-3 run the same recipe"),
     (["--vary", "training.max_steps=5,10"], "--vary training.max_steps=5,10 sets training.max_steps, which "
@@ -59,8 +61,8 @@ def refused(capsys, argv: list[str], message: str, main=compare.main) -> None:
                                      "sets itself: it logs every step"),
     ([*LR, "logging={every_steps: 5}"], "sets logging.every_steps (logging.every_steps inside logging), which"),
 ], ids=["key in two --vary", "key varied and fixed", "parent replaces a child", "value twice", "value twice, "
-        "written two ways", "one recipe twice", "max_steps varied", "max_steps fixed", "epochs fixed", "every_steps fixed",
-        "every_steps inside a mapping"])
+        "written two ways", "one recipe twice", "max_steps varied", "max_steps fixed", "epochs fixed",
+        "every_steps fixed", "every_steps inside a mapping"])
 def test_a_cell_that_would_not_run_its_label_is_refused(argv, message, capsys, tmp_path, tree_guard, no_launch):
     with tree_guard():
         refused(capsys, [*argv, "--output-dir", str(tmp_path / "out")], message)
@@ -85,10 +87,16 @@ def test_a_recipe_that_counts_epochs_runs_steps(tmp_path, no_launch):
 
 
 def test_a_varied_key_may_go_inside_a_fixed_mapping(tmp_path, no_launch):
-    """A fixed mapping with a --vary of another key inside it loses nothing: both apply."""
+    """A fixed mapping with a --vary of another key inside it loses nothing: both apply. The cell's recipe is read
+    from the overrides train.py gets (cell_overrides), in their order: the mapping first, else it would replace the
+    varied key."""
+    argv = ["--recipe", "tiny_llama", "--vary", "logging.run_name=a,b", "logging={peak_tflops: 1}",
+            "--output-dir", str(tmp_path / "out")]
     with pytest.raises(Launched):
-        compare.main(["--recipe", "tiny_llama", "--vary", "logging.run_name=a,b", "logging={peak_tflops: 1}",
-                      "--output-dir", str(tmp_path / "out")])
+        compare.main(argv)
+    args = compare.parse_args(argv)
+    cells = [load_recipe(args.recipe, compare.cell_overrides(args, cell)).logging for cell in args.cells]
+    assert [(logging.run_name, logging.peak_tflops) for logging in cells] == [("a", 1), ("b", 1)]
 
 
 def test_a_varied_value_keeps_the_commas_inside_its_brackets():

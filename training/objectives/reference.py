@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from training.base.errors import ConfigError
 from training.models.model import from_checkpoint
 from training.planning.ds_config import params_offloaded
-from training.planning.memory import reference_bytes
+from training.planning.objective_memory import reference_bytes
 from training.planning.plan import RunPlan
 from training.planning.report import format_bytes
 

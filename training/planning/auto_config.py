@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from transformers import PretrainedConfig
 
 from training.base.errors import ConfigError
-from training.planning.memory import (EXPERT_PARALLEL_SETTINGS, HEADROOM, Activations, ModelStates, activations,
-                                      fits, states_per_setting)
+from training.config.recipe import Recipe
+from training.planning.activations import Activations, activations
+from training.planning.memory import HEADROOM, fits, states_per_setting
+from training.planning.model_states import EXPERT_PARALLEL_SETTINGS, ModelStates
 from training.planning.plan import Machine
 from training.planning.report import format_bytes
-from training.config.recipe import Recipe
 from training.planning.shape import ModelShape, model_shape
 
 AUTO_ORDER = ("0", "1", "2", "3", "3_offload")  # least sharded first, named as ds_configs/zero*.json
@@ -147,7 +148,8 @@ def shortfall(recipe: Recipe, shape: ModelShape, precision: str, machine: Machin
                          f"over more ranks)")
             break
     training = recipe.training
-    if training.micro_batch_size > 1 and anything_fits(with_training(recipe, micro_batch_size=1), shape, precision, machine):
+    if training.micro_batch_size > 1 and anything_fits(with_training(recipe, micro_batch_size=1), shape, precision,
+                                                       machine):
         lines.append("  training.micro_batch_size=1 (the global batch stays: more accumulation steps)")
     seq_len = recipe.data.seq_len // 2
     while seq_len >= 128 and not anything_fits(with_seq_len(recipe, seq_len), shape, precision, machine):

@@ -21,8 +21,8 @@ from transformers import PretrainedConfig
 
 from training.base.errors import ConfigError, read_text
 from training.compat.deepspeed import without_train_batch_size
-from training.planning.precision import fp16_block
 from training.config.recipe import Recipe, TrainingSection
+from training.planning.precision import fp16_block
 
 DS_CONFIGS_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
 MISSING = object()
@@ -161,8 +161,8 @@ def zero_stage(ds_config: dict) -> int:
 
 
 def zero_setting(ds_config: dict) -> str:
-    """The ZeRO stage and whether the optimizer is offloaded, in training/planning/memory.py's ZERO_SETTINGS' terms:
-    '2', '3_offload'."""
+    """The ZeRO stage and whether the optimizer is offloaded, in training/planning/model_states.py's ZERO_SETTINGS'
+    terms: '2', '3_offload'."""
     offload = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
     return f"{zero_stage(ds_config)}{'_offload' if offload not in ('none', None) else ''}"
 

@@ -6,8 +6,8 @@ Per token of a row of `seq_len` tokens, forward + backward (the backward costs t
 N counts the parameters a token multiplies with (all but the embedding tables; a tied LM head counts; in a
 mixture of experts only the top-k experts the router picks for it, the active parameters);
 With LoRA the frozen weights need no weight gradients: 4 * N + 6 * N_LoRA (the adapters' parameters) instead
-of 6 * N. N_layers the decoder layers' alone (checkpointing recomputes their forward, not the head's). The attention term
-is QK^T and AV over the whole row (PaLM's and torchtitan's convention; causal masking and packed documents do
+of 6 * N. N_layers the decoder layers' alone (checkpointing recomputes their forward, not the head's). The attention
+term is QK^T and AV over the whole row (PaLM's and torchtitan's convention; causal masking and packed documents do
 less work, so this is an upper bound and comparable with their MFU figures).
 MFU = model FLOPs per second / peak dense bf16 FLOP/s of the GPU (FP8 runs too, as torchtitan reports);
 hardware FLOP/s count the recomputation as well (HFU = hardware FLOP/s / peak).

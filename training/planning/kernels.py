@@ -1,11 +1,12 @@
 """Which kernels a run uses, decided from the recipe before anything is built: the plan counts their memory
-(training/planning/memory.py) and the model is built with them (training/parallel/build.py). The fused loss itself:
+(training/planning/activations.py) and the model is built with them (training/parallel/build.py). The fused loss itself:
 training/models/fused_loss.py."""
 from training.config.recipe import Recipe
 
 CHUNK_TOKENS = 2048  # per chunk: [2048, vocab] logits, 1 GB in fp32 for 128k; few chunks to add up
-DPO_CHUNK_TOKENS = 512  # DPO's token statistics and WPO weights (training/objectives/dpo/loss.py), without a gradient: 12
-# bytes per token and vocabulary entry live (the fp32 logits, and each logsumexp's), 0.8 GB for a 128k vocabulary
+DPO_CHUNK_TOKENS = 512  # DPO's token statistics and WPO weights (training/objectives/dpo/loss.py), without a
+# gradient: 12 bytes per token and vocabulary entry live (the fp32 logits, and each logsumexp's), 0.8 GB for a 128k
+# vocabulary
 
 
 def uses_fused_loss(recipe: Recipe, router_loss: bool) -> bool:

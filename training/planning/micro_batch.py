@@ -23,10 +23,11 @@ from collections.abc import Callable
 
 from transformers import PretrainedConfig
 
-from training.planning.auto_config import with_seq_len, with_training
 from training.base.errors import ConfigError
 from training.config.recipe import Recipe
-from training.planning.memory import HEADROOM, activations, fits, micro_batch_rows, states_per_setting
+from training.planning.activations import activations, micro_batch_rows
+from training.planning.auto_config import with_seq_len, with_training
+from training.planning.memory import HEADROOM, fits, states_per_setting
 from training.planning.plan import Machine, MicroBatchChoice
 from training.planning.report import format_bytes
 from training.planning.shape import ModelShape, model_shape
@@ -34,7 +35,7 @@ from training.planning.shape import ModelShape, model_shape
 
 def choose_micro_batch(recipe: Recipe, config: PretrainedConfig, precision: str, setting: str, machine: Machine | None,
                        dp_size: int, saved: int | None = None) -> tuple[Recipe, MicroBatchChoice | None]:
-    """The recipe with training.micro_batch_size chosen for the ZeRO `setting` (memory.ZERO_SETTINGS' names) over
+    """The recipe with training.micro_batch_size chosen for the ZeRO `setting` (model_states.ZERO_SETTINGS' names) over
     `dp_size` data-parallel ranks on `machine` (None only when the recipe names a number), and the choice, for the
     plan's print; the recipe as it is, and None, when it names a number. `saved`: the micro-batch of the checkpoint
     a --resume continues. A ConfigError when micro-batch 1 does not fit."""
@@ -107,8 +108,9 @@ def nothing_fits(recipe: Recipe, shape: ModelShape, precision: str, setting: str
     if seq_len >= 128:
         lines.append(f"  data.seq_len={seq_len}")
     if len(lines) == 1:
-        lines.append("  none of a more sharded ZeRO setting, checkpointing or shorter rows alone: deepspeed.config=auto "
-                     "(each ZeRO setting, with checkpointing where needed), more GPUs or a smaller model")
+        lines.append("  none of a more sharded ZeRO setting, checkpointing or shorter rows alone: "
+                     "deepspeed.config=auto (each ZeRO setting, with checkpointing where needed), more GPUs or a "
+                     "smaller model")
     generating = states[setting].generation_bytes
     if generating > acts.peak(checkpointing):
         lines.append(f"  a generation holds more than the activations, between the steps ("

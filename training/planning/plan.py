@@ -10,9 +10,9 @@ import psutil
 import torch
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from training.planning.ds_config import zero_setting, zero_stage
 from training.base.errors import ConfigError
 from training.config.recipe import Recipe
+from training.planning.ds_config import zero_setting, zero_stage
 from training.planning.layout import Layout
 from training.planning.precision import device_type
 from training.planning.shape import ModelShape, model_shape

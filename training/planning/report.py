@@ -5,11 +5,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from training.planning.activations import Activations, activations, all_to_all_bytes_per_token, micro_batch_rows
+from training.planning.checkpoint_size import LAUNCHER_GRACE_S, planned_checkpoint
 from training.planning.flops import flops_per_token
-from training.planning.memory import (HEADROOM, LAUNCHER_GRACE_S, Activations, ModelStates, activations,
-                                      all_to_all_bytes_per_token, fits, micro_batch_rows, planned_checkpoint,
-                                      stage_bounds, state_bytes, states_per_setting, whole_gradient_bytes,
-                                      zero_arithmetic)
+from training.planning.memory import HEADROOM, fits, stage_bounds, state_bytes, states_per_setting
+from training.planning.model_states import ModelStates, whole_gradient_bytes, zero_arithmetic
 from training.planning.plan import Machine, RunPlan
 from training.planning.precision import DTYPES
 from training.planning.shape import ModelShape
@@ -45,7 +45,8 @@ def print_plan(plan: RunPlan, machine: Machine, objective_lines: list[str]) -> N
     print(f"{recipe.name} ({shown(recipe.path)})")
     print(f"model: {shown(recipe.model.config or recipe.model.name_or_path)} ({type(plan.model_config).__name__}), "
           f"{shape.parameters:,} parameters ({shape.matmul_parameters:,} in matrix multiplies"
-          + (f" per token: {shape.experts_per_token} of {shape.num_experts} experts" if shape.num_experts else "") + ")")
+          + (f" per token: {shape.experts_per_token} of {shape.num_experts} experts" if shape.num_experts else "")
+          + ")")
     if plan.tokenizer is None:
         print(f"tokenizer: {recipe.tokenizer_path} is not in the local Hugging Face cache; not checked here "
               f"(the run downloads it)")
@@ -66,7 +67,8 @@ def print_plan(plan: RunPlan, machine: Machine, objective_lines: list[str]) -> N
     if trainable is not None:
         print(f"LoRA: rank {recipe.lora.rank}, alpha {recipe.lora.alpha:g}, on {recipe.lora.target_modules}"
               f"{', base model in nf4 (QLoRA)' if recipe.lora.quantize == 'nf4' else ''}: "
-              f"{trainable:,} trainable parameters ({trainable / shape.parameters:.2%} of the model's), the rest frozen")
+              f"{trainable:,} trainable parameters ({trainable / shape.parameters:.2%} of the model's), "
+              "the rest frozen")
     model_flops, hardware_flops = flops_per_token(shape, recipe.data.seq_len, recipe.activation_checkpointing)
     print(f"training FLOPs per token: {model_flops:.3e} ({'4N + 6N_LoRA' if trainable else '6N'} + attention), "
           f"{hardware_flops:.3e} with recomputation")
@@ -83,7 +85,8 @@ def print_micro_batch_choice(plan: RunPlan) -> None:
     rank, and the next larger divisor's, which did not fit."""
     choice, training = plan.micro_batch, plan.recipe.training
     machine, unit = choice.machine, training.spec.unit
-    budget = (f"{format_bytes(choice.planned_bytes)} per rank within {format_bytes(HEADROOM * machine.memory_per_rank)} "
+    budget = (f"{format_bytes(choice.planned_bytes)} per rank within "
+              f"{format_bytes(HEADROOM * machine.memory_per_rank)} "
               f"({HEADROOM:.0%} of {format_bytes(machine.memory_per_rank)}, {machine.memory_source})")
     if choice.kept:
         print(f"micro-batch: {choice.size}, the checkpoint's, kept by training.micro_batch_size=auto on --resume: "
@@ -139,7 +142,8 @@ def print_memory_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> Non
 
 
 def print_expert_parallel_memory(plan: RunPlan, shape: ModelShape, machine: Machine) -> None:
-    """What a rank keeps of the experts (memory.py's expert-parallel formulas), and its all-to-all buffers."""
+    """What a rank keeps of the experts (model_states.py's and activations.py's expert-parallel formulas), and its
+    all-to-all buffers."""
     size, ranks = plan.expert_parallel, machine.gpus_per_node * machine.nodes
     tokens = micro_batch_rows(plan.recipe) * plan.recipe.data.seq_len // plan.sequence_parallel
     buffers = tokens * all_to_all_bytes_per_token(shape, DTYPES[plan.precision].itemsize, size)

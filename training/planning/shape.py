@@ -72,8 +72,8 @@ def count(module: torch.nn.Module) -> int:
 
 
 def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Decay on matrices; none on biases, norm weights (1-D) and embeddings (tied ones included). Shapes are the weights'
-    whole ones: a ZeRO-3 parameter itself is empty (1-D) once partitioned."""
+    """Decay on matrices; none on biases, norm weights (1-D) and embeddings (tied ones included). Shapes are the
+    weights' whole ones: a ZeRO-3 parameter itself is empty (1-D) once partitioned."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     decay, no_decay = [], []
     for param in model.parameters():
@@ -181,7 +181,8 @@ def adapted_parameters(model: torch.nn.Module, section: LoraSection) -> int:
             model = get_peft_model(model, lora_config(section))
         except (ValueError, TypeError) as error:
             raise ConfigError(f"lora.target_modules={section.target_modules!r} / lora.modules_to_save="
-                              f"{section.modules_to_save}: {str(error).rstrip('.')}. {module_names(full_names)}") from None
+                              f"{section.modules_to_save}: {str(error).rstrip('.')}. "
+                              f"{module_names(full_names)}") from None
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
@@ -189,3 +190,15 @@ def module_names(full_names: list[str]) -> str:
     """The model's module names without layer indices, for a message."""
     names = sorted({name.rsplit(".", 1)[-1] for name in full_names} - {""})
     return f"Module names of this model: {', '.join(name for name in names if not name.isdigit())}"
+
+
+def tensor_parallel_shard(shape: ModelShape, size: int) -> ModelShape:
+    """What one rank of a tensor-parallel group holds and computes: AutoTP splits the decoder layers' matrices
+    (their norms, a small part, are counted split too) and so their heads and MLP width; the embedding, the
+    head and the hidden-wide activations stay whole."""
+    if size == 1:
+        return shape
+    layers = tuple(count // size for count in shape.layer_parameters)
+    return replace(shape, parameters=shape.parameters - sum(shape.layer_parameters) + sum(layers),
+                   layer_parameters=layers, num_heads=shape.num_heads // size,
+                   num_kv_heads=shape.num_kv_heads // size, intermediate_size=shape.intermediate_size // size)

@@ -1,15 +1,15 @@
 """Room on disk for what a run writes. A save that fills the disk is cut short, and torch's writer then fails with a
 message that names neither the disk nor the file (`[enforce fail at inline_container.cc:672] . unexpected pos 704 vs
-598`), hours into a run. So the plan's sizes (training/planning/memory.py: a checkpoint within 2% of DeepSpeed's
-files, and the export) are held against the output folder's free space: before anything is built, for the first
-save, and again before each save and the export. One that does not fit stops the run by name, nothing written, the
+598`), hours into a run. So the plan's sizes (training/planning/checkpoint_size.py: a checkpoint within 2% of
+DeepSpeed's files, and the export) are held against the output folder's free space: before anything is built, for the
+first save, and again before each save and the export. One that does not fit stops the run by name, nothing written, the
 latest checkpoint untouched."""
 import shutil
 from pathlib import Path
 
 from training.base.errors import ConfigError
 from training.base.output_guard import nearest_existing
-from training.planning.memory import planned_checkpoint, planned_export
+from training.planning.checkpoint_size import planned_checkpoint, planned_export
 from training.planning.plan import RunPlan
 from training.planning.report import format_bytes
 from training.state.output_dir import is_run, run_files

@@ -211,10 +211,10 @@ def test_muon_is_chosen_by_name_and_marked_on_the_parameter():
 
 @pytest.mark.parametrize("zero_stage, overlap_comm", [(1, False), (2, True), (3, True)])
 def test_zero_keeps_the_buffers_the_memory_plan_counts(one_rank, zero_stage, overlap_comm):
-    """What training/planning/memory.py counts of DeepSpeed's own buffers (fp32_zero_states, gradient_bucket_bytes),
-    on one rank in fp32: the master weights are a copy, not the weights; ZeRO-1/2 make reduce_bucket_size-element
-    gradient buckets at the backward pass (two with overlap_comm) and free them before the step, ZeRO-3 keeps one for
-    the run; ZeRO-1/2's Muon stages its momentum in a buffer of its own."""
+    """What training/planning/model_states.py counts of DeepSpeed's own buffers (fp32_zero_states,
+    gradient_bucket_bytes), on one rank in fp32: the master weights are a copy, not the weights; ZeRO-1/2 make
+    reduce_bucket_size-element gradient buckets at the backward pass (two with overlap_comm) and free them before the
+    step, ZeRO-3 keeps one for the run; ZeRO-1/2's Muon stages its momentum in a buffer of its own."""
     engine = tiny_engine(zero_stage, zero_optimization={"stage": zero_stage, "reduce_bucket_size": 40,
                                                         "overlap_comm": overlap_comm})
     optimizer, seen = engine.optimizer, []

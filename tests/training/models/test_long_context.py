@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from training.models.long_context import apply_long_context
-from training.planning.memory import activation_bytes
+from training.planning.activations import activation_bytes
 from training.config.recipe import LongContextSection
 from training.planning.shape import model_shape
 

@@ -1,4 +1,4 @@
-"""LoRA's checks and plan (training/models/lora.py, training/planning/memory.py): in process, no training."""
+"""LoRA's checks and plan (training/models/lora.py, training/planning/model_states.py): in process, no training."""
 import pytest
 import torch
 from peft import get_peft_model
@@ -8,7 +8,7 @@ import train
 from tests.conftest import REPO, save_small_checkpoint
 from training.base.errors import ConfigError
 from training.planning.shape import lora_config
-from training.planning.memory import lora_model_states
+from training.planning.model_states import lora_model_states
 from training.config.recipe import load_recipe
 from training.planning.shape import model_shape
 from training.planning.layout import Layout

@@ -1,5 +1,5 @@
-"""The memory plan under expert parallelism (training/planning/memory.py): a rank's share of the experts' model states,
-and the activations of AutoEP's layers."""
+"""The memory plan under expert parallelism (training/planning/model_states.py, activations.py): a rank's share of the
+experts' model states, and the activations of AutoEP's layers."""
 from dataclasses import replace
 
 import pytest
@@ -7,7 +7,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tests.training.planning.test_memory import CONFIGS, saved_activation_bytes
-from training.planning.memory import activation_bytes, expert_parallel_states, model_states, zero_arithmetic
+from training.planning.activations import activation_bytes
+from training.planning.model_states import expert_parallel_states, model_states, zero_arithmetic
 from training.planning.shape import model_shape
 
 

@@ -2,9 +2,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from training.planning.activations import activation_bytes, layer_bytes_per_token
 from training.planning.ds_config import zero_setting
-from training.planning.memory import (activation_bytes, fp32_zero_states, gradient_bucket_bytes,
-                                      layer_bytes_per_token, model_states, zero_arithmetic)
+from training.planning.model_states import fp32_zero_states, gradient_bucket_bytes, model_states, zero_arithmetic
 from training.planning.shape import model_shape
 
 # Shapes unlike the ones the rules were read from: GQA, a head_dim that is not hidden/heads, odd widths.
@@ -267,7 +267,7 @@ def test_the_run_plans_the_buckets_of_its_own_config():
 def test_whole_gradients_grow_as_the_activations_are_freed():
     """At ZeRO-0 and (16-bit) ZeRO-1 autograd makes the whole gradients in the backward pass while the saved
     activations are freed: the peak is the model states plus the activations beyond those gradients."""
-    from training.planning.memory import ModelStates, whole_gradient_bytes
+    from training.planning.model_states import ModelStates, whole_gradient_bytes
     assert [whole_gradient_bytes(1000, stage, "bf16") for stage in range(4)] == [4000, 2000, 0, 0]
     assert [whole_gradient_bytes(1000, stage, "fp32") for stage in range(4)] == [4000, 0, 0, 0]
     states = ModelStates(20_000, 0.0, "ZeRO arithmetic", made_in_backward=2000)
@@ -311,13 +311,13 @@ SAMPLING = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, voca
 ], ids=["kv-cache", "kv-cache-bf16", "sampling-top-p", "sampling-top-k-min-p-penalty",
         "sampling-every-setting", "prefill", "fp32-head", "generation-kwargs-typical", "generation-kwargs-eta"])
 def test_the_generation_rule_matches_the_allocations(tmp_path, shape_of, dtype, seq_len, completion, sampling):
-    """A GRPO generation's memory (memory.generation) against what generate allocates on CPU, with prompts at the
-    budget and no completion ending early: a bound within 10% where the KV cache, the sampling's buffers over a large
-    vocabulary (with every sampling setting), or the prompts' pass is the most."""
+    """A GRPO generation's memory (objective_memory.generation) against what generate allocates on CPU, with
+    prompts at the budget and no completion ending early: a bound within 10% where the KV cache, the sampling's
+    buffers over a large vocabulary (with every sampling setting), or the prompts' pass is the most."""
     from tests.conftest import save_small_checkpoint
     from training.config.recipe import load_recipe
     from training.objectives.grpo.objective import sample
-    from training.planning.memory import generation
+    from training.planning.objective_memory import generation
     config = AutoConfig.for_model("llama", num_attention_heads=4, num_key_value_heads=2, **shape_of)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype).eval()
@@ -385,7 +385,7 @@ def test_a_reward_models_weights_and_pass_are_what_the_plan_counts(tmp_path):
     from tests.conftest import REPO, save_small_checkpoint
     from training.config.recipe import load_recipe
     from training.objectives.grpo.rewards import RewardModel
-    from training.planning.memory import generation, reward_model_bytes
+    from training.planning.objective_memory import generation, reward_model_bytes
     group, seq_len = 8, 128
     config = AutoConfig.for_model("llama", num_hidden_layers=2, hidden_size=256, intermediate_size=1024,
                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=4096, num_labels=1)

@@ -13,7 +13,8 @@ from training.planning.kernels import DPO_CHUNK_TOKENS
 from training.planning.micro_batch import choose_micro_batch
 from training.config.recipe import Recipe, load_recipe
 from training.models.model import load_model_config
-from training.planning.memory import activations, fits, states_per_setting
+from training.planning.activations import activations
+from training.planning.memory import fits, states_per_setting
 from training.planning.plan import Machine
 from training.planning.report import format_bytes
 from training.planning.shape import ModelShape, model_shape

@@ -56,7 +56,7 @@ from training.objectives.grpo.rewards import RewardLog, RewardModel, check_rewar
 from training.parallel import distributed
 from training.planning.flops import flops_per_token, gpu_spec
 from training.planning.kernels import replaced_head
-from training.planning.memory import decoding_reads, generation, reward_model_bytes
+from training.planning.objective_memory import decoding_reads, generation, reward_model_bytes
 from training.planning.plan import RunPlan
 from training.planning.precision import DTYPES, weights_dtype
 from training.planning.report import format_bytes

@@ -268,7 +268,8 @@ def test_the_plan_holds_tr_dpos_reference_and_saves_it_with_each_checkpoint(tmp_
     """dpo.sync_ref_model: the reference model, whole on each rank at ZeRO 0-2 and half of it on each of 2 ranks at
     ZeRO-3, in the model states; each checkpoint holds it whole (reference.safetensors), and the dry run says so."""
     import train
-    from training.planning.memory import planned_checkpoint, planned_model_states
+    from training.planning.checkpoint_size import planned_checkpoint
+    from training.planning.memory import planned_model_states
     save_small_checkpoint(tmp_path / "base")
 
     def plan(*overrides):

@@ -508,7 +508,7 @@ def test_adaptive_entropy_control_keeps_the_bonus_in_the_memory_plan_at_a_coeffi
     """Its coefficient may start at 0 and rise: the bonus's fp32 [tokens, vocabulary] tensor is planned from the
     start, as for a fixed coefficient."""
     from transformers import AutoConfig
-    from training.planning.memory import activations
+    from training.planning.activations import activations
     from training.planning.shape import model_shape
     recipes = [grpo_recipe(tmp_path, *overrides) for overrides in
                ([], ["grpo.entropy_coef=0.1"], ["grpo.use_adaptive_entropy=true", "grpo.entropy_coef=0"])]
@@ -560,11 +560,13 @@ def test_the_memory_plan_holds_the_reference_whole_at_zero_0_to_2_and_a_share_of
 
 
 def test_the_memory_plan_counts_a_generation_in_place_of_the_activations(tmp_path):
-    """A generation's memory (memory.generation) comes between the steps: the peak is the model states plus the
+    """A generation's memory (objective_memory.generation) comes between the steps: the peak is the model states plus the
     larger of it and a micro-batch's activations, in the run's plan, every row of the table and micro_batch_size=auto's
     refusal. Under ZeRO-3 with grpo.ds3_gather_for_generation it holds the whole weights too; an lm run holds none."""
     import train
-    from training.planning.memory import activations, generation, planned_model_states, states_per_setting
+    from training.planning.activations import activations
+    from training.planning.memory import planned_model_states, states_per_setting
+    from training.planning.objective_memory import generation
     from training.planning.auto_config import with_training
     from training.planning.micro_batch import choose_micro_batch
     from training.planning.plan import Machine
