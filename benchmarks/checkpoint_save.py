@@ -1,6 +1,7 @@
 """How long a checkpoint save takes here, and what that means for the model recipes when a run is preempted.
 
-    python benchmarks/checkpoint_save.py [--recipe tiny_llama] [--num-gpus 2] [--steps 6] [--output benchmarks/results/checkpoint_save]
+    python benchmarks/checkpoint_save.py [--recipe tiny_llama] [--num-gpus 2] [--steps 6]
+        [--output benchmarks/results/checkpoint_save]
 
 Trains the recipe for a few steps through the `deepspeed` launcher with a checkpoint after every step, reads
 each save's size and seconds from the run's console (train.py prints them), and takes the write rate of

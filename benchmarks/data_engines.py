@@ -11,9 +11,9 @@ data.num_proc; datatrove: --tasks = shards, --workers = cores), each through `py
 run it, one after the other. The table shows wall time, documents/s and GB/hour; a second table shows where the
 datatrove job's task time goes (each stage's task-seconds, summed over its tasks, per GB of input), from which the
 1 TB arithmetic follows. A third table runs the MinHash signature stage alone on the same shards (read, sign, write
-the bucket files; same tasks and workers), with datatrove's own MinhashDedupSignature (its permutations and signature, one
-document at a time, on the recipe's shingles: its own shingle hashing fails with the installed xxhash, which refuses
-str) and with the engine's BatchedMinhashSignature, side by side.
+the bucket files; same tasks and workers), with datatrove's own MinhashDedupSignature (its permutations and
+signature, one document at a time, on the recipe's shingles: its own shingle hashing fails with the installed
+xxhash, which refuses str) and with the engine's BatchedMinhashSignature, side by side.
 
     python benchmarks/data_engines.py --task-memory --copies 25
 
@@ -179,7 +179,8 @@ def main() -> None:
         documents, size = write_corpus(scratch, args.copies, args.shards, args.corpus, args.code_mb)
         overrides = [f"data.sources=[{{path: '{scratch}/part-*.jsonl'}}]", "data.dedup.near=true",
                      f"data.cache_dir={scratch / 'cache'}"]
-        runs = {"in-process (datasets)": prepare(scratch / "in_process", [], [*overrides, f"data.num_proc={args.cores}"]),
+        runs = {"in-process (datasets)": prepare(scratch / "in_process", [],
+                                                 [*overrides, f"data.num_proc={args.cores}"]),
                 "datatrove, local executor": prepare(scratch / "datatrove", [
                     "--engine", "datatrove", "--tasks", str(args.shards), "--workers", str(args.cores)], overrides)}
         stats = {name: json.loads((scratch / folder / "stats.json").read_text())
@@ -189,7 +190,8 @@ def main() -> None:
                    for name, batched in (("datatrove MinhashDedupSignature", False),
                                          ("BatchedMinhashSignature (ours)", True))}
     gigabytes = size / 1e9
-    print(f"{args.corpus}: {documents:,} documents, {size / 1e6:.1f} MB in {args.shards} shards, {args.cores} cores; exact and near "
+    print(f"{args.corpus}: {documents:,} documents, {size / 1e6:.1f} MB in {args.shards} shards, "
+          f"{args.cores} cores; exact and near "
           f"dedup, tokenize, pack (tiny_llama's recipe)\n")
     print("| engine | wall s | documents/s | GB/hour | exact removed | near removed | tokens out |")
     print("|---|---|---|---|---|---|---|")
@@ -197,7 +199,8 @@ def main() -> None:
         s = stats[name]
         print(f"| {name} | {seconds:.1f} | {documents / seconds:,.0f} | {gigabytes / seconds * 3600:.3f} | "
               f"{s['exact_duplicates_removed']:,} | {s['near_duplicates_removed']:,} | {s['tokens_out']:,} |")
-    print(f"\nratio datatrove / in-process wall time: {runs['datatrove, local executor'] / runs['in-process (datasets)']:.2f}")
+    print("\nratio datatrove / in-process wall time: "
+          f"{runs['datatrove, local executor'] / runs['in-process (datasets)']:.2f}")
     print("\n| datatrove stage | tasks | task-seconds | task-seconds per GB |")
     print("|---|---|---|---|")
     for name, (seconds, tasks) in stages.items():
@@ -206,7 +209,8 @@ def main() -> None:
     serial = sum(s for name, (s, tasks) in stages.items() if tasks == 1)
     print(f"\nper core: {documents / parallel:,.0f} documents/s, {gigabytes / parallel * 3600:.3f} GB/hour in the "
           f"split stages; single-task stages {serial:.1f} s for {documents:,} documents")
-    print("\n| MinHash signature stage alone (read, sign, write buckets) | task-seconds | task-seconds per GB | ratio |")
+    print("\n| MinHash signature stage alone (read, sign, write buckets) | task-seconds | task-seconds per GB "
+          "| ratio |")
     print("|---|---|---|---|")
     stock = signing["datatrove MinhashDedupSignature"]
     for name, seconds in signing.items():

@@ -37,7 +37,8 @@ from data_pipeline.tokenize import tokenize_documents  # noqa: E402
 from tests.helpers.planted_corpus import CONTACT_PATTERN, KINDS, planted_corpus  # noqa: E402
 
 SETTINGS = {"language": {"languages": ["en"]}, "regex": {"pattern": CONTACT_PATTERN}}
-FINEWEB = ["language", "gopher_repetition", "gopher_quality", "c4", "fineweb_quality"]  # FineWeb's C4: no punctuation rule
+# FineWeb's C4: no punctuation rule
+FINEWEB = ["language", "gopher_repetition", "gopher_quality", "c4", "fineweb_quality"]
 TOKENIZER = AutoTokenizer.from_pretrained(REPO / "recipes/tiny_llama/tokenizer")
 
 

@@ -1,7 +1,8 @@
 """Packing and near-duplicate detection against the libraries people would otherwise use, side by side.
 
     pip install -r benchmarks/requirements.txt     # TRL and datasketch, the baselines
-    python benchmarks/data_pipeline.py [--documents 200000] [--seq-len 2048] [--dedup-mb 10] [--sample 2000] [--repeats 5]
+    python benchmarks/data_pipeline.py [--documents 200000] [--seq-len 2048] [--dedup-mb 10] [--sample 2000]
+        [--repeats 5]
 
 Packing: 200k documents with lognormal lengths (median 400 tokens, capped at seq_len) through our
 `pack_bfd` / `pack_concat` and through TRL's `pack_dataset` ("bfd" with its default map batches of

@@ -129,7 +129,8 @@ def probe_gpu() -> dict | None:
     (it would take memory from the runs): name and compute capability, or None without a usable GPU."""
     code = ("import json, torch; ok = torch.cuda.is_available(); print(json.dumps(ok and {"
             "'name': torch.cuda.get_device_name(0), 'capability': list(torch.cuda.get_device_capability(0)), "
-            "'memory_gib': torch.cuda.get_device_properties(0).total_memory / 2**30, 'count': torch.cuda.device_count(), "
+            "'memory_gib': torch.cuda.get_device_properties(0).total_memory / 2**30, "
+            "'count': torch.cuda.device_count(), "
             "'torch': torch.__version__, 'cuda': torch.version.cuda}))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     if result.returncode != 0:
@@ -153,7 +154,8 @@ def overrides(args: argparse.Namespace, run: Run) -> list[str]:
         f"model.config={args.model_config}",
         f"data.seq_len={args.seq_len}",
         f"training.micro_batch_size={args.micro_batch_size}",
-        f"training.global_batch_size={args.micro_batch_size * args.num_gpus // args.sequence_parallel}",  # no accumulation
+        # no accumulation
+        f"training.global_batch_size={args.micro_batch_size * args.num_gpus // args.sequence_parallel}",
         f"parallelism.sequence_parallel={args.sequence_parallel}",
         f"training.max_steps={args.steps}",
         f"training.warmup_steps={min(5, args.steps - 1)}",
@@ -337,14 +339,16 @@ def header(args: argparse.Namespace, gpu: dict | None, runs: list[Run]) -> str:
     shape = model_shape(config)
     model_flops, _ = flops_per_token(shape, args.seq_len, False)
     device = (f"{gpu['name']} (compute capability {gpu['capability'][0]}.{gpu['capability'][1]}, "
-              f"{gpu['memory_gib']:.0f} GiB, CUDA {gpu['cuda']})" if gpu else "NO GPU: CPU plumbing smoke, not a measurement")
+              f"{gpu['memory_gib']:.0f} GiB, CUDA {gpu['cuda']})" if gpu
+              else "NO GPU: CPU plumbing smoke, not a measurement")
     peak = args.peak_tflops or (peak_tflops(gpu["name"]) if gpu else None)
     lines = [
-        f"gpu_throughput: {shown(args.model_config)} ({shape.parameters:,} parameters), {len(runs)} run(s) x {args.steps} "
-        f"steps x {args.micro_batch_size} rows x {args.seq_len} tokens, {args.num_gpus} GPU(s), sequence parallelism "
-        f"{args.sequence_parallel}, accumulation 1",
+        f"gpu_throughput: {shown(args.model_config)} ({shape.parameters:,} parameters), {len(runs)} run(s) x "
+        f"{args.steps} steps x {args.micro_batch_size} rows x {args.seq_len} tokens, {args.num_gpus} GPU(s), "
+        f"sequence parallelism {args.sequence_parallel}, accumulation 1",
         f"device: {device}; {versions()}; {datetime.date.today().isoformat()}",
-        f"model FLOPs per token (training/planning/flops.py, 6N + 12 x layers x q_dim x seq_len): {model_flops / 1e9:.2f} GFLOP"
+        "model FLOPs per token (training/planning/flops.py, 6N + 12 x layers x q_dim x seq_len): "
+        f"{model_flops / 1e9:.2f} GFLOP"
         + (f"; dense bf16 peak {peak:,.0f} TFLOP/s, so MFU {TARGET_MFU:.0%} = "
            f"{TARGET_MFU * peak * 1e12 / model_flops:,.0f} tokens/s" if peak else ""),
         f"targets: bf16 MFU >= {TARGET_MFU:.0%}; fp8 tokens/s >= {TARGET_FP8_SPEEDUP}x the bf16 run with the same "

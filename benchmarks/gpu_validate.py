@@ -43,7 +43,8 @@ STAGES = "0,1,2,3,2_offload,3_offload"
 # replaces the list
 # (on an H200: about 45 s for the Trainer's eager run, 120 s for each compiled train.py run with its end-of-run
 # checkpoint, 70 s for the Trainer's compiled run)
-THROUGHPUT_RUNS = ["hf-bf16-noac-zero1", "bf16-noac-zero1-compile", "fp8-noac-zero1-compile", "hf-bf16-noac-zero1-compile"]
+THROUGHPUT_RUNS = ["hf-bf16-noac-zero1", "bf16-noac-zero1-compile", "fp8-noac-zero1-compile",
+                   "hf-bf16-noac-zero1-compile"]
 STAGE_TOLERANCE = 1e-5  # relative, fp32
 PARTS = ("tests", "throughput", "stages", "grpo")
 
@@ -82,8 +83,8 @@ def parts(args: argparse.Namespace) -> list[Part]:
         Part("grpo", args.grpo_budget, [python, "tools/compare.py", "--recipe", "tiny_llama_grpo", "--num-gpus", "1",
                                         "--steps", "2" if args.smoke else str(args.grpo_steps), "--output-dir",
                                         str(out / "grpo"), "model.name_or_path=null", f"model.config={model}",
-                                        f"tokenizer.name_or_path={REPO / 'recipes/tiny_llama/tokenizer'}", "grpo.beta=0",
-                                        *grpo]),
+                                        f"tokenizer.name_or_path={REPO / 'recipes/tiny_llama/tokenizer'}",
+                                        "grpo.beta=0", *grpo]),
     ]
 
 

@@ -1,6 +1,7 @@
 """How much train.py costs over a bare deepspeed.initialize loop: same model, batch and DeepSpeed config.
 
-    python benchmarks/train_overhead.py [--recipe tiny_llama] [--steps 60] [--repeats 2] [--num-gpus 1] [key.path=value ...]
+    python benchmarks/train_overhead.py [--recipe tiny_llama] [--steps 60] [--repeats 2] [--num-gpus 1]
+        [key.path=value ...]
 
 Runs train.py (as it comes, and with its stability guard off) and benchmarks/bare_loop.py through the
 `deepspeed` launcher, taking turns at going first so that drifts in machine speed hit all three, and
@@ -77,8 +78,9 @@ def main() -> None:
                     speeds[name].append(run_bare(recipe.model.config, out / "ds_config.json", rows, args.steps,
                                                  args.num_gpus, Path(tmp) / "bare.json"))
     baseline = statistics.median(speeds["bare loop"])
-    print(f"{args.recipe}: {args.steps} steps x {recipe.training.global_batch_size} rows x {recipe.data.seq_len} tokens, "
-          f"{summary['world_size']} rank(s), ZeRO-{summary['zero_stage']}, {summary['precision']}")
+    print(f"{args.recipe}: {args.steps} steps x {recipe.training.global_batch_size} rows x "
+          f"{recipe.data.seq_len} tokens, {summary['world_size']} rank(s), ZeRO-{summary['zero_stage']}, "
+          f"{summary['precision']}")
     print("| loop | tokens/s per repeat | median tokens/s | vs bare loop |")
     print("|---|---|---|---|")
     for name, values in speeds.items():

@@ -200,7 +200,8 @@ class DataConfig(StrictModel):
     packing: Literal["concat", "bfd", "none"] = "concat"
     long_documents: Literal["split", "truncate", "drop"] = "split"  # for bfd and none; concat splits
     filters: list[FilterConfig] = []  # quality filters, in order, after reading and before deduplication
-    filter_samples: NonNegativeInt = 5  # removed documents kept per filter in removed_samples.jsonl, chosen by a seeded hash
+    # removed documents kept per filter in removed_samples.jsonl, chosen by a seeded hash
+    filter_samples: NonNegativeInt = 5
     dedup: DedupConfig = DedupConfig()
     eval: EvalConfig = EvalConfig()
     seed: int = 1234  # mixture sampling and the evaluation split

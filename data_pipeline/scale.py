@@ -222,7 +222,8 @@ def evaluation_documents(config: DataConfig, work: Layout) -> datasets.Dataset:
                                        "source": [d["metadata"]["source"] for d in held_out]}, features=FEATURES)
 
 
-def pack_rows(tokenized: datasets.Dataset, rows: np.ndarray, config: DataConfig, pad_id: int) -> tuple[dict | None, dict]:
+def pack_rows(tokenized: datasets.Dataset, rows: np.ndarray, config: DataConfig,
+              pad_id: int) -> tuple[dict | None, dict]:
     """prepare.pack on one task's documents; a task with less than one row of tokens writes no rows."""
     tokens = int(tokenized.data.table.column("input_ids").combine_chunks().value_lengths().to_numpy()[rows].sum())
     if tokens < config.seq_len:
@@ -282,7 +283,8 @@ def job_stats(config: DataConfig, work: Layout) -> dict:
         exact = exact_duplicates_found(work("exact_duplicates"), EXACT.hash_config)
         near -= exact
     readers = len(config.sources)
-    read = step_counts(work.logs("filtered")) if config.filters else counts  # the sources' readers, then the empty filter
+    # the sources' readers, then the empty filter
+    read = step_counts(work.logs("filtered")) if config.filters else counts
     stats = {**read_counts(config, read), "exact_duplicates_removed": exact, "near_duplicates_removed": near}
     tasks = [json.loads(p.read_text()) for p in sorted(Path(work("rows")).glob("train-*.json"))]
     for key in ("decontaminated_removed", "no_assistant_reply_skipped", "documents_out", "tokens_in", "tokens_out",
@@ -354,7 +356,8 @@ def stages(config: DataConfig, tokenizer: PreTrainedTokenizerBase, work: Layout,
     if config.dedup.near:
         result += [("minhash_buckets", [MinhashDedupBuckets(work("minhash_signatures"), work("minhash_buckets"),
                                                             config=minhash)], minhash.num_buckets),
-                   ("minhash_clusters", [MinhashDedupCluster(work("minhash_buckets"), work("minhash_remove"), minhash)], 1)]
+                   ("minhash_clusters", [MinhashDedupCluster(work("minhash_buckets"), work("minhash_remove"),
+                                                             minhash)], 1)]
     held_out = partial(is_held_out, fraction=config.eval.fraction, seed=config.seed)
     if config.eval.fraction:
         result.append(("eval_documents", [*deduplicated(config, work), LambdaFilter(held_out),

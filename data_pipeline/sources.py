@@ -16,7 +16,8 @@ from data_pipeline.files import check_lines
 BUILDERS = {".jsonl": ("json", {}), ".json": ("json", {}), ".parquet": ("parquet", {}), ".csv": ("csv", {}),
             ".txt": ("text", {"sample_by": "document"})}
 MESSAGES = datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")})
-FEATURES = datasets.Features({"text": datasets.Value("string"), "messages": MESSAGES, "source": datasets.Value("int32")})
+FEATURES = datasets.Features({"text": datasets.Value("string"), "messages": MESSAGES,
+                              "source": datasets.Value("int32")})
 
 
 def read_source(source: DataSource, streaming: bool = False) -> datasets.Dataset | datasets.IterableDataset:

@@ -31,7 +31,8 @@ from data_pipeline.tokenize import encode_batch
 
 def stream_documents(config: DataConfig, tokenizer: PreTrainedTokenizerBase, dp_rank: int, dp_size: int,
                      seed: int) -> datasets.IterableDataset:
-    """This rank's share of the mixed sources, as one iterable of documents, without those the quality filters remove."""
+    """This rank's share of the mixed sources, as one iterable of documents, without those the quality filters
+    remove."""
     streams = [load_source(source, index, streaming=True) for index, source in enumerate(config.sources)]
     if len(streams) > 1:
         total = sum(s.weight for s in config.sources)

@@ -38,11 +38,13 @@ def encode_batch(batch: dict, tokenizer: PreTrainedTokenizerBase) -> dict:
 
 def tokenize_documents(documents: datasets.Dataset, tokenizer: PreTrainedTokenizerBase,
                        num_proc: int = 1) -> datasets.Dataset:
-    return documents.map(encode_batch, batched=True, num_proc=processes(num_proc), remove_columns=documents.column_names,
-                         features=TOKENIZED, fn_kwargs={"tokenizer": tokenizer}, desc="tokenizing")
+    return documents.map(encode_batch, batched=True, num_proc=processes(num_proc),
+                         remove_columns=documents.column_names, features=TOKENIZED,
+                         fn_kwargs={"tokenizer": tokenizer}, desc="tokenizing")
 
 
-def token_stream(tokenized: datasets.Dataset, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def token_stream(tokenized: datasets.Dataset,
+                 rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The documents' tokens and labels laid end to end, and each document's length, without Python
     loops; `rows` picks (and may repeat) documents. Without a `labels` column, every token is a label."""
     table = tokenized.data.table if rows is None else tokenized.data.table.take(pa.array(rows))

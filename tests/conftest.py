@@ -140,7 +140,8 @@ def save_small_checkpoint(path: Path, **save_options) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     config = AutoConfig.from_pretrained(REPO / "recipes/tiny_llama/config.json", num_hidden_layers=2, hidden_size=64,
-                                        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+                                        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                        head_dim=16)
     torch.manual_seed(7)
     AutoModelForCausalLM.from_config(config).save_pretrained(path, **save_options)
     AutoTokenizer.from_pretrained(REPO / "recipes/tiny_llama/tokenizer").save_pretrained(path)

@@ -93,7 +93,8 @@ def test_an_output_dir_that_is_a_file_is_refused(tmp_path):
 def test_weights_without_config_next_to_a_shipped_config_are_refused(tmp_path):
     save_small_checkpoint(tmp_path / "weights")
     (tmp_path / "weights" / "config.json").unlink()
-    result = run_command("train.py", "--recipe", "tiny_llama", "--dry-run", f"model.name_or_path={tmp_path / 'weights'}")
+    result = run_command("train.py", "--recipe", "tiny_llama", "--dry-run",
+                         f"model.name_or_path={tmp_path / 'weights'}")
     assert_refused(result, "holds weights but no config.json, so they cannot be checked against model.config=")
 
 
@@ -104,7 +105,8 @@ def test_weights_without_config_next_to_a_shipped_config_are_refused(tmp_path):
     (["--stages", "2,3", "parallelism.pipeline_stages=2"], "every cell is refused by train.py's checks"),
 ])
 def test_compare_zero_refuses_bad_input_before_any_launch(args, message, tmp_path):
-    result = run_command("tools/compare_zero.py", "--recipe", "tiny_llama", "--output-dir", str(tmp_path / "out"), *args)
+    result = run_command("tools/compare_zero.py", "--recipe", "tiny_llama", "--output-dir", str(tmp_path / "out"),
+                         *args)
     assert_refused(result, message)
     assert not (tmp_path / "out").exists()
 
@@ -153,7 +155,8 @@ def test_dedup_names_the_bad_line(content, message, tmp_path):
     (["{tmp}/in.jsonl", "{tmp}/out.jsonl", "--threshold", "1.5"], "argument --threshold: must be a similarity above 0"),
     (["{tmp}/in.jsonl", "{tmp}/in.jsonl"], "is the input file; write the result to another file"),
     (["{tmp}/in.jsonl", "{tmp}/kept.jsonl"], "kept.jsonl already exists; choose another OUT, or pass --overwrite"),
-    (["{tmp}/in.jsonl", "{tmp}/out.jsonl", "--num-perm", "100000"], "--num-perm 100000: Input should be less than or equal to 4096"),
+    (["{tmp}/in.jsonl", "{tmp}/out.jsonl", "--num-perm", "100000"],
+     "--num-perm 100000: Input should be less than or equal to 4096"),
 ], ids=["folder as input", "num-proc 0", "threshold above 1", "output over input", "existing output", "num-perm huge"])
 def test_dedup_refuses_bad_arguments(args, message, tmp_path):
     (tmp_path / "in.jsonl").write_text('{"text": "one"}\n{"text": "one"}\n')

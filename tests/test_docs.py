@@ -9,7 +9,9 @@ from tools.refresh_plans import markdown_files, refreshed, refreshed_plan, store
 def test_quoted_plans_are_what_their_commands_print(monkeypatch):
     monkeypatch.chdir(REPO)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    stale = [str(path.relative_to(REPO)) for path in markdown_files() if refreshed(path.read_text()) != path.read_text()]
-    stale += [str(path.relative_to(REPO)) for path in stored_plans() if refreshed_plan(path.read_text()) != path.read_text()]
+    stale = [str(path.relative_to(REPO)) for path in markdown_files()
+             if refreshed(path.read_text()) != path.read_text()]
+    stale += [str(path.relative_to(REPO)) for path in stored_plans()
+              if refreshed_plan(path.read_text()) != path.read_text()]
     assert not stale, f"quoted plans differ from their commands' output in {stale}: run python tools/refresh_plans.py"
 

@@ -171,9 +171,11 @@ def runs(tmp_path_factory) -> dict:
     for name, pairs in (("train", PAIRS[:8]), ("eval", PAIRS[8:])):
         (folder / f"{name}.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
     common = ["--recipe", "tiny_llama_dpo", f"model.name_or_path={folder / 'base'}",
-              f"data.sources=[{{path: {folder / 'train.jsonl'}}}]", f"data.eval.sources=[{{path: {folder / 'eval.jsonl'}}}]",
+              f"data.sources=[{{path: {folder / 'train.jsonl'}}}]",
+              f"data.eval.sources=[{{path: {folder / 'eval.jsonl'}}}]",
               "data.eval.fraction=0", f"data.cache_dir={folder / 'cache'}", "training.micro_batch_size=2",
-              "training.global_batch_size=8", f"training.lr={LR}", "training.schedule=constant", "training.warmup_steps=0",
+              "training.global_batch_size=8", f"training.lr={LR}", "training.schedule=constant",
+              "training.warmup_steps=0",
               "training.grad_clip=0", "training.eval_every_steps=2", "logging.every_steps=1", "precision=fp32",
               "logging.report_to=[]"]
     whole, killed, resumed, lora, synced, synced_resumed = (folder / name for name in (

@@ -120,7 +120,8 @@ def test_the_export_loads_as_the_original_model_with_the_engines_logits(runs, ru
 def test_the_checkpoint_exports_as_the_hf_folder(runs, tmp_path):
     from training.__main__ import main
     assert main(["export", str(runs["ep"] / "checkpoints"), str(tmp_path / "out")]) == 0
-    exported, final = load_file(tmp_path / "out" / "model.safetensors"), load_file(runs["ep"] / "hf" / "model.safetensors")
+    exported, final = (load_file(tmp_path / "out" / "model.safetensors"),
+                       load_file(runs["ep"] / "hf" / "model.safetensors"))
     assert exported.keys() == final.keys()
     for name, tensor in final.items():
         torch.testing.assert_close(exported[name], tensor, rtol=0, atol=0)

@@ -47,7 +47,8 @@ def runs(base, tmp_path_factory, data_cache):
     """Output folders of train.py LoRA runs by ZeRO config; zero3 was killed at step 4 and resumed."""
     args = ["--recipe", "tiny_llama_sft", f"model.name_or_path={base}", data_cache, "precision=fp32",
             "lora.enabled=true", "lora.rank=4", f"training.max_steps={STEPS}", "training.warmup_steps=1",
-            "training.lr=1e-2", "checkpointing.every_steps=2", "logging.every_steps=1", "training.eval_every_steps=null"]
+            "training.lr=1e-2", "checkpointing.every_steps=2", "logging.every_steps=1",
+            "training.eval_every_steps=null"]
     outputs = {}
     for ds_config in ("zero1", "zero3"):
         out = outputs[ds_config] = tmp_path_factory.mktemp(ds_config)

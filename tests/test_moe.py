@@ -46,7 +46,8 @@ def runs(base, tmp_path_factory, data_cache):
     by_rank = ["--record-routing", "--route-by-rank"]
     for name, more in (("zero1", ["deepspeed.config=zero1", *by_rank]),
                        ("zero3", ["deepspeed.config=zero3", "--record-logits", *by_rank]),
-                       ("no router loss", ["deepspeed.config=zero1", "moe.aux_loss_coef=0", "training.max_steps=1", *by_rank]),
+                       ("no router loss", ["deepspeed.config=zero1", "moe.aux_loss_coef=0", "training.max_steps=1",
+                                           *by_rank]),
                        *((f"lora {zero}", [f"deepspeed.config={zero}", "lora.enabled=true", "lora.rank=4",
                                            "training.lr=1e-2", *by_rank]) for zero in ("zero1", "zero3"))):
         out = outputs[name] = tmp_path_factory.mktemp(name.replace(" ", "_"))

@@ -50,7 +50,8 @@ RUNS = {  # name: (model, ranks, sequence_parallel, ds_config); " tp2": tensor_p
 OFFLOADED_CHECKPOINTS = {"llama sp2 zero3", "llama tp2 zero3"}
 
 
-def run_args(model: str, sequence_parallel: int, ds_config: str, data_cache: str, tensor_parallel: int = 1) -> list[str]:
+def run_args(model: str, sequence_parallel: int, ds_config: str, data_cache: str,
+             tensor_parallel: int = 1) -> list[str]:
     return ["--recipe", "tiny_llama", *MODELS[model], data_cache, *EVAL, "precision=fp32",
             f"training.max_steps={STEPS}", "checkpointing.every_steps=2", "logging.every_steps=1",
             f"deepspeed.config={ds_config}", f"parallelism.sequence_parallel={sequence_parallel}",

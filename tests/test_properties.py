@@ -54,7 +54,8 @@ KEYS = key_paths(Recipe) + ["model.config_overrides.num_hidden_layers", "model.c
                             "deepspeed.overrides.zero_optimization.stage", "deepspeed.overrides.fp16",
                             "deepspeed.overrides.optimizer.type", "data.sources", "no.such.key", "training..lr", ""]
 TRICKY = ["[0.9,", "{a: 1", "'", "", "null", "~", ".nan", ".inf", "-.inf", "[]", "{}", "0", "-1", "1e400", "0x10",
-          "true", "[{path: missing.jsonl}]", "../../etc", "/dev/null", "\x00", "ü", "- a\n- b", "!!python/object:os.system"]
+          "true", "[{path: missing.jsonl}]", "../../etc", "/dev/null", "\x00", "ü", "- a\n- b",
+          "!!python/object:os.system"]
 VALUES = st.one_of(st.sampled_from(TRICKY), st.integers(-2**40, 2**40).map(str),
                    st.floats(allow_nan=True, allow_infinity=True).map(repr), st.text(max_size=12),
                    st.lists(st.integers(-3, 3), max_size=3).map(json.dumps))
@@ -113,7 +114,8 @@ def test_train_py(workplace, monkeypatch, capsys, earlier_run, overrides, option
     untouched(before)
 
 
-INPUTS = ["run/checkpoints", "run/checkpoints/global_step4", "data/in.jsonl", str(REPO / "recipes/tiny_llama/tokenizer")]
+INPUTS = ["run/checkpoints", "run/checkpoints/global_step4", "data/in.jsonl",
+          str(REPO / "recipes/tiny_llama/tokenizer")]
 PATHS = st.one_of(  # outputs (and some inputs) inside, beside and above the inputs
     st.sampled_from(["in.jsonl", "missing.jsonl", ".", "..", "run", "run/metrics.jsonl", "/dev/null", "out.jsonl",
                      "new/out", "run/out", "run/checkpoints/out", "run/checkpoints/global_step4/hf", "data",
@@ -194,7 +196,8 @@ def test_compare(workplace, monkeypatch, capsys, overrides, varied, output, flag
     state, untouched = workplace
     before = state()
     monkeypatch.setattr(compare, "run_cell", stop_here)
-    monkeypatch.setattr(compare, "OUTPUT_ROOT", Path.cwd() / "outputs")  # the default output folder: in the test's folder
+    # the default output folder: in the test's folder
+    monkeypatch.setattr(compare, "OUTPUT_ROOT", Path.cwd() / "outputs")
     argv = ["--recipe", "tiny_llama", *[x for v in varied for x in ("--vary", v)], *flags,
             *(["--output-dir", output] if output else []), *[x for pair in numbers for x in pair], *overrides]
     check(exit_status(compare.main, argv), capsys)
@@ -203,7 +206,8 @@ def test_compare(workplace, monkeypatch, capsys, overrides, varied, output, flag
 
 @pytest.mark.slow
 @SETTINGS
-@given(overrides=OVERRIDES, numbers=st.lists(st.tuples(st.sampled_from(["--num-gpus", "--steps"]), NUMBERS), max_size=2),
+@given(overrides=OVERRIDES,
+       numbers=st.lists(st.tuples(st.sampled_from(["--num-gpus", "--steps"]), NUMBERS), max_size=2),
        stages=st.sampled_from([[], ["--stages", "0,1"], ["--stages", "4"], ["--stages", ""]]), output=PATHS)
 def test_compare_zero(workplace, monkeypatch, capsys, overrides, numbers, stages, output):
     state, untouched = workplace

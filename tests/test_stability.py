@@ -29,7 +29,8 @@ RUNS = {  # name: (probe spec, ds_config, more overrides)
     "nonfinite on rank 1, ZeRO-2": (f"nonfinite:{POISONED}:1", "zero2", []),
     "nonfinite on rank 1, ZeRO-0": (f"nonfinite:{POISONED}:1", "zero0", []),
     "spike, ZeRO-3": (f"spike:{POISONED}", "zero3", []),
-    "spike, ZeRO-3, rewind": (f"spike:{POISONED + 1}", "zero3", ["stability.policy=rewind", "checkpointing.every_steps=4"]),
+    "spike, ZeRO-3, rewind": (f"spike:{POISONED + 1}", "zero3",
+                              ["stability.policy=rewind", "checkpointing.every_steps=4"]),
     "nonfinite, ZeRO-0, guard off": (f"nonfinite:{POISONED}:1", "zero0", ["stability.enabled=false"]),
     "spike, ZeRO-2, guard off": (f"spike:{POISONED}", "zero2", ["stability.enabled=false"]),
     "3 nonfinite in a row, ZeRO-2": (f"nonfinite:{POISONED},{POISONED + 1},{POISONED + 2}:1", "zero2",
@@ -63,8 +64,11 @@ def runs(tmp_path_factory, data_cache) -> dict:
     return results
 
 
-@pytest.mark.parametrize("name, tolerance", [("nonfinite on rank 1, ZeRO-2", 1e-6), ("nonfinite on rank 1, ZeRO-0", 1e-6),
-                                             ("spike, ZeRO-3", 1e-5)])
+@pytest.mark.parametrize("name, tolerance", [
+    ("nonfinite on rank 1, ZeRO-2", 1e-6),
+    ("nonfinite on rank 1, ZeRO-0", 1e-6),
+    ("spike, ZeRO-3", 1e-5),
+])
 def test_a_skipped_batch_is_the_only_difference(runs, name, tolerance):
     out, result = runs[name]
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]

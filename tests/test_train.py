@@ -26,14 +26,18 @@ def no_model_building(monkeypatch):
 
 @pytest.mark.parametrize("args, message", [
     (["--recipe", "tiny_lama"], "unknown recipe 'tiny_lama'.*Available recipes: .*tiny_llama"),
-    (["--recipe", "tiny_llama", "training.micro_batch=4"], "training.micro_batch: unknown key; did you mean 'micro_batch_size'"),
+    (["--recipe", "tiny_llama", "training.micro_batch=4"],
+     "training.micro_batch: unknown key; did you mean 'micro_batch_size'"),
     (["--recipe", "tiny_llama", "deepspeed.config=zero4"], "no DeepSpeed config 'zero4'.*Available: zero0"),
-    (["--recipe", "tiny_llama", "data.seq_len=4096"], "data.seq_len=4096 is longer than the model's max_position_embeddings=1024"),
+    (["--recipe", "tiny_llama", "data.seq_len=4096"],
+     "data.seq_len=4096 is longer than the model's max_position_embeddings=1024"),
     (["--recipe", "tiny_llama", "training.global_batch_size=12"], r"global_batch_size=12 is not a multiple of .* = 8"),
     (["--recipe", "tiny_llama", "training.lr=.inf"], "training.lr: Input should be a finite number"),
-    (["--recipe", "tiny_llama", "deepspeed.overrides.gradient_clipping=.nan"], "deepspeed.overrides: nan is not a finite"),
+    (["--recipe", "tiny_llama", "deepspeed.overrides.gradient_clipping=.nan"],
+     "deepspeed.overrides: nan is not a finite"),
     (["--recipe", "tiny_llama", "deepspeed.config=auto", "parallelism.tensor_parallel=2"],
-     "deepspeed.config=auto with parallelism.tensor_parallel=2: the plan is for 1 GPU.* choose parallelism.tensor_parallel"),
+     "deepspeed.config=auto with parallelism.tensor_parallel=2: the plan is for 1 GPU.* "
+     "choose parallelism.tensor_parallel"),
     (["--recipe", "tiny_llama", "deepspeed.config=zero3",
       "deepspeed.overrides={zero_optimization: {offload_optimizer: {device: nvme}}}"],
      "zero_optimization.offload_optimizer.device=nvme needs nvme_path"),
@@ -149,7 +153,8 @@ def test_single_process_run_writes_the_documented_outputs(tmp_path, data_cache):
         assert record["tokens_per_s"] > 0 and record["peak_mem_bytes"] > 0 and record["grad_norm"] > 0
     assert records[-1]["loss"] < records[0]["loss"]
     summary = json.loads((out / "summary.json").read_text())
-    assert (summary["recipe"], summary["world_size"], summary["zero_stage"], summary["precision"]) == ("tiny_llama", 1, 1, "fp32")
+    assert ((summary["recipe"], summary["world_size"], summary["zero_stage"], summary["precision"])
+            == ("tiny_llama", 1, 1, "fp32"))
     assert summary["final_loss"] == records[-1]["loss"] and summary["steps"] == 6
     assert summary["device"] == "cpu" and "tflops" not in summary and "tflops" not in records[-1]  # GPU only
     # weights + gradients + AdamW moments of the 2-layer model, fp32, measured at the second step (+ small tensors)
@@ -246,8 +251,8 @@ def test_loss_is_the_token_mean_of_the_whole_global_batch(one_rank):
     all 63 tokens, not the mean of the two micro-batch means."""
     import deepspeed
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, use_cache=False)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, use_cache=False)
     model = LlamaForCausalLM(config)
     input_ids = torch.randint(0, 64, (2, 2, 31))
     labels = input_ids.clone()
@@ -258,7 +263,8 @@ def test_loss_is_the_token_mean_of_the_whole_global_batch(one_rank):
     reference = LlamaForCausalLM(config)
     reference.load_state_dict(model.state_dict())
     token_losses = [F.cross_entropy(reference(input_ids=b["input_ids"]).logits[:, :-1].reshape(-1, 64),
-                                    b["labels"][:, 1:].reshape(-1), ignore_index=-100, reduction="none") for b in micro_batches]
+                                    b["labels"][:, 1:].reshape(-1), ignore_index=-100, reduction="none")
+                    for b in micro_batches]
     targets = [(b["labels"][:, 1:] != -100).sum() for b in micro_batches]
     assert [int(t) for t in targets] == [3, 60]
     global_mean = sum(t.sum() for t in token_losses) / sum(targets)
@@ -286,7 +292,8 @@ def save_tiny_checkpoint(path, **config_overrides) -> None:
 @pytest.mark.parametrize("problem, message", [
     ("no weights", "holds no weights .*model.safetensors"),
     ("missing folder", "model.name_or_path: no folder .*train or download the checkpoint first"),
-    ("small vocabulary", "the tokenizer .* has 4096 tokens but the model's vocab_size is 1000; use the model's own tokenizer"),
+    ("small vocabulary",
+     "the tokenizer .* has 4096 tokens but the model's vocab_size is 1000; use the model's own tokenizer"),
     ("truncated weights", "model.safetensors cannot be read .*: the checkpoint is damaged or incomplete"),
 ])
 def test_bad_checkpoint_exits_2_before_anything_is_built(problem, message, no_model_building, capsys, tmp_path):
@@ -298,7 +305,8 @@ def test_bad_checkpoint_exits_2_before_anything_is_built(problem, message, no_mo
         weights = checkpoint / "model.safetensors"
         weights.write_bytes(weights.read_bytes()[:50_000])
     name = "./not/there" if problem == "missing folder" else str(checkpoint)
-    args = ["--recipe", "tiny_llama", "model.config=null", f"model.name_or_path={name}", "--output-dir", str(tmp_path / "out")]
+    args = ["--recipe", "tiny_llama", "model.config=null", f"model.name_or_path={name}", "--output-dir",
+            str(tmp_path / "out")]
     assert train.main(args) == 2
     assert re.search(message, capsys.readouterr().err)
 
@@ -373,8 +381,9 @@ def test_lora_adapters_resume_only_on_the_base_they_were_trained_on(earlier_run,
     save_small_checkpoint(base)
     tag = earlier_run / "checkpoints" / "global_step4"
     run_state_of(tag, lora=True, base_model={"name_or_path": str(base), "digest": weights_digest(str(base))})
-    args = ["--recipe", "tiny_llama", "--output-dir", str(earlier_run), "--resume", "precision=fp32", "model.config=null",
-            f"model.name_or_path={base}", "lora.enabled=true", "training.max_steps=8", "deepspeed.config=zero1"]
+    args = ["--recipe", "tiny_llama", "--output-dir", str(earlier_run), "--resume", "precision=fp32",
+            "model.config=null", f"model.name_or_path={base}", "lora.enabled=true", "training.max_steps=8",
+            "deepspeed.config=zero1"]
     assert train.main([*args, "--dry-run"]) == 0  # the same base: the checks pass
     capsys.readouterr()
     save_small_checkpoint(base, max_shard_size="300KB")  # other files: as if the base were retrained in place
@@ -402,7 +411,8 @@ def test_a_sequence_parallel_checkpoint_resumes_in_another_layout_through_a_univ
 
 
 @pytest.mark.parametrize("overrides, world_size, message", [
-    (["parallelism.pipeline_stages=2", "deepspeed.config=zero2"], 2, "DeepSpeed's pipeline engine supports ZeRO 0 and 1 only"),
+    (["parallelism.pipeline_stages=2", "deepspeed.config=zero2"], 2,
+     "DeepSpeed's pipeline engine supports ZeRO 0 and 1 only"),
     (["parallelism.pipeline_stages=8", "deepspeed.config=zero1", "training.micro_batch_size=2"], 8,
      "pipeline_stages=8 is more than the model's 4 decoder layers"),
     (["parallelism.pipeline_stages=2"], 3, "pipeline_stages=2 does not divide the 3 rank"),
@@ -420,7 +430,8 @@ def test_pipeline_of_an_unsupported_family_lists_the_supported_ones(no_model_bui
     args = ["--recipe", "tiny_llama", f"model.config={tmp_path / 'config.json'}", "parallelism.pipeline_stages=2",
             "data.seq_len=128", "--output-dir", str(tmp_path / "out")]
     assert train.main(args) == 2
-    assert "gpt2 models are not supported; pipeline parallelism supports llama, mistral, qwen2, qwen3" in capsys.readouterr().err
+    assert ("gpt2 models are not supported; pipeline parallelism supports llama, mistral, qwen2, qwen3"
+            in capsys.readouterr().err)
 
 
 def test_shipped_config_and_local_checkpoint_of_another_shape(tmp_path, capsys):

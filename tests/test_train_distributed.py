@@ -24,7 +24,8 @@ TOLERANCE = {"fp32": 1e-4, "bf16": 2e-3}
 # gradients, which fp32 ZeRO-2 covers); left out to keep CI within its time
 STAGES = {"fp32": (0, 1, 2, 3), "bf16": (0, 1, 3)}
 RUNS = [(precision, f"zero{stage}", 2) for precision, stages in STAGES.items() for stage in stages] + [
-    ("fp32", "zero2_offload", 2), ("fp32", "zero3_offload", 2), ("fp32", "zero1", 1), ("fp32", "zero3+checkpointing", 2)]
+    ("fp32", "zero2_offload", 2), ("fp32", "zero3_offload", 2), ("fp32", "zero1", 1),
+    ("fp32", "zero3+checkpointing", 2)]
 
 
 def loss_curve(out) -> list[float]:
@@ -120,7 +121,8 @@ def test_planned_checkpoint_size_is_what_deepspeed_writes(curves, precision, sta
     from training.planning.checkpoint_size import checkpoint_bytes
     from training.planning.shape import model_shape
     config = AutoConfig.from_pretrained("recipes/tiny_llama/config.json", num_hidden_layers=2, hidden_size=64,
-                                        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+                                        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                        head_dim=16)
     planned = checkpoint_bytes(model_shape(config).parameters, stage, 2, precision)
     files = curves["checkpoint", precision, f"zero{stage}", 2]
     rank_0 = sum(size for name, size in files.items() if "rank_1" not in name)

@@ -82,7 +82,8 @@ def finetuned(sft_args, tmp_path_factory):
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])
 def test_first_step_loss_equals_the_checkpoints_loss_in_transformers(finetuned, stage, sft_args, checkpoint):
     recipe, data = prepared(sft_args)
-    batch = StepBatches(data["train"], recipe.training.global_batch_size, 1, 0, 1, recipe.training.seed).micro_batches(0)[0]
+    batch = StepBatches(data["train"], recipe.training.global_batch_size, 1, 0, 1,
+                        recipe.training.seed).micro_batches(0)[0]
     with torch.no_grad():
         loss_sum, targets = summed_loss(AutoModelForCausalLM.from_pretrained(checkpoint), batch)
     assert records(finetuned[stage])[0]["loss"] == pytest.approx(loss_sum / targets, abs=1e-5)
@@ -104,8 +105,8 @@ def test_exported_folder_gives_the_engines_logits(finetuned, stage):
 def test_export_command_and_deepspeeds_zero_to_fp32_give_the_same_weights(finetuned, stage, tmp_path):
     out = finetuned[stage]
     hf = load_file(out / "hf" / "model.safetensors")
-    result = subprocess.run([sys.executable, "-m", "training", "export", str(out / "checkpoints"), str(tmp_path / "export")],
-                            cwd=REPO, capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "training", "export", str(out / "checkpoints"),
+                             str(tmp_path / "export")], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     exported = load_file(tmp_path / "export" / "model.safetensors")
     script = subprocess.run([sys.executable, str(out / "checkpoints" / "zero_to_fp32.py"), str(out / "checkpoints"),

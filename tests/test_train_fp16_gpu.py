@@ -16,8 +16,9 @@ import torch
 
 from tests.conftest import SMALL_MODEL, run_train
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                   reason="fp16 needs an NVIDIA GPU; torch.cuda.is_available() is False")]
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not torch.cuda.is_available(),
+                                 reason="fp16 needs an NVIDIA GPU; torch.cuda.is_available() is False")]
 
 FP16_BLOCK = ("deepspeed.overrides={fp16: {initial_scale_power: 24, hysteresis: 2, loss_scale_window: 2, "
               "min_loss_scale: 1}}")

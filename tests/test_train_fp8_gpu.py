@@ -83,7 +83,8 @@ def test_fp8_loss_curve_tracks_bf16(bf16_and_fp8):
     assert fp8_loss != bf16_loss, "the fp8 run gave bf16's losses exactly: were its matmuls FP8?"
     assert fp8_loss[-1] < fp8_loss[0] - 2  # it learns
     diffs = [abs(a - b) for a, b in zip(fp8_loss[-LAST_LOGGED:], bf16_loss[-LAST_LOGGED:])]
-    assert sum(diffs) / len(diffs) < MEAN_ABS_DIFF, f"mean |diff| over the last {LAST_LOGGED} steps: {sum(diffs) / len(diffs):.4f}"
+    assert sum(diffs) / len(diffs) < MEAN_ABS_DIFF, (f"mean |diff| over the last {LAST_LOGGED} steps: "
+                                                     f"{sum(diffs) / len(diffs):.4f}")
     assert abs(fp8_loss[-1] - bf16_loss[-1]) < FINAL_REL_DIFF * bf16_loss[-1], (fp8_loss[-1], bf16_loss[-1])
 
 

@@ -50,7 +50,8 @@ def runs(tmp_path_factory, data_cache, checkpoint) -> dict:
             ("tied", 2, [TIED], 2), ("untied", "4 ranks", [SMALL_MODEL], 4),
             ("untied", "checkpointing", [SMALL_MODEL, "activation_checkpointing=true"], 2),
             ("untied", "zero0", [SMALL_MODEL, "deepspeed.config=zero0"], 2),
-            ("checkpoint", 1, ["model.config=null", from_checkpoint], 2), ("checkpoint", 2, ["model.config=null", from_checkpoint], 2)]
+            ("checkpoint", 1, ["model.config=null", from_checkpoint], 2),
+            ("checkpoint", 2, ["model.config=null", from_checkpoint], 2)]
     results = {}
     for name, variant, overrides, ranks in plan:
         out = tmp_path_factory.mktemp(f"{name}_{variant}".replace(" ", "_"))

@@ -31,7 +31,8 @@ def test_qlora_trains_under_zero3_and_exports_the_adapter(tmp_path, data_cache):
     result = run_train(["--recipe", "tiny_llama_sft", "--output-dir", str(out), f"model.name_or_path={base}",
                         data_cache, "lora.enabled=true", "lora.quantize=nf4", "precision=bf16",
                         "deepspeed.config=zero3", "training.max_steps=6", "training.lr=1e-2",
-                        "logging.every_steps=1", "--record-logits"], ranks=1, script="tests/helpers/train_with_probes.py")
+                        "logging.every_steps=1", "--record-logits"], ranks=1,
+                       script="tests/helpers/train_with_probes.py")
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(map(math.isfinite, losses)) and losses[-1] < losses[0]
@@ -41,5 +42,6 @@ def test_qlora_trains_under_zero3_and_exports_the_adapter(tmp_path, data_cache):
     assert any(type(m).__name__ == "Linear4bit" for m in model.modules())
     adapted = PeftModel.from_pretrained(model, out / "adapter").eval()
     with torch.no_grad():
-        logits = adapted(**{k: recorded[k].cuda() for k in ("input_ids", "position_ids")}, use_cache=False).logits.float().cpu()
+        logits = adapted(**{k: recorded[k].cuda() for k in ("input_ids", "position_ids")},
+                         use_cache=False).logits.float().cpu()
     torch.testing.assert_close(logits, recorded["logits"].float(), atol=2e-2, rtol=2e-2)

@@ -20,7 +20,8 @@ def test_a_run_after_other_runs_in_the_pool_computes_what_a_fresh_launch_compute
     common = ["--recipe", "tiny_llama", SMALL_MODEL, data_cache, "training.max_steps=3", "logging.every_steps=1",
               "deepspeed.config=zero3", "precision=fp32"]
     probed = ["--insert-poisoned-batches", "spike:1", "--record-logits"]
-    runs = {"probed warm": (probed, common, False), "sp warm": ([], [*common, "parallelism.sequence_parallel=2"], False),
+    runs = {"probed warm": (probed, common, False),
+            "sp warm": ([], [*common, "parallelism.sequence_parallel=2"], False),
             "plain warm": ([], common, False), "probed launched": (probed, common, True),
             "plain launched": ([], common, True)}
     for name, (probes, args, launch) in runs.items():

@@ -35,7 +35,8 @@ def markdown_files() -> list[Path]:
 def stored_plans() -> list[Path]:
     """Plan files: a `$ python train.py ... --dry-run` line, then what it printed."""
     return sorted(path for path in [*REPO.glob("recipes/*/measured/*.txt"), *REPO.glob("benchmarks/results/**/*.txt")]
-                  if path.read_text().startswith("$ python train.py") and "--dry-run" in path.read_text().split("\n")[0])
+                  if path.read_text().startswith("$ python train.py")
+                  and "--dry-run" in path.read_text().split("\n")[0])
 
 
 def plan_output(command: str) -> str:

@@ -18,8 +18,10 @@ from training.state.universal import convert
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m training")
     commands = parser.add_subparsers(dest="command", required=True)
-    export = commands.add_parser("export", help="a saved checkpoint to a Hugging Face folder (from_pretrained loads it)")
-    export.add_argument("checkpoint", type=Path, help="a run's checkpoints/ folder (its latest) or one global_stepN/ in it")
+    export = commands.add_parser("export",
+                                 help="a saved checkpoint to a Hugging Face folder (from_pretrained loads it)")
+    export.add_argument("checkpoint", type=Path,
+                        help="a run's checkpoints/ folder (its latest) or one global_stepN/ in it")
     export.add_argument("out_dir", type=Path)
     export.add_argument("--dtype", choices=DTYPES, help="default: the run's precision")
     export.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists (once the export is "

@@ -59,7 +59,8 @@ def test_a_stage_whose_losses_depart_from_zero0_is_named(tmp_path):
 
 @pytest.mark.slow
 def test_a_part_past_its_budget_is_stopped_and_recorded(tmp_path):
-    part = gpu_validate.Part("tests", 1, [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"])
+    part = gpu_validate.Part("tests", 1, [sys.executable, "-c",
+                                          "import time; print('started', flush=True); time.sleep(60)"])
     gpu_validate.run_part(part, 1.0, tmp_path / "tests.log")
     assert part.status == "stopped at its budget (1 s)" and part.seconds < 30
     assert "started" in (tmp_path / "tests.log").read_text()

@@ -46,9 +46,12 @@ def edit(text: str, rng: random.Random, rate: float) -> str:
     for _ in range(max(1, int(rate * len(words)))):
         i = rng.randrange(len(words))
         match rng.randrange(3):
-            case 0: words[i] = "replaced"
-            case 1: del words[i]
-            case 2: words.insert(i, "inserted")
+            case 0:
+                words[i] = "replaced"
+            case 1:
+                del words[i]
+            case 2:
+                words.insert(i, "inserted")
     return " ".join(words)
 
 

@@ -61,11 +61,14 @@ def test_each_filter_removes_its_planted_junk_and_keeps_the_prose(corpus, kind):
 def test_the_warm_tokenizers_change_no_verdict(corpus):
     """FineWeb's chain decides the same with spaCy kept warm (training/compat/datatrove.py) as datatrove alone does."""
     kinds = ["length", "gopher_repetition", "gopher_quality", "c4", "fineweb_quality"]
-    texts = corpus["texts"] + [json.loads(line)["text"] for line in (RECIPES_DIR / "tiny_llama/corpus.jsonl").open()][:20]
-    verdicts = [FilterChain([(kind, check_parameters(kind, {})) for kind in kinds], TOKENIZER, warm)(texts, [True] * len(texts))
+    texts = corpus["texts"] + [json.loads(line)["text"]
+                               for line in (RECIPES_DIR / "tiny_llama/corpus.jsonl").open()][:20]
+    verdicts = [FilterChain([(kind, check_parameters(kind, {})) for kind in kinds], TOKENIZER, warm)(
+                    texts, [True] * len(texts))
                 for warm in (True, False)]
     assert verdicts[0] == verdicts[1]
-    assert set(verdicts[0]["removed_by"]) >= {-1, 0, 1, 2, 3}  # the first four removed something (C4 left the fifth none)
+    # the first four removed something (C4 left the fifth none)
+    assert set(verdicts[0]["removed_by"]) >= {-1, 0, 1, 2, 3}
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +93,8 @@ def test_prepare_counts_the_documents_and_tokens_each_filter_removed(corpus, pre
     # every token of the input is either removed by a filter (whole documents, or the lines C4 cut) or trained on
     special = len(TOKENIZER("a")["input_ids"]) - len(TOKENIZER("a", add_special_tokens=False)["input_ids"]) + 1  # + EOS
     tokens = sum(len(ids) for ids in TOKENIZER(texts, add_special_tokens=False)["input_ids"])
-    assert sum(f["tokens_removed"] for f in stats["filters"]) + stats["tokens_in"] - special * stats["documents_out"] == tokens
+    assert (sum(f["tokens_removed"] for f in stats["filters"]) + stats["tokens_in"]
+            - special * stats["documents_out"] == tokens)
     assert stats["filters"][1]["documents_edited"] > 0  # C4 drops lines without terminal punctuation from kept ones
 
 
@@ -138,7 +142,8 @@ def save_classifier(path: Path, labels: int) -> Path:
     config = LlamaConfig(vocab_size=len(TOKENIZER), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=2, num_labels=labels,
                          pad_token_id=TOKENIZER.pad_token_id,
-                         id2label={i: name for i, name in enumerate(["bad", "fair", "good"][:labels])} if labels > 1 else None)
+                         id2label={i: name for i, name in enumerate(["bad", "fair", "good"][:labels])}
+                         if labels > 1 else None)
     LlamaForSequenceClassification(config).save_pretrained(path)
     TOKENIZER.save_pretrained(path)
     return path
@@ -154,8 +159,9 @@ def direct_scores(model_path: Path, texts: list[str], label: int | None = None) 
     """The model's score of each text alone, unpadded."""
     model = LlamaForSequenceClassification.from_pretrained(model_path).eval()
     with torch.inference_mode():
-        logits = [model(**TOKENIZER(text, truncation=True, max_length=64, return_tensors="pt")).logits[0] for text in texts]
-    return np.array([float(l[0]) if label is None else float(l.softmax(-1)[label]) for l in logits])
+        logits = [model(**TOKENIZER(text, truncation=True, max_length=64, return_tensors="pt")).logits[0]
+                  for text in texts]
+    return np.array([float(logit[0]) if label is None else float(logit.softmax(-1)[label]) for logit in logits])
 
 
 def test_the_classifier_keeps_what_its_scores_pass_scored_in_batches(corpus, classifier):

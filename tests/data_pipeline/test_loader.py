@@ -10,7 +10,8 @@ from data_pipeline.prepare import rows_to_dataset
 def numbered_rows(n: int, seq_len: int = 4) -> datasets.Dataset:
     """Row i holds the token i everywhere, so a batch shows which rows it took."""
     ids = np.repeat(np.arange(n, dtype=np.int32)[:, None], seq_len, axis=1)
-    return rows_to_dataset({"input_ids": ids, "labels": ids, "position_ids": np.tile(np.arange(seq_len, dtype=np.int32), (n, 1)),
+    return rows_to_dataset({"input_ids": ids, "labels": ids,
+                            "position_ids": np.tile(np.arange(seq_len, dtype=np.int32), (n, 1)),
                             "length": np.full(n, seq_len, dtype=np.int32)}, fingerprint=f"numbered-{n}")
 
 
@@ -31,13 +32,15 @@ def test_global_batch_is_the_same_for_any_number_of_ranks():
 def test_an_epoch_visits_each_row_at_most_once_and_epochs_reshuffle():
     batches = StepBatches(numbered_rows(50), 2, 2, 0, 2, seed=7)  # global batch 8 of 50 rows: 6 steps an epoch
     assert batches.steps_per_epoch == 6
-    epoch0 = [r for step in range(6) for rank in range(2) for r in rows_seen(StepBatches(numbered_rows(50), 2, 2, rank, 2, 7), step)]
+    epoch0 = [r for step in range(6) for rank in range(2)
+              for r in rows_seen(StepBatches(numbered_rows(50), 2, 2, rank, 2, 7), step)]
     assert len(epoch0) == len(set(epoch0)) == 48
     assert rows_seen(batches, 6) != rows_seen(batches, 0)
 
 
 def test_same_seed_same_batches_and_a_fresh_loader_resumes_at_any_step():
-    first, second = StepBatches(numbered_rows(50), 2, 2, 1, 2, seed=3), StepBatches(numbered_rows(50), 2, 2, 1, 2, seed=3)
+    first, second = (StepBatches(numbered_rows(50), 2, 2, 1, 2, seed=3),
+                     StepBatches(numbered_rows(50), 2, 2, 1, 2, seed=3))
     assert [rows_seen(first, s) for s in range(10)] == [rows_seen(second, s) for s in (range(10))]
     assert rows_seen(StepBatches(numbered_rows(50), 2, 2, 1, 2, seed=4), 0) != rows_seen(first, 0)
 
@@ -69,8 +72,13 @@ def test_fewer_rows_than_one_global_batch():
         StepBatches(numbered_rows(5), 2, 2, 0, 2, seed=0)
 
 
-@pytest.mark.parametrize("rows, micro, ranks, max_rows", [(10, 3, 1, None), (10, 3, 2, None), (7, 2, 4, None), (1, 2, 2, None),
-                                                           (10, 3, 2, 5)])
+@pytest.mark.parametrize("rows, micro, ranks, max_rows", [
+    (10, 3, 1, None),
+    (10, 3, 2, None),
+    (7, 2, 4, None),
+    (1, 2, 2, None),
+    (10, 3, 2, 5),
+])
 def test_evaluation_visits_every_row_once_with_equal_batches_per_rank(rows, micro, ranks, max_rows):
     """Ranks run the same number of micro-batches; filler rows take no loss."""
     data = numbered_rows(rows)
@@ -80,5 +88,6 @@ def test_evaluation_visits_every_row_once_with_equal_batches_per_rank(rows, micr
     for batches in per_rank:
         for batch in batches:
             assert batch["input_ids"].shape == (micro, 4)
-            counted += [int(row[0]) for row, labels in zip(batch["input_ids"], batch["labels"]) if (labels != -100).any()]
+            counted += [int(row[0]) for row, labels in zip(batch["input_ids"], batch["labels"])
+                        if (labels != -100).any()]
     assert sorted(counted) == list(range(max_rows or rows))

@@ -33,8 +33,8 @@ def test_prepare_writes_the_splits_and_stats_that_train_py_reads(tmp_path):
     # a second run refuses to overwrite it
     assert run_module("prepare", "--recipe", "tiny_llama", "--output", str(output)).returncode == 2
     # and train.py trains on it
-    run = train_in_process(["--recipe", "tiny_llama", "--output-dir", str(tmp_path / "run"), SMALL_MODEL, "data.sources=[]",
-                     f"data.prepared={output}", "training.max_steps=2"])
+    run = train_in_process(["--recipe", "tiny_llama", "--output-dir", str(tmp_path / "run"), SMALL_MODEL,
+                            "data.sources=[]", f"data.prepared={output}", "training.max_steps=2"])
     assert run.returncode == 0, run.stderr[-2000:]
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["data"] == stats
 

@@ -59,7 +59,8 @@ def assert_documents_kept_apart(packed: torch.Tensor, alone: list[torch.Tensor],
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager", "flex_attention"])
 def test_documents_do_not_attend_across_boundaries(attn_implementation):
     """flex_attention: transformers' document BlockMask, run here by FlexAttention's reference implementation
-    (compiling its kernel for a CPU takes half a minute; the kernel itself runs on CUDA, tests/test_gpu_invariants.py)."""
+    (compiling its kernel for a CPU takes half a minute; the kernel itself runs on CUDA,
+    tests/test_gpu_invariants.py)."""
     model = sharp_model(attn_implementation=attn_implementation)
     row, documents = packed_row()
     with torch.no_grad(), torch.compiler.set_stance("force_eager"):

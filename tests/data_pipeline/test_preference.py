@@ -78,7 +78,8 @@ def test_an_implicit_prompt_is_the_conversations_shared_start():
 def test_ultrafeedback_layout_a_string_prompt_beside_full_conversations(tmp_path):
     """UltraFeedback binarized: `prompt` a string, chosen/rejected whole conversations (TRL extracts the prompt)."""
     user = {"role": "user", "content": "Hi?"}
-    path = write_jsonl(tmp_path / "uf.jsonl", [{"prompt": "Hi?", "chosen": [user, {"role": "assistant", "content": "Hello."}],
+    path = write_jsonl(tmp_path / "uf.jsonl", [{"prompt": "Hi?",
+                                                "chosen": [user, {"role": "assistant", "content": "Hello."}],
                                                 "rejected": [user, {"role": "assistant", "content": "No."}]}])
     pair = load_pairs(DataConfig(sources=[{"path": path}], seq_len=64, examples="pairs").sources)[0]
     assert json.loads(pair["prompt"]) == [user] and json.loads(pair["chosen"])[0]["content"] == "Hello."

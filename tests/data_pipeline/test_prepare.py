@@ -127,8 +127,10 @@ def test_decontamination_drops_training_documents_that_copy_the_eval_set(tmp_pat
     rng = np.random.default_rng(1)
     words = [f"w{i}" for i in range(3000)]
     benchmark = [" ".join(rng.choice(words, 100)) for _ in range(5)]
-    training = [" ".join(rng.choice(words, 100)) for _ in range(40)] + [b.replace(b.split()[3], "x", 1) for b in benchmark[:3]]
-    train_path, eval_path = texts_file(tmp_path / "train.jsonl", training), texts_file(tmp_path / "eval.jsonl", benchmark)
+    training = ([" ".join(rng.choice(words, 100)) for _ in range(40)]
+                + [b.replace(b.split()[3], "x", 1) for b in benchmark[:3]])
+    train_path, eval_path = (texts_file(tmp_path / "train.jsonl", training),
+                             texts_file(tmp_path / "eval.jsonl", benchmark))
     prepared, stats = prepare_dataset(config(tmp_path, [train_path], eval={"sources": [{"path": str(eval_path)}]}),
                                       TOKENIZER)
     assert (stats["decontaminated_removed"], stats["eval_documents"], stats["documents_out"]) == (3, 5, 40)
@@ -149,7 +151,8 @@ def test_chat_labels_only_on_assistant_replies(tmp_path):
                                              seq_len=64, packing="none"), TOKENIZER)
     assert stats["no_assistant_reply_skipped"] == 1 and stats["documents_out"] == 2
     rows = prepared["train"].with_format("numpy")[:]
-    learned = sorted(TOKENIZER.decode(ids[labels != IGNORE_INDEX]) for ids, labels in zip(rows["input_ids"], rows["labels"]))
+    learned = sorted(TOKENIZER.decode(ids[labels != IGNORE_INDEX])
+                     for ids, labels in zip(rows["input_ids"], rows["labels"]))
     assert learned == ["A data format.</s>\n", "Hello.</s>\nBye.</s>\n"]
 
 

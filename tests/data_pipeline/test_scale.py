@@ -37,8 +37,8 @@ def near_copy(text: str, seed: int) -> str:
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> dict:
-    """tiny_llama's corpus as two shards of one source, with exact duplicates (case and spacing changed, some in the other
-    file), near duplicates (one word changed) of long documents, and an empty document."""
+    """tiny_llama's corpus as two shards of one source, with exact duplicates (case and spacing changed, some in the
+    other file), near duplicates (one word changed) of long documents, and an empty document."""
     folder = tmp_path_factory.mktemp("corpus")
     lines = (REPO / "recipes/tiny_llama/corpus.jsonl").read_text().splitlines()
     texts = [json.loads(line)["text"] for line in lines]
@@ -46,7 +46,8 @@ def corpus(tmp_path_factory) -> dict:
     long_ones = [i for i, t in enumerate(texts) if len(t.split()) >= 150]
     near_pairs = [(texts[i], near_copy(texts[i], i)) for i in rng.choice(long_ones, 40, replace=False)]
     exact = [texts[i].upper().replace(" ", "  ") for i in rng.choice(len(texts), 40, replace=False)]
-    halves = [texts[:len(texts) // 2] + exact[:20], texts[len(texts) // 2:] + exact[20:] + [c for _, c in near_pairs] + [" "]]
+    halves = [texts[:len(texts) // 2] + exact[:20],
+              texts[len(texts) // 2:] + exact[20:] + [c for _, c in near_pairs] + [" "]]
     paths = []
     for index, half in enumerate(halves):
         paths.append(folder / f"part-{index}.jsonl")

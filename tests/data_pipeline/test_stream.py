@@ -64,7 +64,8 @@ def test_ranks_read_disjoint_shares_that_cover_the_stream(shuffle_buffer):
     config = streaming_config(shuffle_buffer=shuffle_buffer)
     assert load_source(config.sources[0], 0, streaming=True).num_shards == 1
     whole = [d["text"] for d, _ in zip(stream_documents(config, TOKENIZER, 0, 1, seed=0), range(40))]
-    shares = [[d["text"] for d, _ in zip(stream_documents(config, TOKENIZER, rank, 2, seed=0), range(20))] for rank in range(2)]
+    shares = [[d["text"] for d, _ in zip(stream_documents(config, TOKENIZER, rank, 2, seed=0), range(20))]
+              for rank in range(2)]
     assert shares == [whole[0::2], whole[1::2]]
     if shuffle_buffer:  # the shuffle reorders the documents (else this case would repeat the unshuffled one)
         in_order = [d["text"] for d, _ in zip(stream_documents(streaming_config(), TOKENIZER, 0, 1, seed=0), range(40))]

@@ -1,6 +1,6 @@
 """Run through the deepspeed launcher: LoRA on a saved tiny Llama checkpoint, as train.py builds it (the checkpoint
-loaded by training/models/model.py, inside zero.Init under ZeRO-3; adapters from training/models/lora.py), a few AdamW steps
-under the given ZeRO config (fp32, constant learning rate), each rank on its own batch, then the export. Rank 0
+loaded by training/models/model.py, inside zero.Init under ZeRO-3; adapters from training/models/lora.py), a few AdamW
+steps under the given ZeRO config (fp32, constant learning rate), each rank on its own batch, then the export. Rank 0
 then repeats the steps with plain transformers + peft + torch.optim.AdamW on the mean loss, and loads the export
 with plain peft and transformers. Prints as JSON: both runs' losses, the largest difference of the trained
 adapters, the engine's logits against the exported adapter's (PeftModel.from_pretrained) and the merged model's,
@@ -71,7 +71,8 @@ def compare(base: str, out: str, ds_config_name: str) -> None:
         return
 
     torch.manual_seed(recipe.training.seed)
-    reference = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), lora_config(recipe.lora))
+    reference = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                               lora_config(recipe.lora))
     optimizer = torch.optim.AdamW(weight_decay_groups(reference, recipe.training.weight_decay), lr=recipe.training.lr,
                                   betas=recipe.training.betas, eps=recipe.training.eps)
     reference_losses = []
@@ -87,7 +88,8 @@ def compare(base: str, out: str, ds_config_name: str) -> None:
         untrained = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()(input_ids=probe).logits
         adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
                                             Path(out) / "adapter").eval()(input_ids=probe).logits
-        merged = AutoModelForCausalLM.from_pretrained(Path(out) / "hf", dtype=torch.float32).eval()(input_ids=probe).logits
+        merged = AutoModelForCausalLM.from_pretrained(Path(out) / "hf",
+                                                      dtype=torch.float32).eval()(input_ids=probe).logits
     print(json.dumps({"losses": losses, "reference_losses": reference_losses,
                       "adapter_difference": max(differences.values()), "adapters": len(differences),
                       "engine_vs_exported_adapter": (logits - adapter).abs().max().item(),

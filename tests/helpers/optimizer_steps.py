@@ -187,7 +187,8 @@ def run(name: str, ds_config_name: str, config: AutoConfig) -> None:
     else:
         reference_run(name, reference, ranks, settings, recipe.training.weight_decay)
         differences = relative_differences(reference, trained)
-    updates = {n: ((p - initial[n]).abs().max() / initial[n].abs().max()).item() for n, p in reference.named_parameters()}
+    updates = {n: ((p - initial[n]).abs().max() / initial[n].abs().max()).item()
+               for n, p in reference.named_parameters()}
     print(json.dumps(report | {"max_relative_difference": max(differences.values()),
                                "worst": max(differences, key=differences.get),
                                "smallest_relative_update": min(updates.values())}), flush=True)

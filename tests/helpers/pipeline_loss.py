@@ -24,9 +24,9 @@ SEED, VOCAB = 1234, 512
 
 def compare(model_type: str, *flags: str) -> None:
     tied = "tied" in flags
-    config = AutoConfig.for_model(model_type, vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_cache=False,
-                                  tie_word_embeddings=tied, max_position_embeddings=128)
+    config = AutoConfig.for_model(model_type, vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  use_cache=False, tie_word_embeddings=tied, max_position_embeddings=128)
     loss = TokenMeanLoss()
     module = build_pipeline(config, 2, "parameters", False, loss, None, SEED)
     ds_config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,

@@ -2,9 +2,9 @@
 good prose from the shipped documentation corpus, with planted junk of each kind a filter is meant to remove.
 
 Good prose: the prose paragraphs of tiny_llama's corpus (Python's documentation: paragraphs of at least 25 words
-that end with a full stop, with no code, tables, markup or quoted identifiers), each once, four to a document. The rest of that
-corpus is code-heavy reference text, which web-text filters rightly call low quality (docs/data_filters.md measures
-it too). Each junk kind is `PER_KIND` documents built from seeded choices:
+that end with a full stop, with no code, tables, markup or quoted identifiers), each once, four to a document. The
+rest of that corpus is code-heavy reference text, which web-text filters rightly call low quality
+(docs/data_filters.md measures it too). Each junk kind is `PER_KIND` documents built from seeded choices:
 
 | kind          | what it is                                              | the filter meant to remove it |
 |---------------|---------------------------------------------------------|-------------------------------|

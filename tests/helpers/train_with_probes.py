@@ -119,7 +119,8 @@ def record_logits() -> None:
             engine.train()
             holder = dist.get_rank() == 0
         if holder:
-            torch.save({**inputs, "logits": logits.float().cpu()}, Path(kwargs.get("plan", args[1]).output_dir) / "engine_logits.pt")
+            torch.save({**inputs, "logits": logits.float().cpu()},
+                       Path(kwargs.get("plan", args[1]).output_dir) / "engine_logits.pt")
         return totals
 
     train.train = train_and_record
@@ -216,7 +217,8 @@ def main(argv: list[str]) -> int:
             del args[at:at + 2]
     if "--record-routing" in args:
         args.remove("--record-routing")
-        route = next((arg.removeprefix("--route-") for arg in args if arg in ("--route-by-rank", "--route-across")), None)
+        route = next((arg.removeprefix("--route-") for arg in args if arg in ("--route-by-rank", "--route-across")),
+                     None)
         record_routing(route)
         args = [arg for arg in args if arg not in ("--route-by-rank", "--route-across")]
     if "--record-logits" in args:

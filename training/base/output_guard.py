@@ -136,8 +136,9 @@ def shown_list(folder: Path, names: Iterable[str]) -> str:
 def way_out(folder: Path, names: Iterable[str], option: str) -> str:
     """How to clear files of another's from where a command writes: a link is removed alone (its target stays)."""
     links = sorted(name for name in names if (folder / name).is_symlink())
-    move = "move it away" if not links else f"remove the link ({' '.join(f'rm {folder / name}' for name in links[:3])}: " \
-                                            f"what it points to stays)"
+    move = ("move it away" if not links
+            else f"remove the link ({' '.join(f'rm {folder / name}' for name in links[:3])}: "
+                 f"what it points to stays)")
     return f"{move}, or choose another {option}"
 
 
@@ -207,8 +208,8 @@ def check_output(output: Path, command: str, inputs: Iterable[Path | str | None]
                           f"an earlier output of {command}")
     if written_by(output, folder) != command:
         raise ConfigError(f"--overwrite replaces only an earlier output of {command}, and {output} is not one (no "
-                          f"{marker_path(output, folder).name} naming it): nothing was deleted; choose another {option}, "
-                          f"or remove it yourself if it is yours to remove")
+                          f"{marker_path(output, folder).name} naming it): nothing was deleted; choose another "
+                          f"{option}, or remove it yourself if it is yours to remove")
     return True
 
 

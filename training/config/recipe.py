@@ -153,13 +153,17 @@ class DeepSpeedSection(StrictModel):
 class ParallelismSection(StrictModel):
     pipeline_stages: PositiveInt = 1  # > 1: DeepSpeed pipeline parallelism; world size = data-parallel x stages
     partition_method: Literal["parameters", "uniform"] = "parameters"  # balance stages by parameters or by layers
-    sequence_parallel: PositiveInt = 1  # > 1: Ulysses; each row split over this many ranks (training/parallel/sequence_parallel.py)
-    tensor_parallel: PositiveInt = 1  # > 1: AutoTP; each matrix split over this many ranks (training/parallel/tensor_parallel.py)
-    expert_parallel: PositiveInt = 1  # > 1: AutoEP; each MoE layer's experts split over this many ranks (training/parallel/expert_parallel.py)
+    # > 1: Ulysses; each row split over this many ranks (training/parallel/sequence_parallel.py)
+    sequence_parallel: PositiveInt = 1
+    # > 1: AutoTP; each matrix split over this many ranks (training/parallel/tensor_parallel.py)
+    tensor_parallel: PositiveInt = 1
+    # > 1: AutoEP; each MoE layer's experts split over this many ranks (training/parallel/expert_parallel.py)
+    expert_parallel: PositiveInt = 1
 
 
 class LongContextSection(StrictModel):
-    """ALST's memory savers for long rows (training/models/long_context.py); useful with or without sequence parallelism."""
+    """ALST's memory savers for long rows (training/models/long_context.py); useful with or without sequence
+    parallelism."""
     tiled_mlp: bool = False  # the MLPs on tiles of hidden_size tokens: their intermediate activations never whole
     logits_tile_tokens: PositiveInt | None = None  # head and loss on tiles of this many tokens: no whole logits
     offload_checkpoints: bool = False  # activation checkpointing's saved layer inputs held in host memory
@@ -237,7 +241,8 @@ class LoggingSection(StrictModel):
     report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = ["tensorboard"]  # training/loop/trackers.py
     project: str | None = None  # the W&B project and MLflow experiment; default: the recipe's name
     run_name: str | None = None  # the tracker run's name; default: the output folder's name
-    peak_tflops: PositiveFloat | None = None  # the GPU's dense bf16 peak that MFU divides by; default: training/planning/flops.py
+    # the GPU's dense bf16 peak that MFU divides by; default: training/planning/flops.py
+    peak_tflops: PositiveFloat | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -312,7 +317,8 @@ class RecipeSections(StrictModel):
         if self.eval.benchmark_checkpoints and self.lora.enabled:
             raise ValueError("eval.benchmark_checkpoints: a LoRA checkpoint holds the adapters alone; score the "
                              "run's merged export (export.merge: true) with eval.benchmarks instead")
-        if self.parallelism.pipeline_stages > 1 and (self.long_context.tiled_mlp or self.long_context.logits_tile_tokens):
+        if self.parallelism.pipeline_stages > 1 and (self.long_context.tiled_mlp
+                                                     or self.long_context.logits_tile_tokens):
             raise ValueError("long_context tiling with parallelism.pipeline_stages > 1: the pipeline builds its own "
                              "stages from the model's layers and does not tile them; use one or the other")
         if self.long_context.offload_checkpoints and (not self.activation_checkpointing
@@ -361,7 +367,8 @@ Recipe = recipe_schema(SPECS)
 
 
 def recipe_inputs(recipe: Recipe) -> list[Path]:
-    """The local files and folders a run of the recipe reads (hub ids left out): what no output may hold or go inside."""
+    """The local files and folders a run of the recipe reads (hub ids left out): what no output may hold or go
+    inside."""
     data = recipe.data
     paths = [recipe.path, recipe.model.config, recipe.model.name_or_path, recipe.tokenizer.name_or_path, data.prepared]
     for source in data.sources + data.eval.sources:

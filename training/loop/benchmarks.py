@@ -150,8 +150,8 @@ def check_evaluation(target: Path, tasks: list[str], output_dir: Path | None, ov
     results folder)."""
     run = is_run(target)
     if not run and (target / "summary.json").exists() and (target / "adapter").is_dir():
-        raise ConfigError(f"{target} is a LoRA run without a merged model: its adapter/ holds the adapters alone. Train "
-                          f"with export.merge=true to have hf/ (the adapters merged into the base weights) and "
+        raise ConfigError(f"{target} is a LoRA run without a merged model: its adapter/ holds the adapters alone. "
+                          f"Train with export.merge=true to have hf/ (the adapters merged into the base weights) and "
                           f"evaluate the run, or merge adapter/ into its base with peft (PeftModel.from_pretrained("
                           f"base, adapter).merge_and_unload().save_pretrained(DIR)) and evaluate DIR with --output-dir")
     if not run and not (target / "config.json").exists():

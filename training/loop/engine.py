@@ -15,10 +15,12 @@ from training.planning.plan import RunPlan
 from training.planning.precision import device_type, fp16_block
 
 
-def start_engine(plan: RunPlan, model: torch.nn.Module, mpu: object | None, total_steps: int) -> deepspeed.DeepSpeedEngine:
+def start_engine(plan: RunPlan, model: torch.nn.Module, mpu: object | None,
+                 total_steps: int) -> deepspeed.DeepSpeedEngine:
     training = plan.recipe.training
     with autoep_output_recorders() if plan.expert_parallel > 1 else nullcontext():
-        engine, *_ = deepspeed.initialize(model=model, config=plan.ds_config, optimizer=client_optimizer(plan.ds_config),
+        engine, *_ = deepspeed.initialize(model=model, config=plan.ds_config,
+                                          optimizer=client_optimizer(plan.ds_config),
                                           model_parameters=weight_decay_groups(model, training.weight_decay),
                                           lr_scheduler=lr_schedule(training, total_steps), mpu=mpu)
     use_fp16_block_loss_scaling(engine, fp16_block(plan.ds_config), device_type())

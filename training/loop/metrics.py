@@ -244,7 +244,8 @@ class MetricsLogger:
 
     def __init__(self, output_dir: Path, total_steps: int, start_step: int, tensorboard: bool, enabled: bool,
                  trackers: Trackers | None = None):
-        self.enabled, self.total_steps, self.output_dir, self.tensorboard = enabled, total_steps, output_dir, tensorboard
+        self.enabled, self.total_steps = enabled, total_steps
+        self.output_dir, self.tensorboard = output_dir, tensorboard
         self.trackers = trackers
         if not enabled:
             return
@@ -322,7 +323,8 @@ class MetricsLogger:
                 if key == "expert_tokens":  # by layer, each expert's
                     for layer, tokens in enumerate(value):
                         for expert, count in enumerate(tokens):
-                            self.writer.add_scalar(f"experts/layer{layer:02d}/expert{expert:02d}", count, record["step"])
+                            self.writer.add_scalar(f"experts/layer{layer:02d}/expert{expert:02d}", count,
+                                                   record["step"])
                 elif key != "step":
                     name = f"eval/{key.removeprefix('eval_')}" if key.startswith("eval_") else f"train/{key}"
                     self.writer.add_scalar(name, value, record["step"])
@@ -346,8 +348,8 @@ def write_summary(plan: RunPlan, totals: RunTotals, start_step: int, total_steps
     summary = {"recipe": plan.recipe.name, "device": device_name(),
                **({"peak_tflops": flops.peak_tflops} if flops else {}), **plan.layout().model_dump(),
                "activation_checkpointing": plan.recipe.activation_checkpointing, "steps": total_steps,
-               "start_step": start_step, **totals.fields(), "wall_time_s": wall_time_s, "output_dir": str(plan.output_dir),
-               "data": data, "ds_config": plan.ds_config}
+               "start_step": start_step, **totals.fields(), "wall_time_s": wall_time_s,
+               "output_dir": str(plan.output_dir), "data": data, "ds_config": plan.ds_config}
     (plan.output_dir / "summary.json").write_text(dumps(summary, indent=2) + "\n")
     print_summary(summary, objective_rows(summary))
     return summary
@@ -357,7 +359,8 @@ def print_summary(summary: dict, objective_rows: list[tuple[str, str]]) -> None:
     table = Table(title=f"{summary['recipe']}: {summary['steps']} steps", show_header=False)
     rows = [
         ("device", summary["device"]),
-        ("ranks x ZeRO stage x precision", f"{summary['world_size']} x ZeRO-{summary['zero_stage']} x {summary['precision']}"),
+        ("ranks x ZeRO stage x precision",
+         f"{summary['world_size']} x ZeRO-{summary['zero_stage']} x {summary['precision']}"),
         *([("pipeline stages x data-parallel", f"{summary['pipeline_stages']} x "
             f"{summary['world_size'] // summary['pipeline_stages']}")] if summary["pipeline_stages"] > 1 else []),
         ("loss (first -> final)", f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}"),

@@ -88,7 +88,8 @@ def client_optimizer(ds_config: dict) -> Callable[[list], Optimizer] | None:
 
 def adamw8bit(groups: list[dict], betas: tuple[float, float], eps: float) -> list[Optimizer]:
     """torchao's AdamW8bit, with torch's AdamW (fp32 moments) on the embeddings (training/loop/shaped_optimizer.py).
-    torchao is imported here, as training/models/fp8.py does: its import takes about 2 s that other runs need not pay."""
+    torchao is imported here, as training/models/fp8.py does: its import takes about 2 s that other runs need not
+    pay."""
     from torchao.optim import AdamW8bit
 
     chosen = [(library, [g for g in groups if g["embedding"] == embedding])

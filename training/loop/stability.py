@@ -111,7 +111,8 @@ class StabilityGuard:
         found = {"step": step, "data_position": position, "reason": reason, "loss": loss,
                  **({"grad_norm": grad_norm} if grad_norm is not None and not skipped else {})}
         if reason == "loss_spike":
-            found["threshold"] = statistics.fmean(self.losses) + self.section.spike_sigma * statistics.pstdev(self.losses)
+            found["threshold"] = (statistics.fmean(self.losses)
+                                  + self.section.spike_sigma * statistics.pstdev(self.losses))
         if reason == "grad_spike":
             found["threshold"] = self.section.spike_grad_factor * statistics.median(self.grad_norms)
         return self.decide(found, applied=not skipped)

@@ -55,7 +55,8 @@ class WandbRun:
         import wandb
 
         logging = plan.recipe.logging
-        self.run = wandb.init(project=logging.project or plan.recipe.name, name=logging.run_name or plan.output_dir.name,
+        self.run = wandb.init(project=logging.project or plan.recipe.name,
+                              name=logging.run_name or plan.output_dir.name,
                               id=run_id, resume="allow" if run_id else None, dir=str(plan.output_dir), config=config)
         self.id = self.run.id
         self.offline_file = Path(self.run.settings.sync_file) if self.run.offline else None
@@ -99,7 +100,8 @@ class MlflowRun:
             experiment = logging.project or plan.recipe.name
             found = self.client.get_experiment_by_name(experiment)
             experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
-            run_id = self.client.create_run(experiment_id, run_name=logging.run_name or plan.output_dir.name).info.run_id
+            run_id = self.client.create_run(experiment_id,
+                                            run_name=logging.run_name or plan.output_dir.name).info.run_id
             self.client.log_dict(run_id, config["recipe"], "resolved_recipe.json")
             self.client.log_dict(run_id, config["ds_config"], "ds_config.json")
         else:
@@ -110,7 +112,8 @@ class MlflowRun:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.id, metrics=[Metric(name, float(value), now, step) for name, value in scalars.items()])
+        self.client.log_batch(self.id, metrics=[Metric(name, float(value), now, step)
+                                                for name, value in scalars.items()])
 
     def finish(self, summary: dict | None) -> None:
         if summary is not None:

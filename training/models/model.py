@@ -6,7 +6,8 @@ import torch
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, StrictDataclassError
 from safetensors import SafetensorError, safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel,
+                          PreTrainedTokenizerBase)
 from transformers.integrations import HfDeepSpeedConfig
 
 from training.compat.torch import replace_forward
@@ -60,7 +61,8 @@ def check_recipe_against_model(recipe: Recipe, config: PretrainedConfig, vocab_s
         raise ConfigError(f"{recipe.path}:\n" + "\n".join(f"  {p}" for p in problems))
 
 
-def load_tokenizer(name_or_path: str, trust_remote_code: bool, cached_only: bool = False) -> PreTrainedTokenizerBase | None:
+def load_tokenizer(name_or_path: str, trust_remote_code: bool,
+                   cached_only: bool = False) -> PreTrainedTokenizerBase | None:
     """The tokenizer, with a pad token: padded rows (bfd, none) and the exported folder need one. Without
     its own, EOS pads (padding is never a target, so the model is not taught to stop there).
 
@@ -79,8 +81,8 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool, cached_only: bool
 
 
 # Config keys that decide the weights' shapes: a shipped model.config must agree with the checkpoint on them.
-SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "head_dim", "tie_word_embeddings")
+SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
 
 
 def shape_differences(folder: Path, config: PretrainedConfig, trust_remote_code: bool = False) -> list[str]:
@@ -135,7 +137,8 @@ def check_resumed_model(tag_dir: Path, config: PretrainedConfig, tokenizer: PreT
                           f"(python -m training export {tag_dir} DIR, then model.name_or_path=DIR)")
 
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
 
 
 def check_checkpoint_folder(name_or_path: str) -> None:
@@ -204,7 +207,8 @@ def build_model(recipe: Recipe, config: PretrainedConfig, ds_config: dict, preci
     another order, so ZeRO-3 would start from other random weights than the other stages."""
     torch.manual_seed(recipe.training.seed)
     if recipe.model.name_or_path:
-        quantized = {"quantization_config": nf4_quantization(DTYPES[precision])} if recipe.lora.quantize == "nf4" else {}
+        quantized = ({"quantization_config": nf4_quantization(DTYPES[precision])} if recipe.lora.quantize == "nf4"
+                     else {})
         model = from_checkpoint(recipe, config, ds_config, weights_dtype(precision, zero_stage(ds_config)), **quantized)
     else:
         model = AutoModelForCausalLM.from_config(
@@ -235,7 +239,8 @@ def cast_lm_head_to_fp32(model: torch.nn.Module) -> None:
     logits round them to 8 bits of mantissa. Unlike TRL's, which keeps the head's weight in fp32, the weight stays in
     the engine's dtype (DeepSpeed's bf16 optimizer holds the fp32 master of every weight alike) and is cast in each
     forward pass: a transient fp32 copy of it (4 x vocab x hidden bytes, kept for the backward pass), and a tied
-    embedding stays tied. A no-op in an fp32 run. Refused where another module has taken the head's place (Grpo.check)."""
+    embedding stays tied. A no-op in an fp32 run. Refused where another module has taken the head's place
+    (Grpo.check)."""
     head = model.get_output_embeddings()
     if type(head) is not torch.nn.Linear:
         kind = f"{type(head).__module__}.{type(head).__qualname__}"

@@ -139,7 +139,8 @@ def layer_specs(config: PretrainedConfig) -> list[LayerSpec]:
         last = TiedLayerSpec(TIED_KEY, EmbeddingPipe, config, forward_fn=tied_lm_head, tied_weight_attr="weight")
     else:
         first, last = LayerSpec(EmbeddingPipe, config), LayerSpec(LMHeadPipe, config)
-    return [first, *(LayerSpec(decoder, config, i) for i in range(config.num_hidden_layers)), LayerSpec(norm, config), last]
+    return [first, *(LayerSpec(decoder, config, i) for i in range(config.num_hidden_layers)), LayerSpec(norm, config),
+            last]
 
 
 def layer_files(config: PretrainedConfig) -> list[str]:

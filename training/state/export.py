@@ -81,10 +81,10 @@ def model_parallel_weights(tag_dir: Path, tensor_parallel: int) -> list[dict[str
     where the checkpoint has ZeRO's fp32 master weights.
 
     DeepSpeed's zero_to_fp32 reads model-parallel rank 00 only (and takes the other ranks' files for missing
-    data-parallel ones), so its steps run on one rank's files at a time (training/compat/deepspeed.py). The ranks are the run state's tensor_parallel, or
-    more where DeepSpeed named other ranks so. A bf16 run's optimizer files are named bf16_zero_pp_rank_*: ZeRO
-    partitions at ZeRO-2/3, and at ZeRO-0/1 BF16_Optimizer's, which hold no ZeRO stage and which zero_to_fp32
-    refuses; there, as at ZeRO-0, the module's weights are what was trained."""
+    data-parallel ones), so its steps run on one rank's files at a time (training/compat/deepspeed.py). The ranks are
+    the run state's tensor_parallel, or more where DeepSpeed named other ranks so. A bf16 run's optimizer files are
+    named bf16_zero_pp_rank_*: ZeRO partitions at ZeRO-2/3, and at ZeRO-0/1 BF16_Optimizer's, which hold no ZeRO stage
+    and which zero_to_fp32 refuses; there, as at ZeRO-0, the module's weights are what was trained."""
     ranks, zero_partitions = model_parallel_ranks(tag_dir, tensor_parallel), has_zero_partitions(tag_dir)
     weights = []
     for rank in ranks:
@@ -283,7 +283,8 @@ def export_lora(engine: DeepSpeedEngine, tokenizer: PreTrainedTokenizerBase, out
     if dist.get_rank() == 0:
         adapters = {name: tensor.detach().to("cpu", dtype) for name, tensor in adapters.items()}
         folder = out_dir / ADAPTER_DIR
-        remove_owned(out_dir, owned_files(out_dir, ADAPTER_DIR), ADAPTER_DIR)  # a resumed run's earlier adapters; not a user's file
+        # a resumed run's earlier adapters; not a user's file
+        remove_owned(out_dir, owned_files(out_dir, ADAPTER_DIR), ADAPTER_DIR)
         model.save_pretrained(folder, state_dict=adapters)
         tokenizer.save_pretrained(folder)
         if merge:

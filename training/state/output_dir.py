@@ -19,14 +19,15 @@ COMMAND = "train.py"
 REFERENCE_FILE = "reference_logps.npz"  # a DPO run's reference log-probabilities (objectives/dpo/reference_logps.py)
 COMPLETIONS_FILE = "completions.jsonl"  # a GRPO run's samples of prompts, completions and rewards (objectives/grpo.py)
 RUN_FILES = ("metrics.jsonl", "summary.json", "resolved_recipe.yaml", "ds_config.json", "checkpoints", "hf", "adapter",
-             "tensorboard", "wandb", "mlruns", "benchmarks", REFERENCE_FILE, COMPLETIONS_FILE)  # wandb, mlruns: training/loop/trackers.py
+             "tensorboard", "wandb", "mlruns",  # wandb, mlruns: training/loop/trackers.py
+             "benchmarks", REFERENCE_FILE, COMPLETIONS_FILE)
 
 
 # what a run writes by name (DeepSpeed's scripts beside the checkpoints too), the folders it writes into, and what it
 # writes as a whole folder (hf/, adapter/, a checkpoint): a file of another's (or a link, which the run would write
 # through) at those names is refused
-NAMED_FILES = {"metrics.jsonl", "summary.json", "resolved_recipe.yaml", "ds_config.json", REFERENCE_FILE, COMPLETIONS_FILE,
-               "checkpoints/latest", "checkpoints/zero_to_fp32.py", "checkpoints/zero_to_torch.py"}
+NAMED_FILES = {"metrics.jsonl", "summary.json", "resolved_recipe.yaml", "ds_config.json", REFERENCE_FILE,
+               COMPLETIONS_FILE, "checkpoints/latest", "checkpoints/zero_to_fp32.py", "checkpoints/zero_to_torch.py"}
 RUN_FOLDERS = {name for name in RUN_FILES if "." not in name} | {"checkpoints/universal"}
 WHOLE_FOLDERS = ("hf/", "adapter/", "checkpoints/global_step")
 

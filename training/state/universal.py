@@ -7,8 +7,9 @@ and step) into one file per parameter and state, `checkpoints/universal/<tag>/ze
 writes it into a staging folder, lists its files and sizes in a manifest and renames it into place, so a
 conversion a kill interrupts is never mistaken for a finished one; a finished one is reused while its manifest
 holds, and made again when a file has gone missing or changed size since. DeepSpeed loads it with its config's
-`checkpoint.load_universal` on (training/compat/deepspeed.py loading_universal); our run state (step, tokens seen, data position, RNG) is
-read from the original checkpoint folder. The folder checkpoints/universal/ is train.py's own cache.
+`checkpoint.load_universal` on (training/compat/deepspeed.py loading_universal); our run state (step, tokens seen,
+data position, RNG) is read from the original checkpoint folder. The folder checkpoints/universal/ is train.py's
+own cache.
 
 The converter needs DeepSpeed's UNIVERSAL_CHECKPOINT_INFO entry in the checkpoint, which Megatron-style
 models carry and Hugging Face models do not: train.py gives every model it saves the entry (with plain
@@ -56,9 +57,9 @@ def needs_universal(wrote: Layout, layout: Layout, streaming: bool, export_hint:
         raise ConfigError(f"--resume ({change}): the checkpoint holds {wrote.optimizer}'s optimizer states; resume "
                           f"with optimizer.name={wrote.optimizer}, or start a new run from its weights: {export_hint}")
     if wrote.lora != layout.lora:
-        raise ConfigError(f"--resume ({change}): a LoRA checkpoint holds the adapters and their optimizer states, a full "
-                          f"fine-tune's the whole model's; resume with lora.enabled={str(wrote.lora).lower()}, or "
-                          f"start a new run from its exported weights")
+        raise ConfigError(f"--resume ({change}): a LoRA checkpoint holds the adapters and their optimizer states, a "
+                          f"full fine-tune's the whole model's; resume with lora.enabled={str(wrote.lora).lower()}, "
+                          f"or start a new run from its exported weights")
     if layout.lora:
         raise ConfigError(f"--resume ({change}): a LoRA checkpoint resumes in the layout that wrote it (DeepSpeed's "
                           f"universal conversion is not proven here without the frozen base weights); resume with "
@@ -73,9 +74,9 @@ def needs_universal(wrote: Layout, layout: Layout, streaming: bool, export_hint:
                           f"and DeepSpeed's universal converter reads only Megatron's layer layout; resume in the "
                           f"layout that wrote it, or start a new run from its weights: {export_hint}")
     if wrote.expert_parallel > 1 and layout.expert_parallel == 1:
-        raise ConfigError(f"--resume ({change}): an expert-parallel checkpoint keeps its experts' weights and optimizer "
-                          f"states under AutoEP's names and in parameter groups of their own, which the universal "
-                          f"load does not map to the original model's here; resume with expert parallelism "
+        raise ConfigError(f"--resume ({change}): an expert-parallel checkpoint keeps its experts' weights and "
+                          f"optimizer states under AutoEP's names and in parameter groups of their own, which the "
+                          f"universal load does not map to the original model's here; resume with expert parallelism "
                           f"(parallelism.expert_parallel={wrote.expert_parallel}, or another degree that divides the "
                           f"experts, at ZeRO-1 or 2), or start a new run from its weights: {export_hint}")
     if wrote.expert_parallel == 1 and layout.expert_parallel > 1:
@@ -97,9 +98,9 @@ def needs_universal(wrote: Layout, layout: Layout, streaming: bool, export_hint:
                           f"{layout.optimizer}'s states; resume in the layout that wrote the checkpoint, or start a "
                           f"new run from its weights: {export_hint}")
     if 0 in (wrote.zero_stage, layout.zero_stage):
-        raise ConfigError(f"--resume ({change}): DeepSpeed's universal checkpoints connect ZeRO stages 1, 2 and 3; a "
-                          f"ZeRO-0 optimizer state is neither written nor read by them. Resume at ZeRO-0 (on any number "
-                          f"of ranks) or, to move to ZeRO, start a new run from its weights: {export_hint}")
+        raise ConfigError(f"--resume ({change}): DeepSpeed's universal checkpoints connect ZeRO stages 1, 2 and 3; "
+                          f"a ZeRO-0 optimizer state is neither written nor read by them. Resume at ZeRO-0 (on any "
+                          f"number of ranks) or, to move to ZeRO, start a new run from its weights: {export_hint}")
     return True
 
 
@@ -137,16 +138,16 @@ def convert(checkpoint_dir: Path, tag: str) -> Path:
               flush=True)
     export_hint = f"python -m training export {source} DIR, then model.name_or_path=DIR"
     if (source / pipeline_layer_file(0)).is_file():
-        raise ConfigError(f"{source} is a pipeline checkpoint (a file per layer); DeepSpeed's universal converter reads "
-                          f"only Megatron's layer layout. Resume in the layout that wrote it, or start a new run from "
-                          f"its weights: {export_hint}")
+        raise ConfigError(f"{source} is a pipeline checkpoint (a file per layer); DeepSpeed's universal converter "
+                          f"reads only Megatron's layer layout. Resume in the layout that wrote it, or start a new run "
+                          f"from its weights: {export_hint}")
     wrote = run_state_of(source)
     if wrote and wrote.optimizer in SHAPED:
         raise ConfigError(shaped_refusal(str(source), wrote.optimizer, export_hint))
     if not any(source.glob("*optim_states.pt")):
         raise ConfigError(f"{source} holds no ZeRO optimizer partitions (a ZeRO-0 checkpoint, or not DeepSpeed's); "
-                          f"universal checkpoints connect ZeRO stages 1-3. A ZeRO-0 run resumes at ZeRO-0 on any number "
-                          f"of ranks as it is; or start a new run from its weights: {export_hint}")
+                          f"universal checkpoints connect ZeRO stages 1-3. A ZeRO-0 run resumes at ZeRO-0 on any "
+                          f"number of ranks as it is; or start a new run from its weights: {export_hint}")
     staging = checkpoint_dir / UNIVERSAL / f".{tag}.partial"
     shutil.rmtree(staging, ignore_errors=True)  # left by a conversion of this tag that was killed
     workers = str(min(4, os.cpu_count() or 1))

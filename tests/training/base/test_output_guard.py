@@ -159,8 +159,8 @@ def test_a_foreign_file_at_any_depth_survives_the_replacement_of_an_output_writt
     assert not [path for path in out.rglob("*") if path.is_dir() and not any(path.iterdir())]
 
 
-KINDS = ["file", "link to a file outside", "link to a folder outside", "link to a file inside", "link to a folder inside",
-         "dangling link"]
+KINDS = ["file", "link to a file outside", "link to a folder outside", "link to a file inside",
+         "link to a folder inside", "dangling link"]
 
 
 def outside_area(root) -> dict[str, bytes]:
@@ -176,7 +176,8 @@ def place(out, name: str, kind: str, root) -> None:
     if kind == "file":
         path.write_text("mine")
         return
-    path.symlink_to({"link to a file outside": root / "outside/theirs.txt", "link to a folder outside": root / "outside/folder",
+    path.symlink_to({"link to a file outside": root / "outside/theirs.txt",
+                     "link to a folder outside": root / "outside/folder",
                      "link to a file inside": out / "a", "link to a folder inside": out / "b",
                      "dangling link": root / "missing"}[kind])
 

@@ -23,7 +23,8 @@ def test_overrides_are_yaml_values_and_paths_count_from_the_current_folder(tmp_p
     (tmp_path / "mine.jsonl").write_text('{"text": "hello"}\n')
     monkeypatch.chdir(tmp_path)
     recipe = load_recipe("tiny_llama", ["training.max_steps=20", "training.betas=[0.8, 0.9]", "precision=bf16",
-                                        "data.sources.0.path=mine.jsonl", "deepspeed.overrides.zero_optimization.stage=2"])
+                                        "data.sources.0.path=mine.jsonl",
+                                        "deepspeed.overrides.zero_optimization.stage=2"])
     assert recipe.training.max_steps == 20
     assert recipe.training.betas == (0.8, 0.9)
     assert recipe.precision == "bf16"
@@ -36,7 +37,8 @@ def test_overrides_are_yaml_values_and_paths_count_from_the_current_folder(tmp_p
 
 def test_recipe_by_folder_and_by_file(tmp_path):
     assert load_recipe(str(RECIPES_DIR / "tiny_llama")).name == "tiny_llama"
-    text = (RECIPES_DIR / "tiny_llama" / "recipe.yaml").read_text().replace("config.json", str(RECIPES_DIR / "tiny_llama" / "config.json"))
+    text = (RECIPES_DIR / "tiny_llama" / "recipe.yaml").read_text().replace(
+        "config.json", str(RECIPES_DIR / "tiny_llama" / "config.json"))
     text = text.replace("name_or_path: tokenizer", f"name_or_path: {RECIPES_DIR / 'tiny_llama' / 'tokenizer'}")
     text = text.replace("path: corpus.jsonl", f"path: {RECIPES_DIR / 'tiny_llama' / 'corpus.jsonl'}")
     (tmp_path / "my_run.yaml").write_text(text)
@@ -147,4 +149,5 @@ def test_invalid_yaml_names_the_file(tmp_path):
 def test_dpo_settings_need_the_dpo_objective():
     with pytest.raises(ConfigError, match="dpo.* is set but training.objective is lm"):
         load_recipe("tiny_llama", ["dpo.beta=0.5"])
-    assert load_recipe("tiny_llama_dpo").data.examples == "pairs" and load_recipe("tiny_llama").data.examples == "documents"
+    assert (load_recipe("tiny_llama_dpo").data.examples == "pairs"
+            and load_recipe("tiny_llama").data.examples == "documents")

@@ -226,7 +226,7 @@ def test_a_lora_run_needs_its_merged_export_to_be_benchmarked(model):
      "holds the adapters alone"),
 ])
 def test_scoring_checkpoints_needs_tasks_periodic_checkpoints_and_full_weights(model, extra, message):
-    refused = train_in_process(["--recipe", "tiny_llama", "--dry-run", f"model.name_or_path={model}", "model.config=null",
-                                "eval.benchmark_checkpoints=true", *extra])
+    refused = train_in_process(["--recipe", "tiny_llama", "--dry-run", f"model.name_or_path={model}",
+                                "model.config=null", "eval.benchmark_checkpoints=true", *extra])
     assert refused.returncode == 2 and message in refused.stderr, refused.stderr[-2000:]
     assert refused.stderr.count("error") == 1

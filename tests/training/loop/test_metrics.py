@@ -71,5 +71,6 @@ def test_expert_counts_are_logged_to_metrics_jsonl_and_tensorboard(tmp_path):
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["expert_tokens"] == [[3, 5], [8, 0]]
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
-    assert {"experts/layer00/expert01", "experts/layer01/expert00", "train/expert_load_max"} <= set(events.Tags()["scalars"])
+    assert ({"experts/layer00/expert01", "experts/layer01/expert00", "train/expert_load_max"}
+            <= set(events.Tags()["scalars"]))
     assert events.Scalars("experts/layer01/expert00")[0].value == 8

@@ -15,8 +15,8 @@ from training.planning.shape import weight_decay_groups
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_no_weight_decay_on_biases_norms_and_embeddings(tied):
-    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                         attention_bias=True, tie_word_embeddings=tied)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, attention_bias=True, tie_word_embeddings=tied)
     model = LlamaForCausalLM(config)
     decay, no_decay = weight_decay_groups(model, 0.1)
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
@@ -119,7 +119,8 @@ def test_muon_refusals_exit_2(overrides, message, no_model_building, capsys, tmp
     if overrides[0] == "model.config=GPT2":
         AutoConfig.for_model("gpt2", n_layer=2, n_embd=64, n_head=4, vocab_size=4096).save_pretrained(tmp_path)
         overrides = [f"model.config={tmp_path}/config.json", *overrides[1:]]
-    args = ["--recipe", "tiny_llama", "--dry-run", "--num-gpus", "2", "--gpu-mem", "80", "optimizer.name=muon", *overrides]
+    args = ["--recipe", "tiny_llama", "--dry-run", "--num-gpus", "2", "--gpu-mem", "80", "optimizer.name=muon",
+            *overrides]
     assert train.main(args) == 2
     assert message in " ".join(capsys.readouterr().err.split())
 

@@ -31,9 +31,10 @@ TOLERANCE = {"zero0": 0.0, "zero2": 0.0, "zero3": 1e-4}  # ZeRO-3 sums the gradi
 def shaped_engine(name: str, ds_config_name: str) -> tuple[deepspeed.DeepSpeedEngine, torch.nn.Module, object]:
     """A one-rank engine of a tiny Llama with `name` under tiny_llama's resolved `ds_config_name`, a copy of the
     model as it starts, and the recipe."""
-    recipe = load_recipe("tiny_llama", [f"optimizer.name={name}", f"deepspeed.config={ds_config_name}", "precision=fp32",
-                                        "training.schedule=constant", "training.warmup_steps=0", "training.grad_clip=0",
-                                        "training.micro_batch_size=2", "training.global_batch_size=2"])
+    recipe = load_recipe("tiny_llama", [f"optimizer.name={name}", f"deepspeed.config={ds_config_name}",
+                                        "precision=fp32", "training.schedule=constant", "training.warmup_steps=0",
+                                        "training.grad_clip=0", "training.micro_batch_size=2",
+                                        "training.global_batch_size=2"])
     raw, path = load_ds_config(recipe)
     ds_config = resolve_ds_config(raw, path, recipe, CONFIG["hidden_size"], 1, "fp32")
     torch.manual_seed(0)

@@ -12,8 +12,8 @@ from training.loop.stability import StabilityGuard
 
 
 def guard(tmp_path, **settings) -> StabilityGuard:
-    return StabilityGuard(StabilitySection(**{"min_history": 5, "window": 5, "spike_grad_factor": 10.0, **settings}), fp16=False,
-                          checkpoint_dir=tmp_path)
+    return StabilityGuard(StabilitySection(**{"min_history": 5, "window": 5, "spike_grad_factor": 10.0, **settings}),
+                          fp16=False, checkpoint_dir=tmp_path)
 
 
 def attempt(guard: StabilityGuard, step: int, loss: float, grad_norm: float = 1.0, skipped: bool | None = None,
@@ -175,7 +175,8 @@ def test_the_shipped_settings_let_a_real_training_curve_through(tmp_path):
     rows = tokens[:len(tokens) // 64 * 64].view(-1, 64)
     torch.manual_seed(recipe.training.seed)
     config = AutoConfig.from_pretrained(REPO / "recipes/tiny_llama/config.json", num_hidden_layers=2, hidden_size=64,
-                                        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+                                        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                        head_dim=16)
     model = AutoModelForCausalLM.from_config(config)
     training = recipe.training
     optimizer = torch.optim.AdamW(model.parameters(), lr=training.lr, betas=training.betas, eps=training.eps,

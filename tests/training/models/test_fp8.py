@@ -26,7 +26,8 @@ def test_fp8_is_refused_on_a_gpu_without_fp8(monkeypatch):
     monkeypatch.setattr(precision.get_accelerator(), "device_name", lambda *args: "cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "NVIDIA A100-SXM4-80GB")
-    with pytest.raises(ConfigError, match=r"found NVIDIA A100-SXM4-80GB \(compute capability 8.0\). Use precision=bf16"):
+    with pytest.raises(ConfigError,
+                       match=r"found NVIDIA A100-SXM4-80GB \(compute capability 8.0\). Use precision=bf16"):
         precision.check_fp8_hardware()
 
 

@@ -92,8 +92,8 @@ def test_without_labels_or_gradients_the_model_is_unchanged():
     without_labels = {name: inputs[name] for name in ("input_ids", "position_ids")}
     torch.testing.assert_close(fused(**without_labels).logits, model(**without_labels).logits)
     with torch.no_grad():  # evaluation: chunked, no gradient taken
-        torch.testing.assert_close(fused(**inputs, num_items_in_batch=1).loss, model(**inputs, num_items_in_batch=1).loss,
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fused(**inputs, num_items_in_batch=1).loss,
+                                   model(**inputs, num_items_in_batch=1).loss, rtol=1e-5, atol=1e-5)
 
 
 def test_every_target_ignored_gives_zero_loss_and_zero_gradients():

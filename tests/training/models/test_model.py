@@ -50,8 +50,8 @@ def test_zero3_builds_the_checkpoint_partitioned(tmp_path, one_rank):
     """Under ZeRO-3 the parameters are partitioned as they are created (zero.Init): the module holds
     empty tensors, each rank only its shard, and the shards hold the checkpoint's weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2)
+    config = LlamaConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)
     LlamaForCausalLM(config).save_pretrained(tmp_path)
     recipe = load_recipe("tiny_llama", ["model.config=null", f"model.name_or_path={tmp_path}"])
     ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
@@ -71,8 +71,8 @@ def test_checkpoints_load_in_the_runs_precision(precision, stage, dtype, one_ran
     tensor.)"""
     import deepspeed
     from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2)
+    config = LlamaConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)
     LlamaForCausalLM(config).save_pretrained(tmp_path)
     recipe = load_recipe("tiny_llama", ["model.config=null", f"model.name_or_path={tmp_path}"])
     ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}}

@@ -67,7 +67,8 @@ def test_the_weights_go_back_under_the_original_names_as_autoep_took_them():
     module's weights with the router and its alias, one file per expert), comes back as the model's state dict."""
     model = small_mixtral()
     original = model.state_dict()
-    specs = AutoEP(model, parse_autoep_config({"enabled": True, "autoep_size": 2, "preset_model": "mixtral"})).ep_parser()
+    specs = AutoEP(model, parse_autoep_config({"enabled": True, "autoep_size": 2,
+                                               "preset_model": "mixtral"})).ep_parser()
     module = {name: t for name, t in original.items() if ".mlp." not in name}
     files = []
     for spec in specs:

@@ -20,7 +20,8 @@ def test_failure_reason_prefers_train_pys_own_error():
 def test_failure_reason_finds_out_of_memory_then_exceptions_then_kills():
     assert failure_reason("[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB\nbye\n") == \
         "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB"
-    assert failure_reason("[rank0]: RuntimeError:   bad   shape\nexits with return code = 1\n") == "RuntimeError: bad shape"
+    assert (failure_reason("[rank0]: RuntimeError:   bad   shape\nexits with return code = 1\n")
+            == "RuntimeError: bad shape")
     assert failure_reason("step 3\nKilled\n") == "Killed"
     assert failure_reason("step 3\nlast words\n") == "last words"
     assert failure_reason("") == "no output"

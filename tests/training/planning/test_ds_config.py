@@ -81,7 +81,8 @@ def test_concrete_values_that_contradict_the_recipe_name_both_files(tmp_path):
     with pytest.raises(ConfigError) as error:
         resolve_ds_config(json.loads(path.read_text()), path, recipe, 256, 2, "fp32")
     message = str(error.value)
-    assert f"train_micro_batch_size_per_gpu=4 in {path} contradicts training.micro_batch_size=8 in {recipe.path}" in message
+    assert (f"train_micro_batch_size_per_gpu=4 in {path} contradicts training.micro_batch_size=8 in {recipe.path}"
+            in message)
     assert "gradient_clipping=0.5" in message and "training.grad_clip=1.0" in message
     assert "bf16.enabled=true" in message and "precision=fp32" in message
 
@@ -135,10 +136,10 @@ def test_the_hf_trainer_fills_the_same_values(name, precision):
     from types import SimpleNamespace
 
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
-    args = SimpleNamespace(world_size=2, per_device_train_batch_size=8, gradient_accumulation_steps=1, max_grad_norm=1.0,
-                           learning_rate=3.0e-3, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, weight_decay=0.1,
-                           save_on_each_node=False, fp16=False, fp16_full_eval=False, bf16=precision == "bf16",
-                           bf16_full_eval=False, get_warmup_steps=lambda steps: 0)
+    args = SimpleNamespace(world_size=2, per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                           max_grad_norm=1.0, learning_rate=3.0e-3, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8,
+                           weight_decay=0.1, save_on_each_node=False, fp16=False, fp16_full_eval=False,
+                           bf16=precision == "bf16", bf16_full_eval=False, get_warmup_steps=lambda steps: 0)
     hf = HfTrainerDeepSpeedConfig(str(DS_CONFIGS_DIR / f"{name}.json"))
     hf.trainer_config_process(args)
     hf.trainer_config_finalize(args, SimpleNamespace(config=SimpleNamespace(hidden_size=256)), num_training_steps=200)

@@ -51,7 +51,8 @@ def test_model_flops_match_torchs_flop_counter(family, seq_len):
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import AutoModelForCausalLM, GPT2Config
     config = (AutoConfig.from_pretrained("recipes/tiny_llama/config.json") if family == "llama" else
-              GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=256, vocab_size=1000, bos_token_id=0, eos_token_id=0))
+              GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=256, vocab_size=1000, bos_token_id=0,
+                         eos_token_id=0))
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     assert model.config._attn_implementation == "eager"
     ids = torch.randint(0, config.vocab_size, (1, seq_len))

@@ -1,7 +1,7 @@
-"""training.micro_batch_size=auto (training/planning/micro_batch.py): for any memory, the largest divisor of the rows per
-rank whose planned peak fits, the next larger divisor not fitting; micro-batch 1 not fitting exits 2 with the numbers
-and what would fit; under deepspeed.config=auto the config chosen for micro-batch 1; a resume keeps the checkpoint's
-micro-batch; the dry run says what it chose, with the numbers of its own memory table."""
+"""training.micro_batch_size=auto (training/planning/micro_batch.py): for any memory, the largest divisor of the rows
+per rank whose planned peak fits, the next larger divisor not fitting; micro-batch 1 not fitting exits 2 with the
+numbers and what would fit; under deepspeed.config=auto the config chosen for micro-batch 1; a resume keeps the
+checkpoint's micro-batch; the dry run says what it chose, with the numbers of its own memory table."""
 import json
 import re
 
@@ -108,7 +108,8 @@ def test_what_fits_under_no_single_change_says_so():
 
 @pytest.mark.parametrize("overrides, ranks, message", [
     (["parallelism.pipeline_stages=2"], 1, "with parallelism.pipeline_stages > 1: a pipeline's bubble shrinks"),
-    (["training.global_batch_size=12"], 8, "training.global_batch_size=12 is not a multiple of the 8 data-parallel ranks"),
+    (["training.global_batch_size=12"], 8,
+     "training.global_batch_size=12 is not a multiple of the 8 data-parallel ranks"),
 ])
 def test_what_auto_refuses(overrides, ranks, message):
     recipe = llama_1b(*overrides)
@@ -162,11 +163,13 @@ def test_with_deepspeed_config_auto_the_config_is_micro_batch_1s(no_model_buildi
         (for_one.ds_config_path, for_one.recipe.activation_checkpointing)
     under_it = for_one.recipe.model_copy(update={"training": for_one.recipe.training.model_copy(
         update={"micro_batch_size": "auto"})})  # its config, attention and compile as the plan resolved them
-    alone, _ = choose_micro_batch(under_it, both.model_config, "bf16", for_one.zero_setting, both.micro_batch.machine, 1)
+    alone, _ = choose_micro_batch(under_it, both.model_config, "bf16", for_one.zero_setting,
+                                  both.micro_batch.machine, 1)
     assert both.recipe.training.micro_batch_size == alone.training.micro_batch_size
 
 
-@pytest.mark.parametrize("saved, expected", [(2, 2), (3, 16), (None, 16)], ids=["kept", "not a divisor", "not recorded"])
+@pytest.mark.parametrize("saved, expected", [(2, 2), (3, 16), (None, 16)],
+                         ids=["kept", "not a divisor", "not recorded"])
 def test_a_resume_keeps_the_checkpoints_micro_batch(earlier_run, no_model_building, capsys, saved, expected):
     """tiny_llama on this machine's RAM chooses 16 rows (no accumulation); a checkpoint trained at 2 resumes at 2 (the
     same arithmetic), one at a size that no longer divides the rows per rank resumes at the new choice."""
