@@ -17,7 +17,7 @@ import warnings
 from dataclasses import replace
 from pathlib import Path
 
-import training  # noqa: F401 (first: it keeps DeepSpeed's import from loading mlflow, training/compat/deepspeed.py)
+import training  # noqa: F401 (first: it keeps DeepSpeed's import from loading mlflow, training/compat/deepspeed/)
 import torch.distributed as dist
 
 from data_pipeline.prepare import prepare_dataset

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
                           "under accelerate's launcher, one per GPU (CPU processes without one), each scoring a share")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    check_versions()  # export and convert read DeepSpeed's checkpoint formats (training/compat/deepspeed.py)
+    check_versions()  # export and convert read DeepSpeed's checkpoint formats (training/compat/deepspeed/)
 
     def run_export() -> int:
         tag_dir = export_checkpoint(args.checkpoint, args.out_dir, args.dtype, args.overwrite)

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from training.compat.deepspeed import loss_scale, withheld_step, zero0_grad_norm
+from training.compat.deepspeed.engine_step import loss_scale, withheld_step, zero0_grad_norm
 from training.loop.benchmarks import benchmark_checkpoint
 from training.loop.health import WeightWatch
 from training.loop.metrics import (

@@ -1,9 +1,10 @@
-"""Every workaround of upstream behaviour, in one guarded place: a module per library (torch.py, deepspeed.py,
-transformers.py, peft.py, datasets.py, datatrove.py, wandb.py, lm_eval.py), and the only place that reads upstream's
-private names (tests/training/compat/test_private_names.py). Each module declares its PATCHES: what upstream does, in
-which version the workaround was verified, the upstream issue, the canary test (tests/training/compat/) that fails when
-the patched name disappears, when upstream stops calling it, or when upstream fixes the behaviour, and the tests that
-prove the workaround (they fail without it).
+"""Every workaround of upstream behaviour, in one guarded place: a module per library (torch.py, transformers.py,
+peft.py, datasets.py, datatrove.py, wandb.py, lm_eval.py; DeepSpeed's are a package, deepspeed/, a module per part of
+DeepSpeed: sequence_parallel.py, engine_step.py, zero.py, autoep.py, initialize.py, checkpoint_files.py, universal.py),
+and the only place that reads upstream's private names (tests/training/compat/test_private_names.py). Each library's
+module declares its PATCHES: what upstream does, in which version the workaround was verified, the upstream issue, the
+canary test (tests/training/compat/) that fails when the patched name disappears, when upstream stops calling it, or
+when upstream fixes the behaviour, and the tests that prove the workaround (they fail without it).
 
 check_versions, called once at start-up, warns in one line when an installed library is another version than
 the one its patches were verified for (docs/compat.md: what to do on a pin bump)."""
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from importlib.machinery import ModuleSpec
 
 NO_ISSUE = "no upstream issue found"
-# each a module here, named as on PyPI (lm-eval as lm_eval, the name it is imported by)
+# each a module (or package) here, named as on PyPI (lm-eval as lm_eval, the name it is imported by)
 LIBRARIES = ("torch", "deepspeed", "transformers", "peft", "datasets", "datatrove", "wandb", "lm_eval")
 
 
@@ -29,6 +30,12 @@ class Patch:
     issue: str
     canary: str  # the test in tests/training/compat/ that fails when the workaround is no longer right
     proofs: tuple[str, ...]  # the tests that fail without it: what it is for, measured
+    module: str | None = None  # the module that defines `name`, where not the library's own (deepspeed's parts)
+
+    @property
+    def defined_in(self) -> str:
+        """The module that defines `name`: `module`, or training.compat.<library>."""
+        return self.module or f"training.compat.{self.library}"
 
 
 def release(version: str) -> str:
@@ -44,7 +51,7 @@ def installed_version(library: str) -> str | None:
 
 
 def patches(library: str) -> tuple[Patch, ...]:
-    """The library's declared patches (importing its module here, which imports the library)."""
+    """The library's declared patches (importing its module here)."""
     return importlib.import_module(f"training.compat.{library}").PATCHES
 
 
@@ -88,11 +95,11 @@ class MlflowRefusedToAutotuner:
         if frame is None:  # another importer: mlflow as usual
             return None
         sys.meta_path.remove(self)
-        raise ModuleNotFoundError(f"mlflow is not given to {AUTOTUNER} (training/compat/deepspeed.py)", name=name)
+        raise ModuleNotFoundError(f"mlflow is not given to {AUTOTUNER} (training/compat/deepspeed/)", name=name)
 
 
 def no_mlflow_for_autotuner() -> None:
-    """Before DeepSpeed is imported: its autotuner then runs without mlflow (training/compat/deepspeed.py, PATCHES)."""
+    """Before DeepSpeed is imported: its autotuner then runs without mlflow (training/compat/deepspeed/, PATCHES)."""
     if AUTOTUNER not in sys.modules and not any(isinstance(finder, MlflowRefusedToAutotuner)
                                                 for finder in sys.meta_path):
         sys.meta_path.insert(0, MlflowRefusedToAutotuner())

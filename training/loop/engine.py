@@ -6,7 +6,8 @@ import deepspeed
 import torch
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from training.compat.deepspeed import autoep_output_recorders, use_fp16_block_loss_scaling
+from training.compat.deepspeed.autoep import autoep_output_recorders
+from training.compat.deepspeed.engine_step import use_fp16_block_loss_scaling
 from training.loop.optimizer import client_optimizer, lr_schedule
 from training.loop.shaped_optimizer import attach_shaped_optimizer
 from training.planning.shape import weight_decay_groups

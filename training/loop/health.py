@@ -6,13 +6,13 @@ import torch
 import torch.distributed as dist
 from deepspeed import DeepSpeedEngine
 
-from training.compat.deepspeed import local_fp32_shares
+from training.compat.deepspeed.zero import local_fp32_shares
 
 SAMPLE = 4096  # weights per parameter tensor (and rank) that the update-to-weight ratio is measured on
 
 
 def fp32_shares(engine: DeepSpeedEngine) -> list[tuple[int, int, torch.Tensor]]:
-    """This rank's fp32 share of each trained weight (training/compat/deepspeed.py local_fp32_shares)."""
+    """This rank's fp32 share of each trained weight (training/compat/deepspeed/zero.py local_fp32_shares)."""
     return local_fp32_shares(engine, [p for p in engine.module.parameters() if p.requires_grad])
 
 

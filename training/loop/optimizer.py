@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.optimization import (get_constant_schedule_with_warmup, get_cosine_with_min_lr_schedule_with_warmup,
                                        get_linear_schedule_with_warmup, get_wsd_schedule)
 
-from training.compat.deepspeed import muon_flags
+from training.compat.deepspeed.initialize import muon_flags
 from training.base.errors import ConfigError
 from training.config.recipe import Recipe, TrainingSection
 from training.loop.shaped_optimizer import ShapedOptimizer

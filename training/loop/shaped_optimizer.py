@@ -23,7 +23,7 @@ import torch
 from deepspeed import DeepSpeedEngine
 from torch.optim import Optimizer
 
-from training.compat.deepspeed import local_fp32_shares, weight_shape
+from training.compat.deepspeed.zero import local_fp32_shares, weight_shape
 from training.compat.torch import plain_optimizer_states, rebuilt_optimizer_states
 from training.planning.optimizer_states import share_parts
 

@@ -9,7 +9,7 @@ own overflow handling (ZeRO 1-3 and its bf16 and fp16 optimizers) discards the g
 optimizer states and the learning-rate schedule as they were, and counts the step in `engine.skipped_steps`.
 The same handling drops a step whose gradient is not finite under a finite loss. Without ZeRO, DeepSpeed
 steps a plain torch optimizer, which has no such check: there a non-finite gradient norm withholds the
-optimizer's step (`withheld_step`, training/compat/deepspeed.py). A pipeline's loss is known only once its
+optimizer's step (`withheld_step`, training/compat/deepspeed/engine_step.py). A pipeline's loss is known only once its
 schedule has stepped: there non-finite gradients are dropped as above, and a loss spike can only be rewound.
 
 A dropped step passes over its batch: the next batch is tried for the same step, so a run still makes

@@ -16,7 +16,7 @@ from training.parallel.pipeline import TokenMeanLoss, build_pipeline
 from training.parallel.sequence_parallel import enable_sequence_parallel
 from training.planning.kernels import uses_fused_loss
 from training.planning.plan import RunPlan
-from training.compat.deepspeed import provide_universal_info
+from training.compat.deepspeed.universal import provide_universal_info
 
 
 def build_run_model(plan: RunPlan) -> tuple[torch.nn.Module, object | None, dict]:

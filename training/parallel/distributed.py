@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-from training.compat.deepspeed import release_shared_memory_buffer
+from training.compat.deepspeed.initialize import release_shared_memory_buffer
 from training.base.errors import ConfigError, failure, report
 from training.parallel.failure import FailureWatch, attempt_key, launch_store
 from training.parallel.launch import free_port
@@ -87,7 +87,7 @@ def init_distributed() -> None:
         torch.cuda.set_device(local_rank())
     else:
         dist.barrier()  # by now every rank has mapped every rank's buffer
-        release_shared_memory_buffer(rank())  # DeepSpeed's CPU all-reduce leaks it (training/compat/deepspeed.py)
+        release_shared_memory_buffer(rank())  # DeepSpeed's CPU all-reduce leaks it (compat/deepspeed/initialize.py)
 
 
 REPORT_WAIT_S = 60.0  # how long a rank that does not print a user error waits for its local rank 0 to end it

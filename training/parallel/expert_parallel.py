@@ -15,7 +15,7 @@ import torch
 from deepspeed import DeepSpeedEngine
 from transformers import PretrainedConfig
 
-from training.compat.deepspeed import autoep_layers
+from training.compat.deepspeed.autoep import autoep_layers
 from training.base.errors import ConfigError
 from training.config.recipe import Recipe
 from training.parallel import distributed

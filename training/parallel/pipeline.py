@@ -27,7 +27,8 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from training.compat.deepspeed import measure_before_model_step, pipeline_layer_file, zero0_grad_norm
+from training.compat.deepspeed.checkpoint_files import pipeline_layer_file
+from training.compat.deepspeed.engine_step import measure_before_model_step, zero0_grad_norm
 from training.compat.transformers import attention_implementation, set_attention_implementation
 from training.base.errors import ConfigError
 
@@ -144,9 +145,9 @@ def layer_specs(config: PretrainedConfig) -> list[LayerSpec]:
 
 
 def layer_files(config: PretrainedConfig) -> list[str]:
-    """The files DeepSpeed's PipelineModule writes into a checkpoint (training/compat/deepspeed.py): one per layer of
-    layer_specs, in order (the embedding, the decoder layers, the final norm, the LM head), but none for a head tied
-    to the embedding (its weight is the embedding's file)."""
+    """The files DeepSpeed's PipelineModule writes into a checkpoint (compat/deepspeed/checkpoint_files.py): one per
+    layer of layer_specs, in order (the embedding, the decoder layers, the final norm, the LM head), but none for a
+    head tied to the embedding (its weight is the embedding's file)."""
     layers = len(layer_specs(config)) - (1 if config.tie_word_embeddings else 0)
     return [pipeline_layer_file(index) for index in range(layers)]
 

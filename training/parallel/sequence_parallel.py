@@ -25,7 +25,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import find_packed_sequence_indices
 
-from training.compat.deepspeed import sum_sequence_slices, use_attention_under_ulysses
+from training.compat.deepspeed.sequence_parallel import sum_sequence_slices, use_attention_under_ulysses
 from training.compat.transformers import attention_implementation
 from training.base.errors import ConfigError
 from training.config.recipe import Recipe

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from transformers import PretrainedConfig
 
 from training.base.errors import ConfigError, read_text
-from training.compat.deepspeed import without_train_batch_size
+from training.compat.deepspeed.initialize import without_train_batch_size
 from training.config.recipe import Recipe, TrainingSection
 from training.planning.precision import fp16_block
 

@@ -23,7 +23,7 @@ from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-from training.compat.deepspeed import zero_cuts
+from training.compat.deepspeed.zero import zero_cuts
 from training.planning.ds_config import ds_config_file, zero_stage
 from training.planning.layout import EXPERT_PARALLEL_STAGES
 from training.planning.precision import DTYPES, is_mixed

@@ -3,7 +3,7 @@ tests/test_optimizers.py measures them).
 
 AdamW, Lion and Muon keep fixed bytes per parameter, which ZeRO 1-3 shard evenly. The memory-lean optimizers'
 bytes depend on the shape they see (training/loop/shaped_optimizer.py), so they are counted tensor by tensor on each
-rank's shares, as DeepSpeed cuts the weights (training/compat/deepspeed.py zero_cuts), part by part (share_parts).
+rank's shares, as DeepSpeed cuts the weights (training/compat/deepspeed/zero.py zero_cuts), part by part (share_parts).
 Per share:
   AdamW8bit (torchao): 8-bit codes for both moments with an fp32 scale per 256-value block and a 256-entry fp32
      code table each, for a share of at least 4096 values that is a whole number of blocks; fp32 moments (8
@@ -13,7 +13,7 @@ Per share:
 """
 import math
 
-from training.compat.deepspeed import zero_cuts
+from training.compat.deepspeed.zero import zero_cuts
 from training.planning.shape import ModelShape
 
 QUANTIZED_BLOCK, QUANTIZED_MIN = 256, 4096  # torchao's block size and smallest quantized tensor (bitsandbytes')

@@ -8,7 +8,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from training.base.errors import ConfigError
-from training.compat.deepspeed import weight_shape
+from training.compat.deepspeed.zero import weight_shape
 from training.config.recipe import LoraSection
 
 

@@ -30,7 +30,8 @@ from pydantic import ValidationError
 
 from training.base.errors import ConfigError
 from training.base.output_guard import kept_line, owned_files, remove_owned, write_atomically
-from training.compat.deepspeed import loading_universal, universal_load_repaired, z0_grad_scaler
+from training.compat.deepspeed.engine_step import z0_grad_scaler
+from training.compat.deepspeed.universal import loading_universal, universal_load_repaired
 from training.config.recipe import Recipe
 from training.planning.layout import Layout
 from training.state.run_state import RunState, faults

@@ -23,8 +23,15 @@ from deepspeed import DeepSpeedEngine
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from training.compat.deepspeed import (autoep_layers, expert_files, gathered_16bit_state_dict, has_zero_partitions,
-                                       model_parallel_ranks, zero_fp32_weights, zero_rank_files)
+from training.compat.deepspeed.autoep import autoep_layers
+from training.compat.deepspeed.checkpoint_files import (
+    expert_files,
+    has_zero_partitions,
+    model_parallel_ranks,
+    zero_fp32_weights,
+    zero_rank_files,
+)
+from training.compat.deepspeed.zero import gathered_16bit_state_dict
 from training.state.checkpoint import READ_ERRORS, RUN_STATE, latest_tag, unreadable_files
 from training.state.disk_room import check_room, check_room_to_export
 from training.base.errors import ConfigError
@@ -81,10 +88,10 @@ def model_parallel_weights(tag_dir: Path, tensor_parallel: int) -> list[dict[str
     where the checkpoint has ZeRO's fp32 master weights.
 
     DeepSpeed's zero_to_fp32 reads model-parallel rank 00 only (and takes the other ranks' files for missing
-    data-parallel ones), so its steps run on one rank's files at a time (training/compat/deepspeed.py). The ranks are
-    the run state's tensor_parallel, or more where DeepSpeed named other ranks so. A bf16 run's optimizer files are
-    named bf16_zero_pp_rank_*: ZeRO partitions at ZeRO-2/3, and at ZeRO-0/1 BF16_Optimizer's, which hold no ZeRO stage
-    and which zero_to_fp32 refuses; there, as at ZeRO-0, the module's weights are what was trained."""
+    data-parallel ones), so its steps run on one rank's files at a time (training/compat/deepspeed/checkpoint_files.py).
+    The ranks are the run state's tensor_parallel, or more where DeepSpeed named other ranks so. A bf16 run's optimizer
+    files are named bf16_zero_pp_rank_*: ZeRO partitions at ZeRO-2/3, and at ZeRO-0/1 BF16_Optimizer's, which hold no
+    ZeRO stage and which zero_to_fp32 refuses; there, as at ZeRO-0, the module's weights are what was trained."""
     ranks, zero_partitions = model_parallel_ranks(tag_dir, tensor_parallel), has_zero_partitions(tag_dir)
     weights = []
     for rank in ranks:

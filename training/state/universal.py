@@ -7,9 +7,9 @@ and step) into one file per parameter and state, `checkpoints/universal/<tag>/ze
 writes it into a staging folder, lists its files and sizes in a manifest and renames it into place, so a
 conversion a kill interrupts is never mistaken for a finished one; a finished one is reused while its manifest
 holds, and made again when a file has gone missing or changed size since. DeepSpeed loads it with its config's
-`checkpoint.load_universal` on (training/compat/deepspeed.py loading_universal); our run state (step, tokens seen,
-data position, RNG) is read from the original checkpoint folder. The folder checkpoints/universal/ is train.py's
-own cache.
+`checkpoint.load_universal` on (training/compat/deepspeed/universal.py loading_universal); our run state (step,
+tokens seen, data position, RNG) is read from the original checkpoint folder. The folder checkpoints/universal/ is
+train.py's own cache.
 
 The converter needs DeepSpeed's UNIVERSAL_CHECKPOINT_INFO entry in the checkpoint, which Megatron-style
 models carry and Hugging Face models do not: train.py gives every model it saves the entry (with plain
@@ -27,7 +27,8 @@ from pathlib import Path
 import torch.distributed as dist
 from pydantic import ValidationError
 
-from training.compat.deepspeed import convert_with_tensor_parallel, make_stage_neutral, pipeline_layer_file
+from training.compat.deepspeed.checkpoint_files import pipeline_layer_file
+from training.compat.deepspeed.universal import convert_with_tensor_parallel, make_stage_neutral
 from training.parallel.distributed import patient_barrier
 from training.base.errors import ConfigError
 from training.base.output_guard import link_on_the_way
@@ -162,7 +163,7 @@ def convert(checkpoint_dir: Path, tag: str) -> Path:
         raise ConfigError(f"DeepSpeed's universal converter could not convert {source} (its last lines:\n  "
                           f"{last_lines}\n); resume in the layout that wrote it, or start a new run from its weights: "
                           f"{export_hint}")
-    make_stage_neutral(staging / tag)  # training/compat/deepspeed.py
+    make_stage_neutral(staging / tag)  # training/compat/deepspeed/universal.py
     files = {str(path.relative_to(staging / tag)): path.stat().st_size for path in (staging / tag).rglob("*")
              if path.is_file()}
     (staging / tag / MANIFEST).write_text(dumps(files, indent=1) + "\n")

@@ -1,4 +1,4 @@
-"""Canaries of training/compat/deepspeed.py, and the upstream bugs behind three refusals (docs/compat.md). Each test
+"""Canaries of training/compat/deepspeed/, and the upstream bugs behind three refusals (docs/compat.md). Each test
 fails when a patched name disappears, when DeepSpeed stops calling it, or when DeepSpeed fixes the behaviour: its
 message then says what can go."""
 import inspect
@@ -16,9 +16,11 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.zero import stage3
 
 from tests.conftest import REPO, run_train
-from training.compat.deepspeed import (autoep_layers, autoep_output_recorders, expert_files, local_fp32_shares,
-                                       muon_flags, pipeline_layer_file, weight_shape, withheld_step, zero0_grad_norm,
-                                       zero3_whole_weights, zero_cuts)
+from training.compat.deepspeed.autoep import autoep_layers, autoep_output_recorders
+from training.compat.deepspeed.checkpoint_files import expert_files, pipeline_layer_file
+from training.compat.deepspeed.engine_step import withheld_step, zero0_grad_norm
+from training.compat.deepspeed.initialize import muon_flags
+from training.compat.deepspeed.zero import local_fp32_shares, weight_shape, zero3_whole_weights, zero_cuts
 from training.planning.shape import weight_decay_groups
 
 STAGE3 = stage3.DeepSpeedZeroOptimizer_Stage3
@@ -87,8 +89,8 @@ def test_ulysses_wraps_the_registered_attention_and_drops_the_mask():
     assert "attention_mask = None" in register, \
         "Ulysses keeps the attention mask now: compat use_attention_under_ulysses (document_sdpa) may go"
     rebuilt = source(UlyssesSPAttentionHF.forward)
-    assert "def causal_mask(batch_idx, head_idx, q_idx, kv_idx):" in rebuilt and "kwargs[\"position_ids\"]" in rebuilt, \
-        "Ulysses no longer rebuilds a plain causal BlockMask: check whether document_flex is still needed"
+    assert "def causal_mask(batch_idx, head_idx, q_idx, kv_idx):" in rebuilt and "kwargs[\"position_ids\"]" \
+        in rebuilt, "Ulysses no longer rebuilds a plain causal BlockMask: check whether document_flex is still needed"
 
 
 # --- fp16 at ZeRO-0, the gradient norm without ZeRO, a withheld step -----------------------------------------------

@@ -27,7 +27,8 @@ def test_matching_versions_print_nothing(monkeypatch, capsys):
 
 
 def test_another_version_names_its_patches_in_one_warning(monkeypatch, capsys):
-    monkeypatch.setattr(compat, "installed_version", lambda library: "0.20.0" if library == "deepspeed" else pins()[library])
+    monkeypatch.setattr(compat, "installed_version",
+                        lambda library: "0.20.0" if library == "deepspeed" else pins()[library])
     found = compat.check_versions()
     assert {patch.library for patch, _ in found} == {"deepspeed"} and len(found) == len(compat.patches("deepspeed"))
     warning = capsys.readouterr().err
@@ -50,8 +51,8 @@ def names_a_test(reference: str) -> bool:
 
 @pytest.mark.parametrize("library", compat.LIBRARIES)
 def test_each_patch_is_defined_and_has_its_canary_and_its_proof(library):
-    module = importlib.import_module(f"training.compat.{library}")
     for patch in compat.patches(library):
+        module = importlib.import_module(patch.defined_in)
         assert callable(getattr(module, patch.name, None)), f"{library}.{patch.name} is declared but not defined"
         assert patch.canary.startswith("tests/training/compat/") and names_a_test(patch.canary), patch
         assert all(names_a_test(proof) for proof in patch.proofs) and patch.proofs, patch
@@ -65,7 +66,8 @@ def test_docs_list_every_patch():
 
 
 def test_train_py_warns_once_before_its_plan(monkeypatch):
-    monkeypatch.setattr(compat, "installed_version", lambda library: "0.20.0" if library == "deepspeed" else pins()[library])
+    monkeypatch.setattr(compat, "installed_version",
+                        lambda library: "0.20.0" if library == "deepspeed" else pins()[library])
     result = train_in_process(["--recipe", "tiny_llama", "--dry-run"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stderr.count("warning: upstream workarounds unverified for the installed versions") == 1

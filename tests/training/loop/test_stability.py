@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from training.config.recipe import StabilitySection
-from training.compat.deepspeed import withheld_step
+from training.compat.deepspeed.engine_step import withheld_step
 from training.loop.stability import StabilityGuard
 
 

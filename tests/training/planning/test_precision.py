@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from training.base.errors import ConfigError
-from training.compat.deepspeed import FP16BlockGradScaler
+from training.compat.deepspeed.engine_step import FP16BlockGradScaler
 from training.planning.precision import device_type, fp16_block, resolve_precision
 
 cpu_only = pytest.mark.skipif(device_type() != "cpu", reason="checks DeepSpeed's CPU accelerator")

@@ -3,7 +3,8 @@ import sys
 import deepspeed
 import torch
 
-from training.compat.deepspeed import FP16BlockGradScaler, provide_universal_info
+from training.compat.deepspeed.engine_step import FP16BlockGradScaler
+from training.compat.deepspeed.universal import provide_universal_info
 from training.planning.layout import Layout
 from training.planning.precision import fp16_block
 from training.state.checkpoint import load_checkpoint, save_checkpoint

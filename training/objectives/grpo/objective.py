@@ -42,7 +42,7 @@ from data_pipeline.pack import best_fit_decreasing
 from data_pipeline.prepare import pad_token_id
 from training.base.errors import ConfigError, DataError
 from training.base.strict_json import dumps
-from training.compat.deepspeed import zero3_whole_weights
+from training.compat.deepspeed.zero import zero3_whole_weights
 from training.config.recipe import Recipe
 from training.loop.metrics import device_name
 from training.models.model import cast_lm_head_to_fp32, disable_dropout
