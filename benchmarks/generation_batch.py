@@ -10,9 +10,9 @@ several optimizer steps' completions at once (TRL's steps_per_generation). The m
 random weights, so no completion ends early (EOS is no likelier than any other token); the prompts are random tokens
 of one length. Each sampler is timed at each batch after an untimed call at that batch (the caching allocator and
 the kernels warmed for its shapes):
-  - ours: training/objectives/grpo/objective.py's `sample` with sdpa, as GRPO decodes (`decoding`): transformers' generate
-    with SeededSampling, each completion drawing from its own random stream, so it does not depend on its batch. The
-    seconds, completion tokens/s and milliseconds per decoding pass;
+  - ours: training/objectives/grpo/sampling.py's `sample` with sdpa, as GRPO decodes (`decoding`): transformers'
+    generate with SeededSampling, each completion drawing from its own random stream, so it does not depend on its
+    batch. The seconds, completion tokens/s and milliseconds per decoding pass;
   - on a GPU, ours with FlexAttention kept for decoding (what `decoding` switches away from);
   - transformers' own sampling (one random stream for the whole batch), sdpa, at the same settings: its seconds, and
     ours over it (what the per-completion streams cost);
@@ -31,8 +31,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from training.objectives.grpo.sampling import sample  # noqa: E402
 from training.objectives.grpo.spec import GrpoSection  # noqa: E402
-from training.objectives.grpo.objective import sample  # noqa: E402
 from training.planning.flops import gpu_spec  # noqa: E402
 from training.planning.objective_memory import decoding_reads  # noqa: E402
 from training.planning.shape import model_shape  # noqa: E402

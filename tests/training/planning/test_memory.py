@@ -316,7 +316,7 @@ def test_the_generation_rule_matches_the_allocations(tmp_path, shape_of, dtype, 
     buffers over a large vocabulary (with every sampling setting), or the prompts' pass is the most."""
     from tests.conftest import save_small_checkpoint
     from training.config.recipe import load_recipe
-    from training.objectives.grpo.objective import sample
+    from training.objectives.grpo.sampling import sample
     from training.planning.objective_memory import generation
     config = AutoConfig.for_model("llama", num_attention_heads=4, num_key_value_heads=2, **shape_of)
     torch.manual_seed(0)

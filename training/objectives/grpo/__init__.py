@@ -1,2 +1,5 @@
-"""training.objective=grpo: online RL with verifiable rewards (spec.py: the grpo section; objective.py: the run;
-loss.py: the loss types; rewards.py: the reward functions and models)."""
+"""training.objective=grpo: online RL with verifiable rewards. spec.py: the grpo section, before anything is built;
+objective.py: the run (Grpo); sampling.py: a completion's seeded sampling and generate; rollout.py: the completions as
+the model's rows and their log-probabilities; settings.py: what the section's settings make (the loss's settings,
+steps per generation); loss.py: the loss types; rewards.py: the reward functions and models; logs.py: a generation's
+metrics and completions.jsonl; report.py: the dry run's lines and the console's."""

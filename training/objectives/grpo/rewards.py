@@ -23,7 +23,7 @@ Built-ins, each named by load_reward with its parameters:
   at an empty completion or at twice the target and beyond.
 
 A reward model (RewardModel, TRL's reward_funcs given a model) scores each prompt and completion with a sequence
-classifier's one logit.
+classifier's one logit. reward_functions loads a recipe's grpo.rewards, the functions and the models.
 
 What the user's function raises ends the run with one line naming it (RewardFunctionError), where the built-ins and
 RewardModel, this module's code, keep their traceback as a bug (a DataError of theirs, such as exact_answer's missing
@@ -37,15 +37,19 @@ import inspect
 import math
 import numbers
 import re
+import sys
 import traceback
 from collections.abc import Callable, Sequence
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from training.base.errors import ConfigError, DataError
+from training.config.recipe import Recipe
+from training.planning.shape import reward_model_shape
 
 RewardFunction = Callable[..., list[float | None]]
 BOXED = re.compile(r"\\boxed\s*\{")
@@ -312,3 +316,22 @@ class RewardModel:
                 rewards += self.model(**inputs).logits[:, 0].float().tolist()
             start = end
         return rewards
+
+
+def reward_functions(recipe: Recipe, device: torch.device | None = None, dtype: torch.dtype | None = None) -> list:
+    """grpo.rewards loaded (a module beside the recipe's YAML found by its name), and its reward models built on
+    `device` in `dtype` (without a device only their configs are read: the check before anything is built); a
+    ConfigError names a bad one."""
+    folder = str(Path(recipe.path).resolve().parent)
+    if folder not in sys.path:
+        sys.path.append(folder)
+    functions = []
+    for spec in recipe.grpo.rewards:
+        if spec.function:
+            functions.append(load_reward(spec.function, spec.params))
+        elif device is None:
+            reward_model_shape(spec.model, recipe.model.trust_remote_code)
+        else:
+            functions.append(RewardModel(spec.model, recipe.grpo.num_generations, device, dtype,
+                                         recipe.model.trust_remote_code, recipe.grpo.chat_template_kwargs))
+    return functions

@@ -7,6 +7,7 @@ from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, Pos
 from training.base.schema import HubIdOrPath, StrictModel
 from training.objectives.spec import TRL_SHARED_NAMES, ObjectiveSpec
 
+
 class RewardSpec(StrictModel):
     """One reward function of grpo.rewards (training/objectives/grpo/rewards.py): a function, or a reward model."""
     function: str | None = None  # a built-in (exact_answer, format_regex, length_penalty) or module:function, TRL's
@@ -28,7 +29,8 @@ class RewardSpec(StrictModel):
 
 class GenerationKwargs(StrictModel):
     """grpo.generation_kwargs: TRL's pass-through to transformers' GenerationConfig, for the settings that keep one
-    seeded sample per completion (training/objectives/grpo/objective.py, sample). Each default is transformers' "off"."""
+    seeded sample per completion (training/objectives/grpo/sampling.py, sample). Each default is transformers'
+    "off"."""
     stop_strings: list[str] = []  # a completion also ends where it completes one of them (kept; not truncated)
     min_new_tokens: NonNegativeInt = 0  # EOS barred before this many completion tokens
     no_repeat_ngram_size: NonNegativeInt = 0  # no n-gram of this size twice in a prompt and its completion
@@ -62,8 +64,8 @@ class GenerationKwargs(StrictModel):
 
 
 class GrpoSection(StrictModel):
-    """training.objective=grpo (training/objectives/grpo/objective.py): online RL with verifiable rewards. TRL's GRPOConfig names
-    and defaults; training.global_batch_size and micro_batch_size count completions."""
+    """training.objective=grpo (training/objectives/grpo/objective.py): online RL with verifiable rewards. TRL's
+    GRPOConfig names and defaults; training.global_batch_size and micro_batch_size count completions."""
     num_generations: int = Field(8, ge=2)  # completions sampled per prompt: a group, whose rewards make the advantages
     num_generations_eval: PositiveInt | None = None  # completions per evaluation prompt (None: num_generations); an
     # evaluation batch holds as many completions as a rank generates in training

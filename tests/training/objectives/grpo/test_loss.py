@@ -8,23 +8,33 @@
   micro-batch;
 - adaptive entropy control: three optimizer steps of two micro-batches through _compute_loss (TRL updates its
   coefficient at the step's end, accelerate's sync_gradients) and through EntropyControl around grpo_loss, as
-  training/objectives/grpo/objective.py runs them: each micro-batch's loss, and the coefficient and the step's entropy after
-  each step;
+  training/objectives/grpo/objective.py runs them: each micro-batch's loss, and the coefficient and the step's entropy
+  after each step;
 - the advantages: _generate_and_score_completions with _generate stubbed to return fixed completions, two reward
   functions that return crafted values (None among them, a group whose rewards are all equal); TRL's advantages,
   frac_reward_zero_std and per-function rewards against score -> weighted_rewards -> group_advantages (or, GDPO's
   normalize_then_sum, normalized_sum_advantages).
 """
+from dataclasses import replace
+
 import pytest
 import torch
 
 from tests.conftest import save_small_checkpoint
 from tests.helpers.trl_state import left_as_found
-from dataclasses import replace
-
-from training.objectives.grpo.loss import (STEP_TOKEN_MEAN, EntropyControl, LossSettings, entropy_threshold,
-                                           grpo_loss, group_advantages, kept_tokens, metric_means,
-                                           normalized_sum_advantages, token_logps, weighted_rewards)
+from training.objectives.grpo.loss import (
+    STEP_TOKEN_MEAN,
+    EntropyControl,
+    LossSettings,
+    entropy_threshold,
+    group_advantages,
+    grpo_loss,
+    kept_tokens,
+    metric_means,
+    normalized_sum_advantages,
+    token_logps,
+    weighted_rewards,
+)
 from training.objectives.grpo.rewards import score
 
 BATCH, ACCUMULATION, GENERATIONS, MAX_COMPLETION, TEMPERATURE = 4, 2, 4, 8, 0.7
@@ -152,7 +162,7 @@ def test_loss_gradient_and_metrics_equal_trl(checkpoint, tmp_path, loss_type, be
         (share / ACCUMULATION).backward()  # DeepSpeed's averaging over the step's micro-batches (one rank)
         assert share.item() / ACCUMULATION == pytest.approx(trl_losses[index], abs=tolerance), f"micro-batch {index}"
         means = metric_means(sums)
-        assert set(means) == set(trl_metrics) - {"entropy_coef"}  # a setting, logged by the objective (grpo.py)
+        assert set(means) == set(trl_metrics) - {"entropy_coef"}  # a setting, logged by the objective (objective.py)
         if loss_type in STEP_TOKEN_MEAN and "policy_loss" in means:  # TRL's is its micro-batch loss there: / steps
             means["policy_loss"] /= ACCUMULATION
         for name, value in means.items():

@@ -1,5 +1,5 @@
 """training.objective=grpo, its parts without a run: sampling, the prompts' batches, the reference under LoRA, what it
-refuses and the dry run's lines. The loss and advantages against TRL: test_grpo_loss.py; runs: tests/test_grpo.py."""
+refuses and the dry run's lines. The loss and advantages against TRL: test_loss.py; runs: tests/test_grpo.py."""
 import json
 import math
 import re
@@ -17,10 +17,12 @@ from data_pipeline.prepare import build_dataset
 from tests.conftest import REPO, save_small_checkpoint
 from training.base.errors import ConfigError, DataError
 from training.config.recipe import load_recipe
-from training.objectives.grpo.spec import GenerationKwargs, GrpoSection
-from training.objectives.grpo.objective import (Grpo, SeededSampling, completion_logps, completion_rows, decoding,
-                                      generation_config, loss_lines, sample)
 from training.objectives.grpo.loss import LOSS_TYPES, LossSettings, grpo_loss
+from training.objectives.grpo.objective import Grpo
+from training.objectives.grpo.report import loss_lines
+from training.objectives.grpo.rollout import completion_logps, completion_rows
+from training.objectives.grpo.sampling import SeededSampling, decoding, generation_config, sample
+from training.objectives.grpo.spec import GenerationKwargs, GrpoSection
 from training.planning.plan import RunPlan
 from training.planning.precision import DTYPES
 from training.planning.report import format_bytes
@@ -283,8 +285,8 @@ def test_packed_completions_take_the_loss_and_gradient_they_take_one_per_row(sma
 def test_under_lora_the_reference_is_the_base_with_the_adapters_disabled(small):
     path, model, _ = small
     torch.manual_seed(0)
-    lora = get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
-                                                                                 init_lora_weights=False))
+    lora = get_peft_model(AutoModelForCausalLM.from_pretrained(path),
+                          LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
     objective = Grpo.__new__(Grpo)
     objective.section, objective.reference, objective.steps_per_generation = GrpoSection(beta=0.04), None, 1
     batch = completion_rows([torch.tensor([5, 6, 7])], [torch.tensor([9, 10, 2])], pad_id=0, seq_len=8,
@@ -358,10 +360,12 @@ def test_a_generation_kwargs_token_beyond_the_vocabulary_is_named(tmp_path):
 
 def test_a_prompt_over_the_budget_is_named_or_dropped(tmp_path):
     path = tmp_path / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"prompt": text, "answer": "1"}) + "\n" for text in ["1+0=", "word " * 40, "0+1="]))
+    path.write_text("".join(json.dumps({"prompt": text, "answer": "1"}) + "\n"
+                            for text in ["1+0=", "word " * 40, "0+1="]))
     tokenizer = AutoTokenizer.from_pretrained(REPO / "recipes/tiny_llama/tokenizer")
     config = DataConfig(sources=[{"path": str(path)}], seq_len=32, examples="prompts", completion_tokens=16)
-    with pytest.raises(DataError, match=rf"{path}: row 2: the prompt is \d+ tokens, over the 16 .*data.long_documents=drop"):
+    with pytest.raises(DataError,
+                       match=rf"{path}: row 2: the prompt is \d+ tokens, over the 16 .*data.long_documents=drop"):
         build_dataset(config, tokenizer)
     prepared, stats, _ = build_dataset(config.model_copy(update={"long_documents": "drop"}), tokenizer)
     assert stats["long_documents_dropped"] == 1 and len(prepared["train"]) == 2
@@ -450,15 +454,15 @@ def test_the_dry_run_shows_prompts_generations_and_generation_memory(tmp_path, c
     assert "KV cache" in out
     assert re.search(r"reference: the starting checkpoint, a frozen copy on each rank \(([\d.]+) MiB\), synced to the "
                      r"policy every 2 steps \(alpha 0.6\) and saved with each checkpoint by rank 0 \(\1 MiB,", out)
-    assert re.search(r"generation cost per step and rank: [\d.e+]+ FLOPs at most \(33% of training on the same tokens\), "
-                     r"in 16 decoding passes", out)
+    assert re.search(r"generation cost per step and rank: [\d.e+]+ FLOPs at most \(33% of training on the same "
+                     r"tokens\), in 16 decoding passes", out)
 
 
 def test_on_a_gpu_of_the_table_the_plan_gives_the_generations_floor(monkeypatch):
     """Memory-bound: every decoding pass reads the bf16 weights and the KV cache so far, for the rank's 32 rows
     (256 completions over 8 ranks), at the GPU's bandwidth; compute-bound with 8 new tokens after 1,016."""
     import train
-    from training.objectives.grpo import objective as grpo
+    from training.objectives.grpo import report as grpo
 
     def cost(*overrides: str) -> tuple[RunPlan, str]:
         plan = train.make_plan(train.parse_args(["--recipe", "qwen2_5_1_5b_grpo", "--dry-run", "precision=bf16",
@@ -508,6 +512,7 @@ def test_adaptive_entropy_control_keeps_the_bonus_in_the_memory_plan_at_a_coeffi
     """Its coefficient may start at 0 and rise: the bonus's fp32 [tokens, vocabulary] tensor is planned from the
     start, as for a fixed coefficient."""
     from transformers import AutoConfig
+
     from training.planning.activations import activations
     from training.planning.shape import model_shape
     recipes = [grpo_recipe(tmp_path, *overrides) for overrides in
@@ -560,15 +565,16 @@ def test_the_memory_plan_holds_the_reference_whole_at_zero_0_to_2_and_a_share_of
 
 
 def test_the_memory_plan_counts_a_generation_in_place_of_the_activations(tmp_path):
-    """A generation's memory (objective_memory.generation) comes between the steps: the peak is the model states plus the
-    larger of it and a micro-batch's activations, in the run's plan, every row of the table and micro_batch_size=auto's
-    refusal. Under ZeRO-3 with grpo.ds3_gather_for_generation it holds the whole weights too; an lm run holds none."""
+    """A generation's memory (objective_memory.generation) comes between the steps: the peak is the model states
+    plus the larger of it and a micro-batch's activations, in the run's plan, every row of the table and
+    micro_batch_size=auto's refusal. Under ZeRO-3 with grpo.ds3_gather_for_generation it holds the whole weights too;
+    an lm run holds none."""
     import train
     from training.planning.activations import activations
-    from training.planning.memory import planned_model_states, states_per_setting
-    from training.planning.objective_memory import generation
     from training.planning.auto_config import with_training
+    from training.planning.memory import planned_model_states, states_per_setting
     from training.planning.micro_batch import choose_micro_batch
+    from training.planning.objective_memory import generation
     from training.planning.plan import Machine
     save_small_checkpoint(tmp_path / "base")
     ranks = 2
@@ -580,7 +586,8 @@ def test_the_memory_plan_counts_a_generation_in_place_of_the_activations(tmp_pat
 
     small = ["training.micro_batch_size=1", "training.global_batch_size=512", "data.seq_len=512",
              "grpo.max_completion_length=448"]
-    gathered, sharded = (plan("zero3", *small, f"grpo.ds3_gather_for_generation={gather}") for gather in ("true", "false"))
+    gathered, sharded = (plan("zero3", *small, f"grpo.ds3_gather_for_generation={gather}")
+                         for gather in ("true", "false"))
     zero2 = plan("zero2", *small, "grpo.ds3_gather_for_generation=true")
     memory = {name: generation(p.recipe, "bf16", p.shape, p.zero_stage, ranks)
               for name, p in (("gathered", gathered), ("sharded", sharded), ("zero2", zero2))}
@@ -641,6 +648,7 @@ def test_decoding_runs_compiled_layers_eagerly_and_flex_attention_models_with_sd
     layer's new KV cache traced it again: docs/grpo.md), and a FlexAttention model decodes with sdpa, to the same
     completions, and holds FlexAttention again after."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
     from training.models.compile import compile_layers
     shape = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=128)
@@ -662,7 +670,7 @@ def test_decoding_runs_compiled_layers_eagerly_and_flex_attention_models_with_sd
 
 
 def test_a_log_extra_column_of_another_length_is_named():
-    from training.objectives.grpo.objective import extra_columns
+    from training.objectives.grpo.logs import extra_columns
     from training.objectives.grpo.rewards import RewardLog
     log = RewardLog()
     log.extra("ids", [1, 2, 3])

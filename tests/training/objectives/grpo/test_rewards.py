@@ -3,7 +3,6 @@ errors for what cannot be loaded or scored."""
 import math
 import sys
 import warnings
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -11,9 +10,16 @@ import torch
 
 from training.base.errors import ConfigError, DataError, failure
 from training.objectives.grpo import rewards as rewards_module
-from training.objectives.grpo.objective import Grpo
-from training.objectives.grpo.rewards import (RewardFunctionError, check_rewarded, exact_answer, format_regex,
-                                         length_penalty, load_reward, score)
+from training.objectives.grpo.logs import generation_metrics
+from training.objectives.grpo.rewards import (
+    RewardFunctionError,
+    check_rewarded,
+    exact_answer,
+    format_regex,
+    length_penalty,
+    load_reward,
+    score,
+)
 
 
 def chat(text: str) -> list[dict]:
@@ -226,8 +232,8 @@ def test_a_function_with_one_reward_or_none_logs_a_std_of_0_without_torchs_warni
     rewards, lengths = per_function[:, 1], torch.tensor([3.0, 4.0, 5.0, 6.0])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        metrics = Grpo.generation_metrics(SimpleNamespace(names=["none", "once"]), per_function, rewards,
-                                          torch.zeros(4), lengths, torch.zeros(4, dtype=torch.bool), 4)
+        metrics = generation_metrics(["none", "once"], per_function, rewards, torch.zeros(4), lengths,
+                                     torch.zeros(4, dtype=torch.bool), 4)
     assert metrics["rewards/none/std"] == metrics["rewards/once/std"] == 0.0
     assert metrics["rewards/once/mean"] == 1.0 and math.isnan(metrics["rewards/none/mean"])
 
@@ -245,6 +251,7 @@ def test_a_reward_model_scores_each_completion_as_it_scores_it_alone(reward_mode
     prompt joined to its completion, chat turns rendered by the reward model's chat template; right-padded among a
     group's other completions it gives each the score it has alone, and the metrics' name is its folder's."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
     from training.objectives.grpo.rewards import RewardModel
     judge = RewardModel(str(reward_model), 3, torch.device("cpu"), torch.float32, False, {})
     alone = AutoModelForSequenceClassification.from_pretrained(reward_model).eval()
