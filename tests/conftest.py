@@ -298,6 +298,17 @@ def launch_record() -> dict:
     return {"launches": dict(launches), "warm_runs": own + sum(worker_warm_runs)}
 
 
+@pytest.fixture
+def no_model_building(monkeypatch):
+    """Fail the test if train.py gets as far as building a model or a process group."""
+    import train
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("train.py went past validation")
+    monkeypatch.setattr(train, "build_run_model", forbidden)
+    monkeypatch.setattr(train.distributed, "init_distributed", forbidden)
+
+
 @pytest.fixture(autouse=True)
 def only_slow_tests_launch() -> list[str]:
     """The launches refused to this test; it fails at teardown also when it caught the failure raised at the launch."""

@@ -15,15 +15,6 @@ from training.objectives.lm.objective import LanguageModel
 from training.trainer import train_step
 
 
-@pytest.fixture
-def no_model_building(monkeypatch):
-    """Fail the test if train.py gets as far as building a model or a process group."""
-    def forbidden(*args, **kwargs):
-        raise AssertionError("train.py went past validation")
-    monkeypatch.setattr(train, "build_run_model", forbidden)
-    monkeypatch.setattr(train.distributed, "init_distributed", forbidden)
-
-
 @pytest.mark.parametrize("args, message", [
     (["--recipe", "tiny_lama"], "unknown recipe 'tiny_lama'.*Available recipes: .*tiny_llama"),
     (["--recipe", "tiny_llama", "training.micro_batch=4"],

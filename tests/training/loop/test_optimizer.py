@@ -5,7 +5,6 @@ import torch
 from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
 import train
-from tests.test_train import no_model_building  # noqa: F401 (a fixture)
 from training.planning.ds_config import load_ds_config, resolve_ds_config
 from training.base.errors import ConfigError
 from training.loop.optimizer import client_optimizer, lr_schedule, muon_name_rule_mismatch

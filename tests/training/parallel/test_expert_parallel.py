@@ -9,7 +9,6 @@ from deepspeed.moe.ep_repack import repack_expert_weights
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import train
-from tests.test_train import no_model_building  # noqa: F401 (a fixture)
 from training.models.moe import router_meter
 from training.parallel.expert_parallel import original_weights
 from training.planning.ds_config import with_expert_parallel

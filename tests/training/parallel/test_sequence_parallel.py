@@ -7,7 +7,6 @@ import torch
 
 import train
 from data_pipeline.loader import model_inputs
-from tests.test_train import no_model_building  # noqa: F401 (a fixture)
 from training.planning.activations import activation_bytes
 from training.planning.shape import model_shape
 

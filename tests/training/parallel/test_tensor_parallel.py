@@ -3,7 +3,6 @@ the plan's layout and model states per rank (the runs themselves: tests/test_par
 import pytest
 
 import train
-from tests.test_train import no_model_building  # noqa: F401 (a fixture)
 from training.planning.ds_config import with_tensor_parallel
 
 

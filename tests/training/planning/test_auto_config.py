@@ -16,7 +16,6 @@ from training.planning.memory import fits
 from training.planning.plan import Machine
 from training.planning.shape import model_shape
 from tests.conftest import SMALL_MODEL, train_in_process
-from tests.test_train import no_model_building  # noqa: F401 (a fixture)
 
 ORDER = ["0", "1", "2", "3", "3 + offload"]
 

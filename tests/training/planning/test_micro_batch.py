@@ -19,7 +19,6 @@ from training.planning.plan import Machine
 from training.planning.report import format_bytes
 from training.planning.shape import ModelShape, model_shape
 from tests.conftest import REPO
-from tests.test_train import no_model_building  # noqa: F401 (a fixture)
 
 # benchmarks/gpu_throughput.py's model and rows, with a global batch that leaves room for accumulation
 LLAMA_1B = ["--recipe", "tiny_llama", f"model.config={REPO / 'benchmarks/llama_1b/config.json'}", "data.seq_len=2048",
