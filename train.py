@@ -1,6 +1,7 @@
 """Train a recipe with DeepSpeed.
 
-    deepspeed [launcher args] train.py --recipe NAME_OR_DIR [--output-dir DIR] [--dry-run] [--resume] [key.path=value ...]
+    deepspeed [launcher args] train.py --recipe NAME_OR_DIR [--output-dir DIR] [--dry-run] [--resume]
+        [key.path=value ...]
     python train.py --recipe tiny_llama training.max_steps=20      # one process, no launcher
     python train.py --recipe llama2_7b --dry-run --num-gpus 8 --gpu-mem 80   # the plan for a machine you are not on
 
@@ -17,9 +18,9 @@ import warnings
 from dataclasses import replace
 from pathlib import Path
 
-import training  # noqa: F401 (first: it keeps DeepSpeed's import from loading mlflow, training/compat/deepspeed/)
 import torch.distributed as dist
 
+import training  # noqa: F401 (first: it keeps DeepSpeed's import from loading mlflow, training/compat/deepspeed/)
 from data_pipeline.prepare import prepare_dataset
 from data_pipeline.stream import StreamingBatches
 from training.base.errors import ConfigError, positive_float, positive_int
@@ -28,13 +29,25 @@ from training.compat import check_versions
 from training.config.recipe import load_recipe, recipe_inputs
 from training.loop.benchmarks import benchmark_run, check_benchmarks
 from training.loop.engine import start_engine
-from training.loop.metrics import RunTotals, Stopwatch, flops_meter, measured_model_states, record_model_states, \
-    write_summary
+from training.loop.metrics import (
+    RunTotals,
+    Stopwatch,
+    flops_meter,
+    measured_model_states,
+    record_model_states,
+    write_summary,
+)
 from training.loop.trackers import Trackers, check_trackers
 from training.models.attention import resolve_attention
 from training.models.compile import resolve_compile
-from training.models.model import (check_checkpoint_folder, check_checkpoint_matches, check_recipe_against_model,
-                                   load_model_config, load_tokenizer, weights_digest)
+from training.models.model import (
+    check_checkpoint_folder,
+    check_checkpoint_matches,
+    check_recipe_against_model,
+    load_model_config,
+    load_tokenizer,
+    weights_digest,
+)
 from training.models.moe import router_meter, with_router_loss
 from training.objectives.base import Objective, objective_class
 from training.parallel import distributed
@@ -49,8 +62,13 @@ from training.planning.report import print_plan
 from training.state.checkpoint import latest_tag
 from training.state.disk_room import check_room_to_start
 from training.state.export import export_run
-from training.state.output_dir import (check_output_dir, claim_output_dir, default_output_dir, finish_output_dir,
-                                       start_output_dir)
+from training.state.output_dir import (
+    check_output_dir,
+    claim_output_dir,
+    default_output_dir,
+    finish_output_dir,
+    start_output_dir,
+)
 from training.state.resume import plan_resume, resume_engine, saved_micro_batch
 from training.state.run_state import RunState
 from training.state.universal import convert_on_rank_0
@@ -138,11 +156,11 @@ def show_plan(plan: RunPlan, machine: Machine) -> None:
 def make_batches(plan: RunPlan, objective: Objective) -> tuple:
     """The objective's training batches from prepared rows (local rank 0 prepares and caches them while the other
     ranks wait), or batches from a stream; evaluation batches when the data has an eval split; the data's stats."""
-    data, training = plan.recipe.data, plan.recipe.training
+    data, section = plan.recipe.data, plan.recipe.training
     rank = plan.dp_rank(dist.get_rank())
     if data.streaming:
-        return StreamingBatches(data, plan.tokenizer, training.micro_batch_size, plan.accumulation_steps, rank,
-                                plan.dp_size, training.seed), None, {"streaming": True}
+        return StreamingBatches(data, plan.tokenizer, section.micro_batch_size, plan.accumulation_steps, rank,
+                                plan.dp_size, section.seed), None, {"streaming": True}
     with distributed.local_main_first():
         prepared, stats = prepare_dataset(data, plan.tokenizer)
     return *objective.batches(prepared, rank), stats
@@ -171,12 +189,12 @@ def main(argv: list[str] | None = None) -> int:
 def run(plan: RunPlan, args: argparse.Namespace) -> int:
     """Everything after the checks, inside the process group: data, model, engine, training, export. An error
     here on any rank ends every rank (training/parallel/failure.py)."""
-    training, checkpoints = plan.recipe.training, plan.output_dir / "checkpoints"
+    section, checkpoints = plan.recipe.training, plan.output_dir / "checkpoints"
     distributed.check_shared_folder(plan.output_dir)
     claim_output_dir(plan.output_dir, args.resume)
-    objective = objective_class(training.spec)(plan)
+    objective = objective_class(section.spec)(plan)
     batches, evaluation, data_stats = make_batches(plan, objective)
-    total_steps = training.total_steps(batches.steps_per_epoch)
+    total_steps = section.total_steps(batches.steps_per_epoch)
     if plan.resume_universal:
         convert_on_rank_0(checkpoints, latest_tag(checkpoints))
 
@@ -185,7 +203,8 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
     engine = start_engine(plan, model, mpu, total_steps)
     start = resume_engine(engine, batches, plan, total_steps) if args.resume else \
         RunState(step=0, tokens_seen=0, data_position=0, **plan.layout().model_dump())
-    start_output_dir(plan, args.overwrite, args.resume)  # every check has passed: only now may --overwrite remove the earlier run
+    # every check has passed: only now may --overwrite remove the earlier run
+    start_output_dir(plan, args.overwrite, args.resume)
     objective.start(engine, batches, evaluation, args.resume)
     signal.signal(signal.SIGTERM, lambda signum, frame: stop_requested.set())  # from here a SIGTERM saves, then stops
     held_tensors = {}

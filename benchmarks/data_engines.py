@@ -140,7 +140,6 @@ def signature_stage(scratch: Path, tasks: int, workers: int, batched: bool) -> f
     from datatrove.pipeline.readers import JsonlReader
 
     from data_pipeline.dedup import MinHasher, normalized_bytes
-
     from data_pipeline.scale import minhash_config, recipe_signatures
     from training.compat.datatrove import BatchedMinhashSignature
     from training.config.recipe import load_recipe

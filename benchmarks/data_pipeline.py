@@ -44,12 +44,13 @@ from trl import pack_dataset
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from corpora import source_files  # noqa: E402 (this folder)
+from datasketch_dedup import word_shingles  # noqa: E402 (this folder: the whole-process baseline's shingles)
+
 from data_pipeline.dedup import MinHasher, NearDuplicates, first_of_group, normalized_bytes  # noqa: E402
 from data_pipeline.pack import pack_bfd, pack_concat  # noqa: E402
 from data_pipeline.prepare import rows_to_dataset  # noqa: E402
 from data_pipeline.tokenize import token_stream  # noqa: E402
-from corpora import source_files  # noqa: E402 (this folder)
-from datasketch_dedup import word_shingles  # noqa: E402 (this folder: the whole-process baseline's shingles)
 
 THRESHOLD, NUM_PERM, NGRAM = 0.8, 128, 5
 

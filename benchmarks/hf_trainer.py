@@ -29,18 +29,16 @@ from importlib.metadata import version
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import train  # noqa: E402  (first: it imports training, whose compat settings must precede DeepSpeed's import)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from transformers import (AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments,  # noqa: E402
-                          default_data_collator)
+from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments, default_data_collator  # noqa: E402
 
+import train  # noqa: E402  (first: it imports training, whose compat settings must precede DeepSpeed's import)
 from data_pipeline.loader import ROW_COLUMNS  # noqa: E402
 from data_pipeline.prepare import prepare_dataset  # noqa: E402
 from training.base.errors import ConfigError  # noqa: E402
 from training.base.strict_json import dumps  # noqa: E402
-from training.loop.metrics import (Stopwatch, device_name, flops_meter, peak_memory_bytes,  # noqa: E402
-                                   peak_reserved_bytes)
+from training.loop.metrics import Stopwatch, device_name, flops_meter, peak_memory_bytes, peak_reserved_bytes  # noqa: E402
 from training.parallel import distributed  # noqa: E402
 from training.planning.plan import RunPlan  # noqa: E402
 from training.planning.precision import device_type  # noqa: E402

@@ -24,8 +24,8 @@ sys.path.insert(0, str(REPO))
 from transformers import AutoTokenizer  # noqa: E402
 
 from data_pipeline.prepare import cached_path, prepare_dataset  # noqa: E402
-from training.parallel.launch import launcher_command  # noqa: E402
 from training.config.recipe import load_recipe  # noqa: E402
+from training.parallel.launch import launcher_command  # noqa: E402
 
 
 def launch(script: str, args: list[str], num_gpus: int) -> None:

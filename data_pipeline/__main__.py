@@ -25,12 +25,11 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from training.base.errors import DataError
 from data_pipeline.config import DedupConfig
-from data_pipeline.filters import SAMPLES_FILE
 from data_pipeline.dedup import NearDuplicates, bytes_hashes, normalized_bytes, repeated_mask
 from data_pipeline.files import emptiness, json_lines, record_problem
-from training.base.errors import exit_code, positive_int
+from data_pipeline.filters import SAMPLES_FILE
+from training.base.errors import DataError, exit_code, positive_int
 from training.base.output_guard import check_output, mark, overlap, write_atomically
 
 
@@ -78,8 +77,8 @@ def prepare(args: argparse.Namespace) -> int:
     importing them was most of its time as a whole process (benchmarks/README.md)."""
     from data_pipeline.prepare import build_dataset, save_prepared
     from training.compat import check_versions
-    from training.models.model import load_tokenizer
     from training.config.recipe import load_recipe, recipe_inputs
+    from training.models.model import load_tokenizer
     from training.objectives.base import objective_class
     recipe = load_recipe(args.recipe, args.overrides)
     objective_class(recipe.training.spec).check(recipe, None)  # its refusals of data settings, before any work
@@ -155,6 +154,7 @@ def near_signatures(texts: list[str], encoded: list[bytes], config: DedupConfig,
     if num_proc == 1:
         return config.hasher().normalized_signatures(encoded)
     import datasets
+
     from data_pipeline.prepare import minhash_signatures
     return minhash_signatures(datasets.Dataset.from_dict({"text": texts}), config, num_proc)
 

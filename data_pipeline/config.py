@@ -5,13 +5,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt,
-                      ValidationInfo, model_validator)
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationInfo,
+    model_validator,
+)
 
-from training.base.errors import DataError
-from training.base.schema import StrictModel
 from data_pipeline.dedup import MinHasher
 from data_pipeline.files import emptiness
+from training.base.errors import DataError
+from training.base.schema import StrictModel
 
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt")
 PREPARE_AGAIN = ("prepare it again (`python -m data_pipeline prepare --recipe R --output NEW_DIR`) and set "

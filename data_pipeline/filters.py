@@ -17,16 +17,21 @@ from typing import Literal
 import numpy as np
 import xxhash
 from datatrove.data import Document
-from datatrove.pipeline.filters import (C4QualityFilter, FineWebQualityFilter, GopherQualityFilter,
-                                        GopherRepetitionFilter, RegexFilter)
+from datatrove.pipeline.filters import (
+    C4QualityFilter,
+    FineWebQualityFilter,
+    GopherQualityFilter,
+    GopherRepetitionFilter,
+    RegexFilter,
+)
 from datatrove.pipeline.filters.base_filter import BaseFilter, get_filter_result
 from datatrove.utils.lid import FT176LID
 from pydantic import BaseModel, Field, PositiveInt, ValidationError, create_model, field_validator, model_validator
 from transformers import PreTrainedTokenizerBase
 
 from training.base.errors import DataError
-from training.base.strict_json import dumps
 from training.base.schema import StrictModel
+from training.base.strict_json import dumps
 from training.compat.datatrove import ArrayScores, language_filter, warm_word_tokenizers
 
 SAMPLES_FILE = "removed_samples.jsonl"  # beside a prepared data set: what each quality filter removed, sampled

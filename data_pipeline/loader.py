@@ -5,8 +5,8 @@ import datasets
 import numpy as np
 import torch
 
-from training.base.errors import ConfigError, DataError
 from data_pipeline.preference import pack_pairs
+from training.base.errors import ConfigError, DataError
 
 ROW_COLUMNS = ("input_ids", "labels", "position_ids", "length")
 

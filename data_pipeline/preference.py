@@ -20,11 +20,11 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from data_pipeline import processes
-from training.base.errors import DataError
 from data_pipeline.config import DataSource, matching_files
 from data_pipeline.files import TEXT_SUFFIXES, check_utf8
 from data_pipeline.pack import IGNORE_INDEX, best_fit_decreasing, place_documents
 from data_pipeline.sources import read_source
+from training.base.errors import DataError
 
 PAIR_DOCUMENTS = datasets.Features({"text": datasets.Value("string"), "prompt": datasets.Value("string"),
                                     "chosen": datasets.Value("string"), "rejected": datasets.Value("string"),

@@ -18,8 +18,6 @@ from datasets.fingerprint import Hasher
 from transformers import PreTrainedTokenizerBase
 
 from data_pipeline import processes
-from training.base.errors import DataError
-from training.base.strict_json import dumps
 from data_pipeline.config import PREPARE_AGAIN, DataConfig, DataSource, DedupConfig, check_prepared, matching_files
 from data_pipeline.dedup import EncodedAt, NearDuplicates, normalized_bytes, repeated_mask, text_hashes
 from data_pipeline.pack import fit_to_length, pack_bfd, pack_concat, pack_padded
@@ -27,8 +25,10 @@ from data_pipeline.preference import load_pairs, pair_stats, tokenize_pairs
 from data_pipeline.prompts import load_prompts, prompt_stats, tokenize_prompts
 from data_pipeline.sources import load_documents
 from data_pipeline.tokenize import token_stream, tokenize_documents
-from training.compat.datasets import save_with_linked_split
+from training.base.errors import DataError
 from training.base.output_guard import mark
+from training.base.strict_json import dumps
+from training.compat.datasets import save_with_linked_split
 
 PREPARE_COMMAND = "python -m data_pipeline prepare"
 

@@ -40,20 +40,37 @@ from datatrove.utils.batching import batched
 from datatrove.utils.hashing import HashConfig
 from transformers import PreTrainedTokenizerBase
 
-from training.base.errors import DataError
-from training.base.strict_json import dumps
 from data_pipeline.config import DataConfig, DataSource, matching_files
 from data_pipeline.dedup import lsh_bands, normalize, normalized_bytes
 from data_pipeline.files import check_lines, field_problem, is_json_lines
 from data_pipeline.filters import FilterChain, check_models, merge, summarize
-from data_pipeline.prepare import (EMPTY_SOURCES, FILTERED_ALL, LONG_DOCUMENT_STATS, decontaminate, drop_empty,
-                                   fingerprint, mixture_rows, nothing_left, pack, pad_token_id, rows_to_dataset,
-                                   save_prepared)
+from data_pipeline.prepare import (
+    EMPTY_SOURCES,
+    FILTERED_ALL,
+    LONG_DOCUMENT_STATS,
+    decontaminate,
+    drop_empty,
+    fingerprint,
+    mixture_rows,
+    nothing_left,
+    pack,
+    pad_token_id,
+    rows_to_dataset,
+    save_prepared,
+)
 from data_pipeline.sources import FEATURES, chat_document, load_documents, load_source, source_field
 from data_pipeline.tokenize import tokenize_documents
 from data_pipeline.work_folder import Layout, claim_work_folder, job_fingerprint, reopen_for_rerun, work_folder
-from training.compat.datatrove import (BatchedMinhashSignature, ForwardingExactDedupSignature, end_if_a_worker_dies,
-                                       errors_without_traceback, exact_duplicates_found, step_counts)
+from training.base.errors import DataError
+from training.base.strict_json import dumps
+from training.compat.datatrove import (
+    BatchedMinhashSignature,
+    ForwardingExactDedupSignature,
+    end_if_a_worker_dies,
+    errors_without_traceback,
+    exact_duplicates_found,
+    step_counts,
+)
 
 JSONL = partial(JsonlReader, add_file_path=False)  # no path in each document's metadata: nothing reads it
 READERS = {".jsonl": JSONL, ".json": JSONL, ".parquet": ParquetReader, ".csv": CSVReader}

@@ -8,9 +8,9 @@ from pathlib import Path
 import datasets
 import pyarrow as pa
 
-from training.base.errors import DataError
 from data_pipeline.config import DataSource, matching_files
 from data_pipeline.files import check_lines
+from training.base.errors import DataError
 
 # How each local suffix maps to a `datasets` builder; a .txt file is one document.
 BUILDERS = {".jsonl": ("json", {}), ".json": ("json", {}), ".parquet": ("parquet", {}), ".csv": ("csv", {}),

@@ -22,11 +22,11 @@ import torch
 from datasets.distributed import split_dataset_by_node
 from transformers import PreTrainedTokenizerBase
 
-from training.base.errors import DataError
 from data_pipeline.config import DataConfig
 from data_pipeline.pack import pack_concat
 from data_pipeline.sources import load_source
 from data_pipeline.tokenize import encode_batch
+from training.base.errors import DataError
 
 
 def stream_documents(config: DataConfig, tokenizer: PreTrainedTokenizerBase, dp_rank: int, dp_size: int,

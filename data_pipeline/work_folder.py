@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from training.base.errors import DataError
-from training.base.strict_json import dumps
 from training.base.output_guard import overlap
+from training.base.strict_json import dumps
 
 JOB_KEYS = {"fingerprint": "data section, source files or tokenizer", "tasks": "--tasks",
             "stages": "version of the stages (an earlier checkout of this repository)"}

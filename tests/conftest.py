@@ -17,7 +17,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tests import warm_ranks as pool  # noqa: E402
-from tests.warm_ranks import PROCESS_PROBES, SCRIPTS as WARM_SCRIPTS, warm_ranks  # noqa: E402
+from tests.warm_ranks import PROCESS_PROBES, warm_ranks  # noqa: E402
+from tests.warm_ranks import SCRIPTS as WARM_SCRIPTS  # noqa: E402
 from training.parallel.launch import launcher_command  # noqa: E402
 
 # Each xdist worker takes its share of the cores (set before any test imports torch): with torch's default of one
@@ -391,6 +392,7 @@ def one_rank():
     """A process group of this process alone (gloo on CPU), for code that needs one in-process; torn down
     through deepspeed.comm, so that DeepSpeed forgets the groups it cached for the next test's engine."""
     import deepspeed.comm
+
     from training.parallel import distributed
     with rank_of_its_own():
         distributed.init_distributed()

@@ -14,8 +14,13 @@ import importlib.util
 import pytest
 import torch
 
-from tests.data_pipeline.test_packed_attention import (assert_documents_kept_apart, losses_alone, packed_row,
-                                                       per_token_loss, sharp_model)
+from tests.data_pipeline.test_packed_attention import (
+    assert_documents_kept_apart,
+    losses_alone,
+    packed_row,
+    per_token_loss,
+    sharp_model,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; "
                                 "torch.cuda.is_available() is False")

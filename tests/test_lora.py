@@ -94,6 +94,7 @@ def test_the_export_is_the_adapter_folder(runs):
 def test_a_checkpoint_exports_the_run_s_adapter(runs, ds_config, tmp_path):
     """python -m training export on a LoRA checkpoint writes peft's adapter folder: at the last step, the run's own."""
     from safetensors.torch import load_file
+
     from training.__main__ import main as training_cli
     assert training_cli(["export", str(runs[ds_config] / "checkpoints"), str(tmp_path / "adapter")]) == 0
     exported = load_file(tmp_path / "adapter" / "adapter_model.safetensors")

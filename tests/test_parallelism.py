@@ -24,8 +24,8 @@ from data_pipeline.prepare import prepare_dataset
 from tests.conftest import REPO, SMALL_MODEL, run_train
 from tests.data_pipeline.test_packed_attention import assert_documents_kept_apart, losses_alone, packed_row, sharp_model
 from training.__main__ import main as training_cli
-from training.models.model import load_tokenizer
 from training.config.recipe import load_recipe
+from training.models.model import load_tokenizer
 
 pytestmark = pytest.mark.slow
 

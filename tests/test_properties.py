@@ -17,13 +17,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
+import data_pipeline.__main__ as data_cli
+import data_pipeline.prepare
 import train
 from tests.conftest import REPO, assert_only_created, tree_state
 from tools import compare, compare_zero
 from training import __main__ as training_cli
 from training.config.recipe import Recipe
-import data_pipeline.__main__ as data_cli
-import data_pipeline.prepare
 
 EXAMPLES = int(os.environ.get("HYPOTHESIS_EXAMPLES", "60"))
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,

@@ -15,9 +15,9 @@ from transformers import AutoModelForCausalLM
 import train
 from data_pipeline.pack import pack_concat
 from tests.conftest import REPO, run_train, save_small_checkpoint
+from training.config.recipe import available_recipes, load_recipe
 from training.models.attention import attention_for
 from training.models.model import load_model_config
-from training.config.recipe import available_recipes, load_recipe
 
 RECIPES = [name for name in available_recipes()
            if name not in ("tiny_llama", "tiny_llama_sft", "tiny_llama_dpo", "tiny_llama_grpo")]

@@ -118,6 +118,7 @@ def test_planned_checkpoint_size_is_what_deepspeed_writes(curves, precision, sta
     """The --dry-run's checkpoint line (training/planning/checkpoint_size.py) against the files, in total and from
     rank 0 (which also writes the weights below ZeRO-3). DeepSpeed's pickles add a few KB per file."""
     from transformers import AutoConfig
+
     from training.planning.checkpoint_size import checkpoint_bytes
     from training.planning.shape import model_shape
     config = AutoConfig.from_pretrained("recipes/tiny_llama/config.json", num_hidden_layers=2, hidden_size=64,

@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.slow,
 def test_qlora_trains_under_zero3_and_exports_the_adapter(tmp_path, data_cache):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
+
     from training.models.lora import nf4_quantization
     base, out = tmp_path / "base", tmp_path / "run"
     save_small_checkpoint(base)

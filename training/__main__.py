@@ -7,11 +7,11 @@ import os
 import sys
 from pathlib import Path
 
-from training.compat import check_versions
 from training.base.errors import exit_code, positive_int
+from training.compat import check_versions
 from training.loop.benchmarks import check_evaluation, evaluate_folder, evaluate_in_processes
-from training.state.export import export_checkpoint, find_tag
 from training.planning.precision import DTYPES
+from training.state.export import export_checkpoint, find_tag
 from training.state.universal import convert
 
 

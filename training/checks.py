@@ -2,19 +2,26 @@
 stage, precision and optimizer together, before anything is built."""
 from transformers import PretrainedConfig
 
-from training.planning.ds_config import (check_nvme_offload, config_source, ds_config_file, load_ds_config, offloads,
-                                       zero_setting, zero_stage)
 from training.base.errors import ConfigError
-from training.objectives.base import objective_class
+from training.config.recipe import Recipe
+from training.loop.optimizer import check_optimizer
 from training.models.lora import check_lora
 from training.models.moe import check_moe
-from training.loop.optimizer import check_optimizer
+from training.objectives.base import objective_class
 from training.parallel.expert_parallel import check_expert_parallel
 from training.parallel.pipeline import check_pipeline
-from training.planning.precision import resolve_precision
-from training.config.recipe import Recipe
 from training.parallel.sequence_parallel import check_sequence_parallel
 from training.parallel.tensor_parallel import check_tensor_parallel
+from training.planning.ds_config import (
+    check_nvme_offload,
+    config_source,
+    ds_config_file,
+    load_ds_config,
+    offloads,
+    zero_setting,
+    zero_stage,
+)
+from training.planning.precision import resolve_precision
 
 
 def check_layout(recipe: Recipe, model_config: PretrainedConfig, raw_ds_config: dict, precision: str,

@@ -145,8 +145,9 @@ def damaged_copy(prepared: Path, folder: Path, damage: str) -> tuple[Path, Path]
 
 @pytest.mark.parametrize("damage", ["truncated", "empty", "garbage", "no state.json", "truncated stats.json"])
 def test_a_damaged_prepared_folder_is_named_with_its_file_before_any_work(damage, prepared, tmp_path, tree_guard):
-    from data_pipeline.config import DataConfig
     from pydantic import ValidationError
+
+    from data_pipeline.config import DataConfig
     folder, damaged = damaged_copy(prepared, tmp_path, damage)
     with tree_guard(), pytest.raises(ValidationError) as refusal:
         DataConfig(prepared=str(folder), seq_len=64)
@@ -167,10 +168,11 @@ def test_train_py_refuses_a_truncated_arrow_file_with_exit_2(prepared, tmp_path,
 
 
 def test_a_damaged_cache_entry_names_itself_and_the_fix(tmp_path, tree_guard):
-    from training.base.errors import DataError
+    from transformers import AutoTokenizer
+
     from data_pipeline.config import DataConfig
     from data_pipeline.prepare import cached_path, prepare_dataset
-    from transformers import AutoTokenizer
+    from training.base.errors import DataError
     tokenizer = AutoTokenizer.from_pretrained(REPO / "recipes/tiny_llama/tokenizer")
     config = DataConfig(sources=[{"path": str(small_corpus(tmp_path / "data"))}], seq_len=64,
                         cache_dir=str(tmp_path / "cache"))
@@ -330,6 +332,7 @@ def test_dedup_refuses_an_unmarked_output_from_the_command_line(tmp_path, tree_g
 
 def test_an_empty_shard_among_others_is_read_and_an_all_empty_glob_refused(tmp_path):
     from pydantic import ValidationError
+
     from data_pipeline.config import DataSource
     from data_pipeline.sources import load_documents
     (tmp_path / "part-0.jsonl").write_text("")

@@ -4,9 +4,20 @@ import random
 import numpy as np
 import pytest
 
-from data_pipeline.dedup import (EncodedAt, MinHasher, NearDuplicates, candidate_pairs, exact_duplicate_mask,
-                                 first_of_group, lsh_bands, normalize, normalized_bytes, segment_hashes, set_jaccard,
-                                 word_hashes)
+from data_pipeline.dedup import (
+    EncodedAt,
+    MinHasher,
+    NearDuplicates,
+    candidate_pairs,
+    exact_duplicate_mask,
+    first_of_group,
+    lsh_bands,
+    normalize,
+    normalized_bytes,
+    segment_hashes,
+    set_jaccard,
+    word_hashes,
+)
 from training.config.recipe import RECIPES_DIR
 
 

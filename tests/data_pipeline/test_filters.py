@@ -16,8 +16,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassificat
 
 from data_pipeline.__main__ import main
 from data_pipeline.config import DataConfig
-from data_pipeline.filters import SAMPLES_FILE
-from data_pipeline.filters import SCHEMAS, ClassifierFilter, FilterChain, check_parameters, sample_key
+from data_pipeline.filters import SAMPLES_FILE, SCHEMAS, ClassifierFilter, FilterChain, check_parameters, sample_key
 from data_pipeline.prepare import build_dataset, fingerprint
 from tests.conftest import REPO
 from tests.helpers.planted_corpus import CONTACT_PATTERN, KINDS, write_corpus

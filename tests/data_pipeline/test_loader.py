@@ -2,9 +2,9 @@ import datasets
 import numpy as np
 import pytest
 
-from training.base.errors import ConfigError, DataError
 from data_pipeline.loader import EvalBatches, StepBatches
 from data_pipeline.prepare import rows_to_dataset
+from training.base.errors import ConfigError, DataError
 
 
 def numbered_rows(n: int, seq_len: int = 4) -> datasets.Dataset:

@@ -1,8 +1,7 @@
 import numpy as np
 import pytest
 
-from data_pipeline.pack import (IGNORE_INDEX, best_fit_decreasing, fit_to_length, pack_bfd, pack_concat,
-                                pack_padded)
+from data_pipeline.pack import IGNORE_INDEX, best_fit_decreasing, fit_to_length, pack_bfd, pack_concat, pack_padded
 
 
 def random_documents(seed: int, n: int = 200, max_length: int = 300, min_length: int = 1):

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from training.base.errors import DataError
 from data_pipeline.config import DataConfig
 from data_pipeline.preference import implicit_prompt, load_pairs, pack_pairs, tokenize_pair
 from data_pipeline.prepare import build_dataset
 from tests.conftest import REPO
+from training.base.errors import DataError
 
 TOKENIZER = REPO / "recipes/tiny_llama/tokenizer"
 

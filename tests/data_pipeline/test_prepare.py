@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from training.base.errors import DataError
 from data_pipeline.config import DataConfig
 from data_pipeline.pack import IGNORE_INDEX
 from data_pipeline.prepare import mixture_rows, prepare_dataset
+from training.base.errors import DataError
 from training.config.recipe import RECIPES_DIR
 
 TOKENIZER = AutoTokenizer.from_pretrained(RECIPES_DIR / "tiny_llama" / "tokenizer")

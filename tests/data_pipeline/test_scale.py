@@ -20,8 +20,8 @@ from data_pipeline.prepare import build_dataset, deduplicate, drop_empty  # noqa
 from data_pipeline.scale import Layout, deduplicated  # noqa: E402
 from data_pipeline.sources import load_documents  # noqa: E402
 from tests.conftest import REPO, SMALL_MODEL, run_train  # noqa: E402
-from training.models.model import load_tokenizer  # noqa: E402
 from training.config.recipe import load_recipe  # noqa: E402
+from training.models.model import load_tokenizer  # noqa: E402
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 NEAR = "data.dedup.near=true"
@@ -330,11 +330,12 @@ def test_a_rerun_with_other_settings_is_refused(corpus, job, capsys):
 
 
 def test_each_kind_of_source_gets_its_datatrove_reader(tmp_path):
-    from datatrove.pipeline.readers import HuggingFaceDatasetReader, JsonlReader, ParquetReader
-    from data_pipeline.config import DataSource
-    from data_pipeline.scale import reader
     import pyarrow as pa
     import pyarrow.parquet as pq
+    from datatrove.pipeline.readers import HuggingFaceDatasetReader, JsonlReader, ParquetReader
+
+    from data_pipeline.config import DataSource
+    from data_pipeline.scale import reader
     (tmp_path / "part-0.jsonl").write_text('{"text": "a document"}\n')
     pq.write_table(pa.table({"text": ["a document"]}), tmp_path / "part-0.parquet")
     for suffix, kind in ((".jsonl", JsonlReader), (".parquet", ParquetReader)):
@@ -427,9 +428,9 @@ def test_filters_that_keep_nothing_end_the_job_with_what_each_removed(tmp_path, 
 
 
 def test_a_hub_record_of_the_wrong_kind_is_a_data_error():
-    from training.base.errors import DataError
     from data_pipeline.config import DataSource
     from data_pipeline.scale import reader
+    from training.base.errors import DataError
     hub = reader(DataSource(hub="HuggingFaceFW/fineweb-edu"), 0)
     with pytest.raises(DataError, match=r"hub, record 3: field 'text' is a JSON int \(5\), not a string"):
         hub.adapter({"text": 5}, "hub", 3)

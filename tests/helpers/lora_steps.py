@@ -20,16 +20,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from tests.helpers import end_process, ranks_main  # noqa: E402
+from training.config.recipe import load_recipe  # noqa: E402
+from training.loop.optimizer import lr_schedule  # noqa: E402
+from training.models.lora import with_lora  # noqa: E402
+from training.models.model import build_model, load_model_config  # noqa: E402
 from training.parallel import distributed  # noqa: E402
 from training.planning.ds_config import load_ds_config, resolve_ds_config  # noqa: E402
-from training.models.lora import with_lora  # noqa: E402
-from training.planning.shape import lora_config  # noqa: E402
+from training.planning.shape import (
+    lora_config,  # noqa: E402
+    weight_decay_groups,  # noqa: E402
+)
 from training.state.export import export_lora  # noqa: E402
-from training.models.model import build_model, load_model_config  # noqa: E402
-from training.loop.optimizer import lr_schedule  # noqa: E402
-from training.planning.shape import weight_decay_groups  # noqa: E402
-from training.config.recipe import load_recipe  # noqa: E402
-from tests.helpers import end_process, ranks_main  # noqa: E402
 
 STEPS, ROWS, SEQ_LEN, VOCAB = 3, 2, 32, 256
 

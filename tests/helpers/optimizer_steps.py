@@ -27,15 +27,20 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from training.planning.ds_config import load_ds_config, resolve_ds_config  # noqa: E402
-from training.loop.optimizer import client_optimizer, lr_schedule  # noqa: E402
-from training.loop.shaped_optimizer import attach_shaped_optimizer  # noqa: E402
-from training.loop.shaped_optimizer import state_bytes  # noqa: E402
-from training.planning.optimizer_states import SHAPED, rank_shares, rank_state_bytes  # noqa: E402
-from training.planning.shape import model_shape, weight_decay_groups  # noqa: E402
-from training.config.recipe import load_recipe  # noqa: E402
-from training.planning.shape import decoder_layers  # noqa: E402
 from tests.helpers import end_process, ranks_main  # noqa: E402
+from training.config.recipe import load_recipe  # noqa: E402
+from training.loop.optimizer import client_optimizer, lr_schedule  # noqa: E402
+from training.loop.shaped_optimizer import (
+    attach_shaped_optimizer,  # noqa: E402
+    state_bytes,  # noqa: E402
+)
+from training.planning.ds_config import load_ds_config, resolve_ds_config  # noqa: E402
+from training.planning.optimizer_states import SHAPED, rank_shares, rank_state_bytes  # noqa: E402
+from training.planning.shape import (  # noqa: E402
+    decoder_layers,  # noqa: E402
+    model_shape,
+    weight_decay_groups,
+)
 
 STEPS, ROWS, SEQ_LEN, VOCAB = 3, 2, 32, 256
 LR = {"adamw": 1e-3, "adamw8bit": 1e-3, "adafactor": 1e-3, "lion": 3e-4, "muon": 1e-3}

@@ -16,8 +16,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from training.parallel.pipeline import TokenMeanLoss, build_pipeline  # noqa: E402
 from tests.helpers import end_process, ranks_main  # noqa: E402
+from training.parallel.pipeline import TokenMeanLoss, build_pipeline  # noqa: E402
 
 SEED, VOCAB = 1234, 512
 

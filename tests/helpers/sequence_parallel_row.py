@@ -16,8 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from data_pipeline.loader import model_inputs  # noqa: E402
 from tests.data_pipeline.test_packed_attention import packed_row, sharp_model  # noqa: E402
-from training.parallel.sequence_parallel import enable_sequence_parallel  # noqa: E402
 from tests.helpers import end_process, ranks_main  # noqa: E402
+from training.parallel.sequence_parallel import enable_sequence_parallel  # noqa: E402
 
 
 def compare(model_type: str, attn_implementation: str, out: str) -> None:

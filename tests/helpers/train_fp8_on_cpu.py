@@ -10,8 +10,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import training.planning.precision  # noqa: E402
 import train  # noqa: E402
+import training.planning.precision  # noqa: E402
 from tests.helpers import end_process  # noqa: E402
 
 

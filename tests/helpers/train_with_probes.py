@@ -40,11 +40,12 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import train  # noqa: E402
-from training import trainer  # noqa: E402
 from data_pipeline.loader import StepBatches  # noqa: E402
+from training import trainer  # noqa: E402
 from training.models.moe import AUTOEP_ROUTER, routed_experts  # noqa: E402
 from training.parallel import distributed  # noqa: E402
 from training.parallel.pipeline import pipeline_batches  # noqa: E402
+
 
 def kill_after_deepspeed_save(step: int) -> None:
     save = DeepSpeedEngine.save_checkpoint

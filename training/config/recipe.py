@@ -12,13 +12,24 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (AfterValidator, BaseModel, Field, NonNegativeFloat, NonNegativeInt,
-                      PositiveFloat, PositiveInt, PrivateAttr, ValidationError, WrapValidator, create_model,
-                      model_validator)
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    PrivateAttr,
+    ValidationError,
+    WrapValidator,
+    create_model,
+    model_validator,
+)
 
 from data_pipeline.config import DataConfig, LocalPath, matching_files, prepared_examples
-from training.base.schema import HubIdOrPath, StrictModel
 from training.base.errors import ConfigError, read_text
+from training.base.schema import HubIdOrPath, StrictModel
 from training.objectives.registry import SPECS
 from training.objectives.spec import ObjectiveSpec
 

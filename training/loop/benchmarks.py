@@ -18,16 +18,16 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from training.compat.lm_eval import split_over_processes
 from training.base.errors import ConfigError
+from training.base.output_guard import check_output, staged_folder, write_atomically
+from training.base.strict_json import dumps
+from training.compat.lm_eval import split_over_processes
 from training.config.recipe import Recipe
 from training.loop.metrics import MetricsLogger
 from training.parallel.distributed import patient_barrier
 from training.planning.plan import RunPlan
 from training.state.checkpoint import restore_rng_states, rng_states
 from training.state.export import export_tag
-from training.base.output_guard import check_output, staged_folder, write_atomically
-from training.base.strict_json import dumps
 
 REPO = Path(__file__).resolve().parent.parent.parent
 SHIPPED = REPO / "eval_tasks"

@@ -10,10 +10,10 @@ from training.compat.deepspeed.autoep import autoep_output_recorders
 from training.compat.deepspeed.engine_step import use_fp16_block_loss_scaling
 from training.loop.optimizer import client_optimizer, lr_schedule
 from training.loop.shaped_optimizer import attach_shaped_optimizer
-from training.planning.shape import weight_decay_groups
 from training.parallel.pipeline import report_grad_norm
 from training.planning.plan import RunPlan
 from training.planning.precision import device_type, fp16_block
+from training.planning.shape import weight_decay_groups
 
 
 def start_engine(plan: RunPlan, model: torch.nn.Module, mpu: object | None,

@@ -9,8 +9,8 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from data_pipeline.loader import EvalBatches, model_inputs, target_count
-from training.parallel import distributed
 from training.models.moe import without_router_loss
+from training.parallel import distributed
 from training.parallel.pipeline import pipeline_batches
 from training.parallel.tensor_parallel import loss_copies
 

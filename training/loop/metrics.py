@@ -19,8 +19,8 @@ from tqdm import tqdm
 from training.base.strict_json import dumps
 from training.compat.torch import is_fake
 from training.loop.trackers import Trackers, flat
-from training.parallel.build import describe_kernels
 from training.parallel import distributed
+from training.parallel.build import describe_kernels
 from training.planning.flops import flops_per_token, peak_tflops
 from training.planning.plan import RunPlan
 from training.planning.precision import device_type

@@ -25,14 +25,19 @@ from lion_pytorch import Lion
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import AutoModelForCausalLM, PretrainedConfig
-from transformers.optimization import (get_constant_schedule_with_warmup, get_cosine_with_min_lr_schedule_with_warmup,
-                                       get_linear_schedule_with_warmup, get_wsd_schedule)
+from transformers.optimization import (
+    get_constant_schedule_with_warmup,
+    get_cosine_with_min_lr_schedule_with_warmup,
+    get_linear_schedule_with_warmup,
+    get_wsd_schedule,
+)
 
-from training.compat.deepspeed.initialize import muon_flags
 from training.base.errors import ConfigError
+from training.compat.deepspeed.initialize import muon_flags
 from training.config.recipe import Recipe, TrainingSection
 from training.loop.shaped_optimizer import ShapedOptimizer
 from training.planning.shape import decoder_layers
+
 
 def check_optimizer(recipe: Recipe, config: PretrainedConfig, setting: str) -> None:
     """What the recipe's optimizer cannot run with at the ZeRO `setting` ('2', '3_offload'), before anything is

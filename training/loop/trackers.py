@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-from training.compat.wandb import finished_run_records
 from training.base.errors import ConfigError
+from training.compat.wandb import finished_run_records
 from training.planning.plan import RunPlan
 
 PACKAGES = {"wandb": "wandb==0.31.0", "mlflow": "mlflow-skinny==3.17.2"}  # requirements.txt's pins

@@ -23,7 +23,6 @@ from training.base.errors import ConfigError
 from training.config.recipe import Recipe
 from training.planning.precision import device_type
 
-
 MIN_FLEX_HEAD_DIM = 16  # torch's FlexAttention kernel refuses smaller heads
 
 

@@ -12,6 +12,7 @@ import torch
 
 from training.config.recipe import Fp8Section
 
+
 def convert_linears_to_fp8(model: torch.nn.Module, section: Fp8Section, vocab_size: int) -> list[str]:
     """Swap the model's linear layers for torchao's Float8Linear, in place, and return their names (the filter's
     choice; fp8_linear_count counts what the model holds).

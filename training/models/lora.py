@@ -13,11 +13,11 @@ import torch
 from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PretrainedConfig, PreTrainedModel
 
-from training.compat.peft import quiet_gradient_checkpointing_warning
 from training.base.errors import ConfigError
+from training.compat.peft import quiet_gradient_checkpointing_warning
 from training.config.recipe import LoraSection, Recipe
-from training.planning.shape import adapted_parameters, lora_config
 from training.planning.precision import device_type
+from training.planning.shape import adapted_parameters, lora_config
 
 ADAPTER_DIR = "adapter"  # beside hf/ in the output folder
 ADAPTER_CONFIG = "adapter_config.json"  # in a LoRA checkpoint's hf/ folder, beside the model config

@@ -6,17 +6,23 @@ import torch
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, StrictDataclassError
 from safetensors import SafetensorError, safe_open
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel,
-                          PreTrainedTokenizerBase)
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 from transformers.integrations import HfDeepSpeedConfig
 
-from training.compat.torch import replace_forward
-from training.planning.ds_config import zero_stage
 from training.base.errors import ConfigError
-from training.models.lora import nf4_quantization
-from training.models.attention import attention_for
-from training.planning.precision import DTYPES, device_type, weights_dtype
+from training.compat.torch import replace_forward
 from training.config.recipe import ModelSection, Recipe
+from training.models.attention import attention_for
+from training.models.lora import nf4_quantization
+from training.planning.ds_config import zero_stage
+from training.planning.precision import DTYPES, device_type, weights_dtype
 
 
 def load_model_config(section: ModelSection) -> PretrainedConfig:

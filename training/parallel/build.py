@@ -5,6 +5,7 @@ module that owns it; this is their order."""
 import torch
 import torch.distributed as dist
 
+from training.compat.deepspeed.universal import provide_universal_info
 from training.models.compile import compile_layers
 from training.models.fp8 import convert_linears_to_fp8, fp8_linear_count
 from training.models.fused_loss import fuse_head_and_loss
@@ -16,7 +17,6 @@ from training.parallel.pipeline import TokenMeanLoss, build_pipeline
 from training.parallel.sequence_parallel import enable_sequence_parallel
 from training.planning.kernels import uses_fused_loss
 from training.planning.plan import RunPlan
-from training.compat.deepspeed.universal import provide_universal_info
 
 
 def build_run_model(plan: RunPlan) -> tuple[torch.nn.Module, object | None, dict]:

@@ -18,11 +18,10 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
-from training.compat.deepspeed.initialize import release_shared_memory_buffer
 from training.base.errors import ConfigError, failure, report
+from training.compat.deepspeed.initialize import release_shared_memory_buffer
 from training.parallel.failure import FailureWatch, attempt_key, launch_store
 from training.parallel.launch import free_port
-
 
 started_by_srun = threading.Event()  # set once adopt_srun_environment has taken the ranks from SLURM
 

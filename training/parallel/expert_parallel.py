@@ -15,14 +15,13 @@ import torch
 from deepspeed import DeepSpeedEngine
 from transformers import PretrainedConfig
 
-from training.compat.deepspeed.autoep import autoep_layers
 from training.base.errors import ConfigError
+from training.compat.deepspeed.autoep import autoep_layers
 from training.config.recipe import Recipe
 from training.parallel import distributed
 from training.planning.ds_config import PRESETS
 from training.planning.layout import EXPERT_PARALLEL_STAGES
 from training.planning.shape import expert_count, rank_groups_problem
-
 
 
 def check_expert_parallel(recipe: Recipe, config: PretrainedConfig, world_size: int, zero_stage: int,

@@ -27,10 +27,10 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+from training.base.errors import ConfigError
 from training.compat.deepspeed.checkpoint_files import pipeline_layer_file
 from training.compat.deepspeed.engine_step import measure_before_model_step, zero0_grad_norm
 from training.compat.transformers import attention_implementation, set_attention_implementation
-from training.base.errors import ConfigError
 
 FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 TIED_KEY = "embeddings"

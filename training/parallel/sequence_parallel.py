@@ -25,9 +25,9 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import find_packed_sequence_indices
 
+from training.base.errors import ConfigError
 from training.compat.deepspeed.sequence_parallel import sum_sequence_slices, use_attention_under_ulysses
 from training.compat.transformers import attention_implementation
-from training.base.errors import ConfigError
 from training.config.recipe import Recipe
 from training.models.attention import document_flex
 from training.planning.shape import head_counts, rank_groups_problem

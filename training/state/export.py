@@ -23,6 +23,8 @@ from deepspeed import DeepSpeedEngine
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from training.base.errors import ConfigError
+from training.base.output_guard import check_output, owned_files, remove_owned, staged_folder
 from training.compat.deepspeed.autoep import autoep_layers
 from training.compat.deepspeed.checkpoint_files import (
     expert_files,
@@ -32,16 +34,14 @@ from training.compat.deepspeed.checkpoint_files import (
     zero_rank_files,
 )
 from training.compat.deepspeed.zero import gathered_16bit_state_dict
-from training.state.checkpoint import READ_ERRORS, RUN_STATE, latest_tag, unreadable_files
-from training.state.disk_room import check_room, check_room_to_export
-from training.base.errors import ConfigError
 from training.models.lora import ADAPTER_CONFIG, ADAPTER_DIR
-from training.planning.plan import RunPlan
-from training.base.output_guard import check_output, owned_files, remove_owned, staged_folder
 from training.parallel.distributed import patient_barrier
 from training.parallel.expert_parallel import hf_weights, original_weights
 from training.parallel.pipeline import hf_name, layer_files
+from training.planning.plan import RunPlan
 from training.planning.precision import DTYPES
+from training.state.checkpoint import READ_ERRORS, RUN_STATE, latest_tag, unreadable_files
+from training.state.disk_room import check_room, check_room_to_export
 
 
 def find_tag(path: Path) -> tuple[Path, str]:

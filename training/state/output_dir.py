@@ -8,10 +8,23 @@ import torch.distributed as dist
 import yaml
 
 from training.base.errors import ConfigError
+from training.base.output_guard import (
+    MARKER,
+    begin_in_place,
+    check_writable_place,
+    files_under,
+    finish_in_place,
+    kept_line,
+    link_refusal,
+    lists_files,
+    overlap,
+    owned_files,
+    remove_owned,
+    shown_list,
+    way_out,
+    written_by,
+)
 from training.base.strict_json import dumps
-from training.base.output_guard import (MARKER, begin_in_place, check_writable_place, files_under, finish_in_place,
-                                         kept_line, link_refusal, lists_files, owned_files, overlap, remove_owned,
-                                         shown_list, way_out, written_by)
 from training.planning.plan import RunPlan
 
 OUTPUT_ROOT = Path("outputs")

@@ -9,11 +9,17 @@ from deepspeed import DeepSpeedEngine
 from data_pipeline.loader import StepBatches
 from data_pipeline.stream import StreamingBatches
 from training.base.errors import ConfigError
-from training.state.checkpoint import (check_files, check_resume, latest_tag, load_checkpoint, read_run_state,
-                                       remove_unfinished_tags)
 from training.models.model import check_resumed_model
 from training.parallel.pipeline import layer_files
 from training.planning.plan import RunPlan
+from training.state.checkpoint import (
+    check_files,
+    check_resume,
+    latest_tag,
+    load_checkpoint,
+    read_run_state,
+    remove_unfinished_tags,
+)
 from training.state.run_state import RunState
 from training.state.universal import check_conversion_place
 

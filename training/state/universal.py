@@ -27,12 +27,12 @@ from pathlib import Path
 import torch.distributed as dist
 from pydantic import ValidationError
 
-from training.compat.deepspeed.checkpoint_files import pipeline_layer_file
-from training.compat.deepspeed.universal import convert_with_tensor_parallel, make_stage_neutral
-from training.parallel.distributed import patient_barrier
 from training.base.errors import ConfigError
 from training.base.output_guard import link_on_the_way
 from training.base.strict_json import dumps
+from training.compat.deepspeed.checkpoint_files import pipeline_layer_file
+from training.compat.deepspeed.universal import convert_with_tensor_parallel, make_stage_neutral
+from training.parallel.distributed import patient_barrier
 from training.planning.layout import Layout
 from training.planning.optimizer_states import SHAPED
 from training.state.run_state import RunState

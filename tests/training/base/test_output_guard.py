@@ -5,11 +5,20 @@ import json
 import os
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from training.base.errors import ConfigError
-from training.base.output_guard import (MARKER, begin_in_place, files_under, finish_in_place, listed_files,
-                                         owned_files, remove_owned, staged_folder)
+from training.base.output_guard import (
+    MARKER,
+    begin_in_place,
+    files_under,
+    finish_in_place,
+    listed_files,
+    owned_files,
+    remove_owned,
+    staged_folder,
+)
 
 COMMAND = "python -m training export"
 

@@ -11,21 +11,33 @@ from datatrove.data import Document
 from datatrove.executor import LocalPipelineExecutor
 from datatrove.executor.base import PipelineExecutor
 from datatrove.pipeline.dedup import MinhashDedupSignature
-from datatrove.pipeline.dedup.exact_dedup import ExactDedupConfig, ExactDedupFilter, ExactDedupSignature, ExactFindDedups
+from datatrove.pipeline.dedup.exact_dedup import (
+    ExactDedupConfig,
+    ExactDedupFilter,
+    ExactDedupSignature,
+    ExactFindDedups,
+)
 from datatrove.pipeline.dedup.minhash import MinhashConfig
 from datatrove.pipeline.filters import C4QualityFilter, GopherQualityFilter, LambdaFilter, LanguageFilter
-from datatrove.utils.hashing import HashConfig
 from datatrove.utils import lid
+from datatrove.utils.hashing import HashConfig
 from datatrove.utils.stats import PipelineStats
 from datatrove.utils.word_tokenizers import SpaCyTokenizer, load_word_tokenizer
 
-from training.base.errors import DataError
 from data_pipeline.filters import PACKAGED_LID, language_model_file
 from tests.conftest import REPO
 from tests.helpers.planted_corpus import FOREIGN, prose_documents
-from training.compat.datatrove import (BatchedMinhashSignature, ForwardingExactDedupSignature, LocalFileLanguageFilter,
-                                       errors_without_traceback, exact_duplicates_found, language_filter, step_counts,
-                                       warm_word_tokenizers)
+from training.base.errors import DataError
+from training.compat.datatrove import (
+    BatchedMinhashSignature,
+    ForwardingExactDedupSignature,
+    LocalFileLanguageFilter,
+    errors_without_traceback,
+    exact_duplicates_found,
+    language_filter,
+    step_counts,
+    warm_word_tokenizers,
+)
 
 
 def test_batched_signatures_write_the_files_datatrove_writes_for_the_same_signatures(tmp_path):
@@ -63,7 +75,8 @@ def test_forwarded_exact_signatures_are_the_files_datatrove_writes(tmp_path):
     documents = [Document(text, str(i)) for i, text in enumerate(EXACT_TEXTS)]
     for rank in range(2):
         ExactDedupSignature(str(tmp_path / "datatrove"), EXACT, finder_workers=2).run(iter(documents), rank=rank)
-        passed = list(ForwardingExactDedupSignature(str(tmp_path / "ours"), EXACT, finder_workers=2).run(iter(documents), rank))
+        ours = ForwardingExactDedupSignature(str(tmp_path / "ours"), EXACT, finder_workers=2)
+        passed = list(ours.run(iter(documents), rank))
         assert passed == documents
     written = sorted(p.relative_to(tmp_path / "datatrove") for p in (tmp_path / "datatrove").rglob("*") if p.is_file())
     assert len(written) == 4  # a file per task in each finder's folder
@@ -109,7 +122,8 @@ def test_the_local_executor_still_waits_on_a_pool():
     assert "pool.imap_unordered(" in source, \
         "datatrove's local executor runs its tasks otherwise now: check whether compat/datatrove.py " \
         "end_if_a_worker_dies can go"
-    # a stage's direct children: a Manager process, then a pool of `workers` processes (end_if_a_worker_dies counts them)
+    # a stage's direct children: a Manager process, then a pool of `workers` processes
+    # (end_if_a_worker_dies counts them)
     assert "multiprocess.Manager()" in source and "ctx.Pool(self.workers)" in source
 
 
@@ -143,7 +157,8 @@ time.sleep(5)
 
 @pytest.mark.slow
 def test_a_worker_that_dies_unseen_is_found_by_its_replacement(tmp_path):
-    """end_if_a_worker_dies polls every 0.2 s; a worker killed between two looks is found because the pool replaced it."""
+    """end_if_a_worker_dies polls every 0.2 s; a worker killed between two looks is found because the pool replaced
+    it."""
     done = subprocess.run([sys.executable, "-c", A_JOB_WHOSE_WORKER_DIES_UNSEEN, str(tmp_path)], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert "the pool as started is left alone" in done.stdout, done.stderr[-2000:]

@@ -46,6 +46,7 @@ def test_upstream_private_names_are_read_only_in_compat():
     trees = {path: ast.parse(path.read_text(), str(path)) for path in OURS}
     ours = defined_here(list(trees.values()))
     outside = [f"{path.relative_to(REPO)}:{line} {name}" for path, tree in trees.items()
-               if "compat" not in path.relative_to(REPO).parts for line, name in private_reads(tree) if name not in ours]
+               if "compat" not in path.relative_to(REPO).parts
+               for line, name in private_reads(tree) if name not in ours]
     assert not outside, ("private upstream names read outside training/compat/ (move each into a compat function "
                          f"with a canary, docs/compat.md): {outside}")

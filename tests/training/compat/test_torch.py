@@ -5,8 +5,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from training.compat.torch import (extension_build_root, found_inf, is_fake, plain_optimizer_states,
-                                   rebuilt_optimizer_states, replace_forward)
+from training.compat.torch import (
+    extension_build_root,
+    found_inf,
+    is_fake,
+    plain_optimizer_states,
+    rebuilt_optimizer_states,
+    replace_forward,
+)
 
 
 def test_grad_scaler_reports_found_inf_only_through_a_private_method():

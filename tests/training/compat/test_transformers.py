@@ -3,8 +3,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tests.conftest import REPO
-from training.compat.transformers import attention_implementation, set_attention_implementation, \
-    set_checkpointing_function
+from training.compat.transformers import (
+    attention_implementation,
+    set_attention_implementation,
+    set_checkpointing_function,
+)
 
 
 def small_config():

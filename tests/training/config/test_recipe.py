@@ -99,8 +99,10 @@ def test_the_trl_names_are_trls():
     answered (a TRL upgrade that adds one fails here, naming it)."""
     import dataclasses
     import inspect
+
     from transformers import TrainingArguments
     from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer
+
     from training.objectives.dpo.spec import DpoSection
     from training.objectives.grpo.spec import GrpoSection
     trainer_arguments = {field.name for field in dataclasses.fields(TrainingArguments)}

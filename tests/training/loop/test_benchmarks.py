@@ -10,8 +10,15 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import REPO, SMALL_MODEL, TRAIN_ENV, main_in_process, run_train, save_small_checkpoint, \
-    train_in_process
+from tests.conftest import (
+    REPO,
+    SMALL_MODEL,
+    TRAIN_ENV,
+    main_in_process,
+    run_train,
+    save_small_checkpoint,
+    train_in_process,
+)
 from training.__main__ import main as training_main
 from training.loop.benchmarks import SHIPPED
 

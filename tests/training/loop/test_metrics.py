@@ -44,6 +44,7 @@ def test_the_census_passes_over_compiles_fake_tensors():
     """torch.compile's FakeTensors hold no memory, and all read their storage's data pointer as 0 (which would count
     one of them as a real storage); none is counted, and no warning is raised."""
     import warnings
+
     from torch._subclasses.fake_tensor import FakeTensorMode
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))])
     before = held_tensor_bytes(optimizer)["cpu"]
@@ -63,6 +64,7 @@ def test_flops_meter():
 def test_expert_counts_are_logged_to_metrics_jsonl_and_tensorboard(tmp_path):
     """metrics.jsonl keeps the counts by layer as a list; TensorBoard gets one scalar per layer and expert."""
     import json
+
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     logger = MetricsLogger(tmp_path, total_steps=1, start_step=0, tensorboard=True, enabled=True)
     logger.log({"step": 1, "loss": 2.0, "expert_tokens": [[3, 5], [8, 0]], "expert_load_max": 2.0, "lr": 1e-3,

@@ -5,10 +5,10 @@ import torch
 from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
 import train
-from training.planning.ds_config import load_ds_config, resolve_ds_config
 from training.base.errors import ConfigError
-from training.loop.optimizer import client_optimizer, lr_schedule, muon_name_rule_mismatch
 from training.config.recipe import load_recipe
+from training.loop.optimizer import client_optimizer, lr_schedule, muon_name_rule_mismatch
+from training.planning.ds_config import load_ds_config, resolve_ds_config
 from training.planning.shape import weight_decay_groups
 
 

@@ -10,12 +10,11 @@ import torch
 from torchao.optim import AdamW8bit
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from training.planning.ds_config import load_ds_config, resolve_ds_config
-from training.config.recipe import load_recipe
 from tests.helpers.optimizer_steps import STEPS, Pieces, start_engine
+from training.config.recipe import load_recipe
 from training.loop.shaped_optimizer import state_bytes
-from training.planning.optimizer_states import share_parts
-from training.planning.optimizer_states import rank_shares, rank_state_bytes
+from training.planning.ds_config import load_ds_config, resolve_ds_config
+from training.planning.optimizer_states import rank_shares, rank_state_bytes, share_parts
 from training.planning.shape import model_shape
 
 CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,

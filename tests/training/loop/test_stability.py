@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from training.config.recipe import StabilitySection
 from training.compat.deepspeed.engine_step import withheld_step
+from training.config.recipe import StabilitySection
 from training.loop.stability import StabilityGuard
 
 

@@ -10,8 +10,8 @@ import pytest
 
 import train
 from tests.conftest import SMALL_MODEL, train_in_process
-from training.compat.wandb import read_offline_run
 from training.base.errors import ConfigError
+from training.compat.wandb import read_offline_run
 from training.loop.trackers import Trackers, flat
 from training.parallel.launch import free_port
 

@@ -8,11 +8,11 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import train
 from tests.conftest import SMALL_MODEL, run_train
+from training.base.errors import ConfigError
+from training.config.recipe import Fp8Section, load_recipe
+from training.models.fp8 import convert_linears_to_fp8
 from training.planning import precision
 from training.planning.ds_config import load_ds_config, resolve_ds_config
-from training.base.errors import ConfigError
-from training.models.fp8 import convert_linears_to_fp8
-from training.config.recipe import Fp8Section, load_recipe
 
 
 def test_fp8_is_refused_without_a_gpu(capsys):

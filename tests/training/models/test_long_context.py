@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from training.config.recipe import LongContextSection
 from training.models.long_context import apply_long_context
 from training.planning.activations import activation_bytes
-from training.config.recipe import LongContextSection
 from training.planning.shape import model_shape
 
 HIDDEN, ROWS, SEQ_LEN, TILE = 32, 2, 80, 48

@@ -7,11 +7,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import train
 from tests.conftest import REPO, save_small_checkpoint
 from training.base.errors import ConfigError
-from training.planning.shape import lora_config
-from training.planning.model_states import lora_model_states
 from training.config.recipe import load_recipe
-from training.planning.shape import model_shape
 from training.planning.layout import Layout
+from training.planning.model_states import lora_model_states
+from training.planning.shape import lora_config, model_shape
 from training.state.universal import needs_universal
 
 

@@ -4,9 +4,14 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from training.base.errors import ConfigError
-from training.models.model import (build_model, cast_lm_head_to_fp32, check_recipe_against_model, disable_dropout,
-                                   load_model_config)
 from training.config.recipe import load_recipe
+from training.models.model import (
+    build_model,
+    cast_lm_head_to_fp32,
+    check_recipe_against_model,
+    disable_dropout,
+    load_model_config,
+)
 
 
 def test_config_overrides_shrink_the_model():

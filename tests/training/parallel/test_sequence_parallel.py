@@ -52,8 +52,8 @@ def test_the_plan_shows_the_layout_and_a_ranks_slice(no_model_building, capsys):
 
 
 def test_activations_per_rank_shrink_with_the_slice_but_not_the_sdpa_mask():
-    from training.models.model import load_model_config
     from training.config.recipe import load_recipe
+    from training.models.model import load_model_config
     shape = model_shape(load_model_config(load_recipe("tiny_llama", []).model))
     whole = activation_bytes(shape, 8 * 4096, 4096, 2, "flash_attention_2")
     split = activation_bytes(shape, 8 * 4096 // 4, 4096, 2, "flash_attention_2", sequence_parallel=4)

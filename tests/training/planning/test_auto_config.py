@@ -9,13 +9,13 @@ import pytest
 import yaml
 
 import train
-from training.planning.auto_config import AUTO_ORDER, candidates, expert_parallel_size, memory_needs
+from tests.conftest import SMALL_MODEL, train_in_process
 from training.config.recipe import load_recipe
 from training.models.model import load_model_config
+from training.planning.auto_config import AUTO_ORDER, candidates, expert_parallel_size, memory_needs
 from training.planning.memory import fits
 from training.planning.plan import Machine
 from training.planning.shape import model_shape
-from tests.conftest import SMALL_MODEL, train_in_process
 
 ORDER = ["0", "1", "2", "3", "3 + offload"]
 

@@ -2,10 +2,15 @@ import json
 
 import pytest
 
-from training.planning.ds_config import (DS_CONFIGS_DIR, available_ds_configs, ds_config_file, load_ds_config,
-                                resolve_ds_config)
 from training.base.errors import ConfigError
 from training.config.recipe import load_recipe
+from training.planning.ds_config import (
+    DS_CONFIGS_DIR,
+    available_ds_configs,
+    ds_config_file,
+    load_ds_config,
+    resolve_ds_config,
+)
 
 SHIPPED = ["zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload"]
 

@@ -67,6 +67,7 @@ def test_autoeps_layers_save_what_the_moe_rule_counts(model_type):
     pads each expert's rows to a multiple of 8, a few % of a few hundred tokens' activations."""
     from deepspeed.module_inject.auto_ep import AutoEP
     from deepspeed.module_inject.auto_ep_config import parse_autoep_config
+
     from training.compat.deepspeed.autoep import autoep_output_recorders
     rows, seq_len = 4, 512
     config = AutoConfig.for_model(model_type, **CONFIGS[model_type], num_hidden_layers=3)

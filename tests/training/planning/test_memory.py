@@ -138,8 +138,8 @@ def test_zero_setting_of_the_shipped_configs(name, expected):
 
 @pytest.mark.parametrize("tiled_mlp, logits_tile_tokens", [(True, None), (False, 64), (True, 64)])
 def test_tiling_rules_match_the_saved_tensors(tiled_mlp, logits_tile_tokens):
-    """training/models/long_context.py's tiles: the MLPs' and the head's wide activations are no longer saved; one tile's
-    are live at a time."""
+    """training/models/long_context.py's tiles: the MLPs' and the head's wide activations are no longer saved; one
+    tile's are live at a time."""
     from training.config.recipe import LongContextSection
     section = LongContextSection(tiled_mlp=tiled_mlp, logits_tile_tokens=logits_tile_tokens)
     shape, measured = measure("llama", torch.bfloat16, checkpointing=False, tiling=section)
@@ -382,6 +382,7 @@ def test_a_reward_models_weights_and_pass_are_what_the_plan_counts(tmp_path):
     run's dtype (reward_model_bytes), and its pass over one group of seq_len-token sequences (Generation.scoring) a
     bound within 10% of what scoring allocates on CPU."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
     from tests.conftest import REPO, save_small_checkpoint
     from training.config.recipe import load_recipe
     from training.objectives.grpo.rewards import RewardModel

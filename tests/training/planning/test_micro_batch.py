@@ -8,17 +8,17 @@ import re
 import pytest
 
 import train
+from tests.conftest import REPO
 from training.base.errors import ConfigError
-from training.planning.kernels import DPO_CHUNK_TOKENS
-from training.planning.micro_batch import choose_micro_batch
 from training.config.recipe import Recipe, load_recipe
 from training.models.model import load_model_config
 from training.planning.activations import activations
+from training.planning.kernels import DPO_CHUNK_TOKENS
 from training.planning.memory import fits, states_per_setting
+from training.planning.micro_batch import choose_micro_batch
 from training.planning.plan import Machine
 from training.planning.report import format_bytes
 from training.planning.shape import ModelShape, model_shape
-from tests.conftest import REPO
 
 # benchmarks/gpu_throughput.py's model and rows, with a global batch that leaves room for accumulation
 LLAMA_1B = ["--recipe", "tiny_llama", f"model.config={REPO / 'benchmarks/llama_1b/config.json'}", "data.seq_len=2048",

@@ -67,7 +67,7 @@ def test_a_save_or_an_export_without_room_stops_the_run_by_name_and_the_run_resu
     monkeypatch.setattr(disk_room, "free_bytes", lambda folder: 0 if (out / "checkpoints/latest").exists() else 2**40)
     result = train_in_process(args)
     assert result.returncode == 2, result.stderr[-3000:]
-    assert said(result, f"error: checkpoint global_step4 needs about") and \
+    assert said(result, "error: checkpoint global_step4 needs about") and \
         said(result, f"in {out / 'checkpoints'} and its file system has 0.0 MiB free: the run stops here without "
                      f"saving it (`latest` names global_step2); free space, or keep fewer checkpoints "
                      f"(checkpointing.keep_last), then continue with --resume --output-dir {out}")
@@ -79,7 +79,7 @@ def test_a_save_or_an_export_without_room_stops_the_run_by_name_and_the_run_resu
                         lambda folder: 0 if (out / "checkpoints/global_step4").exists() else 2**40)
     result = train_in_process([*args, "--resume"])
     assert result.returncode == 2, result.stderr[-3000:]
-    assert said(result, f"error: the export of the finished run needs about") and said(
+    assert said(result, "error: the export of the finished run needs about") and said(
         result, f"its last checkpoint, global_step4, is saved: free space, then export it with python -m training "
                 f"export {out / 'checkpoints'} <folder>")
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]

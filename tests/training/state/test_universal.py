@@ -53,7 +53,8 @@ def test_run_states_older_than_a_key_count_as_its_default(key):
     ({"tensor_parallel": 2}, {"world_size": 4, "tensor_parallel": 2}, "a tensor-parallel checkpoint holds each rank's"),
     ({}, {"tensor_parallel": 2}, "tensor_parallel 1 -> 2.*resume in the layout that wrote it"),
     ({}, {"pipeline_stages": 2}, "pipeline_stages 1 -> 2.*Megatron's layer layout"),
-    ({}, {"optimizer": "lion"}, "optimizer adamw -> lion.*holds adamw's optimizer states; resume with optimizer.name=adamw"),
+    ({}, {"optimizer": "lion"},
+     "optimizer adamw -> lion.*holds adamw's optimizer states; resume with optimizer.name=adamw"),
     ({"optimizer": "muon"}, {"optimizer": "muon", "world_size": 1}, "proven here with AdamW's moments, not muon's"),
     ({"optimizer": "adafactor"}, {"optimizer": "adafactor", "zero_stage": 3}, "adafactor keeps its states for the "
      "part of each weight a rank holds, as a row and a column per matrix.*resume in the layout that wrote"),
