@@ -55,6 +55,7 @@ from training.parallel.build import build_run_model
 from training.parallel.op_builds import wait_for_op_builds
 from training.planning.auto_config import choose_ds_config
 from training.planning.ds_config import accumulation_steps, build_ds_config, load_ds_config, zero_setting, zero_stage
+from training.planning.layout import ParallelDims
 from training.planning.micro_batch import choose_micro_batch
 from training.planning.plan import Machine, RunPlan, planned_machine
 from training.planning.precision import resolve_precision
@@ -126,19 +127,18 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> RunPla
     precision = resolve_precision(recipe.precision, raw_ds_config, for_gpus=args.num_gpus is not None)
     recipe = resolve_compile(recipe, zero_stage(raw_ds_config), for_gpus=args.num_gpus is not None)
     check_layout(recipe, model_config, raw_ds_config, precision, world_size, args.num_gpus is not None)
-    parallelism = recipe.parallelism
-    dp_size = world_size // (parallelism.pipeline_stages * parallelism.sequence_parallel * parallelism.tensor_parallel)
+    dims = ParallelDims.of(recipe.parallelism, world_size)
     output_dir = args.output_dir or default_output_dir(recipe.name, args.resume)
     recipe, micro_batch = choose_micro_batch(recipe, model_config, precision, zero_setting(raw_ds_config), machine,
-                                             dp_size, saved_micro_batch(output_dir) if args.resume else None)
+                                             dims.dp_size, saved_micro_batch(output_dir) if args.resume else None)
     if not args.dry_run:
         check_output_dir(output_dir, args.resume, args.overwrite, [*recipe_inputs(recipe), ds_config_path])
 
     def ds_config(universal: bool) -> dict:
-        return build_ds_config(raw_ds_config, ds_config_path, recipe, model_config, dp_size, precision, universal)
+        return build_ds_config(raw_ds_config, ds_config_path, recipe, model_config, dims.dp_size, precision, universal)
 
-    plan = RunPlan(recipe, model_config, tokenizer, precision, ds_config(False), ds_config_path, world_size,
-                   accumulation_steps(recipe.training, dp_size), output_dir,
+    plan = RunPlan(recipe, model_config, tokenizer, precision, ds_config(False), ds_config_path, dims,
+                   accumulation_steps(recipe.training, dims.dp_size), output_dir,
                    chosen_for=machine if auto_config else None, micro_batch=micro_batch,
                    base_digest=weights_digest(recipe.model.name_or_path) if recipe.model.name_or_path else None)
     if args.resume and plan_resume(plan):  # the checkpoint loads in this layout only through a universal conversion
@@ -157,10 +157,10 @@ def make_batches(plan: RunPlan, objective: Objective) -> tuple:
     """The objective's training batches from prepared rows (local rank 0 prepares and caches them while the other
     ranks wait), or batches from a stream; evaluation batches when the data has an eval split; the data's stats."""
     data, section = plan.recipe.data, plan.recipe.training
-    rank = plan.dp_rank(dist.get_rank())
+    rank = plan.dims.dp_rank(dist.get_rank())
     if data.streaming:
         return StreamingBatches(data, plan.tokenizer, section.micro_batch_size, plan.accumulation_steps, rank,
-                                plan.dp_size, section.seed), None, {"streaming": True}
+                                plan.dims.dp_size, section.seed), None, {"streaming": True}
     with distributed.local_main_first():
         prepared, stats = prepare_dataset(data, plan.tokenizer)
     return *objective.batches(prepared, rank), stats
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         check_versions(show=distributed.local_rank() == 0)
         plan = make_plan(args)
         if args.dry_run:
-            show_plan(plan, planned_machine(args.num_gpus, args.num_nodes, args.gpu_mem, plan.world_size))
+            show_plan(plan, planned_machine(args.num_gpus, args.num_nodes, args.gpu_mem, plan.dims.world_size))
             return 0
         wait_for_op_builds(show=distributed.local_rank() == 0)  # a build lock a killed run left is named
         if plan.planned_for and distributed.local_rank() == 0:

@@ -45,7 +45,7 @@ def measure(recipe: str, num_gpus: int, steps: int) -> tuple[float, float, float
     if len(saves) < 2:
         sys.exit(f"found {len(saves)} checkpoint lines in train.py's console; raise --steps")
     mib, seconds = saves[-1][0], statistics.median(s for _, s in saves[1:])
-    size = checkpoint_bytes(plan.shape.parameters, plan.zero_stage, plan.dp_size, plan.precision)
+    size = checkpoint_bytes(plan.shape.parameters, plan.zero_stage, plan.dims.dp_size, plan.precision)
     busiest_share = size.largest_rank / size.total
     return mib, seconds, mib * busiest_share / seconds
 
@@ -55,7 +55,7 @@ def recipe_rows(rate_mib_s: float) -> list[list[str]]:
     for recipe, gpus in RECIPE_GPUS.items():
         plan = train.make_plan(train.parse_args(["--recipe", recipe, "--dry-run", "--num-gpus", str(gpus),
                                                  "--gpu-mem", "80"]))
-        size = checkpoint_bytes(plan.shape.parameters, plan.zero_stage, plan.dp_size,
+        size = checkpoint_bytes(plan.shape.parameters, plan.zero_stage, plan.dims.dp_size,
                                 plan.precision)
         seconds = size.largest_rank / 2**20 / rate_mib_s
         rows.append([recipe, f"{gpus} x ZeRO-{plan.zero_stage} {plan.precision}", format_bytes(size.total),

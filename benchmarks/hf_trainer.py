@@ -180,7 +180,7 @@ def summarize(plan: RunPlan, trainer: Trainer, records: list[dict], wall_time_s:
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return {
         "runner": "transformers.Trainer", "recipe": plan.recipe.name, "device": device_name(),
-        **({"peak_tflops": flops.peak_tflops} if flops else {}), "world_size": plan.world_size,
+        **({"peak_tflops": flops.peak_tflops} if flops else {}), "world_size": plan.dims.world_size,
         "zero_stage": plan.zero_stage, "precision": plan.precision,
         "activation_checkpointing": plan.recipe.activation_checkpointing, "torch_compile": trainer.args.torch_compile,
         "attn_implementation": trainer.model.config._attn_implementation, "steps": trainer.state.global_step,

@@ -121,7 +121,7 @@ class Loop:
                                     dist.get_rank() == 0, trackers)
         self.guard = StabilityGuard(recipe.stability, plan.precision == "fp16", self.checkpoints) \
             if recipe.stability.enabled else None
-        self.watch = WeightWatch(engine) if plan.pipeline_stages == plan.tensor_parallel == 1 else None
+        self.watch = WeightWatch(engine) if plan.dims.pipeline_stages == plan.dims.tensor_parallel == 1 else None
         self.records, self.saves, self.stopped = [], [], None
         self.interval, self.timed = Throughput(), Throughput()
 
@@ -181,8 +181,8 @@ class Loop:
         lr = guard.set_lr(engine, state.step + 1) if guard else engine.get_lr()[0]
         skipped_before = engine.skipped_steps
         micro_batches = self.objective.step_batches(engine, self.batches.micro_batches(state.data_position))
-        loss_share, grad_norm, tokens, stop = train_step(engine, micro_batches, self.plan.dp_size, self.objective,
-                                                         guard, self.plan.sequence_shard(dist.get_rank()))
+        loss_share, grad_norm, tokens, stop = train_step(engine, micro_batches, self.plan.dims.dp_size, self.objective,
+                                                         guard, self.plan.dims.sequence_shard(dist.get_rank()))
         state.data_position += 1
         applied = engine.skipped_steps == skipped_before
         self.objective.end_step(engine, state.step + 1, applied)
@@ -224,7 +224,7 @@ class Loop:
         if step > self.first_step + 1:  # the first step pays for warm-up and is left out of the mean
             self.timed.add(interval)
         if self.evaluate_at(step):
-            shard = self.plan.sequence_shard(dist.get_rank())
+            shard = self.plan.dims.sequence_shard(dist.get_rank())
             record.update(self.objective.evaluate(self.engine, self.evaluation, shard))
         self.records.append(record)
         self.logger.log(record, self.objective.console(record))

@@ -19,7 +19,7 @@ from training.planning.shape import weight_decay_groups
 def start_engine(plan: RunPlan, model: torch.nn.Module, mpu: object | None,
                  total_steps: int) -> deepspeed.DeepSpeedEngine:
     training = plan.recipe.training
-    with autoep_output_recorders() if plan.expert_parallel > 1 else nullcontext():
+    with autoep_output_recorders() if plan.dims.expert_parallel > 1 else nullcontext():
         engine, *_ = deepspeed.initialize(model=model, config=plan.ds_config,
                                           optimizer=client_optimizer(plan.ds_config),
                                           model_parameters=weight_decay_groups(model, training.weight_decay),

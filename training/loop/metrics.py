@@ -153,7 +153,7 @@ def flops_meter(plan: RunPlan) -> FlopsMeter | None:
         return None
     recipe = plan.recipe
     model, hardware = flops_per_token(plan.shape, recipe.data.seq_len, recipe.activation_checkpointing)
-    tokens_per_gpu = recipe.training.global_batch_size * recipe.data.seq_len / plan.world_size
+    tokens_per_gpu = recipe.training.global_batch_size * recipe.data.seq_len / plan.dims.world_size
     name = torch.cuda.get_device_name()
     peak = recipe.logging.peak_tflops or peak_tflops(name)
     if peak is None and dist.get_rank() == 0:

@@ -26,11 +26,12 @@ REFERENCE_FILE = "reference.safetensors"  # in a checkpoint's global_step{N}/, w
 
 def reference_place(plan: RunPlan) -> str:
     """Where a full fine-tune's reference lives (load_reference) and what it takes per rank (reference_bytes)."""
-    per_rank = format_bytes(reference_bytes(plan.recipe, plan.precision, plan.shape, plan.zero_stage, plan.dp_size))
+    ranks = plan.dims.dp_size
+    per_rank = format_bytes(reference_bytes(plan.recipe, plan.precision, plan.shape, plan.zero_stage, ranks))
     if plan.zero_stage != 3:
         return f"the starting checkpoint, a frozen copy on each rank ({per_rank})"
     where = "in CPU memory (offload_param)" if params_offloaded(plan.ds_config) else "on the device"
-    return (f"the starting checkpoint, frozen, partitioned over the {plan.dp_size} ranks by ZeRO-3: {per_rank} per "
+    return (f"the starting checkpoint, frozen, partitioned over the {ranks} ranks by ZeRO-3: {per_rank} per "
             f"rank, {where}")
 
 

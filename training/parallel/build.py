@@ -25,8 +25,8 @@ def build_run_model(plan: RunPlan) -> tuple[torch.nn.Module, object | None, dict
     fp8, the linear layers that compute in FP8, counted on the model itself)."""
     recipe = plan.recipe
     fused_loss = uses_fused_loss(recipe, router_loss=getattr(plan.model_config, "output_router_logits", False))
-    if plan.pipeline_stages > 1:
-        model = build_pipeline(plan.model_config, plan.pipeline_stages, recipe.parallelism.partition_method,
+    if plan.dims.pipeline_stages > 1:
+        model = build_pipeline(plan.model_config, plan.dims.pipeline_stages, recipe.parallelism.partition_method,
                                recipe.activation_checkpointing, TokenMeanLoss(), recipe.model.name_or_path,
                                recipe.training.seed, recipe.model.attn_implementation)
     else:
@@ -37,7 +37,8 @@ def build_run_model(plan: RunPlan) -> tuple[torch.nn.Module, object | None, dict
             fuse_head_and_loss(model)
         model = with_lora(model, recipe.lora, recipe.training.seed)
         mark_sparse_blocks(model)
-    mpu = enable_sequence_parallel(model, plan.sequence_parallel, recipe.training.micro_batch_size, recipe.data.seq_len)
+    mpu = enable_sequence_parallel(model, plan.dims.sequence_parallel, recipe.training.micro_batch_size,
+                                   recipe.data.seq_len)
     if plan.precision == "fp8":
         convert_linears_to_fp8(model, recipe.fp8, plan.model_config.vocab_size)
     kernels = {"attention": recipe.model.attn_implementation, "fused_loss": fused_loss,

@@ -38,7 +38,7 @@ def planned_checkpoint(plan: RunPlan) -> CheckpointSize:
     reference (grpo.sync_ref_model, dpo.sync_ref_model: reference.safetensors, whole, written by rank 0)."""
     shape, recipe = plan.shape, plan.recipe
     size = checkpoint_bytes(shape.lora_parameters or shape.parameters, plan.zero_stage,
-                            plan.world_size // plan.pipeline_stages, plan.precision, state_bytes(plan))
+                            plan.dims.world_size // plan.dims.pipeline_stages, plan.precision, state_bytes(plan))
     if not (recipe.grpo.sync_ref_model or recipe.dpo.sync_ref_model):
         return size
     reference = reference_bytes(recipe, plan.precision, shape, plan.zero_stage, 1)  # whole: ranks=1

@@ -86,8 +86,8 @@ def planned_model_states(plan: RunPlan) -> ModelStates:
     gradient buckets of its resolved DeepSpeed config (and Muon's staged momentum) and GRPO's reference and
     generation (with_objective). ValueError where there is no estimate (offload in fp32)."""
     states = with_deepspeed_buffers(weights_gradients_and_states(plan), plan.ds_config, plan.precision,
-                                    plan.recipe.optimizer.name, plan.shape, plan.dp_size)
-    return with_objective(states, plan.ds_config, plan.recipe, plan.precision, plan.shape, plan.dp_size, 1)
+                                    plan.recipe.optimizer.name, plan.shape, plan.dims.dp_size)
+    return with_objective(states, plan.ds_config, plan.recipe, plan.precision, plan.shape, plan.dims.dp_size, 1)
 
 
 
@@ -96,7 +96,7 @@ def planned_peak(plan: RunPlan, states: ModelStates) -> float | None:
     one micro-batch's activations, checkpointed as the recipe says, or GRPO's generation where larger; None under
     pipeline parallelism (planned per stage) or for a model type without an activation rule."""
     acts = activations(plan.recipe, plan.precision, plan.shape, plan.zero_setting)
-    if acts is None or plan.pipeline_stages > 1:
+    if acts is None or plan.dims.pipeline_stages > 1:
         return None
     return states.peak_with(acts.peak(plan.recipe.activation_checkpointing))
 
@@ -106,23 +106,23 @@ def weights_gradients_and_states(plan: RunPlan) -> ModelStates:
     """planned_model_states without DeepSpeed's own buffers (with_deepspeed_buffers)."""
     shape = plan.shape
     if shape.lora_parameters is not None:
-        return lora_model_states(plan.zero_setting, shape, shape.lora_parameters, plan.world_size, 1,
+        return lora_model_states(plan.zero_setting, shape, shape.lora_parameters, plan.dims.world_size, 1,
                                  plan.precision, state_bytes(plan), plan.recipe.lora.quantize == "nf4")
-    if plan.expert_parallel > 1:
-        return expert_parallel_states(plan.zero_setting, shape, plan.world_size, 1, plan.expert_parallel,
+    if plan.dims.expert_parallel > 1:
+        return expert_parallel_states(plan.zero_setting, shape, plan.dims.world_size, 1, plan.dims.expert_parallel,
                                       plan.precision, state_bytes(plan))
-    if plan.pipeline_stages == 1:
-        return model_states(plan.zero_setting, tensor_parallel_shard(shape, plan.tensor_parallel),
-                            plan.world_size // plan.tensor_parallel, 1, plan.precision,
+    if plan.dims.pipeline_stages == 1:
+        return model_states(plan.zero_setting, tensor_parallel_shard(shape, plan.dims.tensor_parallel),
+                            plan.dims.world_size // plan.dims.tensor_parallel, 1, plan.precision,
                             zero_init=plan.recipe.model.name_or_path is not None, state_bytes=state_bytes(plan))
     layers = shape.pipeline_layer_parameters
-    bounds = stage_bounds(layers, plan.pipeline_stages, plan.recipe.parallelism.partition_method)
+    bounds = stage_bounds(layers, plan.dims.pipeline_stages, plan.recipe.parallelism.partition_method)
     largest = max(sum(layers[start:end]) for start, end in zip(bounds, bounds[1:]))
-    return ModelStates(zero_arithmetic(largest, plan.zero_stage, plan.dp_size, plan.precision, state_bytes(plan)),
+    return ModelStates(zero_arithmetic(largest, plan.zero_stage, plan.dims.dp_size, plan.precision, state_bytes(plan)),
                        0.0, "ZeRO arithmetic", whole_gradient_bytes(largest, plan.zero_stage, plan.precision))
 
 
 
 def state_bytes(plan: RunPlan) -> float:
     """The run's optimizer-state bytes per trained parameter (training/planning/optimizer_states.py)."""
-    return optimizer_state_bytes(plan.recipe.optimizer.name, plan.shape, plan.zero_stage, plan.dp_size)
+    return optimizer_state_bytes(plan.recipe.optimizer.name, plan.shape, plan.zero_stage, plan.dims.dp_size)

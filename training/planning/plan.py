@@ -13,7 +13,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from training.base.errors import ConfigError
 from training.config.recipe import Recipe
 from training.planning.ds_config import zero_setting, zero_stage
-from training.planning.layout import Layout
+from training.planning.layout import Layout, ParallelDims
 from training.planning.precision import device_type
 from training.planning.shape import ModelShape, model_shape
 
@@ -27,7 +27,7 @@ class RunPlan:
     precision: str
     ds_config: dict
     ds_config_path: Path
-    world_size: int
+    dims: ParallelDims  # every parallel degree, the world size and the data-parallel ranks they leave
     accumulation_steps: int
     output_dir: Path
     resume_universal: bool = False  # --resume from a checkpoint of another layout, through a universal checkpoint
@@ -53,44 +53,13 @@ class RunPlan:
         """The model's parameter counts and widths (with LoRA's trainable count): computed once, for every estimate."""
         return model_shape(self.model_config, self.recipe.lora)
 
-    @property
-    def pipeline_stages(self) -> int:
-        return self.recipe.parallelism.pipeline_stages
-
-    @property
-    def sequence_parallel(self) -> int:
-        return self.recipe.parallelism.sequence_parallel
-
-    @property
-    def tensor_parallel(self) -> int:
-        return self.recipe.parallelism.tensor_parallel
-
-    @property
-    def expert_parallel(self) -> int:
-        return self.recipe.parallelism.expert_parallel
-
     def layout(self) -> Layout:
         """What the run's checkpoints belong to."""
-        return Layout(world_size=self.world_size, zero_stage=self.zero_stage, precision=self.precision,
-                      pipeline_stages=self.pipeline_stages, tensor_parallel=self.tensor_parallel,
-                      sequence_parallel=self.sequence_parallel,
-                      expert_parallel=self.expert_parallel, optimizer=self.recipe.optimizer.name,
-                      lora=self.recipe.lora.enabled)
-
-    @property
-    def dp_size(self) -> int:
-        """Data-parallel ranks: the world size over the pipeline stages, sequence- or tensor-parallel ranks."""
-        return self.world_size // (self.pipeline_stages * self.sequence_parallel * self.tensor_parallel)
-
-    def dp_rank(self, rank: int) -> int:
-        """A rank's data-parallel rank: DeepSpeed numbers pipeline ranks stage-major, and a sequence- or
-        tensor-parallel group is N consecutive ranks."""
-        group = self.sequence_parallel * self.tensor_parallel
-        return rank // group if group > 1 else rank % self.dp_size
-
-    def sequence_shard(self, rank: int) -> tuple[int, int]:
-        """(the rank's slice of each row, slices per row)."""
-        return rank % self.sequence_parallel, self.sequence_parallel
+        dims = self.dims
+        return Layout(world_size=dims.world_size, zero_stage=self.zero_stage, precision=self.precision,
+                      pipeline_stages=dims.pipeline_stages, tensor_parallel=dims.tensor_parallel,
+                      sequence_parallel=dims.sequence_parallel, expert_parallel=dims.expert_parallel,
+                      optimizer=self.recipe.optimizer.name, lora=self.recipe.lora.enabled)
 
 
 @dataclass(frozen=True)

@@ -50,11 +50,12 @@ def print_plan(plan: RunPlan, machine: Machine, objective_lines: list[str]) -> N
     if plan.tokenizer is None:
         print(f"tokenizer: {recipe.tokenizer_path} is not in the local Hugging Face cache; not checked here "
               f"(the run downloads it)")
-    print(f"layout: {plan.world_size} rank(s) = {plan.dp_size} data-parallel x {plan.tensor_parallel} "
-          f"tensor-parallel x {plan.sequence_parallel} sequence-parallel x {plan.pipeline_stages} pipeline stage(s)"
-          + (f"; experts: {plan.expert_parallel} expert-parallel x {plan.world_size // plan.expert_parallel} "
-             f"expert-data-parallel ({shape.num_experts // plan.expert_parallel} of each layer's {shape.num_experts} "
-             f"experts per rank)" if plan.expert_parallel > 1 else ""))
+    dims = plan.dims
+    print(f"layout: {dims.world_size} rank(s) = {dims.dp_size} data-parallel x {dims.tensor_parallel} "
+          f"tensor-parallel x {dims.sequence_parallel} sequence-parallel x {dims.pipeline_stages} pipeline stage(s)"
+          + (f"; experts: {dims.expert_parallel} expert-parallel x {dims.world_size // dims.expert_parallel} "
+             f"expert-data-parallel ({shape.num_experts // dims.expert_parallel} of each layer's {shape.num_experts} "
+             f"experts per rank)" if dims.expert_parallel > 1 else ""))
     for line in objective_lines:
         print(line)
     if plan.micro_batch:
@@ -72,7 +73,7 @@ def print_plan(plan: RunPlan, machine: Machine, objective_lines: list[str]) -> N
     model_flops, hardware_flops = flops_per_token(shape, recipe.data.seq_len, recipe.activation_checkpointing)
     print(f"training FLOPs per token: {model_flops:.3e} ({'4N + 6N_LoRA' if trainable else '6N'} + attention), "
           f"{hardware_flops:.3e} with recomputation")
-    if plan.pipeline_stages > 1:
+    if plan.dims.pipeline_stages > 1:
         print_pipeline_plan(plan, shape, machine)
     else:
         print_memory_plan(plan, shape, machine)
@@ -92,7 +93,7 @@ def print_micro_batch_choice(plan: RunPlan) -> None:
         print(f"micro-batch: {choice.size}, the checkpoint's, kept by training.micro_batch_size=auto on --resume: "
               f"{budget}")
         return
-    rows = training.global_batch_size // plan.dp_size
+    rows = training.global_batch_size // plan.dims.dp_size
     larger = (f"{choice.larger[0]} would need {format_bytes(choice.larger[1])}" if choice.larger else
               f"that is all {rows}: no accumulation")
     print(f"micro-batch: {choice.size} chosen by training.micro_batch_size=auto, the largest divisor of the {rows} "
@@ -112,7 +113,7 @@ def print_memory_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> Non
     current = plan.zero_setting
     acts = activations(plan.recipe, plan.precision, shape, current)
     print(f"memory per rank, {machine.gpus_per_node} GPU(s) x {machine.nodes} node(s), micro-batch "
-          f"{micro_batch_rows(plan.recipe)} x {plan.recipe.data.seq_len // plan.sequence_parallel} tokens "
+          f"{micro_batch_rows(plan.recipe)} x {plan.recipe.data.seq_len // plan.dims.sequence_parallel} tokens "
           f"on each rank; fits = within "
           f"{HEADROOM:.0%} of {format_bytes(machine.memory_per_rank)} ({machine.memory_source}):")
     if acts:
@@ -127,7 +128,7 @@ def print_memory_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> Non
         print(f"  with the layers compiled (compile), at ZeRO 0-2; the ZeRO-3 rows count them eager, as compile: auto "
               f"runs them there: {format_bytes(eager.without_checkpointing)} without checkpointing, "
               f"{format_bytes(eager.with_checkpointing)} with")
-    if plan.expert_parallel > 1:
+    if plan.dims.expert_parallel > 1:
         print_expert_parallel_memory(plan, shape, machine)
     table = Table()
     for column in ("ZeRO", "model states", "CPU per node", "estimated by", "+ activations", "+ act. (ckpt)", "fits"):
@@ -144,8 +145,8 @@ def print_memory_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> Non
 def print_expert_parallel_memory(plan: RunPlan, shape: ModelShape, machine: Machine) -> None:
     """What a rank keeps of the experts (model_states.py's and activations.py's expert-parallel formulas), and its
     all-to-all buffers."""
-    size, ranks = plan.expert_parallel, machine.gpus_per_node * machine.nodes
-    tokens = micro_batch_rows(plan.recipe) * plan.recipe.data.seq_len // plan.sequence_parallel
+    size, ranks = plan.dims.expert_parallel, machine.gpus_per_node * machine.nodes
+    tokens = micro_batch_rows(plan.recipe) * plan.recipe.data.seq_len // plan.dims.sequence_parallel
     buffers = tokens * all_to_all_bytes_per_token(shape, DTYPES[plan.precision].itemsize, size)
     print(f"experts: {shape.expert_parameters:,} parameters / {size} per rank, which ZeRO shards over the "
           f"{ranks // size} rank(s) holding the same experts, the other {shape.parameters - shape.expert_parameters:,} "
@@ -158,9 +159,9 @@ def print_pipeline_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> N
     engine supports no more) and activations of the micro-batches in flight: with DeepSpeed's 1F1B schedule
     stage k holds up to (stages - k) of them."""
     layers = shape.pipeline_layer_parameters
-    stages, method = plan.pipeline_stages, plan.recipe.parallelism.partition_method
+    stages, method = plan.dims.pipeline_stages, plan.recipe.parallelism.partition_method
     bounds = stage_bounds(layers, stages, method)
-    print(f"pipeline: {stages} stages x {plan.dp_size} data-parallel rank(s), partitioned by {method}; per rank "
+    print(f"pipeline: {stages} stages x {plan.dims.dp_size} data-parallel rank(s), partitioned by {method}; per rank "
           f"of each stage, ZeRO-{plan.zero_stage} over the data-parallel ranks; fits = within {HEADROOM:.0%} of "
           f"{format_bytes(machine.memory_per_rank)} ({machine.memory_source}):")
     table = Table()
@@ -169,7 +170,8 @@ def print_pipeline_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> N
     for stage in range(stages):
         start, end = bounds[stage], bounds[stage + 1]
         params = sum(layers[start:end])
-        states = ModelStates(zero_arithmetic(params, plan.zero_stage, plan.dp_size, plan.precision, state_bytes(plan)),
+        states = ModelStates(zero_arithmetic(params, plan.zero_stage, plan.dims.dp_size, plan.precision,
+                                             state_bytes(plan)),
                              0.0, "ZeRO arithmetic", whole_gradient_bytes(params, plan.zero_stage, plan.precision))
         decoder_layers = sum(1 <= index <= shape.num_layers for index in range(start, end))
         acts = activations(plan.recipe, plan.precision, shape, layers=decoder_layers, with_head=stage == stages - 1)

@@ -224,7 +224,7 @@ def export_run(engine: DeepSpeedEngine, plan: RunPlan) -> None:
     with the adapters merged under export.merge). A pipeline's stages wrote theirs into the final checkpoint."""
     checkpoints, dtype = plan.output_dir / "checkpoints", DTYPES[plan.precision]
     check_room_to_export(plan, latest_tag(checkpoints))
-    if plan.pipeline_stages > 1:
+    if plan.dims.pipeline_stages > 1:
         if dist.get_rank() == 0:
             export_tag(checkpoints, latest_tag(checkpoints), plan.output_dir / "hf")
         patient_barrier()

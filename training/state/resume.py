@@ -31,7 +31,7 @@ def plan_resume(plan: RunPlan) -> bool:
     universal = check_resume(checkpoints, plan.layout(), plan.recipe, plan.base_digest)
     tag = latest_tag(checkpoints)
     check_resumed_model(checkpoints / tag, plan.model_config, plan.tokenizer)
-    if plan.pipeline_stages > 1:
+    if plan.dims.pipeline_stages > 1:
         check_files(checkpoints, tag, layer_files(plan.model_config))
     if universal:
         check_conversion_place(checkpoints, tag)

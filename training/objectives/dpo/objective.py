@@ -97,9 +97,9 @@ class Dpo(Objective):
                          "training step's memory: no gradients, no second model), stored with the run (16 bytes per "
                          "pair)")
         return [f"batch: {training.micro_batch_size} pairs/rank x {plan.accumulation_steps} accumulation x "
-                f"{plan.dp_size} data-parallel ranks = {training.global_batch_size} pairs per step, each micro-batch's "
-                f"2 x {training.micro_batch_size} sequences packed into rows of {seq_len} tokens (at most "
-                f"{2 * training.micro_batch_size} rows, which the memory below assumes)",
+                f"{plan.dims.dp_size} data-parallel ranks = {training.global_batch_size} pairs per step, each "
+                f"micro-batch's 2 x {training.micro_batch_size} sequences packed into rows of {seq_len} tokens "
+                f"(at most {2 * training.micro_batch_size} rows, which the memory below assumes)",
                 f"DPO: loss {described_loss(section)}"
                 f"{', each pair weighted by WPO (dpo.use_weighting)' if section.use_weighting else ''}, beta "
                 f"{section.beta:g}; reference: {reference}"]
@@ -108,10 +108,10 @@ class Dpo(Objective):
         """Batches of pairs, packed when fetched."""
         data, training, plan = self.plan.recipe.data, self.plan.recipe.training, self.plan
         packing = (data.seq_len, pad_token_id(plan.tokenizer), data.packing)
-        evaluation = EvalPairBatches(prepared["eval"], training.micro_batch_size, rank, plan.dp_size, *packing,
+        evaluation = EvalPairBatches(prepared["eval"], training.micro_batch_size, rank, plan.dims.dp_size, *packing,
                                      training.eval_max_rows) if "eval" in prepared else None
-        return PairBatches(prepared["train"], training.micro_batch_size, plan.accumulation_steps, rank, plan.dp_size,
-                           training.seed, *packing), evaluation
+        return PairBatches(prepared["train"], training.micro_batch_size, plan.accumulation_steps, rank,
+                           plan.dims.dp_size, training.seed, *packing), evaluation
 
     def start(self, engine: deepspeed.DeepSpeedEngine, batches: PairBatches, evaluation: EvalPairBatches | None,
               resume: bool) -> None:
@@ -131,7 +131,7 @@ class Dpo(Objective):
         self.preference.start_step()
         if self.preference.sft_weight:  # the sft term's mean is over the global batch's chosen tokens
             chosen = distributed.all_reduce_on_host([sum(map(chosen_targets, micro_batches))])[0]
-            self.preference.sft_per_micro_batch = chosen / (len(micro_batches) * self.plan.dp_size)
+            self.preference.sft_per_micro_batch = chosen / (len(micro_batches) * self.plan.dims.dp_size)
 
     def loss(self, engine: deepspeed.DeepSpeedEngine, batch: dict, per_micro_batch: float,
              shard: tuple[int, int]) -> torch.Tensor:

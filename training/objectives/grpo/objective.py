@@ -147,11 +147,11 @@ class Grpo(Objective):
         completions (num_generations_eval per prompt; every prompt each evaluation, or training.eval_max_rows of
         them)."""
         plan, grpo, training = self.plan, self.section, self.plan.recipe.training
-        completions = training.global_batch_size // plan.dp_size
+        completions = training.global_batch_size // plan.dims.dp_size
         prompts_per_rank = completions // grpo.num_generations  # whole groups (check)
-        evaluation = EvalPromptBatches(prepared["eval"], completions // eval_generations(grpo), rank, plan.dp_size,
+        evaluation = EvalPromptBatches(prepared["eval"], completions // eval_generations(grpo), rank, plan.dims.dp_size,
                                        training.eval_max_rows) if "eval" in prepared else None
-        batches = PromptBatches(prepared["train"], prompts_per_rank, rank, plan.dp_size, training.seed,
+        batches = PromptBatches(prepared["train"], prompts_per_rank, rank, plan.dims.dp_size, training.seed,
                                 grpo.num_iterations, grpo.num_generations, self.steps_per_generation)
         self.steps_per_epoch = batches.steps_per_epoch  # and the run's steps: where the trainer_state says the run is
         self.total_steps = training.total_steps(batches.steps_per_epoch)
@@ -245,7 +245,8 @@ class Grpo(Objective):
         """The rank's completions' advantages, from the rewards of the whole generation (every rank's, put in the
         prompts' order; a DataError on every rank where none has a reward); notes the generation's metrics and logs
         its samples."""
-        rank, count, steps = self.plan.dp_rank(dist.get_rank()), len(rollout.completions), self.steps_per_generation
+        rank = self.plan.dims.dp_rank(dist.get_rank())
+        count, steps = len(rollout.completions), self.steps_per_generation
         gathered = self.gathered(engine, rollout)  # rank by rank, each rank's steps in turn
         # into the prompts' order, step by step, the same in every layout (so the sums over the generation add alike)
         in_order = torch.arange(len(gathered[0]), device=engine.device).view(-1, steps, count // steps)
@@ -388,7 +389,7 @@ class Grpo(Objective):
         if not every or generation % every:
             return
         log_samples(self.plan.output_dir / COMPLETIONS_FILE, generation, rollout, rewards, self.names, in_order,
-                    self.plan.world_size // self.plan.dp_size,
+                    self.plan.dims.world_size // self.plan.dims.dp_size,
                     rewrite=self.logged_up_to is None or self.logged_up_to >= generation)
         self.logged_up_to = generation
 

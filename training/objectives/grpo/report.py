@@ -19,8 +19,8 @@ def plan_lines(plan: RunPlan) -> list[str]:
     its cost."""
     training, grpo, steps = plan.recipe.training, plan.recipe.grpo, steps_per_generation(plan.recipe)
     prompts = training.global_batch_size // grpo.num_generations
-    per_rank = training.global_batch_size // plan.dp_size * steps  # completions a rank generates at once
-    memory = generation(plan.recipe, plan.precision, plan.shape, plan.zero_stage, plan.dp_size)
+    per_rank = training.global_batch_size // plan.dims.dp_size * steps  # completions a rank generates at once
+    memory = generation(plan.recipe, plan.precision, plan.shape, plan.zero_stage, plan.dims.dp_size)
     ignored = (f" (grpo.ds3_gather_for_generation is ZeRO-3's and does nothing at ZeRO-{plan.zero_stage})"
                if grpo.ds3_gather_for_generation else "")
     gathered = (f"the rank's own full weights{ignored}" if plan.zero_stage != 3 else
@@ -33,11 +33,11 @@ def plan_lines(plan: RunPlan) -> list[str]:
         reference += synced_note(plan, grpo.ref_model_mixup_alpha, grpo.ref_model_sync_steps)
     return [f"batch: {prompts} prompts x {grpo.num_generations} generations = {training.global_batch_size} "
             f"completions per step; {training.micro_batch_size} completions/rank x {plan.accumulation_steps} "
-            f"accumulation x {plan.dp_size} data-parallel ranks, each a row of prompt + completion (at most "
+            f"accumulation x {plan.dims.dp_size} data-parallel ranks, each a row of prompt + completion (at most "
             f"{plan.recipe.data.seq_len} tokens)",
             *loss_lines(grpo, steps),
             *([head_line(plan)] if grpo.cast_lm_head_to_fp32 else []),
-            f"generation: {prompts * steps // plan.dp_size} prompt(s) x {grpo.num_generations} per rank in one "
+            f"generation: {prompts * steps // plan.dims.dp_size} prompt(s) x {grpo.num_generations} per rank in one "
             f"batch{f' (grpo.generation_batch_size: {steps} optimizer steps)' if steps > 1 else ''}, "
             f"{sampling(grpo)}, up to {grpo.max_completion_length} decoding passes (new tokens); weights: "
             f"{gathered}; reference: {reference}",

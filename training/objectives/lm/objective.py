@@ -14,12 +14,11 @@ class LanguageModel(Objective):
 
     @staticmethod
     def describe(plan: RunPlan) -> list[str]:
-        training, seq_len = plan.recipe.training, plan.recipe.data.seq_len
+        training, seq_len, split = plan.recipe.training, plan.recipe.data.seq_len, plan.dims.sequence_parallel
         return [f"batch: {training.micro_batch_size} rows/rank x {plan.accumulation_steps} accumulation x "
-                f"{plan.dp_size} data-parallel ranks = {training.global_batch_size} rows x {seq_len} tokens = "
+                f"{plan.dims.dp_size} data-parallel ranks = {training.global_batch_size} rows x {seq_len} tokens = "
                 f"{training.global_batch_size * seq_len:,} tokens per step"
-                + (f"; each row split over {plan.sequence_parallel} ranks, {seq_len // plan.sequence_parallel:,} "
-                   f"tokens each" if plan.sequence_parallel > 1 else "")]
+                + (f"; each row split over {split} ranks, {seq_len // split:,} tokens each" if split > 1 else "")]
 
     def batches(self, prepared, rank: int) -> tuple[StepBatches, EvalBatches | None]:
         data, training, plan = self.plan.recipe.data, self.plan.recipe.training, self.plan
@@ -27,10 +26,10 @@ class LanguageModel(Objective):
         if row_length != data.seq_len:
             raise DataError(f"data.prepared={data.prepared} holds rows of {row_length} tokens, but data.seq_len is "
                             f"{data.seq_len}; prepare again with this seq_len or set data.seq_len={row_length}")
-        evaluation = EvalBatches(prepared["eval"], training.micro_batch_size, rank, plan.dp_size,
+        evaluation = EvalBatches(prepared["eval"], training.micro_batch_size, rank, plan.dims.dp_size,
                                  training.eval_max_rows) if "eval" in prepared else None
         return StepBatches(prepared["train"], training.micro_batch_size, plan.accumulation_steps, rank,
-                           plan.dp_size, training.seed), evaluation
+                           plan.dims.dp_size, training.seed), evaluation
 
     def count(self, batch: dict) -> int:
         return target_count(batch)
