@@ -55,7 +55,8 @@ from training.base.output_guard import (  # noqa: E402
     written_by,
 )
 from training.base.strict_json import number  # noqa: E402
-from training.config.recipe import load_recipe, parse_override, recipe_inputs  # noqa: E402
+from training.config.overrides import parse_override  # noqa: E402
+from training.config.recipe import load_recipe, recipe_inputs  # noqa: E402
 from training.parallel.launch import failure_reason, launcher_command  # noqa: E402
 from training.planning.memory import planned_model_states, planned_peak  # noqa: E402
 

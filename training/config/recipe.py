@@ -3,10 +3,8 @@
 Every problem is reported at once, naming the file or override, the key and the fix, before
 anything expensive starts.
 """
-import difflib
 import math
 import re
-import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -14,7 +12,6 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import (
     AfterValidator,
-    BaseModel,
     Field,
     NonNegativeFloat,
     NonNegativeInt,
@@ -30,6 +27,8 @@ from pydantic import (
 from data_pipeline.config import DataConfig, LocalPath, matching_files, prepared_examples
 from training.base.errors import ConfigError, read_text
 from training.base.schema import HubIdOrPath, StrictModel
+from training.config.overrides import apply_override, parse_override
+from training.config.problems import describe_error
 from training.objectives.registry import SPECS
 from training.objectives.spec import ObjectiveSpec
 
@@ -408,79 +407,11 @@ def recipe_file(name_or_path: str) -> Path:
                       f"Available recipes: {', '.join(available_recipes())}")
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
-    key, sep, value = text.partition("=")
-    if not sep or not key or "" in key.split("."):
-        raise ConfigError(f"override '{text}' is not of the form key.path=value (e.g. training.max_steps=20)")
-    try:
-        return key.split("."), yaml.safe_load(value)
-    except yaml.YAMLError as error:
-        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-        raise ConfigError(f"override '{text}': the value is not valid YAML ({problem}); write it as YAML, e.g. "
-                          f"training.betas=[0.9,0.95], and quote the whole override in the shell") from None
-
-
-def apply_override(tree: dict, path: list[str], value: Any, text: str) -> None:
-    """Set `value` at `path`, creating missing mappings; list items are addressed by their index."""
-    node = tree
-    for depth, part in enumerate(path[:-1]):
-        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        elif isinstance(node, dict):
-            node = node.setdefault(part, {})
-        else:
-            raise ConfigError(f"override '{text}': {'.'.join(path[:depth + 1])} is a {type(node).__name__}, "
-                              f"not a mapping")
-    last = path[-1]
-    if isinstance(node, list) and last.isdigit() and int(last) < len(node):
-        node[int(last)] = value
-    elif isinstance(node, dict):
-        node[last] = value
-    else:
-        raise ConfigError(f"override '{text}': {'.'.join(path[:-1])} is a {type(node).__name__}, not a mapping")
-
-
-def _model_at(loc: tuple) -> type[BaseModel] | None:
-    """The schema section that the (parent) location of a pydantic error points into."""
-    model = Recipe
-    for part in loc:
-        if isinstance(part, int):
-            continue
-        field = model.model_fields.get(part)
-        model = _first_model(field.annotation) if field else None
-        if model is None:
-            return None
-    return model
-
-
-def _first_model(annotation: Any) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    return next(filter(None, (_first_model(arg) for arg in typing.get_args(annotation))), None)
-
-
-def describe_error(error: dict) -> str:
-    loc = tuple(part for part in error["loc"] if not isinstance(part, str) or not part.startswith("function-"))
-    where = ".".join(str(part) for part in loc) or "(top level)"
-    if error["type"] == "extra_forbidden":
-        section = _model_at(loc[:-1])
-        if here := getattr(section, "trl_names", {}).get(loc[-1]):
-            return f"{where}: TRL's name, not this schema's: {here}"
-        known = list(section.model_fields) if section else []
-        close = difflib.get_close_matches(str(loc[-1]), known, n=1)
-        hint = f"did you mean '{close[0]}'? " if close else ""
-        return f"{where}: unknown key; {hint}valid keys here: {', '.join(known)}"
-    message = error["msg"].removeprefix("Value error, ")
-    if error["type"] not in ("missing", "value_error"):
-        message += f" (got {error['input']!r})"
-    return f"{where}: {message}"
-
-
 def validate(tree: dict, base_dir: Path, source: str) -> Recipe:
     try:
         return Recipe.model_validate(tree, context={"base_dir": base_dir})
     except ValidationError as error:
-        problems = "\n".join(f"  {describe_error(e)}" for e in error.errors())
+        problems = "\n".join(f"  {describe_error(e, Recipe)}" for e in error.errors())
         raise ConfigError(f"{source} has {error.error_count()} problem(s):\n{problems}") from None
 
 
