@@ -16,7 +16,8 @@ the kernels warmed for its shapes):
   - on a GPU, ours with FlexAttention kept for decoding (what `decoding` switches away from);
   - transformers' own sampling (one random stream for the whole batch), sdpa, at the same settings: its seconds, and
     ours over it (what the per-completion streams cost);
-  - on a GPU of flops.py's table, the floor: what the passes read (objective_memory.decoding_reads) at its bandwidth.
+  - on a GPU of flops.py's table, the floor: what the passes read (training/objectives/grpo/memory.py,
+    decoding_reads) at its bandwidth.
 Writes table.md to --output when given.
 """
 import argparse
@@ -31,10 +32,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from training.objectives.grpo.memory import decoding_reads  # noqa: E402
 from training.objectives.grpo.sampling import sample  # noqa: E402
 from training.objectives.grpo.spec import GrpoSection  # noqa: E402
 from training.planning.flops import gpu_spec  # noqa: E402
-from training.planning.objective_memory import decoding_reads  # noqa: E402
 from training.planning.shape import model_shape  # noqa: E402
 
 

@@ -15,6 +15,9 @@ PACKAGE_INITS = {"training": "training.compat"}  # training/__init__.py sets up 
 # what an objective is before anything is built (its spec: the recipe section, traits and checks) loads with the
 # recipe's schema, which takes the sections from the registry; the objectives' package files import nothing
 PLAN_TIME = re.compile(r"training\.objectives(\.\w+)?\.spec|training\.objectives\.registry")
+# what an objective holds beside the trained model, estimated before a run (its memory.py, and the reference's they
+# share): plan-time code, which the plan loads through the spec's `memory`
+MEMORY_TERMS = re.compile(r"training\.objectives\.\w+\.memory|training\.objectives\.reference_memory")
 
 
 def module_name(path: Path) -> str:
@@ -30,6 +33,8 @@ def layer(module: str) -> int:
     is_package = (REPO / module.replace(".", "/") / "__init__.py").is_file()
     if PLAN_TIME.fullmatch(module) or is_package and module.startswith("training.objectives"):
         return ORDER.index("training.config")
+    if MEMORY_TERMS.fullmatch(module):
+        return ORDER.index("training.planning")
     return max(i for i, package in enumerate(ORDER) if module == package or module.startswith(package + "."))
 
 
@@ -92,3 +97,22 @@ def test_every_import_goes_down_the_declared_order():
 def test_no_modules_import_each_other():
     graph = {module: set(targets) for module, targets in imports().items()}
     assert not cycles(graph), f"import cycles: {cycles(graph)}"
+
+
+def test_every_spec_names_a_module_at_its_layer():
+    """A spec names its run-time class (`runtime`, loaded by the run: the objectives layer) and its memory term
+    (`memory`, loaded by the plan: the planning layer) as "module:name": the module exists, sits at that layer and
+    defines the name."""
+    from training.objectives.registry import SPECS
+    wrong = []
+    for spec in SPECS.values():
+        for field, package in ("runtime", "training.objectives"), ("memory", "training.planning"):
+            if (named := getattr(spec, field)) is None:
+                continue
+            module, name = named.split(":")
+            path = REPO / f"{module.replace('.', '/')}.py"
+            defined = path.is_file() and name in {getattr(node, "name", None)
+                                                   for node in ast.parse(path.read_text()).body}
+            if not defined or layer(module) != ORDER.index(package):
+                wrong.append(f"{spec.name}: {field}={named!r} (at {package}'s layer)")
+    assert not wrong, "specs naming no module at their layer:\n" + "\n".join(wrong)

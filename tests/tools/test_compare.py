@@ -261,9 +261,9 @@ def test_each_cell_carries_the_plans_peak(tmp_path):
     activations, or a GRPO generation where that is larger (micro-batch 1 of tiny_llama_grpo's 64 completions)."""
     import train
     from tests.conftest import save_small_checkpoint
+    from training.objectives.grpo.memory import generation
     from training.planning.activations import activations
     from training.planning.memory import planned_model_states
-    from training.planning.objective_memory import generation
     save_small_checkpoint(tmp_path / "base")
     args = compare.parse_args(["--recipe", "tiny_llama_grpo", "--vary", "training.micro_batch_size=1,32",
                                f"model.name_or_path={tmp_path / 'base'}", "grpo.beta=0"])

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from training.base.errors import ConfigError
 from training.models.model import from_checkpoint
 from training.planning.ds_config import params_offloaded
-from training.planning.objective_memory import reference_bytes
+from training.planning.objective_memory import objective_memory
 from training.planning.plan import RunPlan
 from training.planning.report import format_bytes
 
@@ -25,9 +25,9 @@ REFERENCE_FILE = "reference.safetensors"  # in a checkpoint's global_step{N}/, w
 
 
 def reference_place(plan: RunPlan) -> str:
-    """Where a full fine-tune's reference lives (load_reference) and what it takes per rank (reference_bytes)."""
+    """Where a full fine-tune's reference lives (load_reference) and what it takes per rank (objective_memory)."""
     ranks = plan.dims.dp_size
-    per_rank = format_bytes(reference_bytes(plan.recipe, plan.precision, plan.shape, plan.zero_stage, ranks))
+    per_rank = format_bytes(objective_memory(plan.recipe, plan.precision, plan.shape, plan.zero_stage, ranks).reference)
     if plan.zero_stage != 3:
         return f"the starting checkpoint, a frozen copy on each rank ({per_rank})"
     where = "in CPU memory (offload_param)" if params_offloaded(plan.ds_config) else "on the device"
@@ -37,7 +37,7 @@ def reference_place(plan: RunPlan) -> str:
 
 def synced_note(plan: RunPlan, alpha: float, every: int) -> str:
     """The plan's words for a synced reference (SyncedReference): how often, and what each checkpoint holds of it."""
-    whole = reference_bytes(plan.recipe, plan.precision, plan.shape, plan.zero_stage, 1)  # 1 rank: not partitioned
+    whole = objective_memory(plan.recipe, plan.precision, plan.shape, plan.zero_stage, 1).reference  # not partitioned
     return (f", synced to the policy every {every} steps (alpha {alpha:g}) and saved with each checkpoint by rank 0 "
             f"({format_bytes(whole)}, held whole in its CPU memory while written)")
 

@@ -18,9 +18,12 @@ class ObjectiveSpec:
     rows_per_example: int  # the rows a training example takes at most, for the memory plan (a DPO pair: 2)
     unit: str  # what micro_batch_size and global_batch_size count
     examples: Examples  # what the data holds (data_pipeline/config.py)
-    generates: bool = False  # it samples from the trained model (grpo:): the plan counts the generation and reference
+    generates: bool = False  # it samples from the trained model (grpo:): its memory term counts the generation
     token_statistics: bool = False  # it reads statistics of the logits a chunk of tokens at a time (dpo: TRL's token
     # metrics and WPO's weights), whose chunk the plan counts
+    memory: str | None = None  # "module:function" of what it holds per rank beside the trained model (its
+    # <name>/memory.py: a reference, reward models, a generation), loaded by the plan (training/planning/
+    # objective_memory.py); the module sits at the planning layer
     settings: type[StrictModel] | None = None  # its recipe section, under `name`
     check_recipe: Callable[[Any], None] | None = None  # its section against the rest of the validated recipe: raises
     # ValueError (reported as the recipe's problem); may fill the data section's settings that follow from it

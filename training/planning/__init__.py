@@ -9,7 +9,7 @@
   model_states.py      weights, gradients and optimizer states per rank under each ZeRO setting, DeepSpeed's buffers
   optimizer_states.py  the optimizers' state bytes per parameter
   activations.py       one micro-batch's activations, with and without checkpointing
-  objective_memory.py  what the objective holds beside the model: reference and reward models, GRPO's generation
+  objective_memory.py  what the objective holds beside the model, from its spec's memory term (its memory.py)
   memory.py            the totals per rank and whether they fit
   checkpoint_size.py   what a checkpoint save and the export write
   flops.py             FLOPs per token, the GPU's peak and bandwidth

@@ -3,7 +3,7 @@ reference) and the finished run's export, and the time a SIGTERM save has under 
 from dataclasses import dataclass
 
 from training.planning.memory import state_bytes
-from training.planning.objective_memory import reference_bytes
+from training.planning.objective_memory import objective_memory
 from training.planning.plan import RunPlan
 from training.planning.precision import DTYPES, is_mixed
 
@@ -35,13 +35,14 @@ def checkpoint_bytes(params: float, stage: int, ranks: int, precision: str, stat
 
 def planned_checkpoint(plan: RunPlan) -> CheckpointSize:
     """What one save of this run writes (a LoRA run's checkpoints leave the frozen base weights out), with a synced
-    reference (grpo.sync_ref_model, dpo.sync_ref_model: reference.safetensors, whole, written by rank 0)."""
+    reference (grpo.sync_ref_model, dpo.sync_ref_model: reference.safetensors, whole, written by rank 0: the
+    objective's memory term, objective_memory)."""
     shape, recipe = plan.shape, plan.recipe
     size = checkpoint_bytes(shape.lora_parameters or shape.parameters, plan.zero_stage,
                             plan.dims.world_size // plan.dims.pipeline_stages, plan.precision, state_bytes(plan))
-    if not (recipe.grpo.sync_ref_model or recipe.dpo.sync_ref_model):
+    reference = objective_memory(recipe, plan.precision, shape, plan.zero_stage, 1).saved_reference  # whole: ranks=1
+    if not reference:
         return size
-    reference = reference_bytes(recipe, plan.precision, shape, plan.zero_stage, 1)  # whole: ranks=1
     return CheckpointSize(size.total + reference, size.largest_rank + reference)
 
 

@@ -1,8 +1,9 @@
 """Memory per rank, estimated before a run, and whether it fits: each ZeRO setting's model states
 (training/planning/model_states.py) with DeepSpeed's own buffers and what the objective holds beside them (the
-reference model, reward models and a GRPO generation's memory: training/planning/objective_memory.py), and the peak
-with one micro-batch's activations (training/planning/activations.py), or with a generation's memory where that is
-larger (ModelStates.peak_with). `fits` leaves 10% of a rank's memory for what the estimates leave out.
+reference model, reward models and a GRPO generation's memory: the objective's memory term, reached through its spec
+by training/planning/objective_memory.py), and the peak with one micro-batch's activations
+(training/planning/activations.py), or with a generation's memory where that is larger (ModelStates.peak_with).
+`fits` leaves 10% of a rank's memory for what the estimates leave out.
 """
 from deepspeed.runtime.utils import partition_balanced, partition_uniform
 

@@ -1,8 +1,9 @@
 """An objective is one folder and one registry entry (docs/objectives.md): each known name has its training code, and
 a toy objective with a settings section of its own, added in a few lines, trains. The toy computes the language
 model's loss itself, from the logits, times its section's scale: at scale 1 its losses must be the language model's
-(fused loss off, as the toy's spec asks), at scale 2 twice them."""
+(fused loss off, as the toy's spec asks), at scale 2 twice them. Its memory term, named by its spec, is in the plan."""
 import json
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -21,6 +22,7 @@ from training.objectives.base import Objective, objective_class
 from training.objectives.lm.objective import LanguageModel
 from training.objectives.registry import SPECS
 from training.objectives.spec import ObjectiveSpec
+from training.planning.objective_memory import ObjectiveMemory
 
 
 @pytest.mark.parametrize("recipe, overrides, off", [
@@ -62,13 +64,19 @@ class TokenLossFromLogits(LanguageModel):
         return loss * self.plan.recipe.toy.scale
 
 
+def toy_memory(recipe, precision, shape, stage, ranks) -> ObjectiveMemory:
+    """The toy's memory term: a frozen fp32 copy of the model on each rank, as a reference would be held."""
+    return ObjectiveMemory(reference=4.0 * shape.parameters)
+
+
 TOY = ObjectiveSpec(name="toy", runtime=f"{__name__}:TokenLossFromLogits", trains_on="documents", model_loss=False,
-                    rows_per_example=1, unit="rows", examples="documents", settings=ToySection)
+                    rows_per_example=1, unit="rows", examples="documents", memory=f"{__name__}:toy_memory",
+                    settings=ToySection)
 
 
-def with_the_toy(monkeypatch) -> None:
+def with_the_toy(monkeypatch, spec: ObjectiveSpec = TOY) -> None:
     """The toy's registry line, and the schema built with its section as the module builds it with the others'."""
-    monkeypatch.setitem(SPECS, "toy", TOY)
+    monkeypatch.setitem(SPECS, "toy", spec)
     monkeypatch.setattr(recipe_module, "Recipe", recipe_module.recipe_schema(SPECS))
 
 
@@ -79,6 +87,22 @@ def test_the_toys_section_is_validated_and_refused_under_another_objective(monke
         load_recipe("tiny_llama", ["training.objective=toy", "toy.scale=0"])
     with pytest.raises(ConfigError, match=r"toy.\* is set but training.objective is lm: set training.objective=toy"):
         load_recipe("tiny_llama", ["toy.scale=2"])
+
+
+def test_the_plan_counts_the_toys_memory_term(monkeypatch):
+    """The plan reaches an objective's memory only through its spec's `memory`: the toy's frozen copy is in its
+    model states and in its peak (--dry-run's cell for its setting), beside the same toy's without the term."""
+    import train
+    from training.planning.memory import planned_model_states, planned_peak
+    plans, states = {}, {}
+    for memory in (None, TOY.memory):
+        with_the_toy(monkeypatch, replace(TOY, memory=memory))
+        plans[memory] = train.make_plan(train.parse_args(["--recipe", "tiny_llama", "--dry-run", SMALL_MODEL,
+                                                          "training.objective=toy"]), world_size=1)
+        states[memory] = planned_model_states(plans[memory])
+    held = 4.0 * plans[None].shape.parameters
+    assert states[TOY.memory].device_bytes == states[None].device_bytes + held
+    assert planned_peak(plans[TOY.memory], states[TOY.memory]) == planned_peak(plans[None], states[None]) + held
 
 
 @pytest.mark.slow

@@ -311,13 +311,13 @@ SAMPLING = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, voca
 ], ids=["kv-cache", "kv-cache-bf16", "sampling-top-p", "sampling-top-k-min-p-penalty",
         "sampling-every-setting", "prefill", "fp32-head", "generation-kwargs-typical", "generation-kwargs-eta"])
 def test_the_generation_rule_matches_the_allocations(tmp_path, shape_of, dtype, seq_len, completion, sampling):
-    """A GRPO generation's memory (objective_memory.generation) against what generate allocates on CPU, with
+    """A GRPO generation's memory (grpo/memory.py, generation) against what generate allocates on CPU, with
     prompts at the budget and no completion ending early: a bound within 10% where the KV cache, the sampling's
     buffers over a large vocabulary (with every sampling setting), or the prompts' pass is the most."""
     from tests.conftest import save_small_checkpoint
     from training.config.recipe import load_recipe
+    from training.objectives.grpo.memory import generation
     from training.objectives.grpo.sampling import sample
-    from training.planning.objective_memory import generation
     config = AutoConfig.for_model("llama", num_attention_heads=4, num_key_value_heads=2, **shape_of)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype).eval()
@@ -385,8 +385,8 @@ def test_a_reward_models_weights_and_pass_are_what_the_plan_counts(tmp_path):
 
     from tests.conftest import REPO, save_small_checkpoint
     from training.config.recipe import load_recipe
+    from training.objectives.grpo.memory import generation, reward_model_bytes
     from training.objectives.grpo.rewards import RewardModel
-    from training.planning.objective_memory import generation, reward_model_bytes
     group, seq_len = 8, 128
     config = AutoConfig.for_model("llama", num_hidden_layers=2, hidden_size=256, intermediate_size=1024,
                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=4096, num_labels=1)

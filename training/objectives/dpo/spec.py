@@ -86,4 +86,4 @@ class DpoSection(StrictModel):
 
 DPO = ObjectiveSpec(name="dpo", runtime="training.objectives.dpo.objective:Dpo", trains_on="preference pairs",
                     model_loss=False, rows_per_example=2, unit="pairs", examples="pairs", token_statistics=True,
-                    settings=DpoSection)
+                    memory="training.objectives.dpo.memory:dpo_memory", settings=DpoSection)

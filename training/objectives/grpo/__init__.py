@@ -1,4 +1,5 @@
 """training.objective=grpo: online RL with verifiable rewards. spec.py: the grpo section, before anything is built;
+memory.py: what the plan counts beside the model (a generation's memory, the reward models, the reference);
 objective.py: the run (Grpo); sampling.py: a completion's seeded sampling and generate; rollout.py: the completions as
 the model's rows and their log-probabilities; settings.py: what the section's settings make (the loss's settings,
 steps per generation); loss.py: the loss types; rewards.py: the reward functions and models; logs.py: a generation's

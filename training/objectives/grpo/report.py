@@ -4,18 +4,18 @@ import torch
 
 from training.loop.metrics import device_name
 from training.objectives.grpo.loss import CLIPPED
+from training.objectives.grpo.memory import decoding_reads, generation, reward_model_bytes
 from training.objectives.grpo.settings import loss_settings, steps_per_generation
 from training.objectives.grpo.spec import GrpoSection
 from training.objectives.reference import reference_place, synced_note
 from training.planning.flops import flops_per_token, gpu_spec
-from training.planning.objective_memory import decoding_reads, generation, reward_model_bytes
 from training.planning.plan import RunPlan
 from training.planning.precision import weights_dtype
 from training.planning.report import format_bytes
 
 
 def plan_lines(plan: RunPlan) -> list[str]:
-    """The batch in prompts and completions, and what generation adds: its memory (objective_memory.generation) and
+    """The batch in prompts and completions, and what generation adds: its memory (memory.py, generation) and
     its cost."""
     training, grpo, steps = plan.recipe.training, plan.recipe.grpo, steps_per_generation(plan.recipe)
     prompts = training.global_batch_size // grpo.num_generations
@@ -126,7 +126,7 @@ def generation_cost(plan: RunPlan, completions: int) -> str:
 
 def generation_floor(plan: RunPlan, completions: int, flops: float) -> str:
     """'; at least T s on <GPU>' where this machine's GPU is in flops.py's table: the generation's FLOPs at the GPU's
-    bf16 peak, or what its decoding passes read (objective_memory.decoding_reads: the weights every pass and the KV
+    bf16 peak, or what its decoding passes read (memory.py, decoding_reads: the weights every pass and the KV
     cache so far) at the GPU's memory bandwidth, whichever takes longer. A floor that a decoder at full bandwidth (vLLM)
     approaches; transformers' generate adds its per-pass overheads, which the logged generation_time_s measures
     (benchmarks/generation_batch.py measures both against the batch). ZeRO-3's gathers are not in it."""

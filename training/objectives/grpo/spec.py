@@ -197,4 +197,5 @@ def check_recipe(recipe) -> None:
 
 GRPO = ObjectiveSpec(name="grpo", runtime="training.objectives.grpo.objective:Grpo",
                      trains_on="generated completions", model_loss=False, rows_per_example=1, unit="completions",
-                     examples="prompts", generates=True, settings=GrpoSection, check_recipe=check_recipe)
+                     examples="prompts", generates=True, memory="training.objectives.grpo.memory:grpo_memory",
+                     settings=GrpoSection, check_recipe=check_recipe)

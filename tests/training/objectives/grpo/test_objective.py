@@ -565,16 +565,16 @@ def test_the_memory_plan_holds_the_reference_whole_at_zero_0_to_2_and_a_share_of
 
 
 def test_the_memory_plan_counts_a_generation_in_place_of_the_activations(tmp_path):
-    """A generation's memory (objective_memory.generation) comes between the steps: the peak is the model states
+    """A generation's memory (grpo/memory.py, generation) comes between the steps: the peak is the model states
     plus the larger of it and a micro-batch's activations, in the run's plan, every row of the table and
     micro_batch_size=auto's refusal. Under ZeRO-3 with grpo.ds3_gather_for_generation it holds the whole weights too;
     an lm run holds none."""
     import train
+    from training.objectives.grpo.memory import generation
     from training.planning.activations import activations
     from training.planning.auto_config import with_training
     from training.planning.memory import planned_model_states, states_per_setting
     from training.planning.micro_batch import choose_micro_batch
-    from training.planning.objective_memory import generation
     from training.planning.plan import Machine
     save_small_checkpoint(tmp_path / "base")
     ranks = 2

@@ -1,0 +1,122 @@
+"""GRPO's memory beside the trained model's states, estimated before a run (its spec's `memory`, grpo_memory): a
+generation's own (its KV cache, prefill and decoding passes, the weights ZeRO-3 gathers for it, a reward model's
+scoring), its reward models and its frozen reference (training/objectives/reference_memory.py). Plan-time code, at
+the planning layer (tests/test_import_order.py): planning reaches it through the spec (training/planning/
+objective_memory.py, objective_memory)."""
+from dataclasses import dataclass
+
+from training.config.recipe import Recipe
+from training.objectives.reference_memory import reference_bytes
+from training.planning.objective_memory import ObjectiveMemory
+from training.planning.precision import DTYPES, weights_dtype
+from training.planning.shape import ModelShape, reward_model_parameters, reward_model_shape
+
+
+def reward_models(recipe: Recipe) -> list[ModelShape]:
+    """The shapes of GRPO's reward models (grpo.rewards' model entries)."""
+    if not recipe.training.spec.generates:
+        return []
+    return [reward_model_shape(spec.model, recipe.model.trust_remote_code) for spec in recipe.grpo.rewards
+            if spec.model]
+
+
+def reward_model_bytes(recipe: Recipe, precision: str) -> float:
+    """GRPO's reward models per rank (training/objectives/grpo/rewards.py, RewardModel): each a whole frozen copy on
+    every rank, in the run's dtype."""
+    return sum(reward_model_parameters(shape) for shape in reward_models(recipe)) * DTYPES[precision].itemsize
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What a GRPO generation holds per rank beside the model states (generation)."""
+    kv_cache: float  # at its longest: prompts and completions of seq_len tokens
+    prefill: float  # the prompts' pass: their KV cache and one layer's working set
+    decoding: float  # the last decoding pass: the whole KV cache, its growth and the sampling's buffers
+    gathered_weights: float  # ZeRO-3 with grpo.ds3_gather_for_generation: the whole weights, gathered
+    scoring: float = 0.0  # a reward model's pass over one group, after the generation's memory is freed
+
+    @property
+    def total(self) -> float:
+        return max(max(self.prefill, self.decoding) + self.gathered_weights, self.scoring)
+
+
+def kv_cache_bytes(shape: ModelShape, itemsize: int, rows: int, tokens: int) -> float:
+    """The KV cache of `rows` rows of `tokens` tokens: keys and values of every layer, in the weights' dtype."""
+    return 2 * shape.num_layers * shape.kv_dim * itemsize * rows * tokens
+
+
+def decoding_reads(shape: ModelShape, itemsize: int, rows: int, prompt: int, passes: int) -> float:
+    """What `passes` decoding passes of `rows` rows after a prompt of `prompt` tokens read: the weights (W) every
+    pass, and the KV cache of the prompt and of the completion tokens before it (pass t reads p + t tokens' worth):
+      reads = C*W + KV*(C*p + C*(C-1)/2)   over C passes, KV per token (kv_cache_bytes), all in `itemsize` bytes"""
+    tokens_read = passes * prompt + passes * (passes - 1) / 2
+    return passes * shape.parameters * itemsize + kv_cache_bytes(shape, itemsize, rows, tokens_read)
+
+
+def generation(recipe: Recipe, precision: str, shape: ModelShape, stage: int, ranks: int) -> Generation:
+    """A generation's memory per rank (training/objectives/grpo/objective.py, sample): the rank's
+    B = generation_batch_size / ranks completions (global_batch_size where unset) in one batch, each after a prompt
+    of at most p = seq_len - max_completion_length tokens (what the data stage lets in), with c = kv_heads x head_dim,
+    L layers, a the weights' bytes (weights_dtype):
+      KV cache of t tokens:  2*L*c*a*B*t
+      prefill:   KV(p) + B*p*((3i + 4h + 2d)*a + p)   (the MLP's three intermediates of width i; the residual
+                                              stream, the normed input, the attention's output and the embedding's, of
+                                              width h; the rotary cosines and sines, of the head's width d; the
+                                              padding's p x p mask of booleans)
+      decoding:  KV(seq_len)*(1 + 1/(2L)) + B*V*4*k   (the cache grows by concatenation: a layer's keys, or values,
+                                              are copied at a time; the last position's logits in fp32, k copies:
+                                              transformers' and SeededSampling's, 7, and the largest warper's
+                                              more: generation_kwargs.typical_p's 8, top_p's sort 3, eta_cutoff's 2;
+                                              top_k's, min_p's, top_h's, epsilon_cutoff's and the repetition
+                                              penalty's stay within the 7; with any of generation_kwargs' token
+                                              bans or biases, generate's processors, one more and their index over
+                                              the vocabulary, 8*V)
+      the larger of the two, plus the whole weights (P*a) under ZeRO-3 with grpo.ds3_gather_for_generation.
+      With grpo.cast_lm_head_to_fp32 in a run whose weights are not fp32, each pass's fp32 copy of the head's weight
+      (4*V*h) is live while the head runs: in prefill, and in decoding in place of the sampling's copies (when larger)
+      beside 3 of them (the head's logits, and the previous pass's two that generate still holds).
+    A reward model (grpo.rewards' model) scores one group of G = num_generations sequences of at most seq_len (s)
+    tokens at a time, after the generation's memory is freed, without a gradient, its own shape's:
+      scoring:   G*s*((3i + 6h + 2d)*a + s)   (one layer's working set, as in prefill, without a KV cache; the
+                                              2 more hidden-wide tensors measured on CPU, 3-4% above it)
+    Read off transformers' Llama modules and generate, and checked against a measurement of the allocations on CPU
+    (tests/training/planning/test_memory.py). Not counted: the attention's p x p scores, which CPU's math kernel
+    makes for a padded batch and CUDA's memory-efficient kernel does not."""
+    if not recipe.training.spec.generates:
+        return Generation(0.0, 0.0, 0.0, 0.0)
+    grpo, seq_len = recipe.grpo, recipe.data.seq_len
+    generated = grpo.generation_batch_size or recipe.training.global_batch_size  # over all ranks, at once
+    completions, prompt = generated // ranks, seq_len - grpo.max_completion_length
+    a = weights_dtype(precision, stage).itemsize
+
+    def kv_cache(tokens: int) -> float:
+        return kv_cache_bytes(shape, a, completions, tokens)
+
+    logits = completions * shape.vocab_size * 4
+    more = grpo.generation_kwargs
+    warper = max(8 * (more.typical_p < 1), 3 * (grpo.top_p < 1), 2 * (more.eta_cutoff > 0))
+    processors = bool(more.passed())
+    sampling = logits * (7 + warper + processors) + 8 * shape.vocab_size * processors
+    whole = shape.parameters * a if stage == 3 and grpo.ds3_gather_for_generation else 0.0
+    head = 4 * shape.vocab_size * shape.hidden_size if grpo.cast_lm_head_to_fp32 and a < 4 else 0.0
+
+    def layer_pass(model: ModelShape, rows: int, tokens: int, itemsize: int, hidden_wide: int) -> float:
+        return rows * tokens * ((3 * model.intermediate_size + hidden_wide * model.hidden_size + 2 * model.head_dim)
+                                * itemsize + tokens)
+
+    scoring = max((layer_pass(model, grpo.num_generations, seq_len, DTYPES[precision].itemsize, 6)
+                   for model in reward_models(recipe)), default=0.0)
+    return Generation(kv_cache(seq_len), kv_cache(prompt) + layer_pass(shape, completions, prompt, a, 4) + head,
+                      kv_cache(seq_len) * (1 + 1 / (2 * shape.num_layers))
+                      + max(sampling, head + 3 * logits if head else 0.0), whole, scoring)
+
+
+def grpo_memory(recipe: Recipe, precision: str, shape: ModelShape, stage: int, ranks: int) -> ObjectiveMemory:
+    """What GRPO holds per rank beside the trained model at ZeRO `stage` over `ranks` ranks: its reference (beta > 0;
+    whole in each checkpoint with grpo.sync_ref_model), its reward models and its generation's memory."""
+    live = recipe.grpo.beta > 0
+    saved = reference_bytes(live, recipe, precision, shape, stage, 1) if recipe.grpo.sync_ref_model else 0.0
+    return ObjectiveMemory(reference=reference_bytes(live, recipe, precision, shape, stage, ranks),
+                           reward_models=reward_model_bytes(recipe, precision),
+                           generation=generation(recipe, precision, shape, stage, ranks).total,
+                           saved_reference=saved)
