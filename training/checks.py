@@ -11,6 +11,7 @@ from training.objectives.base import objective_class
 from training.parallel.expert_parallel import check_expert_parallel
 from training.parallel.pipeline import check_pipeline
 from training.parallel.sequence_parallel import check_sequence_parallel
+from training.parallel.support import check_support
 from training.parallel.tensor_parallel import check_tensor_parallel
 from training.planning.ds_config import (
     check_nvme_offload,
@@ -21,12 +22,15 @@ from training.planning.ds_config import (
     zero_setting,
     zero_stage,
 )
+from training.planning.layout import ParallelDims
 from training.planning.precision import resolve_precision
 
 
 def check_layout(recipe: Recipe, model_config: PretrainedConfig, raw_ds_config: dict, precision: str,
                  world_size: int, for_gpus: bool = False) -> None:
-    """The checks of the ranks' layout, the ZeRO stage, the precision, the optimizer and the objective together."""
+    """The checks of the ranks' layout, the ZeRO stage, the precision, the optimizer and the objective together:
+    first what each feature runs with in each layout (training/parallel/support.py), every refusal at once."""
+    check_support(recipe, model_config, ParallelDims.of(recipe.parallelism, world_size))
     objective_class(recipe.training.spec).check(recipe, model_config, world_size)
     stage, parallelism = zero_stage(raw_ds_config), recipe.parallelism
     if precision == "fp8" and stage == 0:

@@ -5,7 +5,7 @@ refusal can be lifted (docs/compat.md).
 
     deepspeed --num_gpus 2 tests/helpers/upstream_bugs.py
 
-- tensor with sequence parallelism (training/parallel/tensor_parallel.py): AutoTP replaces the engine's mpu, the
+- tensor with sequence parallelism (training/parallel/support.py): AutoTP replaces the engine's mpu, the
   sequence-parallel groups given to deepspeed.initialize, with its own tensor-parallel groups;
 - bf16 at ZeRO-1 with sequence parallelism (training/parallel/sequence_parallel.py): DeepSpeed's BF16_Optimizer
   takes Ulysses' mpu for a tensor-parallel one (its model-parallel rank is the sequence rank), so on sequence rank 1

@@ -53,10 +53,6 @@ def check_optimizer(recipe: Recipe, config: PretrainedConfig, setting: str) -> N
     if setting.endswith("_offload"):
         problems.append("ZeRO-Offload: DeepSpeed's CPU optimizers are Adam, Adagrad and Lion; use "
                         "deepspeed.config=zero1, zero2 or zero3")
-    parallelism = recipe.parallelism
-    if max(parallelism.pipeline_stages, parallelism.sequence_parallel, parallelism.tensor_parallel) > 1:
-        problems.append("pipeline stages, sequence or tensor parallelism: not built with Muon (tensor parallelism "
-                        "would split the matrices it orthogonalizes); use data parallelism and ZeRO")
     stray = muon_name_rule_mismatch(config)
     if stray:
         problems.append(f"DeepSpeed picks Muon's parameters by name, which for this model ({config.model_type}) "

@@ -58,14 +58,10 @@ def check_nf4(precision: str, for_gpus: bool) -> None:
 
 
 def check_lora(recipe: Recipe, model_config: PretrainedConfig, precision: str, for_gpus: bool) -> None:
-    """What LoRA runs with: ZeRO 0-3 and data parallelism, AdamW or Lion; the layouts below are refused."""
-    lora, parallelism = recipe.lora, recipe.parallelism
+    """What LoRA runs with: ZeRO 0-3, AdamW or Lion; the settings below are refused (and the parallel degrees
+    training/parallel/support.py's table refuses)."""
+    lora = recipe.lora
     refused = [
-        (parallelism.pipeline_stages > 1, "parallelism.pipeline_stages > 1 (the pipeline rebuilds the model's layers "
-                                          "without the adapters)"),
-        (parallelism.tensor_parallel > 1, "parallelism.tensor_parallel > 1 (AutoTP splits nn.Linear layers, not "
-                                          "peft's adapter layers)"),
-        (parallelism.sequence_parallel > 1, "parallelism.sequence_parallel > 1 (not tested with adapters)"),
         (precision == "fp8", "precision=fp8 (the FP8 conversion would replace the adapted linear layers)"),
         (recipe.optimizer.name == "muon", "optimizer.name=muon (its rule orthogonalizes the decoder layers' "
                                           "matrices, which for LoRA are the low-rank adapters)"),

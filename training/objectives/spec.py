@@ -2,7 +2,7 @@
 its check against the rest of the recipe, and where its run-time class lives. An objective's folder holds its spec
 (<name>/spec.py), which loads with the recipe's schema: it imports nothing above training/config."""
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from data_pipeline.config import Examples
@@ -27,6 +27,8 @@ class ObjectiveSpec:
     settings: type[StrictModel] | None = None  # its recipe section, under `name`
     check_recipe: Callable[[Any], None] | None = None  # its section against the rest of the validated recipe: raises
     # ValueError (reported as the recipe's problem); may fill the data section's settings that follow from it
+    refused_layouts: dict[str, str] = field(default_factory=dict)  # a parallel degree (parallelism.<key>) -> why
+    # the objective does not run with it above 1; a degree absent runs (training/parallel/support.py's table)
 
 
 TRL_SHARED_NAMES = {  # DPOConfig's and GRPOConfig's alike, for the unknown-key error: where they live here

@@ -40,7 +40,7 @@ def check_sequence_parallel(recipe: Recipe, config: PretrainedConfig, world_size
     """Whether the model, the rows and the ranks split N ways, in a layout DeepSpeed runs: before anything is
     built."""
     size, seq_len, problems = recipe.parallelism.sequence_parallel, recipe.data.seq_len, []
-    pipeline_stages, attn_implementation = recipe.parallelism.pipeline_stages, recipe.model.attn_implementation
+    attn_implementation = recipe.model.attn_implementation
     heads, kv_heads = head_counts(config)
     if heads % size:
         problems.append(f"the model's {heads} attention heads do not divide into {size} groups: choose a "
@@ -53,10 +53,6 @@ def check_sequence_parallel(recipe: Recipe, config: PretrainedConfig, world_size
         problems.append(f"data.seq_len={seq_len} does not split into {size} equal slices: choose a data.seq_len "
                         f"divisible by {size}")
     problems += rank_groups_problem(world_size, size, "sequence")
-    if pipeline_stages > 1:
-        problems.append(f"parallelism.pipeline_stages={pipeline_stages} with sequence parallelism: DeepSpeed's "
-                        f"pipeline engine cannot run Ulysses attention; use one of them (ZeRO-3 with sequence "
-                        f"parallelism holds large models too)")
     if attn_implementation not in SUPPORTED_ATTENTION:
         problems.append(f"model.attn_implementation={attn_implementation}: Ulysses runs sdpa, flash_attention_2 or "
                         f"flex_attention "

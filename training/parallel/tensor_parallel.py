@@ -25,11 +25,6 @@ def check_tensor_parallel(recipe: Recipe, config: PretrainedConfig, world_size: 
             problems.append(f"the model's {count} {what} do not divide into {size} groups: choose a "
                             f"parallelism.tensor_parallel that divides {count}")
     problems += rank_groups_problem(world_size, size, "tensor")
-    if recipe.parallelism.pipeline_stages > 1:
-        problems.append("tensor parallelism with pipeline stages is not built: use one of them")
-    if recipe.parallelism.sequence_parallel > 1:
-        problems.append("tensor with sequence parallelism: DeepSpeed 0.19.8 replaces the sequence-parallel groups "
-                        "with its tensor-parallel ones under AutoTP; use one of them (docs/parallelism.md)")
     if zero_stage == 0:
         problems.append("ZeRO-0: train.py computes ZeRO-0's gradient norm itself, over whole weights, and AutoTP's "
                         "are split; use deepspeed.config=zero1, zero2 or zero3")

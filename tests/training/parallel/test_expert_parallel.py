@@ -29,9 +29,9 @@ MIXTRAL = ["--recipe", "mixtral_8x7b", "--dry-run", "--num-gpus", "8", "--gpu-me
     ([*MIXTRAL, "parallelism.expert_parallel=4", "deepspeed.config=zero2_offload"],
      "ZeRO-2 with offload: offload with AutoEP is not proven here"),
     ([*MIXTRAL, "parallelism.expert_parallel=4", "deepspeed.config=zero2", "lora.enabled=true"],
-     "LoRA with expert parallelism is not built"),
+     "lora.enabled with parallelism.expert_parallel=4: not built"),
     ([*MIXTRAL, "parallelism.expert_parallel=4", "deepspeed.config=zero2", "parallelism.tensor_parallel=2"],
-     "parallelism.tensor_parallel > 1 (AutoTP does not split 3-D expert weights)"),
+     "parallelism.tensor_parallel=2: AutoTP does not split 3-D expert weights"),
     (["--recipe", "tiny_llama", "--dry-run", "--num-gpus", "2", "--gpu-mem", "80", "parallelism.expert_parallel=2"],
      "llama is not a mixture of experts that AutoEP splits here"),
 ])

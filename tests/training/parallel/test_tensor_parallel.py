@@ -12,7 +12,7 @@ from training.planning.ds_config import with_tensor_parallel
      "the model's 4 key/value heads do not divide into 8 groups"),
     (["parallelism.tensor_parallel=4"], 2, "2 rank(s) do not form groups of 4"),
     (["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=2"], 4,
-     "tensor with sequence parallelism: DeepSpeed 0.19.8 replaces the sequence-parallel groups"),
+     "DeepSpeed 0.19.8 replaces the sequence-parallel groups"),
     (["parallelism.tensor_parallel=2", "parallelism.pipeline_stages=2"], 4,
      "tensor parallelism with pipeline stages is not built"),
     (["parallelism.tensor_parallel=2", "deepspeed.config=zero0"], 2,

@@ -46,7 +46,7 @@ class Dpo(Objective):
 
     @staticmethod
     def check(recipe: Recipe, model_config: PretrainedConfig | None, world_size: int | None = None) -> None:
-        data, parallelism, tiles = recipe.data, recipe.parallelism, recipe.long_context.logits_tile_tokens
+        data, tiles = recipe.data, recipe.long_context.logits_tile_tokens
         synced = recipe.dpo.sync_ref_model
         refused = [reason for condition, reason in (
             (synced and recipe.lora.enabled, "dpo.sync_ref_model with lora: the reference is the base with the "
@@ -60,22 +60,11 @@ class Dpo(Objective):
                                              "log-probability; use truncate or drop"),
             (bool(data.filters), "data.filters: the quality filters judge documents, not pairs; filter the sources "
                                  "first"),
-            (parallelism.pipeline_stages > 1, "parallelism.pipeline_stages > 1: the pipeline's last stage would need "
-                                              "each pair's sequences and reference values"),
-            (parallelism.tensor_parallel > 1, "parallelism.tensor_parallel > 1"),
-            (parallelism.sequence_parallel > 1, "parallelism.sequence_parallel > 1: the loss is a function of each "
-                                                "sequence's whole log-probability, which sequence parallelism splits "
-                                                "across ranks"),
             (tiles is not None, "long_context.logits_tile_tokens: the loss needs every sequence's log-probability, "
                                 "which the tiled loss does not return")) if condition]
         if refused:
             raise ConfigError(f"training.objective=dpo does not support {refused[0]}")
-        if model_config is None:
-            return
-        if recipe.parallelism.expert_parallel > 1:
-            raise ConfigError(f"parallelism.expert_parallel={recipe.parallelism.expert_parallel}:\n  DPO with expert "
-                              f"parallelism is not built: use expert_parallel=1")
-        if getattr(model_config, "output_router_logits", False):
+        if model_config is not None and getattr(model_config, "output_router_logits", False):
             raise ConfigError("training.objective=dpo with the router's load-balancing loss: DPO's loss has no place "
                               "for it; set moe.aux_loss_coef=0")
 

@@ -84,6 +84,15 @@ class DpoSection(StrictModel):
         return self
 
 
+REFUSED_LAYOUTS = {  # the parallel degrees DPO does not run with (training/parallel/support.py)
+    "pipeline_stages": "the pipeline's last stage would need each pair's sequences and reference values",
+    "tensor_parallel": "not built",
+    "sequence_parallel": "the loss is a function of each sequence's whole log-probability, which sequence "
+                         "parallelism splits across ranks",
+    "expert_parallel": "not built",
+}
+
 DPO = ObjectiveSpec(name="dpo", runtime="training.objectives.dpo.objective:Dpo", trains_on="preference pairs",
                     model_loss=False, rows_per_example=2, unit="pairs", examples="pairs", token_statistics=True,
-                    memory="training.objectives.dpo.memory:dpo_memory", settings=DpoSection)
+                    memory="training.objectives.dpo.memory:dpo_memory", settings=DpoSection,
+                    refused_layouts=REFUSED_LAYOUTS)

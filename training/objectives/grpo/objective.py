@@ -84,14 +84,9 @@ class Grpo(Objective):
 
     @staticmethod
     def check(recipe: Recipe, model_config: PretrainedConfig | None, world_size: int | None = None) -> None:
-        data, parallelism, grpo = recipe.data, recipe.parallelism, recipe.grpo
+        data, grpo = recipe.data, recipe.grpo
         cycle = grpo.num_iterations * max(1, steps_per_generation(recipe))  # 0 steps: refused below
         refused = [reason for condition, reason in (
-            (parallelism.pipeline_stages > 1, "parallelism.pipeline_stages > 1: generation runs the whole model on "
-                                              "each rank"),
-            (parallelism.tensor_parallel > 1, "parallelism.tensor_parallel > 1"),
-            (parallelism.sequence_parallel > 1, "parallelism.sequence_parallel > 1: a completion is sampled whole"),
-            (parallelism.expert_parallel > 1, "parallelism.expert_parallel > 1"),
             (recipe.long_context.logits_tile_tokens is not None, "long_context.logits_tile_tokens: the loss needs "
                                                                  "each token's log-probability"),
             (data.packing == "concat", "data.packing=concat: it would cut completions across rows; use bfd "
@@ -120,7 +115,8 @@ class Grpo(Objective):
         if refused:
             raise ConfigError(f"training.objective=grpo does not support {refused[0]}")
         reward_functions(recipe)
-        per_rank = recipe.training.global_batch_size // (world_size or 1)  # every rank is data-parallel (above)
+        # every rank is data-parallel: its spec refuses the other degrees (training/parallel/support.py, run first)
+        per_rank = recipe.training.global_batch_size // (world_size or 1)
         if world_size and (recipe.training.global_batch_size % world_size or per_rank % grpo.num_generations):
             raise ConfigError(f"training.global_batch_size={recipe.training.global_batch_size} over {world_size} "
                               f"data-parallel ranks is not whole groups of grpo.num_generations={grpo.num_generations} "

@@ -195,7 +195,15 @@ def check_recipe(recipe) -> None:
     recipe.data.chat_template_kwargs = grpo.chat_template_kwargs
 
 
+REFUSED_LAYOUTS = {  # the parallel degrees GRPO does not run with (training/parallel/support.py)
+    "pipeline_stages": "generation runs the whole model on each rank",
+    "tensor_parallel": "not built",
+    "sequence_parallel": "a completion is sampled whole",
+    "expert_parallel": "not built",
+}
+
 GRPO = ObjectiveSpec(name="grpo", runtime="training.objectives.grpo.objective:Grpo",
                      trains_on="generated completions", model_loss=False, rows_per_example=1, unit="completions",
                      examples="prompts", generates=True, memory="training.objectives.grpo.memory:grpo_memory",
-                     settings=GrpoSection, check_recipe=check_recipe)
+                     settings=GrpoSection, check_recipe=check_recipe,
+                     refused_layouts=REFUSED_LAYOUTS)

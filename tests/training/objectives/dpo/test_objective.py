@@ -247,8 +247,6 @@ def test_the_loss_settings_are_checked_when_the_recipe_loads(override, expected)
 
 
 @pytest.mark.parametrize("override, expected", [
-    ("parallelism.pipeline_stages=2", "objective=dpo does not support parallelism.pipeline_stages > 1"),
-    ("parallelism.sequence_parallel=2", "sequence's whole log-probability"),
     ("data.packing=concat", "use bfd .* or none"),
     ("data.long_documents=split", "use truncate or drop"),
     ("long_context.logits_tile_tokens=1024", "logits_tile_tokens"),
