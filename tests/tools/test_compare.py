@@ -262,7 +262,7 @@ def test_each_cell_carries_the_plans_peak(tmp_path):
     import train
     from tests.conftest import save_small_checkpoint
     from training.objectives.grpo.memory import generation
-    from training.planning.activations import activations
+    from training.planning.activations import activation_bytes, activation_inputs
     from training.planning.memory import planned_model_states
     save_small_checkpoint(tmp_path / "base")
     args = compare.parse_args(["--recipe", "tiny_llama_grpo", "--vary", "training.micro_batch_size=1,32",
@@ -273,6 +273,7 @@ def test_each_cell_carries_the_plans_peak(tmp_path):
                                                  *compare.cell_overrides(args, cell)]), world_size=1)
         states = planned_model_states(plan)
         added = {"generation": generation(plan.recipe, plan.precision, plan.shape, plan.zero_stage, 1).total,
-                 "activations": activations(plan.recipe, plan.precision, plan.shape, plan.zero_setting).peak(False)}
+                 "activations": activation_bytes(plan.shape, activation_inputs(plan.recipe, plan.precision, plan.shape)
+                                                 .at_setting(plan.zero_setting)).peak(False)}
         assert added[grows_by] > added[next(other for other in added if other != grows_by)]
         assert estimate["planned_peak_bytes"] == states.device_bytes + added[grows_by] - states.made_in_backward

@@ -10,6 +10,16 @@ from training.base.schema import StrictModel
 
 
 @dataclass(frozen=True)
+class HeadTraits:
+    """What an objective's loss adds to the activations at the LM head (docs/objectives.md), as the plan counts them
+    (training/planning/activations.py)."""
+    entropy_gradient: bool = False  # the loss differentiates an entropy: the fp32 probabilities saved beside the
+    # log-probabilities, one more [tokens, vocabulary] fp32 tensor
+    fp32_head: bool = False  # the head computes in fp32 in a run of lower precision: its input saved in fp32 and
+    # its logits made in fp32, beside an fp32 copy of its weight
+
+
+@dataclass(frozen=True)
 class ObjectiveSpec:
     name: str  # training.objective's value, and its recipe section's key
     runtime: str  # "module:Class" of its Objective (training/objectives/base.py), loaded by the run's top layer
@@ -25,6 +35,8 @@ class ObjectiveSpec:
     # <name>/memory.py: a reference, reward models, a generation), loaded by the plan (training/planning/
     # objective_memory.py); the module sits at the planning layer
     settings: type[StrictModel] | None = None  # its recipe section, under `name`
+    head_traits: Callable[[Any], HeadTraits] | None = None  # its section -> what its loss adds at the head, for the
+    # memory plan; None: nothing
     check_recipe: Callable[[Any], None] | None = None  # its section against the rest of the validated recipe: raises
     # ValueError (reported as the recipe's problem); may fill the data section's settings that follow from it
     refused_layouts: dict[str, str] = field(default_factory=dict)  # a parallel degree (parallelism.<key>) -> why

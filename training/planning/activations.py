@@ -28,12 +28,13 @@ Expert parallelism of N (training/parallel/expert_parallel.py, ZeRO-1 and 2 only
      all-to-alls' send and receive buffers are saved by nothing, so they are added once, to the peak)
   model states:  training/planning/model_states.py
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from training.config.recipe import Recipe
+from training.objectives.spec import HeadTraits
 from training.planning.kernels import CHUNK_TOKENS, DPO_CHUNK_TOKENS, uses_fused_loss
 from training.planning.precision import DTYPES
-from training.planning.shape import ModelShape, tensor_parallel_shard
+from training.planning.shape import ModelShape
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")  # the MoE ones with their own MLP term
 
@@ -111,13 +112,35 @@ class Activations:
 
 
 
-def activation_bytes(shape: ModelShape, tokens: int, seq_len: int, dtype_bytes: int, attn_implementation: str,
-                     layers: int | None = None, with_head: bool = True, sequence_parallel: int = 1,
-                     tiled_mlp: bool = False, logits_tile_tokens: int | None = None,
-                     offload_checkpoints: bool = False, expert_parallel: int = 1,
-                     fused_loss: bool = False, compiled: bool = False,
-                     entropy_gradient: bool = False, fp32_head: bool = False,
-                     dpo_statistics: bool = False) -> Activations | None:
+@dataclass(frozen=True)
+class ActivationInputs:
+    """What the activation arithmetic (activation_bytes) reads of a run, as one value: activation_inputs makes it from
+    the recipe; a pipeline stage (its layers, with_head) or a micro-batch of other rows is a dataclasses.replace of
+    it."""
+    tokens: int  # of one micro-batch on this rank: a 1/N slice of each row under sequence parallelism
+    seq_len: int
+    dtype_bytes: int  # the activations' dtype
+    attn_implementation: str
+    layers: int | None = None  # the decoder layers it runs through (a pipeline stage's); None: all
+    with_head: bool = True  # and the embedding, head and loss
+    sequence_parallel: int = 1
+    tiled_mlp: bool = False
+    logits_tile_tokens: int | None = None
+    offload_checkpoints: bool = False
+    expert_parallel: int = 1
+    fused_loss: bool = False
+    compiled: bool = False
+    head: HeadTraits = HeadTraits()  # what the objective's loss adds at the head (its spec's head_traits)
+    statistics_chunk_tokens: int = 0  # the objective reads statistics of the logits this many tokens at a time; 0: not
+
+    def at_setting(self, setting: str) -> "ActivationInputs":
+        """Under the ZeRO `setting` (model_states.ZERO_SETTINGS' names): compiled layers are planned eager under
+        ZeRO-3, where compile: auto leaves them eager and DeepSpeed's hooks break a compiled layer's graph."""
+        return replace(self, compiled=self.compiled and int(setting[0]) < 3)
+
+
+
+def activation_bytes(shape: ModelShape, inputs: ActivationInputs) -> Activations | None:
     """Peak activation memory of one micro-batch of `tokens` tokens (on this rank: a 1/N slice of each row under
     sequence parallelism) through `layers` decoder layers (default: all) and, with_head, the embedding, head and
     loss; None for a model type without a rule.
@@ -129,38 +152,43 @@ def activation_bytes(shape: ModelShape, tokens: int, seq_len: int, dtype_bytes: 
     one chunk's logits and their gradient (in the run's dtype, CUDA's compiled kernel for the chunk) and the head's
     weight gradient (fp32, and its cast) are live at a time. Offloaded checkpoints keep
     the layers' saved inputs in host memory, all but the one brought back for the layer being recomputed. Under
-    expert parallelism one MoE layer's all-to-all buffers are added to the peak. GRPO's entropy bonus
-    (entropy_gradient) keeps the fp32 probabilities beside the log-probabilities for the entropy's gradient. Its
-    fp32 head (fp32_head, grpo.cast_lm_head_to_fp32) in a bf16 run saves its input in fp32 (in place of the run
-    dtype's) and an fp32 copy of its weight (4*V*h, once per micro-batch; none needed at ZeRO-0, whose weights are
-    fp32: an upper bound there), and makes the logits in fp32 from the start, without the run-dtype logits beside
-    their fp32 copy. DPO's token statistics and WPO weights (dpo_statistics, every DPO run) hold 12 bytes per token
-    and vocabulary entry of a chunk of DPO_CHUNK_TOKENS tokens at a time."""
-    a, h, vocab = dtype_bytes, shape.hidden_size, shape.vocab_size
-    per_layer = layer_bytes_per_token(shape, seq_len, a, attn_implementation, sequence_parallel, compiled)
+    expert parallelism one MoE layer's all-to-all buffers are added to the peak. What the objective's loss adds at
+    the head (HeadTraits, from its spec; docs/objectives.md): a loss that differentiates an entropy
+    (entropy_gradient) keeps the fp32 probabilities beside the log-probabilities for its gradient; an fp32 head
+    (fp32_head) in a bf16 run saves its input in fp32 (in place of the run dtype's) and an fp32 copy of its weight
+    (4*V*h, once per micro-batch; none needed at ZeRO-0, whose weights are fp32: an upper bound there), and makes
+    the logits in fp32 from the start, without the run-dtype logits beside their fp32 copy. An objective that reads
+    statistics of the logits without a gradient (statistics_chunk_tokens) holds 12 bytes per token and vocabulary
+    entry (the fp32 logits, and each logsumexp's) of one chunk of that many tokens at a time."""
+    tokens, seq_len, a = inputs.tokens, inputs.seq_len, inputs.dtype_bytes
+    layers, with_head, sequence_parallel = inputs.layers, inputs.with_head, inputs.sequence_parallel
+    h, vocab = shape.hidden_size, shape.vocab_size
+    per_layer = layer_bytes_per_token(shape, seq_len, a, inputs.attn_implementation, sequence_parallel,
+                                      inputs.compiled)
     if per_layer is None:
         return None
     layers = shape.num_layers if layers is None else layers
     transient = 0.0
-    if tiled_mlp and shape.model_type in LLAMA_FAMILY and not shape.num_experts:
+    if inputs.tiled_mlp and shape.model_type in LLAMA_FAMILY and not shape.num_experts:
         per_layer -= 4 * a * shape.intermediate_size
         rows = max(1, tokens * sequence_parallel // seq_len)
         transient = min(tokens, rows * h) * 4 * a * shape.intermediate_size
-    outside = outside_layers_bytes_per_token(shape, a) + 4 * vocab * entropy_gradient if with_head else 0.0
-    if with_head and logits_tile_tokens:
+    head = inputs.head
+    outside = outside_layers_bytes_per_token(shape, a) + 4 * vocab * head.entropy_gradient if with_head else 0.0
+    if with_head and inputs.logits_tile_tokens:
         outside -= (a + 8) * vocab
-        transient = max(transient, min(tokens, logits_tile_tokens) * (a + 4) * vocab)
-    elif with_head and fused_loss:
+        transient = max(transient, min(tokens, inputs.logits_tile_tokens) * (a + 4) * vocab)
+    elif with_head and inputs.fused_loss:
         outside -= (a + 8) * vocab + 8  # and the loss's int64 targets; the gradient a*h takes the head input's place
         transient = max(transient, min(tokens, CHUNK_TOKENS) * 2 * a * vocab + (4 + a) * vocab * h)
-    if with_head and fp32_head and a < 4:
+    if with_head and head.fp32_head and a < 4:
         outside += (4 - a) * h - a * vocab
         transient += 4 * vocab * h
-    if with_head and dpo_statistics:
-        transient += min(tokens, DPO_CHUNK_TOKENS) * 12 * vocab
+    if with_head and inputs.statistics_chunk_tokens:
+        transient += min(tokens, inputs.statistics_chunk_tokens) * 12 * vocab
     if layers:
-        transient += tokens * all_to_all_bytes_per_token(shape, a, expert_parallel)
-    on_device = 1 if offload_checkpoints and layers else layers
+        transient += tokens * all_to_all_bytes_per_token(shape, a, inputs.expert_parallel)
+    on_device = 1 if inputs.offload_checkpoints and layers else layers
     checkpointed = on_device * a * h + (per_layer if layers else 0.0)
     return Activations(tokens * (layers * per_layer + outside) + transient,
                        tokens * (checkpointed + outside) + transient, tokens * (layers - on_device) * a * h)
@@ -168,30 +196,26 @@ def activation_bytes(shape: ModelShape, tokens: int, seq_len: int, dtype_bytes: 
 
 
 def micro_batch_rows(recipe: Recipe) -> int:
-    """The rows of a micro-batch; under DPO at its largest, every sequence of its pairs a whole row."""
+    """The rows of a micro-batch at its largest: each example as many whole rows as its objective's spec says it
+    takes at most (rows_per_example)."""
     return recipe.training.micro_batch_size * recipe.training.spec.rows_per_example
 
 
 
-def activations(recipe: Recipe, precision: str, shape: ModelShape, setting: str | None = None,
-                **stage) -> Activations | None:
-    """One micro-batch's activations on a rank: its slice of the rows under sequence parallelism, its share of
-    the heads and the MLP width under tensor parallelism, the all-to-all buffers under expert parallelism. The
-    layers count as compiled where the recipe compiles them (compile, as the plan resolved it) and the ZeRO
-    `setting` (default: the recipe's own) is 0-2: under ZeRO-3, where compile: auto leaves them eager and DeepSpeed's
-    hooks break a compiled layer's graph, they are planned eager."""
+def activation_inputs(recipe: Recipe, precision: str, shape: ModelShape) -> ActivationInputs:
+    """One micro-batch's activation inputs on a rank, from the recipe: its slice of the rows under sequence
+    parallelism, the all-to-all buffers under expert parallelism, the layers compiled where the recipe compiles them
+    (compile, as the plan resolved it; at_setting plans them eager under ZeRO-3), what the objective's spec says its
+    loss adds at the head. Its arithmetic runs on a rank's share of the heads and the MLP width under tensor
+    parallelism: activation_bytes(tensor_parallel_shard(shape, tp), inputs)."""
     seq_len, long_context, parallelism = recipe.data.seq_len, recipe.long_context, recipe.parallelism
-    shape = tensor_parallel_shard(shape, parallelism.tensor_parallel)
-    return activation_bytes(shape, micro_batch_rows(recipe) * seq_len // parallelism.sequence_parallel, seq_len,
-                            DTYPES[precision].itemsize, recipe.model.attn_implementation,
-                            sequence_parallel=parallelism.sequence_parallel, tiled_mlp=long_context.tiled_mlp,
-                            logits_tile_tokens=long_context.logits_tile_tokens,
-                            offload_checkpoints=long_context.offload_checkpoints,
-                            expert_parallel=parallelism.expert_parallel,
-                            fused_loss=uses_fused_loss(recipe, router_loss=bool(shape.num_experts)
-                                                       and recipe.moe.aux_loss_coef != 0),
-                            compiled=recipe.compile is True and (setting is None or int(setting[0]) < 3),
-                            entropy_gradient=recipe.grpo.entropy_bonus,
-                            fp32_head=recipe.grpo.cast_lm_head_to_fp32,
-                            dpo_statistics=recipe.training.spec.token_statistics,
-                            **stage)
+    spec = recipe.training.spec
+    return ActivationInputs(
+        micro_batch_rows(recipe) * seq_len // parallelism.sequence_parallel, seq_len, DTYPES[precision].itemsize,
+        recipe.model.attn_implementation, sequence_parallel=parallelism.sequence_parallel,
+        tiled_mlp=long_context.tiled_mlp, logits_tile_tokens=long_context.logits_tile_tokens,
+        offload_checkpoints=long_context.offload_checkpoints, expert_parallel=parallelism.expert_parallel,
+        fused_loss=uses_fused_loss(recipe, router_loss=bool(shape.num_experts) and recipe.moe.aux_loss_coef != 0),
+        compiled=recipe.compile is True,
+        head=spec.head_traits(getattr(recipe, spec.name)) if spec.head_traits else HeadTraits(),
+        statistics_chunk_tokens=DPO_CHUNK_TOKENS if spec.token_statistics else 0)

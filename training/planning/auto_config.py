@@ -20,8 +20,8 @@ from transformers import PretrainedConfig
 
 from training.base.errors import ConfigError
 from training.config.recipe import Recipe
-from training.planning.activations import Activations, activations
-from training.planning.memory import HEADROOM, fits, states_per_setting
+from training.planning.activations import Activations
+from training.planning.memory import HEADROOM, fits, memory_plan
 from training.planning.model_states import EXPERT_PARALLEL_SETTINGS, ModelStates
 from training.planning.plan import Machine
 from training.planning.report import format_bytes
@@ -114,12 +114,13 @@ def expert_parallel_size(shape: ModelShape, machine: Machine) -> int:
 
 
 def layout_bytes(recipe: Recipe, shape: ModelShape, precision: str, machine: Machine) -> tuple[dict, Activations]:
-    """The model states per setting and one micro-batch's activations of the recipe's layout."""
-    acts = activations(recipe, precision, shape)
+    """The model states per setting and one micro-batch's activations of the recipe's layout (its memory plan)."""
+    memory = memory_plan(recipe, precision, shape, machine)
+    acts = memory.activations()
     if acts is None:
         raise ConfigError(f"deepspeed.config=auto: the plan has no activation rule for model type {shape.model_type}; "
                           f"choose a config under ds_configs/ yourself")
-    return states_per_setting(recipe, precision, shape, machine), acts
+    return memory.states, acts
 
 
 def with_setting(recipe: Recipe, need: Need) -> Recipe:

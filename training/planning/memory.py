@@ -4,11 +4,25 @@ reference model, reward models and a GRPO generation's memory: the objective's m
 by training/planning/objective_memory.py), and the peak with one micro-batch's activations
 (training/planning/activations.py), or with a generation's memory where that is larger (ModelStates.peak_with).
 `fits` leaves 10% of a rank's memory for what the estimates leave out.
+
+A layout's memory is worked out once, as a value (MemoryPlan, by memory_plan), for each layout a decision weighs:
+deepspeed.config=auto one per candidate recipe (training/planning/auto_config.py), micro_batch_size=auto one for the
+chosen setting (training/planning/micro_batch.py), --dry-run's table one for the machine it plans for
+(training/planning/report.py). It is shaped by what those callers vary: every setting's model states are fixed by
+the layout, while the activations are asked for under several settings (compiled layers run eager at ZeRO-3) and,
+in the micro-batch search, of several sizes, so it keeps the one ActivationInputs the recipe gives and answers each
+question from it, in place of re-reading the recipe at every site. The three are not one value passed from step to
+step: they plan different things (micro-batch 1 of an auto micro-batch, shipped configs before the run's is resolved,
+the run's own resolved config in the table). RunPlan does not hold one either: the run's own estimate
+(planned_model_states, planned_peak: its ranks, the largest pipeline stage) is a quantity of its own, read once by
+tools/compare.py and benchmarks/gpu_throughput.py.
 """
+from dataclasses import dataclass, replace
+
 from deepspeed.runtime.utils import partition_balanced, partition_uniform
 
 from training.config.recipe import Recipe
-from training.planning.activations import activations
+from training.planning.activations import ActivationInputs, Activations, activation_bytes, activation_inputs
 from training.planning.ds_config import zero_setting
 from training.planning.model_states import (
     EXPERT_PARALLEL_SETTINGS,
@@ -42,6 +56,37 @@ def stage_bounds(layer_parameters: list[int], stages: int, method: str) -> list[
     if method == "uniform":
         return partition_uniform(len(layer_parameters), stages)
     return partition_balanced(layer_parameters, stages)
+
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """A layout's memory per rank, worked out once from (recipe, precision, shape, machine) by memory_plan and read
+    by each decision and print that needs it: each ZeRO setting's model states, and the one ActivationInputs of the
+    recipe's micro-batch on the rank's tensor-parallel slice, from which `activations` gives a setting's (its
+    layers eager under ZeRO-3) and another micro-batch's. It holds inputs, not Activations, because the two searches
+    vary what the arithmetic reads: micro_batch.py the rows, auto_config.py and the report the setting."""
+    states: dict[str, ModelStates]  # per ZeRO setting the layout runs with (states_per_setting)
+    shape: ModelShape  # what the activations are counted on: a rank's slice under tensor parallelism
+    inputs: ActivationInputs  # the recipe's micro-batch, its layers compiled where the recipe compiles them
+
+    def activations(self, setting: str | None = None, rows: int | None = None) -> Activations | None:
+        """One micro-batch's activations under the ZeRO `setting` (None: compiled as the recipe says, whatever the
+        setting), of `rows` rows (None: the recipe's micro-batch); None for a model type without a rule."""
+        inputs = self.inputs if setting is None else self.inputs.at_setting(setting)
+        if rows is not None:  # counted as activation_inputs counts the recipe's
+            inputs = replace(inputs, tokens=rows * inputs.seq_len // inputs.sequence_parallel)
+        return activation_bytes(self.shape, inputs)
+
+
+
+def memory_plan(recipe: Recipe, precision: str, shape: ModelShape, machine: Machine,
+                ds_config: dict | None = None) -> MemoryPlan:
+    """The recipe's layout's memory per rank on `machine` (states_per_setting; `ds_config`: the run's resolved
+    config, for the setting it is), and its micro-batch's activation inputs (a whole number of examples)."""
+    return MemoryPlan(states_per_setting(recipe, precision, shape, machine, ds_config),
+                      tensor_parallel_shard(shape, recipe.parallelism.tensor_parallel),
+                      activation_inputs(recipe, precision, shape))
 
 
 
@@ -96,7 +141,8 @@ def planned_peak(plan: RunPlan, states: ModelStates) -> float | None:
     """The run's peak per rank, --dry-run's table cell for its setting: its model states (planned_model_states) with
     one micro-batch's activations, checkpointed as the recipe says, or GRPO's generation where larger; None under
     pipeline parallelism (planned per stage) or for a model type without an activation rule."""
-    acts = activations(plan.recipe, plan.precision, plan.shape, plan.zero_setting)
+    acts = activation_bytes(tensor_parallel_shard(plan.shape, plan.dims.tensor_parallel),
+                            activation_inputs(plan.recipe, plan.precision, plan.shape).at_setting(plan.zero_setting))
     if acts is None or plan.dims.pipeline_stages > 1:
         return None
     return states.peak_with(acts.peak(plan.recipe.activation_checkpointing))

@@ -20,14 +20,15 @@ now choose another; otherwise (other ranks, a smaller GPU) it chooses afresh, an
 global batch being the recipe's.
 """
 from collections.abc import Callable
+from dataclasses import replace
 
 from transformers import PretrainedConfig
 
 from training.base.errors import ConfigError
 from training.config.recipe import Recipe
-from training.planning.activations import activations, micro_batch_rows
+from training.planning.activations import activation_inputs, micro_batch_rows
 from training.planning.auto_config import with_seq_len, with_training
-from training.planning.memory import HEADROOM, fits, states_per_setting
+from training.planning.memory import HEADROOM, MemoryPlan, fits, memory_plan
 from training.planning.plan import Machine, MicroBatchChoice
 from training.planning.report import format_bytes
 from training.planning.shape import ModelShape, model_shape
@@ -53,42 +54,43 @@ def choose_micro_batch(recipe: Recipe, config: PretrainedConfig, precision: str,
     rows = training.global_batch_size // dp_size
     sizes = [size for size in range(1, rows + 1) if rows % size == 0]
     shape = model_shape(config, recipe.lora)
-    peak = peak_per_rank(recipe, shape, precision, setting, machine)
+    memory = memory_plan(with_training(recipe, micro_batch_size=1), precision, shape, machine)
+    peak = peak_per_rank(memory, recipe, precision, setting)
     kept = saved in sizes and fits(peak(saved), machine.memory_per_rank)
     chosen = saved if kept else max((size for size in sizes if fits(peak(size), machine.memory_per_rank)), default=0)
     if not chosen:
-        raise ConfigError(nothing_fits(recipe, shape, precision, setting, machine, peak(1)))
+        raise ConfigError(nothing_fits(memory, recipe, shape, precision, setting, machine, peak(1)))
     larger = next((size for size in sizes if size > chosen), None)
     choice = MicroBatchChoice(chosen, peak(chosen), (larger, peak(larger)) if larger and not kept else None, machine,
                               kept)
     return with_training(recipe, micro_batch_size=chosen), choice
 
 
-def peak_per_rank(recipe: Recipe, shape: ModelShape, precision: str, setting: str,
-                  machine: Machine) -> Callable[[int], float]:
-    """micro-batch -> the plan's peak bytes per rank: the setting's model states plus that micro-batch's activations,
-    with activation checkpointing as the recipe says, or GRPO's generation where that is larger (the numbers
-    --dry-run's memory table adds up)."""
-    states = states_per_setting(recipe, precision, shape, machine).get(setting)
+def peak_per_rank(memory: MemoryPlan, recipe: Recipe, precision: str, setting: str) -> Callable[[int], float]:
+    """micro-batch -> the plan's peak bytes per rank: the setting's model states plus that micro-batch's activations
+    (`memory`: the recipe's memory plan at micro-batch 1), with activation checkpointing as the recipe says, or
+    GRPO's generation where that is larger (the numbers --dry-run's memory table adds up)."""
+    states = memory.states.get(setting)
     if states is None:
         raise ConfigError(f"training.micro_batch_size=auto: the memory plan has no estimate for ZeRO-{setting} in "
                           f"{precision}; set training.micro_batch_size to a number")
-    if activations(with_training(recipe, micro_batch_size=1), precision, shape, setting) is None:
+    if memory.activations(setting) is None:
         raise ConfigError(f"training.micro_batch_size=auto: the memory plan has no activation rule for model type "
-                          f"{shape.model_type}; set training.micro_batch_size to a number")
+                          f"{memory.shape.model_type}; set training.micro_batch_size to a number")
 
     def peak(size: int) -> float:
-        acts = activations(with_training(recipe, micro_batch_size=size), precision, shape, setting)
+        acts = memory.activations(setting, rows=micro_batch_rows(with_training(recipe, micro_batch_size=size)))
         return states.peak_with(acts.peak(recipe.activation_checkpointing))
     return peak
 
 
-def nothing_fits(recipe: Recipe, shape: ModelShape, precision: str, setting: str, machine: Machine,
+def nothing_fits(plan: MemoryPlan, recipe: Recipe, shape: ModelShape, precision: str, setting: str, machine: Machine,
                  planned: float) -> str:
-    """Why micro-batch 1 does not fit, with its numbers, and which change alone would make it fit."""
+    """Why micro-batch 1 does not fit, with its numbers, and which change alone would make it fit (`plan`: the
+    recipe's memory plan at micro-batch 1)."""
     one, memory = with_training(recipe, micro_batch_size=1), machine.memory_per_rank
     checkpointing = recipe.activation_checkpointing
-    states, acts = states_per_setting(recipe, precision, shape, machine), activations(one, precision, shape, setting)
+    states, acts = plan.states, plan.activations(setting)
     lines = [f"training.micro_batch_size=auto: even micro-batch 1 does not fit in {format_bytes(HEADROOM * memory)} "
              f"per rank ({HEADROOM:.0%} of {format_bytes(memory)}, {machine.memory_source}): the plan is "
              f"{format_bytes(planned)} ({format_bytes(states[setting].device_bytes)} model states at "
@@ -96,14 +98,18 @@ def nothing_fits(recipe: Recipe, shape: ModelShape, precision: str, setting: str
              f"{micro_batch_rows(one)} row(s) x {recipe.data.seq_len} tokens, activation checkpointing "
              f"{'on' if checkpointing else 'off'}). What would fit:"]
     sharded = next((other for other, other_states in states.items() if other != setting and fits(
-        other_states.peak_with(activations(one, precision, shape, other).peak(checkpointing)), memory)), None)
+        other_states.peak_with(plan.activations(other).peak(checkpointing)), memory)), None)
     if sharded:
         lines.append(f"  deepspeed.config=zero{sharded} (or auto: the least-sharded that fits)")
     if not checkpointing and fits(states[setting].peak_with(acts.with_checkpointing), memory):
         lines.append("  activation_checkpointing=true")
+
+    def with_rows_of(seq_len: int) -> float:
+        """The peak with micro-batch 1 of rows of `seq_len` tokens, the model states as they are."""
+        shorter = replace(plan, inputs=activation_inputs(with_seq_len(one, seq_len), precision, shape))
+        return states[setting].peak_with(shorter.activations(setting).peak(checkpointing))
     seq_len = recipe.data.seq_len // 2
-    while seq_len >= 128 and not fits(states[setting].peak_with(activations(
-            with_seq_len(one, seq_len), precision, shape, setting).peak(checkpointing)), memory):
+    while seq_len >= 128 and not fits(with_rows_of(seq_len), memory):
         seq_len //= 2
     if seq_len >= 128:
         lines.append(f"  data.seq_len={seq_len}")

@@ -1,18 +1,24 @@
 """What `--dry-run` prints (and a run chosen by `deepspeed.config=auto`): the plan's model, layout, batch, FLOPs, memory
 per rank under each ZeRO setting (per pipeline stage too) and checkpoint size."""
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-from training.planning.activations import Activations, activations, all_to_all_bytes_per_token, micro_batch_rows
+from training.planning.activations import (
+    Activations,
+    activation_bytes,
+    activation_inputs,
+    all_to_all_bytes_per_token,
+    micro_batch_rows,
+)
 from training.planning.checkpoint_size import LAUNCHER_GRACE_S, planned_checkpoint
 from training.planning.flops import flops_per_token
-from training.planning.memory import HEADROOM, fits, stage_bounds, state_bytes, states_per_setting
+from training.planning.memory import HEADROOM, MemoryPlan, fits, memory_plan, stage_bounds, state_bytes
 from training.planning.model_states import ModelStates, whole_gradient_bytes, zero_arithmetic
 from training.planning.plan import Machine, RunPlan
-from training.planning.precision import DTYPES
-from training.planning.shape import ModelShape
+from training.planning.shape import ModelShape, tensor_parallel_shard
 
 
 def format_bytes(count: float) -> str:
@@ -110,8 +116,8 @@ def print_checkpoint_size(plan: RunPlan) -> None:
 
 def print_memory_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> None:
     """Model states per ZeRO setting over the data-parallel ranks, plus one micro-batch's activations."""
-    current = plan.zero_setting
-    acts = activations(plan.recipe, plan.precision, shape, current)
+    current, memory = plan.zero_setting, memory_plan(plan.recipe, plan.precision, shape, machine, plan.ds_config)
+    acts = memory.activations(current)
     print(f"memory per rank, {machine.gpus_per_node} GPU(s) x {machine.nodes} node(s), micro-batch "
           f"{micro_batch_rows(plan.recipe)} x {plan.recipe.data.seq_len // plan.dims.sequence_parallel} tokens "
           f"on each rank; fits = within "
@@ -123,31 +129,29 @@ def print_memory_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> Non
                  f"{format_bytes(acts.host * machine.gpus_per_node)} per node)" if acts.host else ""))
     else:
         print(f"activations: no estimate for model type {shape.model_type}")
-    eager = activations(plan.recipe, plan.precision, shape, "3")
+    eager = memory.activations("3")
     if acts and eager and eager != acts:
         print(f"  with the layers compiled (compile), at ZeRO 0-2; the ZeRO-3 rows count them eager, as compile: auto "
               f"runs them there: {format_bytes(eager.without_checkpointing)} without checkpointing, "
               f"{format_bytes(eager.with_checkpointing)} with")
     if plan.dims.expert_parallel > 1:
-        print_expert_parallel_memory(plan, shape, machine)
+        print_expert_parallel_memory(plan, memory, machine)
     table = Table()
     for column in ("ZeRO", "model states", "CPU per node", "estimated by", "+ activations", "+ act. (ckpt)", "fits"):
         table.add_column(column, justify="left" if column in ("ZeRO", "estimated by", "fits") else "right")
-    for setting, states in states_per_setting(plan.recipe, plan.precision, shape, machine, plan.ds_config).items():
+    for setting, states in memory.states.items():
         marker = " (this run)" if setting == current else ""
         table.add_row(setting.replace("_", " + ") + marker, format_bytes(states.device_bytes),
                       format_bytes(states.host_bytes) if states.host_bytes else "-", states.source,
-                      *memory_cells(states, activations(plan.recipe, plan.precision, shape, setting),
-                                    machine.memory_per_rank))
+                      *memory_cells(states, memory.activations(setting), machine.memory_per_rank))
     Console(width=140).print(table)
 
 
-def print_expert_parallel_memory(plan: RunPlan, shape: ModelShape, machine: Machine) -> None:
+def print_expert_parallel_memory(plan: RunPlan, memory: MemoryPlan, machine: Machine) -> None:
     """What a rank keeps of the experts (model_states.py's and activations.py's expert-parallel formulas), and its
     all-to-all buffers."""
-    size, ranks = plan.dims.expert_parallel, machine.gpus_per_node * machine.nodes
-    tokens = micro_batch_rows(plan.recipe) * plan.recipe.data.seq_len // plan.dims.sequence_parallel
-    buffers = tokens * all_to_all_bytes_per_token(shape, DTYPES[plan.precision].itemsize, size)
+    size, ranks, shape = plan.dims.expert_parallel, machine.gpus_per_node * machine.nodes, plan.shape
+    buffers = memory.inputs.tokens * all_to_all_bytes_per_token(shape, memory.inputs.dtype_bytes, size)
     print(f"experts: {shape.expert_parameters:,} parameters / {size} per rank, which ZeRO shards over the "
           f"{ranks // size} rank(s) holding the same experts, the other {shape.parameters - shape.expert_parameters:,} "
           f"over all {ranks}; the activations include one MoE layer's all-to-all buffers ({format_bytes(buffers)}); "
@@ -161,6 +165,8 @@ def print_pipeline_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> N
     layers = shape.pipeline_layer_parameters
     stages, method = plan.dims.pipeline_stages, plan.recipe.parallelism.partition_method
     bounds = stage_bounds(layers, stages, method)
+    inputs = activation_inputs(plan.recipe, plan.precision, shape)  # each stage's: its layers, the last with the head
+    shard = tensor_parallel_shard(shape, plan.dims.tensor_parallel)
     print(f"pipeline: {stages} stages x {plan.dims.dp_size} data-parallel rank(s), partitioned by {method}; per rank "
           f"of each stage, ZeRO-{plan.zero_stage} over the data-parallel ranks; fits = within {HEADROOM:.0%} of "
           f"{format_bytes(machine.memory_per_rank)} ({machine.memory_source}):")
@@ -174,7 +180,7 @@ def print_pipeline_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> N
                                              state_bytes(plan)),
                              0.0, "ZeRO arithmetic", whole_gradient_bytes(params, plan.zero_stage, plan.precision))
         decoder_layers = sum(1 <= index <= shape.num_layers for index in range(start, end))
-        acts = activations(plan.recipe, plan.precision, shape, layers=decoder_layers, with_head=stage == stages - 1)
+        acts = activation_bytes(shard, replace(inputs, layers=decoder_layers, with_head=stage == stages - 1))
         in_flight = min(stages - stage, plan.accumulation_steps)
         table.add_row(str(stage), f"{start}-{end - 1}", f"{params:,}", format_bytes(states.device_bytes),
                       *memory_cells(states, acts, machine.memory_per_rank, in_flight))

@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from training.config.recipe import LongContextSection
 from training.models.long_context import apply_long_context
-from training.planning.activations import activation_bytes
+from training.planning.activations import ActivationInputs, activation_bytes
 from training.planning.shape import model_shape
 
 HIDDEN, ROWS, SEQ_LEN, TILE = 32, 2, 80, 48
@@ -84,8 +84,9 @@ def test_offloaded_checkpoints_hold_each_layers_input_in_host_memory(monkeypatch
         torch.testing.assert_close(offloaded_weight.grad, weight.grad, rtol=0, atol=0, msg=name)
     layers = model.config.num_hidden_layers
     assert [tuple(tensor.shape) for tensor in packed] == [(ROWS, SEQ_LEN, HIDDEN)] * layers  # nothing else
-    plan = activation_bytes(model_shape(model.config), ROWS * SEQ_LEN, SEQ_LEN, 4, "sdpa", offload_checkpoints=True)
+    plan = activation_bytes(model_shape(model.config), ActivationInputs(ROWS * SEQ_LEN, SEQ_LEN, 4, "sdpa",
+                                                                   offload_checkpoints=True))
     one_layer_input = ROWS * SEQ_LEN * HIDDEN * 4  # brought back for the layer being recomputed
     assert plan.host + one_layer_input == sum(tensor.nbytes for tensor in packed)
-    on_device = activation_bytes(model_shape(model.config), ROWS * SEQ_LEN, SEQ_LEN, 4, "sdpa")
+    on_device = activation_bytes(model_shape(model.config), ActivationInputs(ROWS * SEQ_LEN, SEQ_LEN, 4, "sdpa"))
     assert on_device.with_checkpointing - plan.with_checkpointing == plan.host

@@ -7,7 +7,7 @@ import torch
 
 import train
 from data_pipeline.loader import model_inputs
-from training.planning.activations import activation_bytes
+from training.planning.activations import ActivationInputs, activation_bytes
 from training.planning.shape import model_shape
 
 
@@ -55,11 +55,11 @@ def test_activations_per_rank_shrink_with_the_slice_but_not_the_sdpa_mask():
     from training.config.recipe import load_recipe
     from training.models.model import load_model_config
     shape = model_shape(load_model_config(load_recipe("tiny_llama", []).model))
-    whole = activation_bytes(shape, 8 * 4096, 4096, 2, "flash_attention_2")
-    split = activation_bytes(shape, 8 * 4096 // 4, 4096, 2, "flash_attention_2", sequence_parallel=4)
+    whole = activation_bytes(shape, ActivationInputs(8 * 4096, 4096, 2, "flash_attention_2"))
+    split = activation_bytes(shape, ActivationInputs(8 * 4096 // 4, 4096, 2, "flash_attention_2", sequence_parallel=4))
     assert split.without_checkpointing == pytest.approx(whole.without_checkpointing / 4)
-    sdpa_whole = activation_bytes(shape, 8 * 4096, 4096, 2, "sdpa")
-    sdpa_split = activation_bytes(shape, 8 * 4096 // 4, 4096, 2, "sdpa", sequence_parallel=4)
+    sdpa_whole = activation_bytes(shape, ActivationInputs(8 * 4096, 4096, 2, "sdpa"))
+    sdpa_split = activation_bytes(shape, ActivationInputs(8 * 4096 // 4, 4096, 2, "sdpa", sequence_parallel=4))
     masks = 8 * 4096 * 4096 * 2 * shape.num_layers  # [seq, seq] per row and layer, on every rank of the group
     assert sdpa_split.without_checkpointing - split.without_checkpointing == pytest.approx(masks)
     assert sdpa_whole.without_checkpointing - whole.without_checkpointing == pytest.approx(masks)

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tests.training.planning.test_memory import CONFIGS, saved_activation_bytes
-from training.planning.activations import activation_bytes
+from training.planning.activations import ActivationInputs, activation_bytes
 from training.planning.model_states import expert_parallel_states, model_states, zero_arithmetic
 from training.planning.shape import model_shape
 
@@ -49,14 +49,14 @@ def test_the_expert_parallel_arithmetic_in_numbers():
 
 def test_expert_parallelism_adds_one_layers_all_to_all_buffers():
     shape, tokens, a = shape_of("qwen3_moe"), 2 * 96, 2
-    whole = activation_bytes(shape, tokens, 96, a, "sdpa")
-    split = activation_bytes(shape, tokens, 96, a, "sdpa", expert_parallel=4)
+    whole = activation_bytes(shape, ActivationInputs(tokens, 96, a, "sdpa"))
+    split = activation_bytes(shape, ActivationInputs(tokens, 96, a, "sdpa", expert_parallel=4))
     buffers = tokens * 2 * shape.experts_per_token * a * shape.hidden_size  # sent and received, one layer's
     assert split.without_checkpointing - whole.without_checkpointing == buffers
     assert split.with_checkpointing - whole.with_checkpointing == buffers
     dense = shape_of("llama")
-    assert activation_bytes(dense, tokens, 96, a, "sdpa", expert_parallel=4) == \
-        activation_bytes(dense, tokens, 96, a, "sdpa")
+    assert activation_bytes(dense, ActivationInputs(tokens, 96, a, "sdpa", expert_parallel=4)) == \
+        activation_bytes(dense, ActivationInputs(tokens, 96, a, "sdpa"))
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
@@ -83,6 +83,6 @@ def test_autoeps_layers_save_what_the_moe_rule_counts(model_type):
     position_ids = torch.cat([torch.arange(40), torch.arange(seq_len - 40)]).repeat(rows, 1)  # two documents
     measured = saved_activation_bytes(model, input_ids, position_ids)
     shape, tokens = model_shape(config), rows * seq_len
-    estimate = activation_bytes(shape, tokens, seq_len, 2, "sdpa").without_checkpointing
+    estimate = activation_bytes(shape, ActivationInputs(tokens, seq_len, 2, "sdpa")).without_checkpointing
     logits_transient = tokens * 6 * shape.vocab_size
     assert estimate - logits_transient == pytest.approx(measured, rel=0.005)

@@ -2,7 +2,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from training.planning.activations import activation_bytes, layer_bytes_per_token
+from training.objectives.spec import HeadTraits
+from training.planning.activations import ActivationInputs, activation_bytes, layer_bytes_per_token
 from training.planning.ds_config import zero_setting
 from training.planning.model_states import fp32_zero_states, gradient_bucket_bytes, model_states, zero_arithmetic
 from training.planning.shape import model_shape
@@ -74,7 +75,7 @@ def measure(model_type: str, dtype: torch.dtype, checkpointing: bool, tiling=Non
 def test_activation_rule_matches_the_saved_tensors(model_type, dtype):
     shape, measured = measure(model_type, dtype, checkpointing=False)
     tokens, size = BATCH * SEQ_LEN, dtype.itemsize
-    estimate = activation_bytes(shape, tokens, SEQ_LEN, size, "sdpa").without_checkpointing
+    estimate = activation_bytes(shape, ActivationInputs(tokens, SEQ_LEN, size, "sdpa")).without_checkpointing
     logits_transient = tokens * (size + 4) * shape.vocab_size  # in the peak, never saved for backward
     assert estimate - logits_transient == pytest.approx(measured, rel=0.005)
 
@@ -85,7 +86,8 @@ def test_the_fp32_head_rule_matches_the_saved_tensors(model_type):
     weight; its logits are fp32 from the start (the transient: no bf16 logits beside their fp32 copy)."""
     shape, measured = measure(model_type, torch.bfloat16, checkpointing=False, fp32_head=True)
     tokens = BATCH * SEQ_LEN
-    estimate = activation_bytes(shape, tokens, SEQ_LEN, 2, "sdpa", fp32_head=True).without_checkpointing
+    inputs = ActivationInputs(tokens, SEQ_LEN, 2, "sdpa", head=HeadTraits(fp32_head=True))
+    estimate = activation_bytes(shape, inputs).without_checkpointing
     logits_transient = tokens * 4 * shape.vocab_size
     assert estimate - logits_transient == pytest.approx(measured, rel=0.005)
     _, without = measure(model_type, torch.bfloat16, checkpointing=False)
@@ -96,7 +98,7 @@ def test_the_fp32_head_rule_matches_the_saved_tensors(model_type):
 def test_checkpointing_keeps_only_layer_inputs(model_type):
     shape, measured = measure(model_type, torch.bfloat16, checkpointing=True)
     tokens = BATCH * SEQ_LEN
-    estimate = activation_bytes(shape, tokens, SEQ_LEN, 2, "sdpa").with_checkpointing
+    estimate = activation_bytes(shape, ActivationInputs(tokens, SEQ_LEN, 2, "sdpa")).with_checkpointing
     recomputed_layer = tokens * layer_bytes_per_token(shape, SEQ_LEN, 2, "sdpa")  # live during its backward only
     logits_transient = tokens * 6 * shape.vocab_size
     assert estimate - recomputed_layer - logits_transient == pytest.approx(measured, rel=0.03)
@@ -144,8 +146,8 @@ def test_tiling_rules_match_the_saved_tensors(tiled_mlp, logits_tile_tokens):
     section = LongContextSection(tiled_mlp=tiled_mlp, logits_tile_tokens=logits_tile_tokens)
     shape, measured = measure("llama", torch.bfloat16, checkpointing=False, tiling=section)
     tokens, a, vocab = BATCH * SEQ_LEN, 2, shape.vocab_size
-    estimate = activation_bytes(shape, tokens, SEQ_LEN, a, "sdpa", tiled_mlp=tiled_mlp,
-                                logits_tile_tokens=logits_tile_tokens).without_checkpointing
+    estimate = activation_bytes(shape, ActivationInputs(tokens, SEQ_LEN, a, "sdpa", tiled_mlp=tiled_mlp,
+                                                         logits_tile_tokens=logits_tile_tokens)).without_checkpointing
     mlp_tile = min(tokens, BATCH * shape.hidden_size) * 4 * a * shape.intermediate_size if tiled_mlp else 0
     logits = min(tokens, logits_tile_tokens or tokens) * (a + 4) * vocab
     transient = max(mlp_tile, logits) if logits_tile_tokens else mlp_tile + logits
@@ -159,8 +161,8 @@ def test_the_fused_loss_saves_gigabytes_on_a_large_vocabulary():
     """The 1.24B Llama of benchmarks/llama_1b (vocabulary 128,256) at 4 rows of 2,048 tokens in bf16: the plan
     drops the whole logits (2 + 8 bytes x vocabulary per token) for one chunk's and the head's weight gradient."""
     shape = model_shape(AutoConfig.from_pretrained("benchmarks/llama_1b/config.json"))
-    plain, fused = (activation_bytes(shape, 4 * 2048, 2048, 2, "flex_attention", fused_loss=fused).without_checkpointing
-                    for fused in (False, True))
+    plain, fused = (activation_bytes(shape, ActivationInputs(4 * 2048, 2048, 2, "flex_attention", fused_loss=fused))
+                    .without_checkpointing for fused in (False, True))
     assert (plain - fused) / 2**30 == pytest.approx(7.34, abs=0.01)  # 9.79 GiB of logits less 0.98 + 1.47
 
 
@@ -172,7 +174,8 @@ def test_the_fused_loss_rule_matches_the_saved_tensors(model_type):
     from training.planning.kernels import CHUNK_TOKENS
     shape, measured = measure(model_type, torch.bfloat16, checkpointing=False, fused_loss=True)
     tokens, a, vocab, hidden = BATCH * SEQ_LEN, 2, shape.vocab_size, shape.hidden_size
-    estimate = activation_bytes(shape, tokens, SEQ_LEN, a, "sdpa", fused_loss=True).without_checkpointing
+    estimate = activation_bytes(shape, ActivationInputs(tokens, SEQ_LEN, a, "sdpa", fused_loss=True)
+                                ).without_checkpointing
     transient = min(tokens, CHUNK_TOKENS) * 2 * a * vocab + (4 + a) * vocab * hidden
     held = tokens * a * hidden
     assert estimate - transient == pytest.approx(measured + held, rel=0.005)
@@ -186,7 +189,8 @@ def test_the_compiled_layer_rule_matches_the_saved_tensors(model_type, dtype):
     inductor partitions with; dynamo's aot_eager_decomp_partition backend runs it without generating code)."""
     shape, measured = measure(model_type, dtype, checkpointing=False, compiled=True)
     tokens, size = BATCH * SEQ_LEN, dtype.itemsize
-    estimate = activation_bytes(shape, tokens, SEQ_LEN, size, "sdpa", compiled=True).without_checkpointing
+    estimate = activation_bytes(shape, ActivationInputs(tokens, SEQ_LEN, size, "sdpa", compiled=True)
+                                ).without_checkpointing
     logits_transient = tokens * (size + 4) * shape.vocab_size
     assert estimate - logits_transient == pytest.approx(measured, rel=0.005)
 
@@ -198,7 +202,7 @@ def test_the_flex_attention_rule_matches_sdpas_saved_tensors_without_a_mask(mode
     per head, and no mask."""
     shape, measured = measure(model_type, torch.bfloat16, checkpointing=False, documents=1)
     tokens = BATCH * SEQ_LEN
-    estimate = activation_bytes(shape, tokens, SEQ_LEN, 2, "flex_attention").without_checkpointing
+    estimate = activation_bytes(shape, ActivationInputs(tokens, SEQ_LEN, 2, "flex_attention")).without_checkpointing
     assert estimate - tokens * 6 * shape.vocab_size == pytest.approx(measured, rel=0.005)
 
 
@@ -339,7 +343,8 @@ def test_the_generation_rule_matches_the_allocations(tmp_path, shape_of, dtype, 
 
 def test_the_entropy_bonus_keeps_what_the_plan_adds():
     """GRPO's entropy bonus takes the entropies' gradient: autograd keeps the fp32 probabilities beside the
-    log-probabilities, one more [tokens, vocabulary] fp32 tensor, which activation_bytes(entropy_gradient) adds."""
+    log-probabilities, one more [tokens, vocabulary] fp32 tensor, which activation_bytes adds
+    (HeadTraits.entropy_gradient)."""
     from training.objectives.grpo.loss import token_logps
 
     def saved(entropy_gradient: bool) -> int:
@@ -355,7 +360,8 @@ def test_the_entropy_bonus_keeps_what_the_plan_adds():
         return sum(storages.values())
 
     shape = model_shape(AutoConfig.for_model("llama", **CONFIGS["llama"], num_hidden_layers=LAYERS))
-    planned = [activation_bytes(shape, BATCH * SEQ_LEN, SEQ_LEN, 2, "sdpa", entropy_gradient=entropy_gradient)
+    planned = [activation_bytes(shape, ActivationInputs(BATCH * SEQ_LEN, SEQ_LEN, 2, "sdpa",
+                                                        head=HeadTraits(entropy_gradient=entropy_gradient)))
                .without_checkpointing for entropy_gradient in (False, True)]
     assert planned[1] - planned[0] == saved(True) - saved(False) == BATCH * SEQ_LEN * shape.vocab_size * 4
 
@@ -364,16 +370,17 @@ def test_the_entropy_bonus_keeps_what_the_plan_adds():
 @pytest.mark.parametrize("weighting", [False, True])
 def test_the_dpo_token_statistics_take_what_the_plan_adds(tokens, weighting):
     """DPO's token statistics (TRL's token metrics, and with use_weighting WPO's weights), computed without a gradient
-    a chunk at a time, allocate what activation_bytes(dpo_statistics) adds to the transient, within 1% (one chunk, or
-    the whole batch when smaller)."""
+    a chunk at a time, allocate what activation_bytes (statistics_chunk_tokens) adds to the transient, within 1% (one
+    chunk, or the whole batch when smaller)."""
     from training.objectives.dpo.loss import token_statistics
+    from training.planning.kernels import DPO_CHUNK_TOKENS
     shape = model_shape(AutoConfig.for_model("llama", **CONFIGS["llama"], num_hidden_layers=LAYERS))
     logits = torch.randn(1, tokens + 1, shape.vocab_size, dtype=torch.bfloat16)
     labels, owners = torch.randint(0, shape.vocab_size, (1, tokens + 1)), torch.zeros(1, tokens + 1, dtype=torch.long)
     measured = allocated_peak(lambda: token_statistics(logits, labels, owners, torch.tensor([float(tokens)]),
                                                        weighting))
-    planned = [activation_bytes(shape, tokens, SEQ_LEN, 2, "sdpa", dpo_statistics=statistics).without_checkpointing
-               for statistics in (False, True)]
+    planned = [activation_bytes(shape, ActivationInputs(tokens, SEQ_LEN, 2, "sdpa", statistics_chunk_tokens=chunk))
+               .without_checkpointing for chunk in (0, DPO_CHUNK_TOKENS)]
     assert planned[1] - planned[0] == pytest.approx(measured, rel=0.01)
 
 

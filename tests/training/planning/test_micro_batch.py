@@ -12,9 +12,8 @@ from tests.conftest import REPO
 from training.base.errors import ConfigError
 from training.config.recipe import Recipe, load_recipe
 from training.models.model import load_model_config
-from training.planning.activations import activations
 from training.planning.kernels import DPO_CHUNK_TOKENS
-from training.planning.memory import fits, states_per_setting
+from training.planning.memory import fits, memory_plan
 from training.planning.micro_batch import choose_micro_batch
 from training.planning.plan import Machine
 from training.planning.report import format_bytes
@@ -34,8 +33,8 @@ def planned(recipe: Recipe, setting: str, machine: Machine, size: int, shape: Mo
     --dry-run's memory table adds them."""
     shape = shape or model_shape(load_model_config(recipe.model))
     sized = recipe.model_copy(update={"training": recipe.training.model_copy(update={"micro_batch_size": size})})
-    return states_per_setting(sized, "bf16", shape, machine)[setting].peak_with(
-        activations(sized, "bf16", shape).peak(recipe.activation_checkpointing))
+    memory = memory_plan(sized, "bf16", shape, machine)
+    return memory.states[setting].peak_with(memory.activations().peak(recipe.activation_checkpointing))
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 from training.base.schema import HubIdOrPath, StrictModel
-from training.objectives.spec import TRL_SHARED_NAMES, ObjectiveSpec
+from training.objectives.spec import TRL_SHARED_NAMES, HeadTraits, ObjectiveSpec
 
 
 class RewardSpec(StrictModel):
@@ -195,6 +195,11 @@ def check_recipe(recipe) -> None:
     recipe.data.chat_template_kwargs = grpo.chat_template_kwargs
 
 
+def head_traits(grpo: GrpoSection) -> HeadTraits:
+    """What GRPO's loss adds at the head: the entropy bonus's gradient, and grpo.cast_lm_head_to_fp32's fp32 head."""
+    return HeadTraits(entropy_gradient=grpo.entropy_bonus, fp32_head=grpo.cast_lm_head_to_fp32)
+
+
 REFUSED_LAYOUTS = {  # the parallel degrees GRPO does not run with (training/parallel/support.py)
     "pipeline_stages": "generation runs the whole model on each rank",
     "tensor_parallel": "not built",
@@ -205,5 +210,5 @@ REFUSED_LAYOUTS = {  # the parallel degrees GRPO does not run with (training/par
 GRPO = ObjectiveSpec(name="grpo", runtime="training.objectives.grpo.objective:Grpo",
                      trains_on="generated completions", model_loss=False, rows_per_example=1, unit="completions",
                      examples="prompts", generates=True, memory="training.objectives.grpo.memory:grpo_memory",
-                     settings=GrpoSection, check_recipe=check_recipe,
+                     settings=GrpoSection, head_traits=head_traits, check_recipe=check_recipe,
                      refused_layouts=REFUSED_LAYOUTS)

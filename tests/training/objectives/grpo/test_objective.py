@@ -512,12 +512,13 @@ def test_adaptive_entropy_control_keeps_the_bonus_in_the_memory_plan_at_a_coeffi
     start, as for a fixed coefficient."""
     from transformers import AutoConfig
 
-    from training.planning.activations import activations
+    from training.planning.activations import activation_bytes, activation_inputs
     from training.planning.shape import model_shape
     recipes = [grpo_recipe(tmp_path, *overrides) for overrides in
                ([], ["grpo.entropy_coef=0.1"], ["grpo.use_adaptive_entropy=true", "grpo.entropy_coef=0"])]
     shape = model_shape(AutoConfig.from_pretrained(tmp_path / "base"))
-    plain, fixed, adaptive = (activations(recipe, "bf16", shape, "2").peak(False) for recipe in recipes)
+    plain, fixed, adaptive = (activation_bytes(shape, activation_inputs(recipe, "bf16", shape).at_setting("2"))
+                              .peak(False) for recipe in recipes)
     assert plain < fixed == adaptive
 
 
@@ -570,7 +571,7 @@ def test_the_memory_plan_counts_a_generation_in_place_of_the_activations(tmp_pat
     an lm run holds none."""
     import train
     from training.objectives.grpo.memory import generation
-    from training.planning.activations import activations
+    from training.planning.activations import activation_bytes, activation_inputs
     from training.planning.auto_config import with_training
     from training.planning.memory import planned_model_states, states_per_setting
     from training.planning.micro_batch import choose_micro_batch
@@ -593,7 +594,8 @@ def test_the_memory_plan_counts_a_generation_in_place_of_the_activations(tmp_pat
     assert memory["gathered"].gathered_weights == gathered.shape.parameters * 2
     assert memory["sharded"].gathered_weights == memory["zero2"].gathered_weights == 0
     assert memory["gathered"].total == memory["sharded"].total + gathered.shape.parameters * 2
-    acts = activations(sharded.recipe, "bf16", sharded.shape, "3").peak(False)
+    acts = activation_bytes(sharded.shape, activation_inputs(sharded.recipe, "bf16", sharded.shape).at_setting("3")
+                            ).peak(False)
     assert memory["sharded"].total > acts  # 256 completions of 512 tokens against one row's activations
     states = planned_model_states(sharded)
     assert states.generation_bytes == memory["sharded"].total
