@@ -17,9 +17,9 @@ from transformers import PretrainedConfig
 
 from training.base.errors import ConfigError
 from training.compat.deepspeed.autoep import autoep_layers
+from training.config.families import FAMILIES, family_of
 from training.config.recipe import Recipe
 from training.parallel import distributed
-from training.planning.ds_config import PRESETS
 from training.planning.layout import EXPERT_PARALLEL_STAGES
 from training.planning.shape import expert_count, rank_groups_problem
 
@@ -29,9 +29,10 @@ def check_expert_parallel(recipe: Recipe, config: PretrainedConfig, world_size: 
     """Whether AutoEP can split this model's experts over these ranks in a layout built here: before anything is
     built, each refusal with the nearest layout that runs."""
     size, problems = recipe.parallelism.expert_parallel, []
-    if config.model_type not in PRESETS:
+    if family_of(config.model_type).autoep_preset is None:  # training/config/families.py
+        split = sorted(model_type for model_type, family in FAMILIES.items() if family.autoep_preset)
         raise ConfigError(f"parallelism.expert_parallel={size}: {config.model_type} is not a mixture of experts that "
-                          f"AutoEP splits here ({', '.join(sorted(PRESETS))}); remove parallelism.expert_parallel")
+                          f"AutoEP splits here ({', '.join(split)}); remove parallelism.expert_parallel")
     experts = expert_count(config)
     if experts % size:
         divisors = [d for d in range(2, experts + 1) if experts % d == 0]

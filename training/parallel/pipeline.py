@@ -31,17 +31,19 @@ from training.base.errors import ConfigError
 from training.compat.deepspeed.checkpoint_files import pipeline_layer_file
 from training.compat.deepspeed.engine_step import measure_before_model_step, zero0_grad_norm
 from training.compat.transformers import attention_implementation, set_attention_implementation
+from training.config.families import FAMILIES, family_of
 
-FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 TIED_KEY = "embeddings"
 
 
 def family_modules(config: PretrainedConfig) -> tuple[type, type, type]:
-    """The family's decoder layer, RMSNorm and rotary embedding classes."""
-    if config.model_type not in FAMILIES:
+    """The family's decoder layer, RMSNorm and rotary embedding classes (its pipeline_prefix:
+    training/config/families.py)."""
+    prefix = family_of(config.model_type).pipeline_prefix
+    if prefix is None:
+        supported = [model_type for model_type, family in FAMILIES.items() if family.pipeline_prefix]
         raise ConfigError(f"parallelism.pipeline_stages: {config.model_type} models are not supported; pipeline "
-                          f"parallelism supports {', '.join(FAMILIES)} (Llama-family decoders)")
-    prefix = FAMILIES[config.model_type]
+                          f"parallelism supports {', '.join(supported)} (Llama-family decoders)")
     module = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
     return tuple(getattr(module, f"{prefix}{name}") for name in ("DecoderLayer", "RMSNorm", "RotaryEmbedding"))
 
@@ -88,7 +90,7 @@ def decoder_layer_pipe(config: PretrainedConfig) -> type:
             self.pipe_config, self.rotary = config, rotary_class(config)  # the rotary embedding has no parameters
             layer_types = getattr(config, "layer_types", None)
             sliding = (layer_types[layer_idx] == "sliding_attention" if layer_types
-                       else getattr(config, "sliding_window", None) is not None and config.model_type == "mistral")
+                       else family_of(config.model_type).sliding_window and config.sliding_window is not None)
             self.make_mask = create_sliding_window_causal_mask if sliding else create_causal_mask
 
         def forward(self, inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
