@@ -30,14 +30,12 @@ Expert parallelism of N (training/parallel/expert_parallel.py, ZeRO-1 and 2 only
 """
 from dataclasses import dataclass, replace
 
+from training.config.families import family_of
 from training.config.recipe import Recipe
 from training.objectives.spec import HeadTraits
 from training.planning.kernels import CHUNK_TOKENS, DPO_CHUNK_TOKENS, uses_fused_loss
 from training.planning.precision import DTYPES
 from training.planning.shape import ModelShape
-
-LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")  # the MoE ones with their own MLP term
-
 
 
 def layer_bytes_per_token(shape: ModelShape, seq_len: int, dtype_bytes: int, attn_implementation: str,
@@ -52,17 +50,18 @@ def layer_bytes_per_token(shape: ModelShape, seq_len: int, dtype_bytes: int, att
     attention_softmax = 4 * shape.num_heads + mask  # sdpa keeps a log-sum-exp per head
     if attn_implementation == "eager":  # the probabilities (fp32, and their cast to a) instead
         attention_softmax = shape.num_heads * s * (4 + (a if a != 4 else 0))
-    if shape.model_type in LLAMA_FAMILY:
+    family = family_of(shape.model_type)  # its rule: training/config/families.py
+    if family.activations == "llama":
         per_layer = a * (4 * h + 4 * shape.q_dim) + 8 * h + 8 + attention_softmax + mlp_bytes_per_token(shape, a)
-        if shape.model_type in ("qwen3", "qwen3_moe"):
+        if family.qk_norm:
             per_layer += (a + 4) * (shape.q_dim + shape.kv_dim) + 4 * (shape.num_heads + shape.num_kv_heads)
         if attn_implementation == "flex_attention":  # native GQA: keys and values saved at their own width
             per_layer -= 2 * a * (shape.q_dim - shape.kv_dim)
         if compiled and not shape.num_experts:
             per_layer -= a * shape.intermediate_size + 8 * h + (4 * (shape.q_dim + shape.kv_dim)
-                                                                if shape.model_type == "qwen3" else 0)
+                                                                if family.qk_norm else 0)
         return per_layer
-    if shape.model_type == "gpt2" and shape.intermediate_size == 4 * h and attn_implementation != "eager":
+    if family.activations == "gpt2" and shape.intermediate_size == 4 * h and attn_implementation != "eager":
         return 28 * a * h + 4 * a + attention_softmax
     return None
 
@@ -95,7 +94,7 @@ def all_to_all_bytes_per_token(shape: ModelShape, dtype_bytes: int, expert_paral
 def outside_layers_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> float:
     """Embedding, final norm, LM head and loss: what they save per token, plus the loss's logits transient."""
     a, h, vocab = dtype_bytes, shape.hidden_size, shape.vocab_size
-    saved = (2 * a * h + 24 + 2 * a if shape.model_type == "gpt2"
+    saved = (2 * a * h + 24 + 2 * a if family_of(shape.model_type).activations == "gpt2"
              else (2 * a + 4) * h + 2 * a * shape.head_dim + 20) + 4 * vocab
     return saved + (a + 4) * vocab
 
@@ -169,7 +168,7 @@ def activation_bytes(shape: ModelShape, inputs: ActivationInputs) -> Activations
         return None
     layers = shape.num_layers if layers is None else layers
     transient = 0.0
-    if inputs.tiled_mlp and shape.model_type in LLAMA_FAMILY and not shape.num_experts:
+    if inputs.tiled_mlp and family_of(shape.model_type).activations == "llama" and not shape.num_experts:
         per_layer -= 4 * a * shape.intermediate_size
         rows = max(1, tokens * sequence_parallel // seq_len)
         transient = min(tokens, rows * h) * 4 * a * shape.intermediate_size
