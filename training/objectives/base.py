@@ -2,13 +2,13 @@
 plan, the batches it trains on, the loss of a micro-batch and what the loss is a mean over, what it does before step 1,
 the metrics of a logged step and their console text, its evaluation, and what it adds to summary.json and its table.
 docs/objectives.md says how to add one."""
-import importlib
 from pathlib import Path
 
 import deepspeed
 import torch
 from transformers import PretrainedConfig
 
+from training.base.loader import load
 from training.config.recipe import Recipe
 from training.objectives.spec import ObjectiveSpec
 from training.planning.plan import RunPlan
@@ -106,5 +106,4 @@ class Objective:
 def objective_class(spec: ObjectiveSpec) -> type[Objective]:
     """The run-time class the spec names (its "module:Class"): loaded here, at the top of the import order, so that
     the schema, which holds the specs, never imports the run-time code."""
-    module, _, name = spec.runtime.partition(":")
-    return getattr(importlib.import_module(module), name)
+    return load(spec.runtime)

@@ -1,12 +1,12 @@
 """What the objective holds per rank beside the trained model's states, estimated before a run. Each objective counts
-its own in its folder (training/objectives/<name>/memory.py: GRPO's generation and reward models, the frozen
-reference of DPO and GRPO), named by its spec's `memory` ("module:function", as `runtime` names its class); planning
+its own in its folder (training/objectives/<name>/memory.py: e.g. a frozen reference, reward models, a generation;
+docs/objectives.md), named by its spec's `memory` ("module:function", as `runtime` names its class); planning
 reaches it only through the spec (objective_memory), and with_objective adds it to a ZeRO setting's model states
 (training/planning/model_states.py). A generation's memory comes between the steps, in place of the activations: the
 peak counts the larger (ModelStates.peak_with)."""
-import importlib
 from dataclasses import dataclass, replace
 
+from training.base.loader import load
 from training.config.recipe import Recipe
 from training.planning.ds_config import params_offloaded, zero_stage
 from training.planning.model_states import ModelStates
@@ -25,12 +25,11 @@ class ObjectiveMemory:
 
 def objective_memory(recipe: Recipe, precision: str, shape: ModelShape, stage: int, ranks: int) -> ObjectiveMemory:
     """The run's objective's memory at ZeRO `stage` over `ranks` data-parallel ranks: its spec's `memory` term, loaded
-    by name (as objective_class loads its class), or none where the spec names none (lm)."""
+    by name (training/base/loader.py, as objective_class loads its class), or none where the spec names none (lm)."""
     named = recipe.training.spec.memory
     if named is None:
         return ObjectiveMemory()
-    module, function = named.split(":")
-    return getattr(importlib.import_module(module), function)(recipe, precision, shape, stage, ranks)
+    return load(named)(recipe, precision, shape, stage, ranks)
 
 
 def with_objective(states: ModelStates, ds_config: dict, recipe: Recipe, precision: str, shape: ModelShape,
