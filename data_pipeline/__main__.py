@@ -18,6 +18,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import orjson
@@ -31,6 +32,9 @@ from data_pipeline.files import emptiness, json_lines, record_problem
 from data_pipeline.filters import SAMPLES_FILE
 from training.base.errors import DataError, exit_code, positive_int
 from training.base.output_guard import check_output, mark, overlap, write_atomically
+
+if TYPE_CHECKING:
+    from training.config.recipe import Recipe
 
 
 def print_counts(title: str, counts: dict) -> None:
@@ -72,6 +76,17 @@ def check_prepare_output(output: Path, inputs: list[Path], engine: str) -> None:
         check_work_folder(work_folder(output), inputs)
 
 
+def check_recipe_layout(recipe: "Recipe") -> None:
+    """train.py's refusals of the recipe's parallel layout (training/parallel/support.py) before any work: data for a
+    run that cannot start is not prepared. Without the model (not loaded here) and the ranks, only the rows the recipe
+    alone decides apply: its objective's, LoRA's, the optimizer's, the degrees that do not run together."""
+    from training.parallel.support import check_support
+    from training.planning.layout import ParallelDims
+    degrees = recipe.parallelism
+    smallest_world = degrees.pipeline_stages * degrees.tensor_parallel * degrees.sequence_parallel  # one replica
+    check_support(recipe, None, ParallelDims.of(degrees, smallest_world))
+
+
 def prepare(args: argparse.Namespace) -> int:
     """Imports datasets, transformers and torch here, not at the top of the module: `dedup` needs none of them, and
     importing them was most of its time as a whole process (benchmarks/README.md)."""
@@ -81,6 +96,7 @@ def prepare(args: argparse.Namespace) -> int:
     from training.models.model import load_tokenizer
     from training.objectives.base import objective_class
     recipe = load_recipe(args.recipe, args.overrides)
+    check_recipe_layout(recipe)
     objective_class(recipe.training.spec).check(recipe, None)  # its refusals of data settings, before any work
     if recipe.data.prepared or recipe.data.streaming:
         raise DataError("the recipe's data is already prepared (data.prepared) or streamed (data.streaming); to "

@@ -30,7 +30,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.conftest import REPO, run_train, save_small_checkpoint
-from training.state.output_dir import REFERENCE_FILE
+from training.objectives.dpo.spec import REFERENCE_FILE
 
 pytestmark = pytest.mark.slow
 

@@ -29,7 +29,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.conftest import REPO, run_train, save_small_checkpoint, save_small_reward_model, train_in_process
-from training.state.output_dir import COMPLETIONS_FILE
+from training.objectives.grpo.spec import COMPLETIONS_FILE
 
 pytestmark = pytest.mark.slow
 

@@ -34,8 +34,8 @@ from training.state.checkpoint import latest_tag, record_position, save_checkpoi
 from training.state.disk_room import check_room_to_save
 from training.state.run_state import RunState
 
-stop_requested = threading.Event()  # set by SIGTERM: the run saves a checkpoint at the end of the step (grpo: of its
-# generation, Objective.may_stop_after) and exits
+stop_requested = threading.Event()  # set by SIGTERM: the run saves a checkpoint at the end of the step (or a later
+# one the objective waits for, e.g. the end of a generation: Objective.may_stop_after) and exits
 
 
 def grad_norm_before_step(engine: deepspeed.DeepSpeedEngine) -> torch.Tensor | None:
@@ -59,7 +59,7 @@ def train_step(engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict], dp_
     token mean, not a mean of micro-batch means. The counts are reduced on the host, in the same
     collective as the stop flag. The stability guard, when on, reads the step's loss before the last
     backward pass and may drop the step (training/loop/stability.py): one wait for the device per step. The
-    objective says what the loss is a mean over (DPO: pairs in place of target tokens) and computes it."""
+    objective says what the loss is a mean over (e.g. pairs in place of target tokens) and computes it."""
     targets, tokens, stops = distributed.all_reduce_on_host([
         sum(map(objective.count, micro_batches)),
         sum(int(batch["length"].sum()) for batch in micro_batches), float(stop_requested.is_set())])

@@ -50,6 +50,22 @@ def test_prepared_rows_must_match_seq_len(tmp_path):
     assert "holds rows of 128 tokens, but data.seq_len is 256" in run.stderr
 
 
+@pytest.mark.parametrize("recipe, degree, reason", [
+    ("tiny_llama_dpo", "sequence_parallel", "the loss is a function of each sequence's whole log-probability"),
+    ("tiny_llama_dpo", "pipeline_stages", "the pipeline's last stage would need each pair's sequences"),
+    ("tiny_llama_grpo", "sequence_parallel", "a completion is sampled whole"),
+])
+def test_prepare_refuses_a_layout_the_run_refuses_before_any_work(tmp_path, recipe, degree, reason):
+    """The refusals of training/parallel/support.py's table that the recipe alone decides, as train.py words them,
+    before anything is read or written."""
+    output = tmp_path / "prepared"
+    result = run_module("prepare", "--recipe", recipe, "--output", str(output), f"parallelism.{degree}=2")
+    assert result.returncode == 2
+    error = " ".join(result.stderr.split())
+    assert f"training.objective={recipe.removeprefix('tiny_llama_')} with parallelism.{degree}=2: {reason}" in error
+    assert not output.exists()
+
+
 BASE = ("the quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat "
         "and the bird sings a song about the morning sun rising over green hills ")
 RECORDS = [{"text": BASE * 3, "id": 1}, {"text": "something else entirely, with its own words " * 6, "id": 2},

@@ -22,8 +22,9 @@ PATCHES = (
                   "tests/data_pipeline/test_scale.py::test_the_jobs_rows_train_tiny_llama_to_the_in_process_first_loss")),
     Patch("fingerprint", "datasets", VERIFIED_FOR,
           "a data set's fingerprint (the hash of its source files and of every transform that made it, what its cache "
-          "files are named by) is the private Dataset._fingerprint; datasets has no public accessor. A DPO run stores "
-          "it beside its reference log-probabilities, so that a resume on other pairs is refused", NO_ISSUE,
+          "files are named by) is the private Dataset._fingerprint; datasets has no public accessor. An objective that "
+          "stores values computed from the data (a reference pass's log-probabilities) stores it beside them, so "
+          "that a resume on other data is refused", NO_ISSUE,
           "tests/training/compat/test_datasets.py::test_the_fingerprint_follows_the_rows_and_their_transforms",
           proofs=("tests/test_dpo.py::test_a_killed_dpo_run_resumes_in_another_layout_with_its_stored_reference",)),
 )

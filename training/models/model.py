@@ -240,18 +240,18 @@ def disable_dropout(model: torch.nn.Module) -> int:
 
 
 def cast_lm_head_to_fp32(model: torch.nn.Module) -> None:
-    """The LM head computing in fp32 (grpo.cast_lm_head_to_fp32, ScaleRL's recipe): the hidden states, the weight and
-    the logits in fp32, so that the log-probabilities GRPO's ratios and KL compare keep fp32's precision where bf16
-    logits round them to 8 bits of mantissa. Unlike TRL's, which keeps the head's weight in fp32, the weight stays in
-    the engine's dtype (DeepSpeed's bf16 optimizer holds the fp32 master of every weight alike) and is cast in each
-    forward pass: a transient fp32 copy of it (4 x vocab x hidden bytes, kept for the backward pass), and a tied
-    embedding stays tied. A no-op in an fp32 run. Refused where another module has taken the head's place
-    (Grpo.check)."""
+    """The LM head computing in fp32 (ScaleRL's recipe; an objective's setting turns it on): the hidden states, the
+    weight and the logits in fp32, so that the log-probabilities an objective compares (e.g. a policy's ratios and KL)
+    keep fp32's precision where bf16 logits round them to 8 bits of mantissa. Unlike TRL's, which keeps the head's
+    weight in fp32, the weight stays in the engine's dtype (DeepSpeed's bf16 optimizer holds the fp32 master of every
+    weight alike) and is cast in each forward pass: a transient fp32 copy of it (4 x vocab x hidden bytes, kept for
+    the backward pass), and a tied embedding stays tied. A no-op in an fp32 run. A ConfigError where another module
+    has taken the head's place, which the caller prefixes with its setting (the objective's check refuses it first)."""
     head = model.get_output_embeddings()
     if type(head) is not torch.nn.Linear:
         kind = f"{type(head).__module__}.{type(head).__qualname__}"
-        raise ConfigError(f"grpo.cast_lm_head_to_fp32: the model's output layer is a {kind}, not a plain linear "
-                          f"layer (LoRA on lm_head, lora.modules_to_save, fp8.lm_head); set it false")
+        raise ConfigError(f"the model's output layer is a {kind}, not a plain linear layer (LoRA on lm_head, "
+                          f"lora.modules_to_save, fp8.lm_head)")
 
     def forward(self: torch.nn.Linear, hidden_states: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.float()

@@ -28,12 +28,15 @@ class ObjectiveSpec:
     rows_per_example: int  # the rows a training example takes at most, for the memory plan (a DPO pair: 2)
     unit: str  # what micro_batch_size and global_batch_size count
     examples: Examples  # what the data holds (data_pipeline/config.py)
-    generates: bool = False  # it samples from the trained model (grpo:): its memory term counts the generation
     token_statistics: bool = False  # it reads statistics of the logits a chunk of tokens at a time (dpo: TRL's token
     # metrics and WPO's weights), whose chunk the plan counts
     memory: str | None = None  # "module:function" of what it holds per rank beside the trained model (its
     # <name>/memory.py: a reference, reward models, a generation), loaded by the plan (training/planning/
     # objective_memory.py); the module sits at the planning layer
+    generation_length: str | None = None  # where its memory term counts a generation: the setting that bounds how
+    # long one runs, which micro_batch_size=auto's refusal names as a fix when a generation holds the most
+    run_files: tuple[str, ...] = ()  # the files its run writes into the output folder by name, which the folder's
+    # rules hold as the run's (training/state/output_dir.py)
     settings: type[StrictModel] | None = None  # its recipe section, under `name`
     head_traits: Callable[[Any], HeadTraits] | None = None  # its section -> what its loss adds at the head, for the
     # memory plan; None: nothing

@@ -34,9 +34,9 @@ def checkpoint_bytes(params: float, stage: int, ranks: int, precision: str, stat
 
 
 def planned_checkpoint(plan: RunPlan) -> CheckpointSize:
-    """What one save of this run writes (a LoRA run's checkpoints leave the frozen base weights out), with a synced
-    reference (grpo.sync_ref_model, dpo.sync_ref_model: reference.safetensors, whole, written by rank 0: the
-    objective's memory term, objective_memory)."""
+    """What one save of this run writes (a LoRA run's checkpoints leave the frozen base weights out), with what the
+    objective saves beside it (e.g. a synced reference: reference.safetensors, whole, written by rank 0; its memory
+    term's saved_reference, objective_memory)."""
     shape, recipe = plan.shape, plan.recipe
     size = checkpoint_bytes(shape.lora_parameters or shape.parameters, plan.zero_stage,
                             plan.dims.world_size // plan.dims.pipeline_stages, plan.precision, state_bytes(plan))

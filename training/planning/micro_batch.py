@@ -6,7 +6,8 @@ loss is the token mean of the whole global batch (train.py's train_step), so m c
 forward passes, not the curve. A candidate fits when the plan's peak per rank, the model states of the run's ZeRO
 setting plus one micro-batch's activations (training/planning/memory.py), is within deepspeed.config=auto's headroom
 of a rank's memory (memory.fits; a GPU's, on a CPU the RAM its ranks share, in a dry run --gpu-mem). The activations
-grow with m, so every divisor up to the chosen one fits too. Under DPO m counts pairs, planned as 2m rows.
+grow with m, so every divisor up to the chosen one fits too. m counts the objective's unit, planned as the rows its
+examples take at most (a preference pair: 2; docs/objectives.md).
 
 With deepspeed.config=auto the DeepSpeed config is chosen first, as for micro-batch 1 (auto_config.choose_ds_config),
 then the largest micro-batch under it: auto_config's promise, the least-sharded setting that runs at all (and
@@ -69,7 +70,7 @@ def choose_micro_batch(recipe: Recipe, config: PretrainedConfig, precision: str,
 def peak_per_rank(memory: MemoryPlan, recipe: Recipe, precision: str, setting: str) -> Callable[[int], float]:
     """micro-batch -> the plan's peak bytes per rank: the setting's model states plus that micro-batch's activations
     (`memory`: the recipe's memory plan at micro-batch 1), with activation checkpointing as the recipe says, or
-    GRPO's generation where that is larger (the numbers --dry-run's memory table adds up)."""
+    the objective's generation where that is larger (the numbers --dry-run's memory table adds up)."""
     states = memory.states.get(setting)
     if states is None:
         raise ConfigError(f"training.micro_batch_size=auto: the memory plan has no estimate for ZeRO-{setting} in "
@@ -118,8 +119,9 @@ def nothing_fits(plan: MemoryPlan, recipe: Recipe, shape: ModelShape, precision:
                      "deepspeed.config=auto (each ZeRO setting, with checkpointing where needed), more GPUs or a "
                      "smaller model")
     generating = states[setting].generation_bytes
-    if generating > acts.peak(checkpointing):
+    if generating > acts.peak(checkpointing):  # the spec's words: its unit, the setting of a generation's length
+        spec = recipe.training.spec
         lines.append(f"  a generation holds more than the activations, between the steps ("
-                     f"{format_bytes(generating)}): fewer completions per rank in training.global_batch_size, or a "
-                     f"shorter data.seq_len or grpo.max_completion_length")
+                     f"{format_bytes(generating)}): fewer {spec.unit} per rank in training.global_batch_size, or a "
+                     f"shorter data.seq_len or {spec.generation_length}")
     return "\n".join(lines)

@@ -1,11 +1,10 @@
 """The numbers of a model's architecture that FLOPs and memory estimates need, read from a model built on the
 meta device (no memory, no weights), so a 7B recipe is measured exactly on a laptop."""
-import functools
 from dataclasses import dataclass, replace
 
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from training.base.errors import ConfigError
 from training.compat.deepspeed.zero import weight_shape
@@ -112,24 +111,6 @@ def model_shape(config: PretrainedConfig, lora: LoraSection | None = None) -> Mo
         shape = replace(shape, lora_parameters=adapted_parameters(model, lora))
     return replace(shape, trained_shapes=tuple(tuple(tuple(p.shape) for p in group["params"])
                                                for group in weight_decay_groups(model, 0.0)))
-
-
-@functools.cache
-def reward_model_shape(name_or_path: str, trust_remote_code: bool) -> ModelShape:
-    """A GRPO reward model's shape (grpo.rewards' model): its checkpoint's architecture, as a causal LM's (its
-    parameters are those without the LM head, plus the one-label score head: reward_model_parameters)."""
-    try:
-        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"grpo.rewards: cannot read the reward model's config from {name_or_path}: {error}; point "
-                          f"model at a sequence classifier's folder (save_pretrained) or hub id") from None
-    return model_shape(config)
-
-
-def reward_model_parameters(shape: ModelShape) -> int:
-    """A reward model's parameters: the causal LM's without its head, and a score head of one output per hidden
-    unit (AutoModelForSequenceClassification with num_labels=1, TRL's)."""
-    return shape.parameters - shape.head_parameters + shape.hidden_size
 
 
 def expert_shape(model: torch.nn.Module, config: PretrainedConfig) -> dict:

@@ -25,22 +25,23 @@ from training.base.output_guard import (
     written_by,
 )
 from training.base.strict_json import dumps
+from training.objectives.registry import SPECS
 from training.planning.plan import RunPlan
 
 OUTPUT_ROOT = Path("outputs")
 COMMAND = "train.py"
-REFERENCE_FILE = "reference_logps.npz"  # a DPO run's reference log-probabilities (objectives/dpo/reference_logps.py)
-COMPLETIONS_FILE = "completions.jsonl"  # a GRPO run's samples of prompts, completions and rewards (objectives/grpo.py)
+OBJECTIVE_FILES = tuple(name for spec in SPECS.values() for name in spec.run_files)  # what an objective's run
+# writes by name (its spec's run_files, e.g. a reference pass's values): a run's, whichever objective it trained
 RUN_FILES = ("metrics.jsonl", "summary.json", "resolved_recipe.yaml", "ds_config.json", "checkpoints", "hf", "adapter",
              "tensorboard", "wandb", "mlruns",  # wandb, mlruns: training/loop/trackers.py
-             "benchmarks", REFERENCE_FILE, COMPLETIONS_FILE)
+             "benchmarks", *OBJECTIVE_FILES)
 
 
 # what a run writes by name (DeepSpeed's scripts beside the checkpoints too), the folders it writes into, and what it
 # writes as a whole folder (hf/, adapter/, a checkpoint): a file of another's (or a link, which the run would write
 # through) at those names is refused
-NAMED_FILES = {"metrics.jsonl", "summary.json", "resolved_recipe.yaml", "ds_config.json", REFERENCE_FILE,
-               COMPLETIONS_FILE, "checkpoints/latest", "checkpoints/zero_to_fp32.py", "checkpoints/zero_to_torch.py"}
+NAMED_FILES = {"metrics.jsonl", "summary.json", "resolved_recipe.yaml", "ds_config.json", *OBJECTIVE_FILES,
+               "checkpoints/latest", "checkpoints/zero_to_fp32.py", "checkpoints/zero_to_torch.py"}
 RUN_FOLDERS = {name for name in RUN_FILES if "." not in name} | {"checkpoints/universal"}
 WHOLE_FOLDERS = ("hf/", "adapter/", "checkpoints/global_step")
 

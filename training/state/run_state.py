@@ -28,7 +28,8 @@ class RunState(Layout):
     trackers: dict[str, str] = {}  # logging.report_to's run ids (training/loop/trackers.py): a resume continues them
     # training.micro_batch_size=auto keeps it on --resume; None: not recorded
     micro_batch_size: PositiveInt | None = None
-    objective: dict[str, float | None] = {}  # Objective.state_dict: grpo's adaptive entropy control
+    objective: dict[str, float | None] = {}  # Objective.state_dict: what the objective carries from step to step
+    # (docs/objectives.md), e.g. an adaptive coefficient
 
     @classmethod
     def written(cls, **fields) -> "RunState":

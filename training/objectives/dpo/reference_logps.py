@@ -14,9 +14,8 @@ from data_pipeline.loader import EvalPairBatches, PairBatches
 from training.base.errors import ConfigError, DataError
 from training.compat.datasets import fingerprint
 from training.objectives.dpo.preference_loss import PreferenceLoss, pair_logps
-from training.objectives.dpo.spec import DpoSection
+from training.objectives.dpo.spec import REFERENCE_FILE, DpoSection
 from training.parallel import distributed
-from training.state.output_dir import REFERENCE_FILE
 
 
 def training_layout(batches: PairBatches) -> Iterator[dict]:

@@ -84,6 +84,9 @@ class DpoSection(StrictModel):
         return self
 
 
+REFERENCE_FILE = "reference_logps.npz"  # in the output folder: the reference's log-probabilities
+# (training/objectives/dpo/reference_logps.py), read again on --resume
+
 REFUSED_LAYOUTS = {  # the parallel degrees DPO does not run with (training/parallel/support.py)
     "pipeline_stages": "the pipeline's last stage would need each pair's sequences and reference values",
     "tensor_parallel": "not built",
@@ -94,5 +97,5 @@ REFUSED_LAYOUTS = {  # the parallel degrees DPO does not run with (training/para
 
 DPO = ObjectiveSpec(name="dpo", runtime="training.objectives.dpo.objective:Dpo", trains_on="preference pairs",
                     model_loss=False, rows_per_example=2, unit="pairs", examples="pairs", token_statistics=True,
-                    memory="training.objectives.dpo.memory:dpo_memory", settings=DpoSection,
-                    refused_layouts=REFUSED_LAYOUTS)
+                    memory="training.objectives.dpo.memory:dpo_memory", run_files=(REFERENCE_FILE,),
+                    settings=DpoSection, refused_layouts=REFUSED_LAYOUTS)

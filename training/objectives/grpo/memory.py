@@ -1,21 +1,42 @@
 """GRPO's memory beside the trained model's states, estimated before a run (its spec's `memory`, grpo_memory): a
 generation's own (its KV cache, prefill and decoding passes, the weights ZeRO-3 gathers for it, a reward model's
-scoring), its reward models and its frozen reference (training/objectives/reference_memory.py). Plan-time code, at
+scoring), its reward models (their shapes read from their configs: reward_model_shape, which rewards.py's check
+reads too) and its frozen reference (training/objectives/reference_memory.py). Plan-time code, at
 the planning layer (tests/test_import_order.py): planning reaches it through the spec (training/planning/
 objective_memory.py, objective_memory)."""
+import functools
 from dataclasses import dataclass
 
+from transformers import AutoConfig
+
+from training.base.errors import ConfigError
 from training.config.recipe import Recipe
 from training.objectives.reference_memory import reference_bytes
 from training.planning.objective_memory import ObjectiveMemory
 from training.planning.precision import DTYPES, weights_dtype
-from training.planning.shape import ModelShape, reward_model_parameters, reward_model_shape
+from training.planning.shape import ModelShape, model_shape
+
+
+@functools.cache
+def reward_model_shape(name_or_path: str, trust_remote_code: bool) -> ModelShape:
+    """A GRPO reward model's shape (grpo.rewards' model): its checkpoint's architecture, as a causal LM's (its
+    parameters are those without the LM head, plus the one-label score head: reward_model_parameters)."""
+    try:
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"grpo.rewards: cannot read the reward model's config from {name_or_path}: {error}; point "
+                          f"model at a sequence classifier's folder (save_pretrained) or hub id") from None
+    return model_shape(config)
+
+
+def reward_model_parameters(shape: ModelShape) -> int:
+    """A reward model's parameters: the causal LM's without its head, and a score head of one output per hidden
+    unit (AutoModelForSequenceClassification with num_labels=1, TRL's)."""
+    return shape.parameters - shape.head_parameters + shape.hidden_size
 
 
 def reward_models(recipe: Recipe) -> list[ModelShape]:
     """The shapes of GRPO's reward models (grpo.rewards' model entries)."""
-    if not recipe.training.spec.generates:
-        return []
     return [reward_model_shape(spec.model, recipe.model.trust_remote_code) for spec in recipe.grpo.rewards
             if spec.model]
 
@@ -82,8 +103,6 @@ def generation(recipe: Recipe, precision: str, shape: ModelShape, stage: int, ra
     Read off transformers' Llama modules and generate, and checked against a measurement of the allocations on CPU
     (tests/training/planning/test_memory.py). Not counted: the attention's p x p scores, which CPU's math kernel
     makes for a padded batch and CUDA's memory-efficient kernel does not."""
-    if not recipe.training.spec.generates:
-        return Generation(0.0, 0.0, 0.0, 0.0)
     grpo, seq_len = recipe.grpo, recipe.data.seq_len
     generated = grpo.generation_batch_size or recipe.training.global_batch_size  # over all ranks, at once
     completions, prompt = generated // ranks, seq_len - grpo.max_completion_length

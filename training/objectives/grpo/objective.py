@@ -55,13 +55,12 @@ from training.objectives.grpo.rewards import RewardLog, check_rewarded, reward_f
 from training.objectives.grpo.rollout import Rollout, completion_logps, completion_rows
 from training.objectives.grpo.sampling import decoding, sample, sampling_seed
 from training.objectives.grpo.settings import entropy_control, eval_generations, loss_settings, steps_per_generation
-from training.objectives.grpo.spec import GrpoSection
+from training.objectives.grpo.spec import COMPLETIONS_FILE, GrpoSection
 from training.objectives.reference import SyncedReference, load_reference, partitioned
 from training.parallel import distributed
 from training.planning.kernels import replaced_head
 from training.planning.plan import RunPlan
 from training.planning.precision import DTYPES
-from training.state.output_dir import COMPLETIONS_FILE
 
 
 class Grpo(Objective):
@@ -169,7 +168,10 @@ class Grpo(Objective):
         if grpo.cast_lm_head_to_fp32:
             for model in (engine.module, self.reference):
                 if model is not None:
-                    cast_lm_head_to_fp32(model.module if partitioned(model) else model)
+                    try:
+                        cast_lm_head_to_fp32(model.module if partitioned(model) else model)
+                    except ConfigError as error:
+                        raise ConfigError(f"grpo.cast_lm_head_to_fp32: {error}; set it false") from None
 
     def step_batches(self, engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict]) -> list[dict]:
         [prompts] = micro_batches

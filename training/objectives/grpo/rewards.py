@@ -49,7 +49,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from training.base.errors import ConfigError, DataError
 from training.config.recipe import Recipe
-from training.planning.shape import reward_model_shape
+from training.objectives.grpo.memory import reward_model_shape
 
 RewardFunction = Callable[..., list[float | None]]
 BOXED = re.compile(r"\\boxed\s*\{")

@@ -200,6 +200,9 @@ def head_traits(grpo: GrpoSection) -> HeadTraits:
     return HeadTraits(entropy_gradient=grpo.entropy_bonus, fp32_head=grpo.cast_lm_head_to_fp32)
 
 
+COMPLETIONS_FILE = "completions.jsonl"  # in the output folder: samples of prompts, completions and rewards
+# (training/objectives/grpo/objective.py)
+
 REFUSED_LAYOUTS = {  # the parallel degrees GRPO does not run with (training/parallel/support.py)
     "pipeline_stages": "generation runs the whole model on each rank",
     "tensor_parallel": "not built",
@@ -209,6 +212,7 @@ REFUSED_LAYOUTS = {  # the parallel degrees GRPO does not run with (training/par
 
 GRPO = ObjectiveSpec(name="grpo", runtime="training.objectives.grpo.objective:Grpo",
                      trains_on="generated completions", model_loss=False, rows_per_example=1, unit="completions",
-                     examples="prompts", generates=True, memory="training.objectives.grpo.memory:grpo_memory",
+                     examples="prompts", memory="training.objectives.grpo.memory:grpo_memory",
+                     generation_length="grpo.max_completion_length", run_files=(COMPLETIONS_FILE,),
                      settings=GrpoSection, head_traits=head_traits, check_recipe=check_recipe,
                      refused_layouts=REFUSED_LAYOUTS)
