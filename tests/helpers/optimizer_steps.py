@@ -28,6 +28,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.helpers import end_process, ranks_main  # noqa: E402
+from training.config.optimizers import OPTIMIZERS  # noqa: E402
 from training.config.recipe import load_recipe  # noqa: E402
 from training.loop.optimizer import client_optimizer, lr_schedule  # noqa: E402
 from training.loop.shaped_optimizer import (
@@ -35,7 +36,7 @@ from training.loop.shaped_optimizer import (
     state_bytes,  # noqa: E402
 )
 from training.planning.ds_config import load_ds_config, resolve_ds_config  # noqa: E402
-from training.planning.optimizer_states import SHAPED, rank_shares, rank_state_bytes  # noqa: E402
+from training.planning.optimizer_states import rank_shares, rank_state_bytes  # noqa: E402
 from training.planning.shape import (  # noqa: E402
     decoder_layers,  # noqa: E402
     model_shape,
@@ -128,7 +129,7 @@ def reference_run(name: str, model: torch.nn.Module, ranks: int, settings: dict,
     """STEPS steps of the reference update on the mean gradient of the ranks' batches."""
     groups = weight_decay_groups(model, weight_decay)
     matrices = {id(p) for p in decoder_layers(model).parameters() if p.ndim >= 2}
-    if name in SHAPED:
+    if OPTIMIZERS[name].shaped:
         stepper = Pieces(name, model, cuts, settings, weight_decay)
     state = {}
     for step in range(STEPS):
@@ -136,7 +137,7 @@ def reference_run(name: str, model: torch.nn.Module, ranks: int, settings: dict,
         loss = sum(model(input_ids=ids, labels=ids).loss for ids in (batches(r, step) for r in range(ranks)))
         (loss / ranks).backward()
         with torch.no_grad():
-            if name in SHAPED:
+            if OPTIMIZERS[name].shaped:
                 stepper.step()
             else:
                 reference_step(name, groups, matrices, state, settings)
@@ -176,7 +177,7 @@ def run(name: str, ds_config_name: str, config: AutoConfig) -> None:
     settings = {"lr": LR[name], "betas": recipe.training.betas, "eps": recipe.training.eps,
                 "muon_lr": recipe.optimizer.muon_lr, "momentum": recipe.optimizer.muon_momentum}
     report = {"config": ds_config_name, "state_bytes": census.tolist()}
-    if name in SHAPED:
+    if OPTIMIZERS[name].shaped:
         cuts = [cut for r in range(ranks) for cut in rank_shares(shape.trained_shapes, stage, ranks, r)]
         name_of = {id(p): n for n, p in reference.named_parameters()}
         weights = [p for group in weight_decay_groups(reference, 0.0) for p in group["params"]]

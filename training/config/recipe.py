@@ -27,6 +27,7 @@ from pydantic import (
 from data_pipeline.config import DataConfig, LocalPath, matching_files, prepared_examples
 from training.base.errors import ConfigError, read_text
 from training.base.schema import HubIdOrPath, StrictModel
+from training.config.optimizers import OPTIMIZERS
 from training.config.overrides import apply_override, parse_override
 from training.config.problems import describe_error
 from training.objectives.registry import SPECS
@@ -139,18 +140,20 @@ class TrainingSection(StrictModel):
 
 
 class OptimizerSection(StrictModel):
-    """Which update rule (training/loop/optimizer.py). The learning rate, betas, eps, weight decay and clipping stay in
-    `training`: AdamW and AdamW8bit use them all, Lion all but eps, Adafactor the rate and weight decay, Muon its
-    own rate and momentum for the decoder layers' matrices and AdamW (training.*) for the rest."""
-    name: Literal["adamw", "adamw8bit", "adafactor", "lion", "muon"] = "adamw"
+    """Which update rule: a record of training/config/optimizers.py. The learning rate, betas, eps, weight decay and
+    clipping stay in `training`: AdamW and AdamW8bit use them all, Lion all but eps, Adafactor the rate and weight
+    decay (each record's untaken_keys), Muon its own rate and momentum for the decoder layers' matrices and AdamW
+    (training.*) for the rest. Below `name`, the settings the records own (their `settings`)."""
+    name: Literal[tuple(OPTIMIZERS)] = "adamw"
     muon_lr: PositiveFloat = 0.02  # Muon's matrices (the schedule scales it as it scales training.lr)
     muon_momentum: float = Field(0.95, gt=0, lt=1)  # Muon's momentum (Nesterov)
 
     @model_validator(mode="after")
-    def muon_settings_only_for_muon(self) -> "OptimizerSection":
-        stray = sorted(self.model_fields_set & {"muon_lr", "muon_momentum"})
-        if stray and self.name != "muon":
-            raise ValueError(f"optimizer.{stray[0]} applies to optimizer.name=muon, not {self.name}")
+    def settings_only_for_their_optimizer(self) -> "OptimizerSection":
+        owner = {setting: name for name, record in OPTIMIZERS.items() for setting in record.settings}
+        stray = sorted(setting for setting in self.model_fields_set & owner.keys() if owner[setting] != self.name)
+        if stray:
+            raise ValueError(f"optimizer.{stray[0]} applies to optimizer.name={owner[stray[0]]}, not {self.name}")
         return self
 
 

@@ -1,5 +1,6 @@
 """The optimizer: AdamW, AdamW8bit, Adafactor, Lion or Muon built from the DeepSpeed config's optimizer section,
-the checks before a run, and the learning-rate schedule (transformers' own schedules).
+the checks before a run, and the learning-rate schedule (transformers' own schedules). An optimizer's record
+(training/config/optimizers.py) names its builder and its check here.
 
 AdamW8bit (torchao's: quantized moments, about 2 bytes per parameter) and Adafactor (torch's: factored second
 moment, a row and a column per matrix) are the memory-lean ones; they step each parameter in its own shape under
@@ -12,7 +13,7 @@ zero, such as the embedding row of a token the batches never hold, still moves b
 
 Muon orthogonalizes the update of the decoder layers' matrices (Newton-Schulz on the Nesterov momentum); the
 embeddings, the LM head, norms and biases get AdamW, the standard split. DeepSpeed 0.19.8 draws that line by
-parameter name (2-D and not named embed or lm_head, `deepspeed.set_optimizer_flags`); `check_optimizer` refuses a
+parameter name (2-D and not named embed or lm_head, `deepspeed.set_optimizer_flags`); `check_muon` refuses a
 model where the name rule would put anything else on Muon (GPT-2's `wte`, for one). Its ZeRO 1-3 path writes
 the orthogonalized update where the gradient was before the norm is taken, so there the logged grad_norm is the
 updates' norm and clipping is refused.
@@ -33,7 +34,9 @@ from transformers.optimization import (
 )
 
 from training.base.errors import ConfigError
+from training.base.loader import load
 from training.compat.deepspeed.initialize import muon_flags
+from training.config.optimizers import OPTIMIZERS
 from training.config.recipe import Recipe, TrainingSection
 from training.loop.shaped_optimizer import ShapedOptimizer
 from training.planning.shape import decoder_layers
@@ -41,9 +44,14 @@ from training.planning.shape import decoder_layers
 
 def check_optimizer(recipe: Recipe, config: PretrainedConfig, setting: str) -> None:
     """What the recipe's optimizer cannot run with at the ZeRO `setting` ('2', '3_offload'), before anything is
-    built."""
-    if recipe.optimizer.name != "muon":
-        return
+    built: its record's check."""
+    check = OPTIMIZERS[recipe.optimizer.name].check
+    if check:
+        load(check)(recipe, config, setting)
+
+
+def check_muon(recipe: Recipe, config: PretrainedConfig, setting: str) -> None:
+    """Muon's record's check (module docstring): clipping under ZeRO, offload and the name rule, in one error."""
     problems = []
     if setting != "0" and recipe.training.grad_clip:
         problems.append(f"training.grad_clip={recipe.training.grad_clip} at ZeRO-{setting[0]}: DeepSpeed's ZeRO Muon "
@@ -71,23 +79,33 @@ def muon_name_rule_mismatch(config: PretrainedConfig) -> list[str]:
 
 
 def client_optimizer(ds_config: dict) -> Callable[[list], Optimizer] | None:
-    """None: DeepSpeed builds the optimizer its config names; for Lion, lion-pytorch's (module docstring); for
-    AdamW8bit (torchao) and Adafactor (torch), the library's inside a ShapedOptimizer, which shows it each
-    parameter in its own shape under ZeRO (training/loop/shaped_optimizer.py); all with the config's settings."""
+    """None: DeepSpeed builds the optimizer its config names; else what the builder of the record of that type
+    makes of the config's optimizer params (a factory of the parameter groups)."""
     optimizer = ds_config["optimizer"]
-    params = optimizer["params"]
-    settings = {"lr": params["lr"], "weight_decay": params["weight_decay"]}
-    if optimizer["type"] == "Lion":
-        return partial(Lion, betas=tuple(params["betas"]), **settings)
-    if optimizer["type"] == "AdamW8bit":
-        return partial(ShapedOptimizer, build=partial(adamw8bit, betas=tuple(params["betas"]), eps=params["eps"]),
-                       **settings)
-    if optimizer["type"] == "Adafactor":
-        return partial(ShapedOptimizer, build=lambda groups: [torch.optim.Adafactor(groups)], **settings)
-    return None
+    builder = next((record.builder for record in OPTIMIZERS.values() if record.deepspeed_type == optimizer["type"]),
+                   None)
+    return load(builder)(optimizer["params"]) if builder else None
 
 
-def adamw8bit(groups: list[dict], betas: tuple[float, float], eps: float) -> list[Optimizer]:
+def lion(params: dict) -> Callable[[list], Optimizer]:
+    """lion-pytorch's Lion (module docstring)."""
+    return partial(Lion, betas=tuple(params["betas"]), lr=params["lr"], weight_decay=params["weight_decay"])
+
+
+def adamw8bit(params: dict) -> Callable[[list], Optimizer]:
+    """torchao's AdamW8bit inside a ShapedOptimizer, which shows it each parameter in its own shape under ZeRO
+    (training/loop/shaped_optimizer.py)."""
+    return partial(ShapedOptimizer, build=partial(adamw8bit_groups, betas=tuple(params["betas"]), eps=params["eps"]),
+                   lr=params["lr"], weight_decay=params["weight_decay"])
+
+
+def adafactor(params: dict) -> Callable[[list], Optimizer]:
+    """torch's Adafactor inside a ShapedOptimizer, as adamw8bit."""
+    return partial(ShapedOptimizer, build=lambda groups: [torch.optim.Adafactor(groups)], lr=params["lr"],
+                   weight_decay=params["weight_decay"])
+
+
+def adamw8bit_groups(groups: list[dict], betas: tuple[float, float], eps: float) -> list[Optimizer]:
     """torchao's AdamW8bit, with torch's AdamW (fp32 moments) on the embeddings (training/loop/shaped_optimizer.py).
     torchao is imported here, as training/models/fp8.py does: its import takes about 2 s that other runs need not
     pay."""

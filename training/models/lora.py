@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PretrainedCon
 
 from training.base.errors import ConfigError
 from training.compat.peft import quiet_gradient_checkpointing_warning
+from training.config.optimizers import OPTIMIZERS
 from training.config.recipe import LoraSection, Recipe
 from training.planning.precision import device_type
 from training.planning.shape import adapted_parameters, lora_config
@@ -58,13 +59,12 @@ def check_nf4(precision: str, for_gpus: bool) -> None:
 
 
 def check_lora(recipe: Recipe, model_config: PretrainedConfig, precision: str, for_gpus: bool) -> None:
-    """What LoRA runs with: ZeRO 0-3, AdamW or Lion; the settings below are refused (and the parallel degrees
-    training/parallel/support.py's table refuses)."""
-    lora = recipe.lora
+    """What LoRA runs with: ZeRO 0-3 and the optimizers whose record does not refuse it; the settings below are
+    refused (and the parallel degrees training/parallel/support.py's table refuses)."""
+    lora, optimizer = recipe.lora, recipe.optimizer.name
     refused = [
         (precision == "fp8", "precision=fp8 (the FP8 conversion would replace the adapted linear layers)"),
-        (recipe.optimizer.name == "muon", "optimizer.name=muon (its rule orthogonalizes the decoder layers' "
-                                          "matrices, which for LoRA are the low-rank adapters)"),
+        (OPTIMIZERS[optimizer].lora_refused, f"optimizer.name={optimizer} ({OPTIMIZERS[optimizer].lora_refused})"),
     ]
     problems = [reason for condition, reason in refused if condition]
     if problems:

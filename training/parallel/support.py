@@ -4,14 +4,17 @@ rendered in docs/parallelism.md (What runs in each layout).
 A row is a feature (an objective, LoRA, a mixture of experts, an optimizer, or a parallel degree itself, for the
 degrees that do not run together), how a recipe turns it on, and for each parallel degree (parallelism.<key>) that
 it does not run with above 1, why; a degree absent runs. An objective's refusals are in its spec (`refused_layouts`,
-training/objectives/<name>/spec.py), so that this layer names no objective. The other checks of a layout
-(divisibility, ZeRO stages, precision, the model's family) stay with each feature's own check."""
+training/objectives/<name>/spec.py), an optimizer's in its record (training/config/optimizers.py), so that this layer
+names neither. A pair of degrees that do not run together is a row of the pair's first degree only; the docs' table
+shows it both ways. The other checks of a layout (divisibility, ZeRO stages, precision, the model's family) stay with
+each feature's own check."""
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
 from training.base.errors import ConfigError
+from training.config.optimizers import OPTIMIZERS
 from training.config.recipe import Recipe
 from training.models.moe import is_moe
 from training.objectives.registry import SPECS
@@ -39,9 +42,8 @@ LAYOUT_PAIRS = {  # the degrees that do not run together, each pair once
 
 
 def degree_feature(degree: str) -> Feature:
-    """A degree as a row: the degrees it does not run with, from LAYOUT_PAIRS read both ways."""
-    refused = {other: reason for pair, reason in LAYOUT_PAIRS.items() if degree in pair
-               for other in pair if other != degree}
+    """A degree as a row: the degrees of the pairs it is the first of (render shows the pairs both ways)."""
+    refused = {second: reason for (first, second), reason in LAYOUT_PAIRS.items() if first == degree}
     return Feature(f"parallelism.{degree} > 1", lambda recipe, config: getattr(recipe.parallelism, degree) > 1,
                    refused, f"parallelism.{degree}=1", degree)
 
@@ -49,6 +51,11 @@ def degree_feature(degree: str) -> Feature:
 def objective_feature(name: str) -> Feature:
     return Feature(f"training.objective={name}", lambda recipe, config: recipe.training.objective == name,
                    SPECS[name].refused_layouts)
+
+
+def optimizer_feature(name: str) -> Feature:
+    return Feature(f"optimizer.name={name}", lambda recipe, config: recipe.optimizer.name == name,
+                   OPTIMIZERS[name].refused_layouts, "optimizer.name=adamw")
 
 
 TABLE = [
@@ -64,11 +71,7 @@ TABLE = [
         "tensor_parallel": "AutoTP does not split 3-D expert weights",
         "sequence_parallel": "not tested",
     }),
-    Feature("optimizer.name=muon", lambda recipe, config: recipe.optimizer.name == "muon", {
-        "pipeline_stages": "not built with Muon",
-        "tensor_parallel": "not built with Muon (tensor parallelism would split the matrices it orthogonalizes)",
-        "sequence_parallel": "not built with Muon",
-    }, "optimizer.name=adamw"),
+    *(optimizer_feature(name) for name, record in OPTIMIZERS.items() if record.refused_layouts),
     *(degree_feature(degree) for degree in DEGREES if any(degree in pair for pair in LAYOUT_PAIRS)),
 ]
 
@@ -82,7 +85,7 @@ def refusals(recipe: Recipe, config: PretrainedConfig, dims: ParallelDims) -> li
             continue
         for degree, size in dims.enabled().items():
             reason = feature.refused.get(degree)
-            if reason is None or feature.degree and DEGREES.index(degree) < DEGREES.index(feature.degree):
+            if reason is None:
                 continue
             way_out = f"set parallelism.{degree}=1" + (f", or {feature.off}" if feature.off else "")
             lines.append(f"{feature.name} with parallelism.{degree}={size}: {reason}; {way_out}")
@@ -98,8 +101,10 @@ def check_support(recipe: Recipe, config: PretrainedConfig, dims: ParallelDims) 
 
 
 def render() -> str:
-    """The table as docs/parallelism.md quotes it: a row per feature, a column per degree, "yes" or why not."""
+    """The table as docs/parallelism.md quotes it: a row per feature, a column per degree, "yes" or why not; a
+    degree's row with the pairs of degrees read both ways."""
     rows = [["feature", *(f"`{degree}`" for degree in DEGREES)], ["---"] * (len(DEGREES) + 1)]
-    rows += [[feature.name, *("-" if degree == feature.degree else feature.refused.get(degree, "yes")
-                              for degree in DEGREES)] for feature in TABLE]
+    rows += [[feature.name, *("-" if degree == feature.degree else feature.refused.get(degree) or
+                              LAYOUT_PAIRS.get((degree, feature.degree), "yes") for degree in DEGREES)]
+             for feature in TABLE]
     return "".join(f"| {' | '.join(row)} |\n" for row in rows)

@@ -21,36 +21,33 @@ from transformers import PretrainedConfig
 
 from training.base.errors import ConfigError, read_text
 from training.compat.deepspeed.initialize import without_train_batch_size
+from training.config.optimizers import OPTIMIZERS
 from training.config.recipe import Recipe, TrainingSection
 from training.planning.precision import fp16_block
 
 DS_CONFIGS_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
 MISSING = object()
 PRESETS = {"mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen3_moe"}  # model_type -> AutoEP preset
-DEEPSPEED_TYPES = {"adamw": "AdamW", "adamw8bit": "AdamW8bit", "adafactor": "Adafactor", "lion": "Lion",
-                   "muon": "Muon"}  # the ds_config's optimizer.type
-CLIENT_OPTIMIZERS = ("adamw8bit", "adafactor", "lion")  # built here and handed to DeepSpeed
-UNTAKEN_KEYS = {"lion": ("eps", "torch_adam"), "adamw8bit": ("torch_adam",),
-                "adafactor": ("eps", "torch_adam", "betas")}  # the shipped configs' AdamW settings they do not take
 
 
 def deepspeed_optimizer_keys(recipe: Recipe, setting: str) -> dict[str, tuple[str, Any]]:
     """The ds_config keys the recipe's optimizer decides at the ZeRO `setting` ('2', '3_offload'), each with the
-    recipe key it comes from."""
+    recipe key it comes from: its record's (training/config/optimizers.py) type, the `training` settings it takes,
+    its own settings and the keys it needs at ZeRO-3."""
     training, section = recipe.training, recipe.optimizer
-    keys = {"optimizer.type": ("optimizer.name", DEEPSPEED_TYPES[section.name]),
+    record = OPTIMIZERS[section.name]
+    keys = {"optimizer.type": ("optimizer.name", record.deepspeed_type),
             "optimizer.params.lr": ("training.lr", training.lr),
             "optimizer.params.weight_decay": ("training.weight_decay", training.weight_decay)}
-    if section.name != "adafactor":  # its second moment's decay follows the step count (beta2_decay), no betas
+    if "betas" not in record.untaken_keys:
         keys["optimizer.params.betas"] = ("training.betas", list(training.betas))
-    if section.name not in ("lion", "adafactor"):
+    if "eps" not in record.untaken_keys:
         keys["optimizer.params.eps"] = ("training.eps", training.eps)
-    if section.name == "muon":
-        keys["optimizer.params.muon_lr"] = ("optimizer.muon_lr", section.muon_lr)
-        keys["optimizer.params.momentum"] = ("optimizer.muon_momentum", section.muon_momentum)
-        if setting.startswith("3"):  # DeepSpeed's ZeRO-3 Muon refuses its reduce-scatter gradient path
-            keys["zero_optimization.reduce_scatter"] = ("optimizer.name=muon at ZeRO-3", False)
-    if section.name in CLIENT_OPTIMIZERS:  # which ZeRO wraps as it wraps any torch optimizer
+    for name, key in record.settings.items():
+        keys[f"optimizer.params.{key}"] = (f"optimizer.{name}", getattr(section, name))
+    if setting.startswith("3"):
+        keys |= {key: (f"optimizer.name={section.name} at ZeRO-3", value) for key, value in record.zero3_keys.items()}
+    if record.client:  # which ZeRO wraps as it wraps any torch optimizer
         keys["zero_allow_untested_optimizer"] = (f"optimizer.name={section.name}", True)
         if setting.endswith("_offload"):  # stepped on the CPU, in place of DeepSpeed's CPU optimizers
             keys["zero_force_ds_cpu_optimizer"] = (f"optimizer.name={section.name} with ZeRO-Offload", False)
@@ -259,7 +256,7 @@ def resolve_ds_config(raw: dict, source: Path, recipe: Recipe, hidden_size: int,
     stage = zero_stage(config)
     if get_key(config, "optimizer.type") == "AdamW":  # the HF Trainer's type, in the shipped files: the recipe's
         set_key(config, "optimizer.type", "auto")
-    for key in UNTAKEN_KEYS.get(recipe.optimizer.name, ()):
+    for key in OPTIMIZERS[recipe.optimizer.name].untaken_keys:
         config.get("optimizer", {}).get("params", {}).pop(key, None)
     from_recipe = {
         "train_micro_batch_size_per_gpu": ("training.micro_batch_size", training.micro_batch_size),

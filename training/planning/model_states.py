@@ -24,6 +24,7 @@ from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
 from training.compat.deepspeed.zero import zero_cuts
+from training.config.optimizers import OPTIMIZERS
 from training.planning.ds_config import ds_config_file, zero_stage
 from training.planning.layout import EXPERT_PARALLEL_STAGES
 from training.planning.precision import DTYPES, is_mixed
@@ -142,7 +143,7 @@ def muon_staging_bytes(optimizer: str, shape: ModelShape, stage: int, ranks: int
     """DeepSpeed's ZeRO-1/2 Muon writes each step's momentum into a staged copy of its momentum partition, which it
     keeps and commits after the step (stage_1_and_2._muon_staging_momentum): 4 bytes per decoder-layer matrix weight,
     sharded; 0 for other optimizers, stages and LoRA."""
-    if optimizer != "muon" or stage not in (1, 2) or shape.lora_parameters is not None:
+    if not OPTIMIZERS[optimizer].staged_momentum or stage not in (1, 2) or shape.lora_parameters is not None:
         return 0.0
     return 4 * shape.layer_matrix_parameters / ranks
 

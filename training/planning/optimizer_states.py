@@ -1,23 +1,24 @@
 """The optimizer states a rank keeps, counted before a run as the optimizers keep them (the model-state census of
 tests/test_optimizers.py measures them).
 
-AdamW, Lion and Muon keep fixed bytes per parameter, which ZeRO 1-3 shard evenly. The memory-lean optimizers'
-bytes depend on the shape they see (training/loop/shaped_optimizer.py), so they are counted tensor by tensor on each
-rank's shares, as DeepSpeed cuts the weights (training/compat/deepspeed/zero.py zero_cuts), part by part (share_parts).
-Per share:
-  AdamW8bit (torchao): 8-bit codes for both moments with an fp32 scale per 256-value block and a 256-entry fp32
-     code table each, for a share of at least 4096 values that is a whole number of blocks; fp32 moments (8
-     bytes per value) otherwise, and on the embeddings (the matrices of weight_decay_groups' no-decay group);
-  Adafactor (torch): an fp32 row and column factor of a matrix's second moment, a whole fp32 second moment of a
-     vector.
+Each optimizer's record (training/config/optimizers.py) names the rule its states are counted by. AdamW, Lion and
+Muon keep fixed bytes per parameter, which ZeRO 1-3 shard evenly. The memory-lean optimizers' (shaped) bytes depend
+on the shape they see (training/loop/shaped_optimizer.py), so they are counted tensor by tensor on each rank's shares,
+as DeepSpeed cuts the weights (training/compat/deepspeed/zero.py zero_cuts), part by part (share_parts). Per share:
+  "quantized", AdamW8bit (torchao): 8-bit codes for both moments with an fp32 scale per 256-value block and a
+     256-entry fp32 code table each, for a share of at least 4096 values that is a whole number of blocks; fp32
+     moments (8 bytes per value) otherwise, and on the embeddings (the matrices of weight_decay_groups' no-decay
+     group);
+  "factored", Adafactor (torch): an fp32 row and column factor of a matrix's second moment, a whole fp32 second
+     moment of a vector.
 """
 import math
 
 from training.compat.deepspeed.zero import zero_cuts
+from training.config.optimizers import OPTIMIZERS
 from training.planning.shape import ModelShape
 
 QUANTIZED_BLOCK, QUANTIZED_MIN = 256, 4096  # torchao's block size and smallest quantized tensor (bitsandbytes')
-SHAPED = ("adamw8bit", "adafactor")
 
 
 def share_parts(shape: tuple[int, ...], start: int, numel: int) -> list[tuple[int, int, tuple[int, ...]]]:
@@ -37,7 +38,7 @@ def share_parts(shape: tuple[int, ...], start: int, numel: int) -> list[tuple[in
 def share_state_bytes(name: str, shape: tuple[int, ...], embedding: bool = False) -> int:
     """The bytes of `name`'s states for one tensor (share) of `shape`, a share of an embedding or not."""
     numel = math.prod(shape)
-    if name == "adamw8bit":
+    if OPTIMIZERS[name].state_rule == "quantized":
         if numel >= QUANTIZED_MIN and numel % QUANTIZED_BLOCK == 0 and not embedding:
             return 2 * (numel + 4 * numel // QUANTIZED_BLOCK + 4 * 256)
         return 8 * numel
@@ -69,11 +70,12 @@ def optimizer_state_bytes(name: str, shape: ModelShape, stage: int = 0, ranks: i
     parameters, over the ranks under ZeRO 1-3) gives the busiest rank's: AdamW's two fp32 moments (8), Lion's one
     momentum (4), Muon's momentum on the decoder layers' matrices (4) and AdamW's moments on the rest (8); the
     shaped optimizers' counted share by share (module docstring)."""
-    if name in SHAPED:
+    record = OPTIMIZERS[name]
+    if record.shaped:
         trained = sum(math.prod(s) for group in shape.trained_shapes for s in group)
         shards = ranks if stage else 1
         return max(rank_state_bytes(name, shape, stage, shards)) * shards / trained
-    if name == "muon":
-        return (4 * shape.layer_matrix_parameters + 8 * (shape.parameters - shape.layer_matrix_parameters)) / \
-            shape.parameters
-    return 4.0 if name == "lion" else 8.0
+    if record.state_rule == "layer_matrices":  # AdamW's 8 on the rest
+        matrices = shape.layer_matrix_parameters
+        return (record.state_bytes * matrices + 8 * (shape.parameters - matrices)) / shape.parameters
+    return record.state_bytes

@@ -32,9 +32,9 @@ from training.base.output_guard import link_on_the_way
 from training.base.strict_json import dumps
 from training.compat.deepspeed.checkpoint_files import pipeline_layer_file
 from training.compat.deepspeed.universal import convert_with_tensor_parallel, make_stage_neutral
+from training.config.optimizers import OPTIMIZERS, SHAPED_RULES
 from training.parallel.distributed import patient_barrier
 from training.planning.layout import Layout
-from training.planning.optimizer_states import SHAPED
 from training.state.run_state import RunState
 
 UNIVERSAL = "universal"  # the folder under checkpoints/ that holds converted checkpoints, one per tag
@@ -92,9 +92,9 @@ def needs_universal(wrote: Layout, layout: Layout, streaming: bool, export_hint:
                           f"that wrote it, or start a new run from its weights: {export_hint}")
     if not through_universal(wrote, layout):
         return False
-    if layout.optimizer in SHAPED:
+    if OPTIMIZERS[layout.optimizer].shaped:
         raise ConfigError(shaped_refusal(f"--resume ({change})", layout.optimizer, export_hint))
-    if layout.optimizer != "adamw":
+    if not OPTIMIZERS[layout.optimizer].universal:
         raise ConfigError(f"--resume ({change}): the universal conversion is proven here with AdamW's moments, not "
                           f"{layout.optimizer}'s states; resume in the layout that wrote the checkpoint, or start a "
                           f"new run from its weights: {export_hint}")
@@ -106,8 +106,8 @@ def needs_universal(wrote: Layout, layout: Layout, streaming: bool, export_hint:
 
 
 def shaped_refusal(what: str, optimizer: str, export_hint: str) -> str:
-    kept = "in 8-bit blocks" if optimizer == "adamw8bit" else "as a row and a column per matrix"
-    return (f"{what}: {optimizer} keeps its states for the part of each weight a rank holds, {kept} "
+    return (f"{what}: {optimizer} keeps its states for the part of each weight a rank holds, "
+            f"{SHAPED_RULES[OPTIMIZERS[optimizer].state_rule]} "
             f"(training/loop/shaped_optimizer.py), which DeepSpeed's universal conversion (flat fp32 moments) cannot "
             f"join; resume in the layout that wrote the checkpoint, or start a new run from its weights: {export_hint}")
 
@@ -143,7 +143,7 @@ def convert(checkpoint_dir: Path, tag: str) -> Path:
                           f"reads only Megatron's layer layout. Resume in the layout that wrote it, or start a new run "
                           f"from its weights: {export_hint}")
     wrote = run_state_of(source)
-    if wrote and wrote.optimizer in SHAPED:
+    if wrote and OPTIMIZERS[wrote.optimizer].shaped:
         raise ConfigError(shaped_refusal(str(source), wrote.optimizer, export_hint))
     if not any(source.glob("*optim_states.pt")):
         raise ConfigError(f"{source} holds no ZeRO optimizer partitions (a ZeRO-0 checkpoint, or not DeepSpeed's); "
