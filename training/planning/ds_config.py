@@ -21,13 +21,13 @@ from transformers import PretrainedConfig
 
 from training.base.errors import ConfigError, read_text
 from training.compat.deepspeed.initialize import without_train_batch_size
+from training.config.families import family_of
 from training.config.optimizers import OPTIMIZERS
 from training.config.recipe import Recipe, TrainingSection
 from training.planning.precision import fp16_block
 
 DS_CONFIGS_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
 MISSING = object()
-PRESETS = {"mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen3_moe"}  # model_type -> AutoEP preset
 
 
 def deepspeed_optimizer_keys(recipe: Recipe, setting: str) -> dict[str, tuple[str, Any]]:
@@ -324,7 +324,7 @@ def with_expert_parallel(ds_config: dict, size: int, config: PretrainedConfig) -
     one after another (torch's grouped matrix multiply is a CUDA kernel)."""
     if size == 1:
         return ds_config
-    section = {"enabled": True, "autoep_size": size, "preset_model": PRESETS[config.model_type]}
+    section = {"enabled": True, "autoep_size": size, "preset_model": family_of(config.model_type).autoep_preset}
     if not torch.cuda.is_available():
         section["use_grouped_mm"] = False
     return {**ds_config, "expert_parallel": section}

@@ -42,7 +42,7 @@ class ModelStates:
     host_bytes: float  # per node (CPU memory with offload; DeepSpeed also counts its loading buffers)
     source: str  # which estimator
     made_in_backward: float = 0.0  # of device_bytes: the whole gradients autograd makes in the backward pass
-    generation_bytes: float = 0.0  # GRPO: what a generation holds beside them, while no activations are (generation)
+    generation_bytes: float = 0.0  # what the objective's generation holds beside them, while no activations are
 
     def peak_with(self, activation_bytes: float) -> float:
         """Peak bytes per rank with a micro-batch's activations, or with a generation's memory where that is larger
