@@ -28,8 +28,8 @@ class ObjectiveSpec:
     rows_per_example: int  # the rows a training example takes at most, for the memory plan (a DPO pair: 2)
     unit: str  # what micro_batch_size and global_batch_size count
     examples: Examples  # what the data holds (data_pipeline/config.py)
-    token_statistics: bool = False  # it reads statistics of the logits a chunk of tokens at a time (dpo: TRL's token
-    # metrics and WPO's weights), whose chunk the plan counts
+    statistics_chunk_tokens: int = 0  # the tokens at a time it reads statistics of the logits in, without a
+    # gradient (dpo: TRL's token metrics and WPO's weights), whose chunk the plan counts; 0: none
     memory: str | None = None  # "module:function" of what it holds per rank beside the trained model (its
     # <name>/memory.py: a reference, reward models, a generation), loaded by the plan (training/planning/
     # objective_memory.py); the module sits at the planning layer

@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from training.config.families import family_of
 from training.config.recipe import Recipe
 from training.objectives.spec import HeadTraits
-from training.planning.kernels import CHUNK_TOKENS, DPO_CHUNK_TOKENS, uses_fused_loss
+from training.planning.kernels import CHUNK_TOKENS, uses_fused_loss
 from training.planning.precision import DTYPES
 from training.planning.shape import ModelShape
 
@@ -217,4 +217,4 @@ def activation_inputs(recipe: Recipe, precision: str, shape: ModelShape) -> Acti
         fused_loss=uses_fused_loss(recipe, router_loss=bool(shape.num_experts) and recipe.moe.aux_loss_coef != 0),
         compiled=recipe.compile is True,
         head=spec.head_traits(getattr(recipe, spec.name)) if spec.head_traits else HeadTraits(),
-        statistics_chunk_tokens=DPO_CHUNK_TOKENS if spec.token_statistics else 0)
+        statistics_chunk_tokens=spec.statistics_chunk_tokens)

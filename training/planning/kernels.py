@@ -4,17 +4,14 @@ training/models/fused_loss.py."""
 from training.config.recipe import Recipe
 
 CHUNK_TOKENS = 2048  # per chunk: [2048, vocab] logits, 1 GB in fp32 for 128k; few chunks to add up
-DPO_CHUNK_TOKENS = 512  # DPO's token statistics and WPO weights (training/objectives/dpo/loss.py), without a
-# gradient: 12 bytes per token and vocabulary entry live (the fp32 logits, and each logsumexp's), 0.8 GB for a 128k
-# vocabulary
 
 
 def uses_fused_loss(recipe: Recipe, router_loss: bool) -> bool:
     """Whether the run's loss is the fused one: for the language-model objective, where train.py builds the model's
     loss itself. The pipeline's last stage has its own loss; tensor parallelism replaces the head with its split
     one; long_context.logits_tile_tokens tiles the head and loss its own way (recomputing in the backward pass);
-    DPO needs every sequence's log-probabilities; an MoE model with a router_loss adds it in its own forward; and
-    where another module replaces the head."""
+    an objective whose loss is not the model's next-token loss reads the logits itself; an MoE model with a
+    router_loss adds it in its own forward; and where another module replaces the head."""
     parallelism = recipe.parallelism
     return (recipe.fused_loss and recipe.training.spec.model_loss and parallelism.pipeline_stages == 1
             and parallelism.tensor_parallel == 1 and not recipe.long_context.logits_tile_tokens

@@ -1,6 +1,6 @@
 """Memory per rank, estimated before a run, and whether it fits: each ZeRO setting's model states
-(training/planning/model_states.py) with DeepSpeed's own buffers and what the objective holds beside them (the
-reference model, reward models and a GRPO generation's memory: the objective's memory term, reached through its spec
+(training/planning/model_states.py) with DeepSpeed's own buffers and what the objective holds beside them (a
+reference model, reward models, a generation's memory: the objective's memory term, reached through its spec
 by training/planning/objective_memory.py), and the peak with one micro-batch's activations
 (training/planning/activations.py), or with a generation's memory where that is larger (ModelStates.peak_with).
 `fits` leaves 10% of a rank's memory for what the estimates leave out.
@@ -96,7 +96,7 @@ def states_per_setting(recipe: Recipe, precision: str, shape: ModelShape, machin
     the data-parallel ranks; with LoRA, the shape's lora_parameters on frozen weights; under expert parallelism only
     the settings it runs with, a rank's share of the experts); offload only in mixed precision (DeepSpeed's offload
     keeps 16-bit weights on the GPU). Each with the gradient buckets of the setting's shipped ds_configs file, or
-    of `ds_config` (the run's resolved config) for the setting it is, and GRPO's reference and generation
+    of `ds_config` (the run's resolved config) for the setting it is, and the objective's reference and generation
     (with_objective)."""
     tp, ep = recipe.parallelism.tensor_parallel, recipe.parallelism.expert_parallel
     settings = [setting for setting in ZERO_SETTINGS if not (precision == "fp32" and setting.endswith("_offload"))]
@@ -129,7 +129,7 @@ def states_per_setting(recipe: Recipe, precision: str, shape: ModelShape, machin
 def planned_model_states(plan: RunPlan) -> ModelStates:
     """The run's model-state estimate per rank: its ZeRO setting over its data-parallel ranks (one node), a rank's
     share of the experts under expert parallelism, or with pipeline stages the largest stage's share; with the
-    gradient buckets of its resolved DeepSpeed config (and Muon's staged momentum) and GRPO's reference and
+    gradient buckets of its resolved DeepSpeed config (and Muon's staged momentum) and the objective's reference and
     generation (with_objective). ValueError where there is no estimate (offload in fp32)."""
     states = with_deepspeed_buffers(weights_gradients_and_states(plan), plan.ds_config, plan.precision,
                                     plan.recipe.optimizer.name, plan.shape, plan.dims.dp_size)
@@ -139,8 +139,8 @@ def planned_model_states(plan: RunPlan) -> ModelStates:
 
 def planned_peak(plan: RunPlan, states: ModelStates) -> float | None:
     """The run's peak per rank, --dry-run's table cell for its setting: its model states (planned_model_states) with
-    one micro-batch's activations, checkpointed as the recipe says, or GRPO's generation where larger; None under
-    pipeline parallelism (planned per stage) or for a model type without an activation rule."""
+    one micro-batch's activations, checkpointed as the recipe says, or the objective's generation where larger; None
+    under pipeline parallelism (planned per stage) or for a model type without an activation rule."""
     acts = activation_bytes(tensor_parallel_shard(plan.shape, plan.dims.tensor_parallel),
                             activation_inputs(plan.recipe, plan.precision, plan.shape).at_setting(plan.zero_setting))
     if acts is None or plan.dims.pipeline_stages > 1:

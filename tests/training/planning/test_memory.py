@@ -373,7 +373,7 @@ def test_the_dpo_token_statistics_take_what_the_plan_adds(tokens, weighting):
     a chunk at a time, allocate what activation_bytes (statistics_chunk_tokens) adds to the transient, within 1% (one
     chunk, or the whole batch when smaller)."""
     from training.objectives.dpo.loss import token_statistics
-    from training.planning.kernels import DPO_CHUNK_TOKENS
+    from training.objectives.dpo.spec import DPO_CHUNK_TOKENS
     shape = model_shape(AutoConfig.for_model("llama", **CONFIGS["llama"], num_hidden_layers=LAYERS))
     logits = torch.randn(1, tokens + 1, shape.vocab_size, dtype=torch.bfloat16)
     labels, owners = torch.randint(0, shape.vocab_size, (1, tokens + 1)), torch.zeros(1, tokens + 1, dtype=torch.long)

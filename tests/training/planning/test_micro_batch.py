@@ -12,7 +12,7 @@ from tests.conftest import REPO
 from training.base.errors import ConfigError
 from training.config.recipe import Recipe, load_recipe
 from training.models.model import load_model_config
-from training.planning.kernels import DPO_CHUNK_TOKENS
+from training.objectives.dpo.spec import DPO_CHUNK_TOKENS
 from training.planning.memory import fits, memory_plan
 from training.planning.micro_batch import choose_micro_batch
 from training.planning.plan import Machine

@@ -6,8 +6,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from training.objectives.dpo.spec import SORTED_LOSSES, DpoSection
-from training.planning.kernels import DPO_CHUNK_TOKENS
+from training.objectives.dpo.spec import DPO_CHUNK_TOKENS, SORTED_LOSSES, DpoSection
 
 
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, sequence_index: torch.Tensor, count: int,

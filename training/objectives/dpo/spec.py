@@ -87,6 +87,8 @@ class DpoSection(StrictModel):
 REFERENCE_FILE = "reference_logps.npz"  # in the output folder: the reference's log-probabilities
 # (training/objectives/dpo/reference_logps.py), read again on --resume
 
+DPO_CHUNK_TOKENS = 512  # the token statistics and WPO weights (loss.py), without a gradient: 12 bytes per token and
+# vocabulary entry live (the fp32 logits, and each logsumexp's), 0.8 GB for a 128k vocabulary
 REFUSED_LAYOUTS = {  # the parallel degrees DPO does not run with (training/parallel/support.py)
     "pipeline_stages": "the pipeline's last stage would need each pair's sequences and reference values",
     "tensor_parallel": "not built",
@@ -96,6 +98,7 @@ REFUSED_LAYOUTS = {  # the parallel degrees DPO does not run with (training/para
 }
 
 DPO = ObjectiveSpec(name="dpo", runtime="training.objectives.dpo.objective:Dpo", trains_on="preference pairs",
-                    model_loss=False, rows_per_example=2, unit="pairs", examples="pairs", token_statistics=True,
-                    memory="training.objectives.dpo.memory:dpo_memory", run_files=(REFERENCE_FILE,),
+                    model_loss=False, rows_per_example=2, unit="pairs", examples="pairs",
+                    statistics_chunk_tokens=DPO_CHUNK_TOKENS, memory="training.objectives.dpo.memory:dpo_memory",
+                    run_files=(REFERENCE_FILE,),
                     settings=DpoSection, refused_layouts=REFUSED_LAYOUTS)
