@@ -38,6 +38,7 @@ from data_pipeline.loader import ROW_COLUMNS  # noqa: E402
 from data_pipeline.prepare import prepare_dataset  # noqa: E402
 from training.base.errors import ConfigError  # noqa: E402
 from training.base.strict_json import dumps  # noqa: E402
+from training.config.precision import Precision
 from training.loop.metrics import Stopwatch, device_name, flops_meter, peak_memory_bytes, peak_reserved_bytes  # noqa: E402
 from training.parallel import distributed  # noqa: E402
 from training.planning.plan import RunPlan  # noqa: E402
@@ -60,7 +61,7 @@ def check_reproducible(plan: RunPlan) -> None:
     recipe, parallelism = plan.recipe, plan.recipe.parallelism
     unlike = [
         *([f"precision={plan.precision}: the Trainer row runs DeepSpeed's bf16, fp16 or fp32"]
-          if plan.precision == "fp8" else []),
+          if plan.precision == Precision.FP8 else []),
         *([f"training.objective={recipe.training.objective}"] if recipe.training.objective != "lm" else []),
         *(["training.epochs without training.max_steps"] if recipe.training.max_steps is None else []),
         *([f"optimizer.name={recipe.optimizer.name}: DeepSpeed's AdamW only"]

@@ -3,6 +3,7 @@ stage, precision and optimizer together, before anything is built."""
 from transformers import PretrainedConfig
 
 from training.base.errors import ConfigError
+from training.config.precision import Precision
 from training.config.recipe import Recipe
 from training.loop.optimizer import check_optimizer
 from training.models.lora import check_lora
@@ -26,14 +27,14 @@ from training.planning.layout import ParallelDims
 from training.planning.precision import resolve_precision
 
 
-def check_layout(recipe: Recipe, model_config: PretrainedConfig, raw_ds_config: dict, precision: str,
+def check_layout(recipe: Recipe, model_config: PretrainedConfig, raw_ds_config: dict, precision: Precision,
                  world_size: int, for_gpus: bool = False) -> None:
     """The checks of the ranks' layout, the ZeRO stage, the precision, the optimizer and the objective together:
     first what each feature runs with in each layout (training/parallel/support.py), every refusal at once."""
     check_support(recipe, model_config, ParallelDims.of(recipe.parallelism, world_size))
     objective_class(recipe.training.spec).check(recipe, model_config, world_size)
     stage, parallelism = zero_stage(raw_ds_config), recipe.parallelism
-    if precision == "fp8" and stage == 0:
+    if precision == Precision.FP8 and stage == 0:
         raise ConfigError(f"precision=fp8 with ZeRO-0 ({ds_config_file(recipe.deepspeed.config).name}): ZeRO-0 runs "
                           f"mixed precision as torch autocast over fp32 weights, which this FP8 path does not "
                           f"support; use deepspeed.config=zero1, zero2 or zero3")

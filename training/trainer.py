@@ -10,6 +10,7 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from training.compat.deepspeed.engine_step import loss_scale, withheld_step, zero0_grad_norm
+from training.config.precision import Precision
 from training.loop.benchmarks import benchmark_checkpoint
 from training.loop.health import WeightWatch
 from training.loop.metrics import (
@@ -119,7 +120,7 @@ class Loop:
             objective.restore(start.objective, self.checkpoints / f"global_step{start.step}")
         self.logger = MetricsLogger(plan.output_dir, total_steps, start.step, "tensorboard" in recipe.logging.report_to,
                                     dist.get_rank() == 0, trackers)
-        self.guard = StabilityGuard(recipe.stability, plan.precision == "fp16", self.checkpoints) \
+        self.guard = StabilityGuard(recipe.stability, plan.precision == Precision.FP16, self.checkpoints) \
             if recipe.stability.enabled else None
         self.watch = WeightWatch(engine) if plan.dims.pipeline_stages == plan.dims.tensor_parallel == 1 else None
         self.records, self.saves, self.stopped = [], [], None

@@ -29,6 +29,7 @@ from training.base.errors import ConfigError, read_text
 from training.base.schema import HubIdOrPath, StrictModel
 from training.config.optimizers import OPTIMIZERS
 from training.config.overrides import apply_override, parse_override
+from training.config.precision import Precision
 from training.config.problems import describe_error
 from training.objectives.registry import SPECS
 from training.objectives.spec import ObjectiveSpec
@@ -287,7 +288,7 @@ class RecipeSections(StrictModel):
     training: TrainingSection
     optimizer: OptimizerSection = OptimizerSection()
     deepspeed: DeepSpeedSection = DeepSpeedSection()
-    precision: Literal["auto", "bf16", "fp16", "fp32", "fp8"] = "auto"
+    precision: Precision = Precision.AUTO
     fp8: Fp8Section = Fp8Section()
     activation_checkpointing: bool = False
     # torch.compile each decoder layer (training/models/compile.py); auto: on where it is proven faster (CUDA,

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig, PretrainedCon
 from training.base.errors import ConfigError
 from training.compat.peft import quiet_gradient_checkpointing_warning
 from training.config.optimizers import OPTIMIZERS
+from training.config.precision import Precision
 from training.config.recipe import LoraSection, Recipe
 from training.planning.precision import device_type
 from training.planning.shape import adapted_parameters, lora_config
@@ -43,8 +44,8 @@ def trainable_parameters(section: LoraSection, model_config: PretrainedConfig) -
         return adapted_parameters(AutoModelForCausalLM.from_config(model_config), section)
 
 
-def check_nf4(precision: str, for_gpus: bool) -> None:
-    if precision != "bf16":
+def check_nf4(precision: Precision, for_gpus: bool) -> None:
+    if precision != Precision.BF16:
         raise ConfigError(f"lora.quantize=nf4 (QLoRA) computes in bf16 over the 4-bit weights: set precision=bf16 "
                           f"(not {precision})")
     if for_gpus:
@@ -58,12 +59,12 @@ def check_nf4(precision: str, for_gpus: bool) -> None:
                           f"{QLORA_REQUIREMENTS}")
 
 
-def check_lora(recipe: Recipe, model_config: PretrainedConfig, precision: str, for_gpus: bool) -> None:
+def check_lora(recipe: Recipe, model_config: PretrainedConfig, precision: Precision, for_gpus: bool) -> None:
     """What LoRA runs with: ZeRO 0-3 and the optimizers whose record does not refuse it; the settings below are
     refused (and the parallel degrees training/parallel/support.py's table refuses)."""
     lora, optimizer = recipe.lora, recipe.optimizer.name
     refused = [
-        (precision == "fp8", "precision=fp8 (the FP8 conversion would replace the adapted linear layers)"),
+        (precision == Precision.FP8, "precision=fp8 (the FP8 conversion would replace the adapted linear layers)"),
         (OPTIMIZERS[optimizer].lora_refused, f"optimizer.name={optimizer} ({OPTIMIZERS[optimizer].lora_refused})"),
     ]
     problems = [reason for condition, reason in refused if condition]

@@ -18,6 +18,7 @@ from transformers.integrations import HfDeepSpeedConfig
 
 from training.base.errors import ConfigError
 from training.compat.torch import replace_forward
+from training.config.precision import Precision
 from training.config.recipe import ModelSection, Recipe
 from training.models.attention import attention_for
 from training.models.lora import nf4_quantization
@@ -202,7 +203,7 @@ def from_checkpoint(recipe: Recipe, config: PretrainedConfig, ds_config: dict, d
         **options)
 
 
-def build_model(recipe: Recipe, config: PretrainedConfig, ds_config: dict, precision: str) -> PreTrainedModel:
+def build_model(recipe: Recipe, config: PretrainedConfig, ds_config: dict, precision: Precision) -> PreTrainedModel:
     """The model, from `model.config` (random weights from the training seed, so that every rank and every
     ZeRO stage starts from the same weights) or from the checkpoint at `model.name_or_path`.
 

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from training.compat.deepspeed.universal import provide_universal_info
+from training.config.precision import Precision
 from training.models.compile import compile_layers
 from training.models.fp8 import convert_linears_to_fp8, fp8_linear_count
 from training.models.fused_loss import fuse_head_and_loss
@@ -39,12 +40,12 @@ def build_run_model(plan: RunPlan) -> tuple[torch.nn.Module, object | None, dict
         mark_sparse_blocks(model)
     mpu = enable_sequence_parallel(model, plan.dims.sequence_parallel, recipe.training.micro_batch_size,
                                    recipe.data.seq_len)
-    if plan.precision == "fp8":
+    if plan.precision == Precision.FP8:
         convert_linears_to_fp8(model, recipe.fp8, plan.model_config.vocab_size)
     kernels = {"attention": recipe.model.attn_implementation, "fused_loss": fused_loss,
                "compiled_layers": compile_layers(model) if recipe.compile else 0,
                **({"fp8_linear_layers": fp8_linear_count(model), "fp8_recipe": recipe.fp8.recipe}
-                  if plan.precision == "fp8" else {})}
+                  if plan.precision == Precision.FP8 else {})}
     if dist.get_rank() == 0:
         print("kernels: " + describe_kernels(kernels))
     return model, mpu, kernels

@@ -18,6 +18,7 @@ from transformers import PretrainedConfig
 from training.base.errors import ConfigError
 from training.compat.deepspeed.autoep import autoep_layers
 from training.config.families import FAMILIES, family_of
+from training.config.precision import Precision
 from training.config.recipe import Recipe
 from training.parallel import distributed
 from training.planning.layout import EXPERT_PARALLEL_STAGES
@@ -46,7 +47,7 @@ def check_expert_parallel(recipe: Recipe, config: PretrainedConfig, world_size: 
             zero_stage, "offload with AutoEP is not proven here")
         problems.append(f"{setting}: {reason}; use deepspeed.config=zero1 or zero2 (each rank already holds only "
                         f"its experts' weights), or expert_parallel=1 with ZeRO-3")
-    if recipe.precision == "fp8":  # LoRA: training/parallel/support.py's table
+    if recipe.precision == Precision.FP8:  # LoRA: training/parallel/support.py's table
         problems.append("precision=fp8 with expert parallelism is not built: use bf16")
     if problems:
         raise ConfigError(f"parallelism.expert_parallel={size}:\n" + "\n".join(f"  {p}" for p in problems))

@@ -28,6 +28,7 @@ from transformers.masking_utils import find_packed_sequence_indices
 from training.base.errors import ConfigError
 from training.compat.deepspeed.sequence_parallel import sum_sequence_slices, use_attention_under_ulysses
 from training.compat.transformers import attention_implementation
+from training.config.precision import Precision
 from training.config.recipe import Recipe
 from training.models.attention import document_flex
 from training.planning.shape import head_counts, rank_groups_problem
@@ -36,7 +37,7 @@ SUPPORTED_ATTENTION = ("sdpa", "flash_attention_2", "flex_attention")
 
 
 def check_sequence_parallel(recipe: Recipe, config: PretrainedConfig, world_size: int, zero_stage: int,
-                            precision: str) -> None:
+                            precision: Precision) -> None:
     """Whether the model, the rows and the ranks split N ways, in a layout DeepSpeed runs: before anything is
     built."""
     size, seq_len, problems = recipe.parallelism.sequence_parallel, recipe.data.seq_len, []
@@ -57,7 +58,7 @@ def check_sequence_parallel(recipe: Recipe, config: PretrainedConfig, world_size
         problems.append(f"model.attn_implementation={attn_implementation}: Ulysses runs sdpa, flash_attention_2 or "
                         f"flex_attention "
                         f"(eager builds a [seq, seq] mask per head); set model.attn_implementation=sdpa")
-    if precision in ("bf16", "fp8") and zero_stage == 1:
+    if precision in (Precision.BF16, Precision.FP8) and zero_stage == 1:
         problems.append(f"precision={precision} with ZeRO-1: DeepSpeed's BF16_Optimizer takes the sequence-parallel "
                         f"group for a tensor-parallel one and fails computing the gradient norm; use "
                         f"deepspeed.config=zero2 (ZeRO-1's memory and more) or zero3")

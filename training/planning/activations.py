@@ -31,6 +31,7 @@ Expert parallelism of N (training/parallel/expert_parallel.py, ZeRO-1 and 2 only
 from dataclasses import dataclass, replace
 
 from training.config.families import family_of
+from training.config.precision import Precision
 from training.config.recipe import Recipe
 from training.objectives.spec import HeadTraits
 from training.planning.kernels import CHUNK_TOKENS, uses_fused_loss
@@ -201,7 +202,7 @@ def micro_batch_rows(recipe: Recipe) -> int:
 
 
 
-def activation_inputs(recipe: Recipe, precision: str, shape: ModelShape) -> ActivationInputs:
+def activation_inputs(recipe: Recipe, precision: Precision, shape: ModelShape) -> ActivationInputs:
     """One micro-batch's activation inputs on a rank, from the recipe: its slice of the rows under sequence
     parallelism, the all-to-all buffers under expert parallelism, the layers compiled where the recipe compiles them
     (compile, as the plan resolved it; at_setting plans them eager under ZeRO-3), what the objective's spec says its

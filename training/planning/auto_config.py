@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from transformers import PretrainedConfig
 
 from training.base.errors import ConfigError
+from training.config.precision import Precision
 from training.config.recipe import Recipe
 from training.planning.activations import Activations
 from training.planning.memory import HEADROOM, fits, memory_plan
@@ -52,7 +53,7 @@ class Need:
         return f" + expert_parallel={self.expert_parallel}" if self.expert_parallel > 1 else ""
 
 
-def choose_ds_config(recipe: Recipe, config: PretrainedConfig, precision: str, machine: Machine,
+def choose_ds_config(recipe: Recipe, config: PretrainedConfig, precision: Precision, machine: Machine,
                      refusal: Callable[[Recipe], str | None]) -> Recipe:
     """The recipe with `deepspeed.config` (and `activation_checkpointing`) as chosen; a ConfigError naming
     the shortfall and what would fit when nothing does. refusal(recipe): why the run's checks refuse it, or None.
@@ -82,7 +83,7 @@ def choose_ds_config(recipe: Recipe, config: PretrainedConfig, precision: str, m
     raise ConfigError(shortfall(planned, shape, precision, machine))
 
 
-def memory_needs(recipe: Recipe, shape: ModelShape, precision: str, machine: Machine) -> list[Need]:
+def memory_needs(recipe: Recipe, shape: ModelShape, precision: Precision, machine: Machine) -> list[Need]:
     """Each candidate's bytes per rank, in the order of preference."""
     order = candidates(recipe, shape, machine)
     plans = {size: layout_bytes(with_parallelism(recipe, expert_parallel=size), shape, precision, machine)
@@ -113,7 +114,7 @@ def expert_parallel_size(shape: ModelShape, machine: Machine) -> int:
                if machine.gpus_per_node % size == 0 and shape.num_experts % size == 0)
 
 
-def layout_bytes(recipe: Recipe, shape: ModelShape, precision: str, machine: Machine) -> tuple[dict, Activations]:
+def layout_bytes(recipe: Recipe, shape: ModelShape, precision: Precision, machine: Machine) -> tuple[dict, Activations]:
     """The model states per setting and one micro-batch's activations of the recipe's layout (its memory plan)."""
     memory = memory_plan(recipe, precision, shape, machine)
     acts = memory.activations()
@@ -129,7 +130,7 @@ def with_setting(recipe: Recipe, need: Need) -> Recipe:
         update={"deepspeed": deepspeed, "activation_checkpointing": need.checkpointing})
 
 
-def shortfall(recipe: Recipe, shape: ModelShape, precision: str, machine: Machine) -> str:
+def shortfall(recipe: Recipe, shape: ModelShape, precision: Precision, machine: Machine) -> str:
     """Why nothing fits, with the smallest need, and what would fit: more GPUs, a smaller micro-batch, shorter
     rows (each tried alone, the rest as the recipe says)."""
     budget = HEADROOM * machine.memory_per_rank
@@ -162,7 +163,7 @@ def shortfall(recipe: Recipe, shape: ModelShape, precision: str, machine: Machin
     return "\n".join(lines)
 
 
-def anything_fits(recipe: Recipe, shape: ModelShape, precision: str, machine: Machine) -> bool:
+def anything_fits(recipe: Recipe, shape: ModelShape, precision: Precision, machine: Machine) -> bool:
     return any(fits(need.total, machine.memory_per_rank) for need in memory_needs(recipe, shape, precision, machine))
 
 

@@ -2,6 +2,7 @@
 reference) and the finished run's export, and the time a SIGTERM save has under DeepSpeed's launcher."""
 from dataclasses import dataclass
 
+from training.config.precision import Precision
 from training.planning.memory import state_bytes
 from training.planning.objective_memory import objective_memory
 from training.planning.plan import RunPlan
@@ -18,7 +19,8 @@ class CheckpointSize:
 
 
 
-def checkpoint_bytes(params: float, stage: int, ranks: int, precision: str, state_bytes: float = 8.0) -> CheckpointSize:
+def checkpoint_bytes(params: float, stage: int, ranks: int, precision: Precision,
+                     state_bytes: float = 8.0) -> CheckpointSize:
     """DeepSpeed's files for one save, as measured on its checkpoints with AdamW (tests/test_train_distributed.py;
     `state_bytes` of optimizer states per parameter, AdamW's 8). ZeRO-0: rank 0 writes the fp32 weights
     (train.py's ZeRO-0 keeps fp32 weights, also under autocast) and the states, 12 bytes per parameter with

@@ -23,6 +23,7 @@ from training.base.errors import ConfigError, read_text
 from training.compat.deepspeed.initialize import without_train_batch_size
 from training.config.families import family_of
 from training.config.optimizers import OPTIMIZERS
+from training.config.precision import Precision
 from training.config.recipe import Recipe, TrainingSection
 from training.planning.precision import fp16_block
 
@@ -212,7 +213,7 @@ def default_grad_accum_dtype(config: dict, stage: int) -> str:
     return "fp32"
 
 
-def precision_sections(precision: str, stage: int, grad_accum_dtype: str) -> dict[str, Any]:
+def precision_sections(precision: Precision, stage: int, grad_accum_dtype: str) -> dict[str, Any]:
     """The DeepSpeed keys that realise the recipe's precision.
 
     DeepSpeed refuses fp32 gradient accumulation for bf16/fp16 weights without ZeRO ("unsupported
@@ -221,13 +222,13 @@ def precision_sections(precision: str, stage: int, grad_accum_dtype: str) -> dic
     stage 0 mixed precision runs as DeepSpeed's torch_autocast: fp32 weights and gradients, matmuls
     in 16 bits. Memory per parameter is the same 16 bytes as DeepSpeed's bf16 path.
     """
-    if precision == "fp8":  # DeepSpeed's bf16 path; the linear layers' matmuls are FP8 (training/models/fp8.py)
-        precision = "bf16"
-    half = precision in ("bf16", "fp16")
+    if precision == Precision.FP8:  # DeepSpeed's bf16 path; the linear layers' matmuls are FP8 (training/models/fp8.py)
+        precision = Precision.BF16
+    half = precision in (Precision.BF16, Precision.FP16)
     if half and stage == 0 and grad_accum_dtype == "fp32":
-        dtype = "bfloat16" if precision == "bf16" else "float16"
+        dtype = "bfloat16" if precision == Precision.BF16 else "float16"
         return {"bf16.enabled": False, "fp16.enabled": False, "torch_autocast": {"enabled": True, "dtype": dtype}}
-    return {"bf16.enabled": precision == "bf16", "fp16.enabled": precision == "fp16",
+    return {"bf16.enabled": precision == Precision.BF16, "fp16.enabled": precision == Precision.FP16,
             "data_types.grad_accum_dtype": grad_accum_dtype}
 
 
@@ -245,7 +246,7 @@ def choose_adamw_kernel(config: dict) -> None:
 
 
 def resolve_ds_config(raw: dict, source: Path, recipe: Recipe, hidden_size: int, dp_size: int,
-                      precision: str) -> dict:
+                      precision: Precision) -> dict:
     """A complete DeepSpeed config with no "auto" left, or a ConfigError listing every problem."""
     config = copy.deepcopy(raw)
     training = recipe.training
@@ -287,7 +288,8 @@ def resolve_ds_config(raw: dict, source: Path, recipe: Recipe, hidden_size: int,
     for key, value in model_sizes.items():
         if get_key(config, key) == "auto":
             set_key(config, key, value)
-    if precision == "fp16":  # its loss-scaling keys are checked now, not when DeepSpeed starts (or, at ZeRO-0, never)
+    if precision == Precision.FP16:  # its loss-scaling keys are checked now, not when DeepSpeed starts (or never, at
+        # ZeRO-0)
         try:
             fp16_block(config)
         except ConfigError as error:
@@ -301,7 +303,7 @@ def resolve_ds_config(raw: dict, source: Path, recipe: Recipe, hidden_size: int,
 
 
 def build_ds_config(raw: dict, source: Path, recipe: Recipe, model_config: PretrainedConfig, dp_size: int,
-                    precision: str, universal: bool) -> dict:
+                    precision: Precision, universal: bool) -> dict:
     """The run's DeepSpeed config, whole: the file's resolved against the recipe (resolve_ds_config), with AutoTP,
     AutoEP and the universal-checkpoint load (a resume in another layout) that the layout adds. The one place it is
     made: the plan holds it, ds_config.json records it and deepspeed.initialize takes it."""

@@ -1,6 +1,7 @@
 """Which kernels a run uses, decided from the recipe before anything is built: the plan counts their memory
 (training/planning/activations.py) and the model is built with them (training/parallel/build.py). The fused loss itself:
 training/models/fused_loss.py."""
+from training.config.precision import Precision
 from training.config.recipe import Recipe
 
 CHUNK_TOKENS = 2048  # per chunk: [2048, vocab] logits, 1 GB in fp32 for 128k; few chunks to add up
@@ -21,5 +22,5 @@ def uses_fused_loss(recipe: Recipe, router_loss: bool) -> bool:
 def replaced_head(recipe: Recipe) -> bool:
     """Whether another module takes the head's place: FP8's Float8Linear (fp8.lm_head), or LoRA's modules_to_save
     (a trained copy of the head or the tied embedding). The fused loss computes with the head's own weight."""
-    return (recipe.precision == "fp8" and recipe.fp8.lm_head) or (recipe.lora.enabled and
+    return (recipe.precision == Precision.FP8 and recipe.fp8.lm_head) or (recipe.lora.enabled and
                                                                   bool(recipe.lora.modules_to_save))

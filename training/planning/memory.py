@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 
 from deepspeed.runtime.utils import partition_balanced, partition_uniform
 
+from training.config.precision import Precision
 from training.config.recipe import Recipe
 from training.planning.activations import ActivationInputs, Activations, activation_bytes, activation_inputs
 from training.planning.ds_config import zero_setting
@@ -80,7 +81,7 @@ class MemoryPlan:
 
 
 
-def memory_plan(recipe: Recipe, precision: str, shape: ModelShape, machine: Machine,
+def memory_plan(recipe: Recipe, precision: Precision, shape: ModelShape, machine: Machine,
                 ds_config: dict | None = None) -> MemoryPlan:
     """The recipe's layout's memory per rank on `machine` (states_per_setting; `ds_config`: the run's resolved
     config, for the setting it is), and its micro-batch's activation inputs (a whole number of examples)."""
@@ -90,7 +91,7 @@ def memory_plan(recipe: Recipe, precision: str, shape: ModelShape, machine: Mach
 
 
 
-def states_per_setting(recipe: Recipe, precision: str, shape: ModelShape, machine: Machine,
+def states_per_setting(recipe: Recipe, precision: Precision, shape: ModelShape, machine: Machine,
                        ds_config: dict | None = None) -> dict[str, ModelStates]:
     """Each ZeRO setting's model states per rank on `machine` (a rank's slice under tensor parallelism, ZeRO over
     the data-parallel ranks; with LoRA, the shape's lora_parameters on frozen weights; under expert parallelism only
@@ -99,7 +100,8 @@ def states_per_setting(recipe: Recipe, precision: str, shape: ModelShape, machin
     of `ds_config` (the run's resolved config) for the setting it is, and the objective's reference and generation
     (with_objective)."""
     tp, ep = recipe.parallelism.tensor_parallel, recipe.parallelism.expert_parallel
-    settings = [setting for setting in ZERO_SETTINGS if not (precision == "fp32" and setting.endswith("_offload"))]
+    mixed = precision != Precision.FP32
+    settings = [setting for setting in ZERO_SETTINGS if mixed or not setting.endswith("_offload")]
     if ep > 1:
         settings = [setting for setting in settings if setting in EXPERT_PARALLEL_SETTINGS]
     ranks = machine.gpus_per_node * machine.nodes // tp

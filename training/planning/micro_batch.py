@@ -26,6 +26,7 @@ from dataclasses import replace
 from transformers import PretrainedConfig
 
 from training.base.errors import ConfigError
+from training.config.precision import Precision
 from training.config.recipe import Recipe
 from training.planning.activations import activation_inputs, micro_batch_rows
 from training.planning.auto_config import with_seq_len, with_training
@@ -35,8 +36,9 @@ from training.planning.report import format_bytes
 from training.planning.shape import ModelShape, model_shape
 
 
-def choose_micro_batch(recipe: Recipe, config: PretrainedConfig, precision: str, setting: str, machine: Machine | None,
-                       dp_size: int, saved: int | None = None) -> tuple[Recipe, MicroBatchChoice | None]:
+def choose_micro_batch(recipe: Recipe, config: PretrainedConfig, precision: Precision, setting: str,
+                       machine: Machine | None, dp_size: int,
+                       saved: int | None = None) -> tuple[Recipe, MicroBatchChoice | None]:
     """The recipe with training.micro_batch_size chosen for the ZeRO `setting` (model_states.ZERO_SETTINGS' names) over
     `dp_size` data-parallel ranks on `machine` (None only when the recipe names a number), and the choice, for the
     plan's print; the recipe as it is, and None, when it names a number. `saved`: the micro-batch of the checkpoint
@@ -67,7 +69,7 @@ def choose_micro_batch(recipe: Recipe, config: PretrainedConfig, precision: str,
     return with_training(recipe, micro_batch_size=chosen), choice
 
 
-def peak_per_rank(memory: MemoryPlan, recipe: Recipe, precision: str, setting: str) -> Callable[[int], float]:
+def peak_per_rank(memory: MemoryPlan, recipe: Recipe, precision: Precision, setting: str) -> Callable[[int], float]:
     """micro-batch -> the plan's peak bytes per rank: the setting's model states plus that micro-batch's activations
     (`memory`: the recipe's memory plan at micro-batch 1), with activation checkpointing as the recipe says, or
     the objective's generation where that is larger (the numbers --dry-run's memory table adds up)."""
@@ -85,8 +87,8 @@ def peak_per_rank(memory: MemoryPlan, recipe: Recipe, precision: str, setting: s
     return peak
 
 
-def nothing_fits(plan: MemoryPlan, recipe: Recipe, shape: ModelShape, precision: str, setting: str, machine: Machine,
-                 planned: float) -> str:
+def nothing_fits(plan: MemoryPlan, recipe: Recipe, shape: ModelShape, precision: Precision, setting: str,
+                 machine: Machine, planned: float) -> str:
     """Why micro-batch 1 does not fit, with its numbers, and which change alone would make it fit (`plan`: the
     recipe's memory plan at micro-batch 1)."""
     one, memory = with_training(recipe, micro_batch_size=1), machine.memory_per_rank

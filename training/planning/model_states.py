@@ -25,6 +25,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem
 
 from training.compat.deepspeed.zero import zero_cuts
 from training.config.optimizers import OPTIMIZERS
+from training.config.precision import Precision
 from training.planning.ds_config import ds_config_file, zero_stage
 from training.planning.layout import EXPERT_PARALLEL_STAGES
 from training.planning.precision import DTYPES, is_mixed
@@ -56,7 +57,7 @@ class ModelStates:
 
 
 
-def zero_arithmetic(params: float, stage: int, ranks: int, precision: str, state_bytes: float = 8.0) -> float:
+def zero_arithmetic(params: float, stage: int, ranks: int, precision: Precision, state_bytes: float = 8.0) -> float:
     """Per-rank bytes of weights + gradients + optimizer states (the ZeRO paper's arithmetic).
 
     Mixed precision keeps 16-bit weights and gradients (2 + 2 bytes) and fp32 master weights (4) and optimizer
@@ -105,7 +106,7 @@ def fp32_zero_states(groups: tuple[tuple[tuple[int, ...], ...], ...], stage: int
 
 
 
-def gradient_bucket_bytes(ds_config: dict, precision: str) -> float:
+def gradient_bucket_bytes(ds_config: dict, precision: Precision) -> float:
     """Per-rank bytes of DeepSpeed's gradient buckets (its ZeRO optimizers' "ipg" buffers) under a resolved config.
 
     With contiguous_gradients (DeepSpeed's default) each bucket is reduce_bucket_size elements: ZeRO-1 and 2 make one
@@ -149,8 +150,8 @@ def muon_staging_bytes(optimizer: str, shape: ModelShape, stage: int, ranks: int
 
 
 
-def with_deepspeed_buffers(states: ModelStates, ds_config: dict, precision: str, optimizer: str, shape: ModelShape,
-                           ranks: int) -> ModelStates:
+def with_deepspeed_buffers(states: ModelStates, ds_config: dict, precision: Precision, optimizer: str,
+                           shape: ModelShape, ranks: int) -> ModelStates:
     """`states` with what DeepSpeed's ZeRO optimizers hold beside weights, gradients and the optimizer's states,
     on the device: the gradient buckets and Muon's staged momentum."""
     stage = zero_stage(ds_config)
@@ -159,18 +160,19 @@ def with_deepspeed_buffers(states: ModelStates, ds_config: dict, precision: str,
 
 
 
-def model_states(setting: str, shape: ModelShape, gpus_per_node: int, nodes: int, precision: str,
+def model_states(setting: str, shape: ModelShape, gpus_per_node: int, nodes: int, precision: Precision,
                  zero_init: bool, state_bytes: float = 8.0) -> ModelStates:
     """Model-state memory for one ZeRO setting over gpus_per_node x nodes data-parallel ranks, with
     `state_bytes` of optimizer states per parameter (DeepSpeed's estimators assume AdamW's 8: the difference
     is taken from the sharded states, on the GPUs or, offloaded, in the nodes' memory)."""
     stage, offload = int(setting[0]), setting.endswith("_offload")
     ranks = gpus_per_node * nodes
-    if stage < 2 or precision == "fp32":
+    if stage < 2 or precision == Precision.FP32:
         if offload:
             raise ValueError(f"no estimate for ZeRO-{setting} in {precision}")
         trained = sum(math.prod(weight) for group in shape.trained_shapes for weight in group)
-        if precision == "fp32" and stage and trained == shape.parameters:  # the weights' shapes are these parameters'
+        # the weights' shapes are these parameters'
+        if precision == Precision.FP32 and stage and trained == shape.parameters:
             return ModelStates(fp32_zero_states(shape.trained_shapes, stage, ranks, state_bytes), 0.0,
                                "ZeRO arithmetic")
         return ModelStates(zero_arithmetic(shape.parameters, stage, ranks, precision, state_bytes), 0.0,
@@ -190,7 +192,7 @@ def model_states(setting: str, shape: ModelShape, gpus_per_node: int, nodes: int
 
 
 
-def whole_gradient_bytes(params: float, stage: int, precision: str) -> float:
+def whole_gradient_bytes(params: float, stage: int, precision: Precision) -> float:
     """The whole gradients zero_arithmetic counts: ZeRO-0's (fp32: torch autocast keeps fp32 weights) and, in mixed
     precision, ZeRO-1's 16-bit ones; none where ZeRO-2 and 3 reduce them into partitions as the backward pass goes."""
     if stage == 0:
@@ -200,7 +202,7 @@ def whole_gradient_bytes(params: float, stage: int, precision: str) -> float:
 
 
 def expert_parallel_states(setting: str, shape: ModelShape, gpus_per_node: int, nodes: int, size: int,
-                           precision: str, state_bytes: float = 8.0) -> ModelStates:
+                           precision: Precision, state_bytes: float = 8.0) -> ModelStates:
     """Model states per rank with each MoE layer's experts split over `size` ranks (the formula in the module
     docstring; S is model_states' ZeRO-1 arithmetic or ZeRO-2 estimator, each linear in the parameters). The node's
     memory is the whole model's: each rank builds it whole before AutoEP keeps its experts. The optimizer's bytes
@@ -221,7 +223,7 @@ NF4_BYTES = 4.127 / 8  # QLoRA's 4-bit NormalFloat with double-quantized block c
 
 
 def lora_model_states(setting: str, shape: ModelShape, trainable: int, gpus_per_node: int, nodes: int,
-                      precision: str, state_bytes: float = 8.0, nf4: bool = False) -> ModelStates:
+                      precision: Precision, state_bytes: float = 8.0, nf4: bool = False) -> ModelStates:
     """Model states of a LoRA run (training/models/lora.py): the frozen base weights in the run's dtype, with no
     gradients, master copy or optimizer states (ZeRO-3 shards them; ZeRO-0 keeps fp32 weights, also under autocast),
     plus the `trainable` parameters' by the ZeRO arithmetic; offload moves those parameters' fp32 master weights, fp32

@@ -7,6 +7,7 @@ peak counts the larger (ModelStates.peak_with)."""
 from dataclasses import dataclass, replace
 
 from training.base.loader import load
+from training.config.precision import Precision
 from training.config.recipe import Recipe
 from training.planning.ds_config import params_offloaded, zero_stage
 from training.planning.model_states import ModelStates
@@ -23,7 +24,8 @@ class ObjectiveMemory:
     saved_reference: float = 0.0  # the synced reference each checkpoint holds, whole (reference.safetensors)
 
 
-def objective_memory(recipe: Recipe, precision: str, shape: ModelShape, stage: int, ranks: int) -> ObjectiveMemory:
+def objective_memory(recipe: Recipe, precision: Precision, shape: ModelShape, stage: int,
+                     ranks: int) -> ObjectiveMemory:
     """The run's objective's memory at ZeRO `stage` over `ranks` data-parallel ranks: its spec's `memory` term, loaded
     by name (training/base/loader.py, as objective_class loads its class), or none where the spec names none (lm)."""
     named = recipe.training.spec.memory
@@ -32,7 +34,7 @@ def objective_memory(recipe: Recipe, precision: str, shape: ModelShape, stage: i
     return load(named)(recipe, precision, shape, stage, ranks)
 
 
-def with_objective(states: ModelStates, ds_config: dict, recipe: Recipe, precision: str, shape: ModelShape,
+def with_objective(states: ModelStates, ds_config: dict, recipe: Recipe, precision: Precision, shape: ModelShape,
                    ranks: int, nodes: int) -> ModelStates:
     """`states` with what the objective holds beside the trained model under `ds_config` (objective_memory): its
     reference model on the device, or, where ZeRO-3 offloads the parameters (zero3_offload.json does; the

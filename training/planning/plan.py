@@ -11,6 +11,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from training.base.errors import ConfigError
+from training.config.precision import Precision
 from training.config.recipe import Recipe
 from training.planning.ds_config import zero_setting, zero_stage
 from training.planning.layout import Layout, ParallelDims
@@ -24,7 +25,7 @@ class RunPlan:
     recipe: Recipe
     model_config: PretrainedConfig
     tokenizer: PreTrainedTokenizerBase | None  # None only in a dry run whose hub tokenizer is not cached here
-    precision: str
+    precision: Precision
     ds_config: dict
     ds_config_path: Path
     dims: ParallelDims  # every parallel degree, the world size and the data-parallel ranks they leave

@@ -5,20 +5,21 @@ from deepspeed.runtime.precision_config import DeepSpeedFP16Config
 from pydantic import ValidationError
 
 from training.base.errors import ConfigError
+from training.config.precision import Precision
 
 FP8_CAPABILITY = (8, 9)
 FP8_GPUS = "H100, H200, L4, L40S, B200"
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
-          "fp8": torch.bfloat16}  # fp8: BF16 weights and activations, FP8 matmuls in the linear layers
+DTYPES = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16, Precision.FP32: torch.float32,
+          Precision.FP8: torch.bfloat16}  # fp8: BF16 weights and activations, FP8 matmuls in the linear layers
 
 
-def is_mixed(precision: str) -> bool:
+def is_mixed(precision: Precision) -> bool:
     """16-bit weights and gradients over an fp32 master copy (under ZeRO; at ZeRO-0, torch autocast over fp32)."""
     return DTYPES[precision].itemsize == 2
 
 
-def weights_dtype(precision: str, stage: int) -> torch.dtype:
+def weights_dtype(precision: Precision, stage: int) -> torch.dtype:
     """Checkpoint weights load in the run's precision; DeepSpeed keeps the fp32 master copy in its optimizer.
     ZeRO-0 bf16/fp16 (torch autocast over fp32 weights) keeps fp32 weights."""
     return DTYPES[precision] if stage > 0 else torch.float32
@@ -45,23 +46,23 @@ def check_fp8_hardware() -> None:
                           f"{capability[0]}.{capability[1]}). Use precision=bf16 on this GPU.")
 
 
-def resolve_precision(requested: str, ds_config: dict, for_gpus: bool = False) -> str:
+def resolve_precision(requested: Precision, ds_config: dict, for_gpus: bool = False) -> Precision:
     """`auto` follows a DeepSpeed config that enables bf16 or fp16 outright; otherwise bf16 where the
     hardware computes it natively and fp32 elsewhere (bf16 on a CPU is emulated and slower).
     for_gpus: a plan for NVIDIA GPUs that this machine may not have (dry run with --num-gpus)."""
-    if requested == "auto":
-        for name in ("bf16", "fp16"):
+    if requested == Precision.AUTO:
+        for name in (Precision.BF16, Precision.FP16):
             if ds_config.get(name, {}).get("enabled") is True:
                 requested = name
                 break
         else:
-            return "bf16" if for_gpus or bf16_is_native() else "fp32"
-    if requested == "fp8" and not for_gpus:
+            return Precision.BF16 if for_gpus or bf16_is_native() else Precision.FP32
+    if requested == Precision.FP8 and not for_gpus:
         check_fp8_hardware()
-    if requested == "fp16" and device_type() != "cuda" and not for_gpus:
+    if requested == Precision.FP16 and device_type() != "cuda" and not for_gpus:
         raise ConfigError(f"precision=fp16 needs an NVIDIA GPU: DeepSpeed refuses fp16 on its {device_type()} "
                           f"accelerator. Use precision=bf16 or precision=fp32 here.")
-    return requested
+    return Precision(requested)
 
 
 def fp16_block(ds_config: dict) -> DeepSpeedFP16Config:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from transformers import AutoConfig
 
 from training.base.errors import ConfigError
+from training.config.precision import Precision
 from training.config.recipe import Recipe
 from training.objectives.reference_memory import reference_bytes
 from training.planning.objective_memory import ObjectiveMemory
@@ -41,7 +42,7 @@ def reward_models(recipe: Recipe) -> list[ModelShape]:
             if spec.model]
 
 
-def reward_model_bytes(recipe: Recipe, precision: str) -> float:
+def reward_model_bytes(recipe: Recipe, precision: Precision) -> float:
     """GRPO's reward models per rank (training/objectives/grpo/rewards.py, RewardModel): each a whole frozen copy on
     every rank, in the run's dtype."""
     return sum(reward_model_parameters(shape) for shape in reward_models(recipe)) * DTYPES[precision].itemsize
@@ -74,7 +75,7 @@ def decoding_reads(shape: ModelShape, itemsize: int, rows: int, prompt: int, pas
     return passes * shape.parameters * itemsize + kv_cache_bytes(shape, itemsize, rows, tokens_read)
 
 
-def generation(recipe: Recipe, precision: str, shape: ModelShape, stage: int, ranks: int) -> Generation:
+def generation(recipe: Recipe, precision: Precision, shape: ModelShape, stage: int, ranks: int) -> Generation:
     """A generation's memory per rank (training/objectives/grpo/objective.py, sample): the rank's
     B = generation_batch_size / ranks completions (global_batch_size where unset) in one batch, each after a prompt
     of at most p = seq_len - max_completion_length tokens (what the data stage lets in), with c = kv_heads x head_dim,
@@ -130,7 +131,7 @@ def generation(recipe: Recipe, precision: str, shape: ModelShape, stage: int, ra
                       + max(sampling, head + 3 * logits if head else 0.0), whole, scoring)
 
 
-def grpo_memory(recipe: Recipe, precision: str, shape: ModelShape, stage: int, ranks: int) -> ObjectiveMemory:
+def grpo_memory(recipe: Recipe, precision: Precision, shape: ModelShape, stage: int, ranks: int) -> ObjectiveMemory:
     """What GRPO holds per rank beside the trained model at ZeRO `stage` over `ranks` ranks: its reference (beta > 0;
     whole in each checkpoint with grpo.sync_ref_model), its reward models and its generation's memory."""
     live = recipe.grpo.beta > 0

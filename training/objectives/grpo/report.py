@@ -2,6 +2,7 @@
 step's console text (console_line) and the summary table's rows (summary_rows)."""
 import torch
 
+from training.config.precision import Precision
 from training.loop.metrics import device_name
 from training.objectives.grpo.loss import CLIPPED
 from training.objectives.grpo.memory import decoding_reads, generation, reward_model_bytes
@@ -146,7 +147,7 @@ def generation_floor(plan: RunPlan, completions: int, flops: float) -> str:
 
 def head_line(plan: RunPlan) -> str:
     """The plan's words for grpo.cast_lm_head_to_fp32: what it changes, and its weight's fp32 copy."""
-    if plan.precision == "fp32":
+    if plan.precision == Precision.FP32:
         return "LM head in fp32 (grpo.cast_lm_head_to_fp32): already so, the run computes in fp32"
     said = "LM head in fp32 (grpo.cast_lm_head_to_fp32): the logits of the policy, the reference and sampling in fp32"
     if weights_dtype(plan.precision, plan.zero_stage) == torch.float32:
