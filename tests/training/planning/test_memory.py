@@ -314,10 +314,12 @@ SAMPLING = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, voca
                         "no_repeat_ngram_size": 2, "bad_words_ids": [[5, 6]]})),
 ], ids=["kv-cache", "kv-cache-bf16", "sampling-top-p", "sampling-top-k-min-p-penalty",
         "sampling-every-setting", "prefill", "fp32-head", "generation-kwargs-typical", "generation-kwargs-eta"])
-def test_the_generation_rule_matches_the_allocations(tmp_path, shape_of, dtype, seq_len, completion, sampling):
+@pytest.mark.parametrize("engine", ["generate", "static"])
+def test_the_generation_rule_matches_the_allocations(tmp_path, shape_of, dtype, seq_len, completion, sampling, engine):
     """A GRPO generation's memory (grpo/memory.py, generation) against what generate allocates on CPU, with
     prompts at the budget and no completion ending early: a bound within 10% where the KV cache, the sampling's
-    buffers over a large vocabulary (with every sampling setting), or the prompts' pass is the most."""
+    buffers over a large vocabulary (with every sampling setting), or the prompts' pass is the most; with either
+    engine's KV cache (generation_engine)."""
     from tests.conftest import save_small_checkpoint
     from training.config.recipe import load_recipe
     from training.objectives.grpo.memory import generation
@@ -333,7 +335,8 @@ def test_the_generation_rule_matches_the_allocations(tmp_path, shape_of, dtype, 
     recipe = load_recipe("tiny_llama_grpo", [
         f"model.name_or_path={tmp_path / 'base'}", f"training.global_batch_size={completions}",
         f"training.micro_batch_size={completions}", f"data.seq_len={seq_len}",
-        f"grpo.max_completion_length={completion}", *(f"grpo.{key}={value}" for key, value in sampling.items())])
+        f"grpo.max_completion_length={completion}", f"grpo.generation_engine={engine}",
+        *(f"grpo.{key}={value}" for key, value in sampling.items())])
     prompts = [torch.randint(3, config.vocab_size, (seq_len - completion,)) for _ in range(completions)]
     never = config.vocab_size  # no token ends a completion early
     measured = allocated_peak(lambda: sample(model, prompts, list(range(completions)), recipe.grpo, never, 0, False))

@@ -85,8 +85,12 @@ def generation(recipe: Recipe, precision: Precision, shape: ModelShape, stage: i
                                               stream, the normed input, the attention's output and the embedding's, of
                                               width h; the rotary cosines and sines, of the head's width d; the
                                               padding's p x p mask of booleans)
-      decoding:  KV(seq_len)*(1 + 1/(2L)) + B*V*4*k   (the cache grows by concatenation: a layer's keys, or values,
-                                              are copied at a time; the last position's logits in fp32, k copies:
+      decoding:  KV(seq_len)*(1 + 1/(2L)) + B*V*4*k   (generate's dynamic cache grows by concatenation: a layer's
+                                              keys, or values, are copied at a time; grpo.generation_engine's
+                                              static cache is allocated whole in the prefill, KV(seq_len) in both,
+                                              and its pass holds, in the same allowance, the attention's scores over
+                                              the whole cache, which CPU's math kernel makes for its mask, and the
+                                              head's inputs; the last position's logits in fp32, k copies:
                                               transformers' and SeededSampling's, 7, and the largest warper's
                                               more: generation_kwargs.typical_p's 8, top_p's sort 3, eta_cutoff's 2;
                                               top_k's, min_p's, top_h's, epsilon_cutoff's and the repetition
@@ -112,6 +116,8 @@ def generation(recipe: Recipe, precision: Precision, shape: ModelShape, stage: i
     def kv_cache(tokens: int) -> float:
         return kv_cache_bytes(shape, a, completions, tokens)
 
+    static = grpo.engine == "static"
+
     logits = completions * shape.vocab_size * 4
     more = grpo.generation_kwargs
     warper = max(8 * (more.typical_p < 1), 3 * (grpo.top_p < 1), 2 * (more.eta_cutoff > 0))
@@ -126,7 +132,8 @@ def generation(recipe: Recipe, precision: Precision, shape: ModelShape, stage: i
 
     scoring = max((layer_pass(model, grpo.num_generations, seq_len, DTYPES[precision].itemsize, 6)
                    for model in reward_models(recipe)), default=0.0)
-    return Generation(kv_cache(seq_len), kv_cache(prompt) + layer_pass(shape, completions, prompt, a, 4) + head,
+    return Generation(kv_cache(seq_len),
+                      kv_cache(seq_len if static else prompt) + layer_pass(shape, completions, prompt, a, 4) + head,
                       kv_cache(seq_len) * (1 + 1 / (2 * shape.num_layers))
                       + max(sampling, head + 3 * logits if head else 0.0), whole, scoring)
 

@@ -40,7 +40,8 @@ def plan_lines(plan: RunPlan) -> list[str]:
             *([head_line(plan)] if grpo.cast_lm_head_to_fp32 else []),
             f"generation: {prompts * steps // plan.dims.dp_size} prompt(s) x {grpo.num_generations} per rank in one "
             f"batch{f' (grpo.generation_batch_size: {steps} optimizer steps)' if steps > 1 else ''}, "
-            f"{sampling(grpo)}, up to {grpo.max_completion_length} decoding passes (new tokens); weights: "
+            f"{sampling(grpo)}, up to {grpo.max_completion_length} decoding passes (new tokens), "
+            f"{ENGINES[grpo.engine]} (grpo.generation_engine={grpo.generation_engine}); weights: "
             f"{gathered}; reference: {reference}",
             f"generation memory per rank, between the steps (in the memory table's peak where larger than the "
             f"activations): {format_bytes(memory.total)} = the larger of the prompts' pass "
@@ -53,6 +54,10 @@ def plan_lines(plan: RunPlan) -> list[str]:
             *([f"reward models: a whole frozen copy on each rank, {format_bytes(models)} in the model states"]
               if (models := reward_model_bytes(plan.recipe, plan.precision)) else []),
             generation_cost(plan, per_rank)]
+
+
+ENGINES = {"generate": "transformers' generate, its KV cache growing in each pass",
+           "static": "transformers' generate with a static KV cache, allocated once at full length"}
 
 
 def sampling(section: GrpoSection) -> str:

@@ -1,6 +1,7 @@
 """How GRPO samples a completion: with a random stream of its own (sampling_seed, SeededSampling), so that a
 completion is the same under any layout and after a resume, through transformers' `generate` (sample), eagerly and
-with sdpa (decoding)."""
+with sdpa (decoding), on the engine grpo.generation_engine names: generate's dynamic KV cache, or its static one
+(`static`), which samples the same completions."""
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -88,9 +89,11 @@ class StopStrings(StoppingCriteria):
 
 def generation_config(section: GrpoSection, eos_id: int | None, pad_id: int) -> GenerationConfig:
     """generate's settings for sample: greedy search over SeededSampling's scores, with generation_kwargs' token bans
-    and biases, which generate applies before it."""
+    and biases, which generate applies before it; the engine's KV cache (static: allocated at the batch's prompt width
+    plus max_completion_length, and never compiled: decoding runs eagerly)."""
+    engine = {"static": {"cache_implementation": "static", "disable_compile": True}}.get(section.engine, {})
     return GenerationConfig(do_sample=False, max_new_tokens=section.max_completion_length, eos_token_id=eos_id,
-                            pad_token_id=pad_id, use_cache=True, **section.generation_kwargs.passed())
+                            pad_token_id=pad_id, use_cache=True, **engine, **section.generation_kwargs.passed())
 
 
 def sample(model: torch.nn.Module, prompts: list[torch.Tensor], seeds: list[int], section: GrpoSection,

@@ -117,7 +117,8 @@ def test_generation_kwargs_sample_as_transformers_sampling_does(small, kwargs, t
     width = max(len(p) for p in prompts)
     inputs = torch.stack([torch.cat([torch.zeros(width - len(p), dtype=torch.long), p]) for p in prompts])
     mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
-    section = SECTION.model_copy(update={**SETTINGS, "top_k": top_k, "generation_kwargs": GenerationKwargs(**kwargs)})
+    section = SECTION.model_copy(update={**SETTINGS, "top_k": top_k, "generation_kwargs": GenerationKwargs(**kwargs),
+                                         "generation_engine": "generate"})  # transformers' cache: its very logits
     theirs = GenerationConfig(do_sample=True, temperature=section.temperature, top_p=section.top_p, top_k=section.top_k,
                               min_p=section.min_p, repetition_penalty=section.repetition_penalty, **kwargs,
                               max_new_tokens=section.max_completion_length, pad_token_id=0,
@@ -623,7 +624,8 @@ def test_the_memory_plan_counts_a_generation_in_place_of_the_activations(tmp_pat
 def test_under_flex_attention_generation_and_packed_log_probabilities_equal_sdpas():
     """flex_attention, what `auto` picks on a GPU: a left-padded batch sampled with the KV cache gives sdpa's
     completions, and their log-probabilities packed into rows (bfd, transformers' document BlockMask) equal sdpa's.
-    Run by FlexAttention's reference implementation (its kernel compiles for CUDA: tests/test_gpu_invariants.py)."""
+    Run by FlexAttention's reference implementation (its kernel compiles for CUDA: tests/test_gpu_invariants.py), on
+    generate's dynamic cache: transformers' static cache takes no BlockMask (grpo decodes with sdpa: `decoding`)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     shape = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=128)  # heads of 16, FlexAttention's least
@@ -634,7 +636,8 @@ def test_under_flex_attention_generation_and_packed_log_probabilities_equal_sdpa
         for attention in ("sdpa", "flex_attention"):
             torch.manual_seed(0)
             model = LlamaForCausalLM(LlamaConfig(**shape, attn_implementation=attention)).eval()
-            completions, _ = sample(model, prompts, list(range(len(prompts))), SECTION, eos_id=2, pad_id=0,
+            completions, _ = sample(model, prompts, list(range(len(prompts))),
+                                    SECTION.model_copy(update={"generation_engine": "generate"}), eos_id=2, pad_id=0,
                                     synced=False)
             batch = completion_rows(prompts, completions, 0, 32, "bfd")
             assert len(batch["input_ids"]) < len(prompts)  # packed: rows of several completions
