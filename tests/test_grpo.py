@@ -79,9 +79,10 @@ def runs(tmp_path_factory) -> dict:
     result = run_train(["--output-dir", str(whole), *common, "deepspeed.config=zero0", "data.packing=none",
                         "training.micro_batch_size=16"], ranks=1)
     assert result.returncode == 0, result.stderr[-3000:]
-    # the LM head in fp32 (a no-op on fp32 numbers): through ZeRO-3's partitioned head and reference, and LoRA's
+    # the LM head in fp32 (a no-op on fp32 numbers): through ZeRO-3's partitioned head and reference, and LoRA's;
+    # generated on the static KV cache, each layer gathered in every pass (synced_gpus): `whole`'s completions
     result = run_train(["--output-dir", str(zero3), *common, "deepspeed.config=zero3",
-                        "grpo.cast_lm_head_to_fp32=true"], ranks=2)
+                        "grpo.cast_lm_head_to_fp32=true", "grpo.generation_engine=static"], ranks=2)
     assert result.returncode == 0, result.stderr[-3000:]
     result = run_train(["--kill-after-deepspeed-save", "4", "--output-dir", str(killed), *common,
                         "deepspeed.config=zero1", "checkpointing.every_steps=2", "training.micro_batch_size=16"],

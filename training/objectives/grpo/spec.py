@@ -80,7 +80,8 @@ class GrpoSection(StrictModel):
     generation_engine: Literal["auto", "generate", "static"] = "auto"  # what samples the completions (training/
     # objectives/grpo/sampling.py): generate, transformers' generate with its dynamic KV cache; static, the same with
     # transformers' static KV cache, allocated once at its full length (no cache growing by concatenation in each
-    # pass); auto: static, the same completions measured faster (benchmarks/generation_engines.py)
+    # pass), the same completions; auto: generate (side by side on a CPU the two are within 8% of each other:
+    # benchmarks/README.md; unmeasured on a GPU)
     beta: NonNegativeFloat = 0.0  # the KL term's weight, against the starting model (LoRA: the base); 0: no reference
     sync_ref_model: bool = False  # TR-DPO: every ref_model_sync_steps steps the reference becomes
     # ref_model_mixup_alpha x the policy + (1 - alpha) x itself (beta > 0, a full fine-tune; saved with each checkpoint)
@@ -154,8 +155,8 @@ class GrpoSection(StrictModel):
         **dict.fromkeys(("use_transformers_paged", "use_transformers_continuous_batching",
                          "transformers_continuous_batching_config"),
                         "not built: generation runs on transformers' generate, batched"),
-        "cache_implementation": "write grpo.generation_engine=static (transformers' static KV cache; auto's choice) "
-                                "or generate (its dynamic one)",
+        "cache_implementation": "write grpo.generation_engine=static (transformers' static KV cache) or generate "
+                                "(its dynamic one, auto's choice)",
         **dict.fromkeys(("tools", "max_tool_calling_iterations"), "not built: tool calling"),
         **dict.fromkeys(("log_unique_prompts", "log_completions_hub_repo"),
                         "write grpo.log_completions_every (samples in the run's completions.jsonl)"),
@@ -171,9 +172,9 @@ class GrpoSection(StrictModel):
 
     @property
     def engine(self) -> str:
-        """The engine generation_engine names, auto decided: static, which samples generate's completions in less
-        time on a CPU (benchmarks/results/generation_engines_cpu; unmeasured on a GPU)."""
-        return "static" if self.generation_engine == "auto" else self.generation_engine
+        """The engine generation_engine names, auto decided: generate, which the static cache does not beat on a CPU
+        (benchmarks/results/generation_engines_cpu; unmeasured on a GPU)."""
+        return "generate" if self.generation_engine == "auto" else self.generation_engine
 
     @model_validator(mode="after")
     def entropy_bounds_in_order(self) -> "GrpoSection":

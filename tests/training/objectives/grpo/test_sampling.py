@@ -43,10 +43,10 @@ def test_the_static_cache_samples_generates_completions(small, settings, kwargs)
         assert any(len(c) < section.max_completion_length and not cut for c, cut in zip(static, static_cut))
 
 
-def test_auto_is_the_static_cache_and_each_engine_is_its_config():
-    """grpo.generation_engine=auto samples on the static cache; generate keeps transformers' default (dynamic) one;
-    neither compiles its decoding passes (decoding runs eagerly: sampling.py's decoding)."""
-    assert GrpoSection().engine == "static" and GrpoSection(generation_engine="generate").engine == "generate"
-    static = generation_config(GrpoSection(), eos_id=2, pad_id=0)
+def test_auto_is_generate_and_each_engine_is_its_config():
+    """grpo.generation_engine=auto samples with generate's own (dynamic) cache; static with the static one, its decoding
+    passes never compiled (decoding runs eagerly: sampling.py's decoding)."""
+    assert GrpoSection().engine == "generate" and GrpoSection(generation_engine="static").engine == "static"
+    static = generation_config(GrpoSection(generation_engine="static"), eos_id=2, pad_id=0)
     assert static.cache_implementation == "static" and static.disable_compile
-    assert generation_config(GrpoSection(generation_engine="generate"), eos_id=2, pad_id=0).cache_implementation is None
+    assert generation_config(GrpoSection(), eos_id=2, pad_id=0).cache_implementation is None
