@@ -113,11 +113,16 @@ def main() -> None:
                      f"{1000 * mine / args.completion_len:.1f} | {flex} | {theirs:.2f} | {mine / theirs:.2f} | "
                      f"{floor_cells} |")
         print(lines[-1], flush=True)
+    write_table(lines, args.output)
+
+
+def write_table(lines: list[str], output: Path | None) -> None:
+    """The table printed whole, and written to output/table.md where a folder is given."""
     table = "\n".join(lines)
     print("\n" + table)
-    if args.output:
-        args.output.mkdir(parents=True, exist_ok=True)
-        (args.output / "table.md").write_text(table + "\n")
+    if output:
+        output.mkdir(parents=True, exist_ok=True)
+        (output / "table.md").write_text(table + "\n")
 
 
 if __name__ == "__main__":

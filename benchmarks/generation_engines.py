@@ -33,6 +33,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.generation_batch import seconds, write_table  # noqa: E402
 from training.objectives.grpo.memory import decoding_reads  # noqa: E402
 from training.objectives.grpo.sampling import decoding, sample  # noqa: E402
 from training.objectives.grpo.spec import GrpoSection  # noqa: E402
@@ -41,16 +42,6 @@ from training.planning.flops import gpu_spec  # noqa: E402
 from training.planning.shape import model_shape  # noqa: E402
 
 ENGINES = ("generate", "static")
-
-
-def seconds(call: Callable[[], object], device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    call()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
 
 
 def sampler(model: torch.nn.Module, prompts: torch.Tensor, section: GrpoSection, eos_id: int) -> Callable[[], object]:
@@ -152,12 +143,7 @@ def main() -> None:
     parser.add_argument("--num-gpus", type=int, default=1, help="ranks per GRPO run (CPU ranks without a GPU)")
     parser.add_argument("--output", type=Path, help="a folder for table.md")
     args = parser.parse_args()
-    lines = engine_table(args) + (grpo_table(args) if args.grpo_steps else [])
-    table = "\n".join(lines)
-    print("\n" + table)
-    if args.output:
-        args.output.mkdir(parents=True, exist_ok=True)
-        (args.output / "table.md").write_text(table + "\n")
+    write_table(engine_table(args) + (grpo_table(args) if args.grpo_steps else []), args.output)
 
 
 if __name__ == "__main__":
