@@ -3,9 +3,11 @@ completions of generate's dynamic one (fp32), with every sampling setting; the s
 and its seeds: test_objective.py."""
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from peft import LoraConfig, get_peft_model
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from tests.conftest import save_small_checkpoint
+from training.config.families import FAMILIES, family_of
 from training.objectives.grpo.sampling import generation_config, sample
 from training.objectives.grpo.spec import GenerationKwargs, GrpoSection
 
@@ -50,3 +52,24 @@ def test_auto_is_generate_and_each_engine_is_its_config():
     static = generation_config(GrpoSection(generation_engine="static"), eos_id=2, pad_id=0)
     assert static.cache_implementation == "static" and static.disable_compile
     assert generation_config(GrpoSection(), eos_id=2, pad_id=0).cache_implementation is None
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_every_family_samples_the_same_completions_on_either_engine(model_type):
+    """Each decoder family's record (training/config/families.py), and a LoRA model over one, on transformers' static
+    cache: the completions of its dynamic one (a family whose attention kept no static cache would fail here)."""
+    experts = dict(num_local_experts=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    config = AutoConfig.for_model(model_type, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, bos_token_id=1,
+                                  eos_token_id=2, **(experts if family_of(model_type).autoep_preset else {}))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    models = [model] + ([get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                          init_lora_weights=False)).eval()]
+                        if model_type == "llama" else [])
+    prompts = [torch.tensor([5, 6, 7, 8]), torch.tensor([9, 10]), torch.tensor([11, 12, 13])]
+    for sampled in models:
+        completions = [sample(sampled, prompts, [1, 2, 3],
+                              GrpoSection(max_completion_length=8, generation_engine=engine), eos_id=2, pad_id=0,
+                              synced=False)[0] for engine in ("generate", "static")]
+        assert all(map(torch.equal, *completions)), model_type
