@@ -56,7 +56,16 @@ adaptive control, EntropyControl, where c moves after every step and the bonus s
 the policy loss above minus c x the mean entropy (with its gradient) over the tokens that take the policy loss
 (e_t m_t), and policy_loss, the share without it, is logged as a mean over the ranks (TRL's, for dapo, cispo and
 vespo, is it / accumulation steps).
-Not built: vLLM's importance-sampling correction.
+
+The engine's mismatch (vllm_importance_sampling_correction, with generation_engine vllm: TRL's, for a sampler other
+than the trainer). With s_t the engine's log-probability of the token it sampled, d_t = m_t (old_t - s_t) (0 where
+s_t is unknown), r = exp(d_t) per token (token_* modes) or exp(sum_t d_t) per sequence (sequence_*); truncate clamps
+r to [clip_min, clip_max], mask sets it to 0 outside them. l_t's policy part p_t o_i e_t is multiplied by r (not the
+KL term); vespo instead adds log r (clamped to [log 1e-8, 20]) to log w and takes token modes only; the off-policy
+mask reads s_t in place of old_t whenever the engine reports s_t. Metrics: sampling/sampling_logp_difference/mean
+and /max of |old_t - s_t|, sampling/importance_sampling_ratio/min, /mean and /max of r over the completion tokens (or
+the sequences); TRL logs them once per generation as the mean (min, max) of the ranks' values, here they are token
+(sequence) means over every rank's micro-batch, the step's value the mean over its micro-batches, as the others.
 """
 import math
 from collections.abc import Sequence
@@ -68,7 +77,10 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vesp
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # PPO's clipped ratio (and delta, where set)
 STEP_TOKEN_MEAN = ("dapo", "cispo", "vespo")  # normalized by the step's completion tokens (tokens_per_micro_batch)
-EXTREMES = {"clip_ratio/low_min": "min", "clip_ratio/high_max": "max"}  # over every rank's sequences, not means
+EXTREMES = {"clip_ratio/low_min": "min", "clip_ratio/high_max": "max",  # over every rank's sequences, not means
+            "sampling/sampling_logp_difference/max": "max", "sampling/importance_sampling_ratio/min": "min",
+            "sampling/importance_sampling_ratio/max": "max"}
+SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 SCALE_REWARDS = ("group", "batch", "none")
 STD_EPSILON = 1e-4  # TRL's, added to the std before dividing
 
@@ -157,6 +169,10 @@ class LossSettings:
     entropy_coef: float = 0.0  # the coefficient this step applies (EntropyControl.applied under adaptive control)
     entropy_bonus: bool = False  # the loss has the bonus and its gradient (GrpoSection.entropy_bonus), also while
     # adaptive control applies a coefficient of 0
+    vllm_importance_sampling_correction: bool = False  # TRL's default is True, for its vLLM runs only
+    vllm_importance_sampling_mode: str = "sequence_mask"
+    vllm_importance_sampling_clip_max: float | None = 3.0
+    vllm_importance_sampling_clip_min: float | None = None
 
     def __post_init__(self):
         if self.loss_type not in LOSS_TYPES:
@@ -164,6 +180,13 @@ class LossSettings:
         if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
             raise ValueError(f"importance_sampling_level={self.importance_sampling_level!r}: expected one of "
                              f"{IMPORTANCE_SAMPLING_LEVELS}")
+        if self.vllm_importance_sampling_mode not in SAMPLING_MODES:
+            raise ValueError(f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r}: expected one of "
+                             f"{SAMPLING_MODES}")
+        if self.loss_type == "vespo" and self.vllm_importance_sampling_correction and \
+                not self.vllm_importance_sampling_mode.startswith("token_"):
+            raise ValueError(f"loss_type='vespo' weighs its sequences itself: vllm_importance_sampling_mode must be "
+                             f"token_truncate or token_mask, not {self.vllm_importance_sampling_mode!r}")
 
 
 @dataclass
@@ -205,12 +228,46 @@ def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) 
 
 
 @torch.no_grad()
-def gamma_weights(advantages: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor,
-                  settings: LossSettings) -> torch.Tensor:
+def sampling_ratio(old: torch.Tensor, sampling: torch.Tensor, mask: torch.Tensor,
+                   settings: LossSettings) -> torch.Tensor:
+    """The engine mismatch's importance ratio, trainer over engine (the module's docstring): [B, C] in the token
+    modes, [B, 1] in the sequence modes, truncated or masked to [clip_min, clip_max]."""
+    difference = ((old - sampling) * mask).nan_to_num(nan=0.0)
+    mode = settings.vllm_importance_sampling_mode
+    ratio = torch.exp(difference.sum(-1, keepdim=True) if mode.startswith("sequence_") else difference)
+    low, high = settings.vllm_importance_sampling_clip_min, settings.vllm_importance_sampling_clip_max
+    if mode.endswith("_truncate"):
+        return ratio.clamp(min=low, max=high) if low is not None or high is not None else ratio
+    outside = (ratio < (-math.inf if low is None else low)) | (ratio > (math.inf if high is None else high))
+    return ratio.masked_fill(outside, 0.0)
+
+
+def sampling_metrics(old: torch.Tensor, sampling: torch.Tensor, mask: torch.Tensor,
+                     ratio: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The engine mismatch's metrics, [sum, count] (or an extreme, EXTREMES: +-inf where there is no token)."""
+    kept = mask.bool()
+    difference = (old - sampling).abs()[kept & ~(old - sampling).isnan()]
+    ratios = ratio.flatten() if ratio.size(1) == 1 else ratio[kept]
+    return {"sampling/sampling_logp_difference/mean": torch.stack([difference.sum(),
+                                                                   mask.new_tensor(float(difference.numel()))]),
+            "sampling/sampling_logp_difference/max": difference.max() if difference.numel() else
+            mask.new_tensor(-math.inf),
+            "sampling/importance_sampling_ratio/min": ratios.min() if ratios.numel() else mask.new_tensor(math.inf),
+            "sampling/importance_sampling_ratio/mean": metric_sum(ratio, mask),
+            "sampling/importance_sampling_ratio/max": ratios.max() if ratios.numel() else mask.new_tensor(-math.inf)}
+
+
+@torch.no_grad()
+def gamma_weights(advantages: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor, settings: LossSettings,
+                  sampling: torch.Tensor | None = None) -> torch.Tensor:
     """VESPO's phi(w) = e^lambda w^k e^(-lambda w) (phi(1) = 1) of each sequence's whole importance ratio
-    w = exp(sum_t m log_ratio) (a sum, not a mean), k and lambda by the advantage's sign; [B, 1], no gradient."""
+    w = exp(sum_t m log_ratio) (a sum, not a mean), times the engine mismatch's token ratios `sampling` where given,
+    k and lambda by the advantage's sign; [B, 1], no gradient."""
     lowest = math.log(1e-8)
-    log_w = (log_ratio.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True).clamp(lowest, 20.0)
+    log_w = (log_ratio.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True)
+    if sampling is not None:  # outside the completion the ratio is 1 (its difference is 0): no mask needed
+        log_w = log_w + sampling.log().clamp(lowest, 20.0).sum(-1, keepdim=True)
+    log_w = log_w.clamp(lowest, 20.0)
     positive = advantages >= 0
     k = torch.where(positive, settings.vespo_k_pos, settings.vespo_k_neg)
     lam = torch.where(positive, settings.vespo_lambda_pos, settings.vespo_lambda_neg).clamp(min=1e-4)
@@ -218,10 +275,10 @@ def gamma_weights(advantages: torch.Tensor, log_ratio: torch.Tensor, mask: torch
 
 
 def policy_term(per_token_logps: torch.Tensor, log_ratio: torch.Tensor, ratio: torch.Tensor,
-                advantages: torch.Tensor, mask: torch.Tensor,
-                settings: LossSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                advantages: torch.Tensor, mask: torch.Tensor, settings: LossSettings,
+                sampling: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The policy's loss per token [B, C] (or per sequence [B, 1], GSPO's ratio) under settings.loss_type, and what
-    TRL logs of it, by name."""
+    TRL logs of it, by name (`sampling`: the engine mismatch's ratio, which vespo weighs its sequences by)."""
     loss_type, low, high = settings.loss_type, settings.epsilon_low, settings.epsilon_high
     if loss_type == "cispo":
         return (-ratio.clamp(max=high).detach() * advantages * per_token_logps,
@@ -230,7 +287,7 @@ def policy_term(per_token_logps: torch.Tensor, log_ratio: torch.Tensor, ratio: t
         temperatures = torch.where(advantages > 0, settings.sapo_temperature_pos, settings.sapo_temperature_neg)
         return -torch.sigmoid(temperatures * (ratio - 1)) * 4 / temperatures * advantages, {}
     if loss_type == "vespo":
-        phi = gamma_weights(advantages, log_ratio, mask, settings)
+        phi = gamma_weights(advantages, log_ratio, mask, settings, sampling)
         return -phi * advantages * per_token_logps, {"vespo/phi_seq_mean": phi}
     clipped = torch.clamp(ratio, 1 - low, 1 + high)
     if settings.delta is not None:  # INTELLECT-2's two-sided clipping: the unclipped ratio capped at delta too
@@ -269,26 +326,37 @@ def kept_tokens(completion_mask: torch.Tensor, entropies: torch.Tensor | None,
 def grpo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor | None,
               ref_per_token_logps: torch.Tensor | None, advantages: torch.Tensor, completion_mask: torch.Tensor,
               settings: LossSettings, tokens_per_micro_batch: float | None = None,
-              entropies: torch.Tensor | None = None,
-              high_entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              entropies: torch.Tensor | None = None, high_entropy: torch.Tensor | None = None,
+              sampling_per_token_logps: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A micro-batch's share of the step's loss (see the module's docstring for the formulas and how to scale), and
     its metrics, each [sum, count] over its tokens or sequences. Tensors are [B, C] (advantages [B]);
     old_per_token_logps None means on-policy; ref_per_token_logps is read only when beta > 0;
     tokens_per_micro_batch only by the loss types normalized by the step's tokens (STEP_TOKEN_MEAN); high_entropy
-    (entropy_threshold's, of every rank's tokens) only with top_entropy_quantile < 1."""
+    (entropy_threshold's, of every rank's tokens) only with top_entropy_quantile < 1; sampling_per_token_logps (the
+    engine's, NaN where unknown) by the off-policy mask and, vllm_importance_sampling_correction, the engine mismatch's
+    correction, which needs them."""
     mask = completion_mask.to(per_token_logps.dtype)
     advantages = advantages.unsqueeze(1)
     old = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
     log_ratio = per_token_logps - old
     ratio = torch.exp(importance_weights(log_ratio, mask, settings.importance_sampling_level))
-    per_token_loss, logged = policy_term(per_token_logps, log_ratio, ratio, advantages, mask, settings)
+    correction = None
+    if settings.vllm_importance_sampling_correction:
+        if sampling_per_token_logps is None:
+            raise ValueError("vllm_importance_sampling_correction needs sampling_per_token_logps: the engine's")
+        correction = sampling_ratio(old, sampling_per_token_logps, mask, settings)
+    per_token_loss, logged = policy_term(per_token_logps, log_ratio, ratio, advantages, mask, settings,
+                                         correction if settings.loss_type == "vespo" else None)
     if settings.off_policy_mask_threshold is not None:
-        per_token_loss = per_token_loss * off_policy_mask(advantages, per_token_logps, old, mask,
+        sampled = old if sampling_per_token_logps is None else sampling_per_token_logps
+        per_token_loss = per_token_loss * off_policy_mask(advantages, per_token_logps, sampled, mask,
                                                           settings.off_policy_mask_threshold)
     kept = mask  # the tokens that take the policy loss (and the entropy bonus)
     if settings.top_entropy_quantile < 1.0:
         kept = kept_tokens(completion_mask, entropies, high_entropy).to(mask.dtype)
         per_token_loss = per_token_loss * kept
+    if correction is not None and settings.loss_type != "vespo":
+        per_token_loss = per_token_loss * correction
     if settings.beta != 0.0:
         log_ref_ratio = ref_per_token_logps - per_token_logps
         kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1
@@ -304,6 +372,8 @@ def grpo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor |
     if entropies is not None:
         logged["entropy"] = entropies
     metrics = {name: metric_sum(value, mask) for name, value in logged.items()}
+    if correction is not None:
+        metrics.update(sampling_metrics(old, sampling_per_token_logps, mask, correction))
     if settings.entropy_bonus:
         metrics["policy_loss"] = torch.stack([policy_loss, mask.new_tensor(1.0)])  # averaged over the ranks
     if settings.loss_type in CLIPPED:  # a completion without tokens (NaN) is in neither extreme

@@ -32,6 +32,7 @@ from training.objectives.grpo.loss import (
     kept_tokens,
     metric_means,
     normalized_sum_advantages,
+    sampling_ratio,
     token_logps,
     weighted_rewards,
 )
@@ -278,3 +279,82 @@ def test_on_the_policy_the_other_loss_types_take_dapos_or_grpos_step(loss_type, 
     theirs = gradient(LossSettings(loss_type=same_as))
     torch.testing.assert_close(gradient(LossSettings(loss_type=loss_type, **settings)), theirs, rtol=1e-6, atol=1e-7)
     assert theirs.abs().max() > 1e-3
+
+
+def reward_by_index(completions, **_):
+    return [float(index % 3) for index in range(len(completions))]
+
+
+# (loss type, mode, other settings): each of TRL's four modes, clip_min among them; vespo, which weighs by the token
+# ratios itself; the off-policy mask, which reads the engine's log-probabilities
+CORRECTIONS = [("grpo", mode, {}) for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")]\
+    + [("grpo", "token_mask", {"vllm_importance_sampling_clip_min": 0.8}),
+       ("dapo", "sequence_truncate", {"vllm_importance_sampling_clip_min": 0.5}), ("vespo", "token_truncate", {}),
+       ("dapo", "token_truncate", {"off_policy_mask_threshold": 0.05})]
+
+
+@pytest.mark.parametrize("loss_type, mode, options", CORRECTIONS,
+                         ids=["-".join([t, m, *map(str, o.values())]) for t, m, o in CORRECTIONS])
+def test_engine_mismatch_correction_equals_trl(checkpoint, tmp_path, loss_type, mode, options):
+    """TRL's vLLM importance-sampling correction: _generate_and_score_completions with _generate stubbed to return
+    completions and an engine's log-probabilities of them (the trainer's +- about 0.7 nats, one unknown: vLLM's None),
+    use_vllm set after construction (nothing is generated); its ratio, its sampling/* metrics and _compute_loss's loss
+    against sampling_ratio and grpo_loss given the same log-probabilities, on the policy (TRL computes old_logps with
+    the same model: ours are the logps detached)."""
+    theirs = trainer(checkpoint, tmp_path, reward_funcs=[reward_by_index], loss_type=loss_type,
+                     vllm_importance_sampling_correction=True, vllm_importance_sampling_mode=mode, **options)
+    theirs.use_vllm = True
+    model, generator = theirs.model, torch.Generator().manual_seed(1)
+    lengths = [3, 5, 2, 6, 4, 1, 6, 5]
+    completions = [torch.randint(4, 4096, (n,), generator=generator).tolist() for n in lengths]
+    batch = {"prompt_ids": torch.tensor([[5, 6]] * len(lengths)), "prompt_mask": torch.ones(len(lengths), 2).long(),
+             "completion_mask": (torch.arange(6)[None] < torch.tensor(lengths)[:, None]).long()}
+    batch["completion_ids"] = torch.tensor([ids + [PAD] * (6 - len(ids)) for ids in completions])
+    with torch.no_grad():
+        logps = token_logps(completion_logits(model, batch), batch["completion_ids"], TEMPERATURE)[0]
+    sampling = logps + 0.7 * torch.randn(logps.shape, generator=generator)
+    sampling[3, 2] = torch.nan
+    sampled = [[None if value != value else value for value in row[:n].tolist()] for row, n in zip(sampling, lengths)]
+    theirs._generate = lambda prompts: ([[5, 6]] * len(lengths), completions, None, ["c"] * len(lengths), sampled,
+                                        {}, None, None)
+    output = theirs._generate_and_score_completions([{"prompt": "x"}] * len(lengths))
+    trl_loss = theirs._compute_loss(model, output).item()
+    trl_metrics = {name: values[0] for name, values in theirs._metrics["train"].items() if name.startswith("sampling/")}
+
+    settings = LossSettings(loss_type=loss_type, epsilon_low=EPSILON, epsilon_high=EPSILON_HIGH,
+                            max_completion_length=MAX_COMPLETION, vllm_importance_sampling_correction=True,
+                            vllm_importance_sampling_mode=mode, **options)
+    mask = batch["completion_mask"]
+    ratio = sampling_ratio(logps, sampling, mask, settings)
+    torch.testing.assert_close(ratio, output["importance_sampling_ratio"], rtol=1e-5, atol=1e-6)
+    assert (ratio == (0.0 if mode.endswith("mask") else settings.vllm_importance_sampling_clip_max)).any() or \
+        loss_type == "vespo", "the bounds exercised"
+    logps, entropies = token_logps(completion_logits(model, batch), batch["completion_ids"], TEMPERATURE)
+    share, sums = grpo_loss(logps, None, None, output["advantages"], mask, settings,
+                            tokens_per_micro_batch=float(mask.sum()) / ACCUMULATION, entropies=entropies,
+                            sampling_per_token_logps=sampling)
+    assert share.item() / ACCUMULATION == pytest.approx(trl_loss, abs=1e-5)
+    means = metric_means(sums)
+    assert set(trl_metrics) == {name for name in means if name.startswith("sampling/")}
+    for name, value in trl_metrics.items():
+        assert means[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+
+
+def test_without_the_correction_the_engines_logps_reach_only_the_off_policy_mask():
+    """vllm_importance_sampling_correction false: the engine's log-probabilities change nothing but the off-policy
+    mask (TRL's, which reads them whenever vLLM reports them); with it, a loss needs them."""
+    generator = torch.Generator().manual_seed(0)
+    logps = torch.randn(4, 6, generator=generator) - 2
+    sampling, mask = logps + 0.5, torch.ones(4, 6)
+    advantages = torch.tensor([1.3, -0.7, 0.4, -1.1])
+    plain = LossSettings(loss_type="grpo")
+    assert grpo_loss(logps, None, None, advantages, mask, plain, sampling_per_token_logps=sampling)[0] == \
+        grpo_loss(logps, None, None, advantages, mask, plain)[0]
+    masked = LossSettings(loss_type="grpo", off_policy_mask_threshold=0.1)
+    assert grpo_loss(logps, None, None, advantages, mask, masked, sampling_per_token_logps=sampling)[0] != \
+        grpo_loss(logps, None, None, advantages, mask, masked)[0]
+    with pytest.raises(ValueError, match="needs sampling_per_token_logps"):
+        grpo_loss(logps, None, None, advantages, mask, LossSettings(vllm_importance_sampling_correction=True),
+                  tokens_per_micro_batch=6.0)
+    with pytest.raises(ValueError, match="token_truncate or token_mask"):
+        LossSettings(loss_type="vespo", vllm_importance_sampling_correction=True)
