@@ -212,8 +212,11 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
     record_model_states(engine.optimizer, lambda: engine.global_steps, start.step + 1, held_tensors, clock)
     flops = flops_meter(plan)
     trackers = Trackers(plan, start.trackers, dist.get_rank() == 0)  # a resumed run continues its own
-    totals = train(engine, objective, batches, evaluation, plan, start, total_steps, flops, trackers, clock,
-                   router_meter(engine.module, plan.accumulation_steps))
+    try:
+        totals = train(engine, objective, batches, evaluation, plan, start, total_steps, flops, trackers, clock,
+                       router_meter(engine.module, plan.accumulation_steps))
+    finally:
+        objective.finish()
     totals.model_state_bytes, totals.kernels = measured_model_states(held_tensors), kernels
     if totals.last_step < total_steps:
         trackers.finish(None)

@@ -26,6 +26,11 @@ class ConfigError(ValueError):
     """A recipe, override, option or checkpoint that cannot run: the message names the file, the key and the fix."""
 
 
+class EngineError(RuntimeError):
+    """A service the run depends on (grpo's vLLM server) died or stopped answering: the message names it, its log and
+    how to continue."""
+
+
 def read_text(path: Path) -> str:
     """A text file's contents; a ConfigError naming the file and the line where it is not UTF-8."""
     data = path.read_bytes()
@@ -39,7 +44,7 @@ def read_text(path: Path) -> str:
 
 def user_message(error: BaseException) -> str | None:
     """What to tell the user about an error their input caused; None for a bug."""
-    if isinstance(error, (ConfigError, DataError, ValidationError)):
+    if isinstance(error, (ConfigError, DataError, EngineError, ValidationError)):
         return str(error)
     if isinstance(error, yaml.YAMLError):
         return f"not valid YAML: {error}"

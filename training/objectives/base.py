@@ -62,6 +62,10 @@ class Objective:
         """Optimizer step `step` has ended; `applied`: it changed the weights (DeepSpeed or the stability guard may
         drop it). Every rank calls it."""
 
+    def finish(self) -> None:
+        """Training has ended, however it ended (the last step, a stop, an error): what the objective started is
+        stopped (grpo: the vLLM server it started). Every rank calls it."""
+
     def state_dict(self) -> dict:
         """What the objective carries from step to step beyond the weights, as numbers (grpo: its adaptive entropy
         coefficient): saved in each checkpoint's run_state.json."""

@@ -40,12 +40,13 @@ def test_metrics_jsonl_is_strict_json_with_non_finite_records_events_and_scores(
 
 
 # json.dumps that writes no file a command leaves: text inside messages, keys that are compared, the prepared data's
-# own encoding of a row's fields (read back by json.loads), the datasets library's own files, and assets and
-# benchmarks' inputs written from ints and strings
+# own encoding of a row's fields (read back by json.loads), the datasets library's own files, the bodies of
+# requests to vLLM's server, and assets and benchmarks' inputs written from ints and strings
 NOT_AN_OUTPUT = {"training/compat/datasets.py", "data_pipeline/preference.py", "data_pipeline/prompts.py",
                  "data_pipeline/files.py", "data_pipeline/prepare.py", "tools/compare.py", "tools/make_tiny_assets.py",
                  "tools/make_eval_task.py", "benchmarks/hf_trainer.py", "benchmarks/data_filters.py",
-                 "benchmarks/data_engines.py", "benchmarks/data_pipeline.py"}
+                 "benchmarks/data_engines.py", "benchmarks/data_pipeline.py",
+                 "training/objectives/grpo/vllm_engine.py"}
 
 
 def plain_json_calls(path: Path) -> list[int]:

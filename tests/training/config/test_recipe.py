@@ -71,7 +71,8 @@ def test_mistyped_override_names_the_override_and_suggests():
 @pytest.mark.parametrize("recipe, override, expected", [
     ("tiny_llama_grpo", "grpo.steps_per_generation=4", "grpo.steps_per_generation: TRL's name, not this schema's: "
                                                        "write grpo.generation_batch_size"),
-    ("tiny_llama_grpo", "grpo.use_vllm=true", "grpo.use_vllm: TRL's name, not this schema's: not built: no vLLM"),
+    ("tiny_llama_grpo", "grpo.use_vllm=true", "grpo.use_vllm: TRL's name, not this schema's: "
+                                              "write grpo.generation_engine=vllm"),
     ("tiny_llama_dpo", "dpo.loss_type=ipo", "dpo.loss_type: TRL's name, not this schema's: write dpo.loss"),
     ("tiny_llama_dpo", "dpo.padding_free=true", "dpo.padding_free: TRL's name, not this schema's: write data.packing"),
     ("tiny_llama_grpo", "grpo.generation_kwargs.temperature=0.7", "grpo.generation_kwargs.temperature: TRL's name, "

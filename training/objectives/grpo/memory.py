@@ -1,12 +1,14 @@
 """GRPO's memory beside the trained model's states, estimated before a run (its spec's `memory`, grpo_memory): a
 generation's own (its KV cache, prefill and decoding passes, the weights ZeRO-3 gathers for it, a reward model's
-scoring), its reward models (their shapes read from their configs: reward_model_shape, which rewards.py's check
-reads too) and its frozen reference (training/objectives/reference_memory.py). Plan-time code, at
-the planning layer (tests/test_import_order.py): planning reaches it through the spec (training/planning/
-objective_memory.py, objective_memory)."""
+scoring; with grpo.generation_engine=vllm, on the ranks only what a weight push gathers, and the server's own memory
+and the push's traffic beside them: vllm_engine), its reward models (their shapes read from their configs:
+reward_model_shape, which rewards.py's check reads too) and its frozen reference (training/objectives/
+reference_memory.py). Plan-time code, at the planning layer (tests/test_import_order.py): planning reaches it through
+the spec (training/planning/objective_memory.py, objective_memory)."""
 import functools
 from dataclasses import dataclass
 
+import torch
 from transformers import AutoConfig
 
 from training.base.errors import ConfigError
@@ -132,10 +134,50 @@ def generation(recipe: Recipe, precision: Precision, shape: ModelShape, stage: i
 
     scoring = max((layer_pass(model, grpo.num_generations, seq_len, DTYPES[precision].itemsize, 6)
                    for model in reward_models(recipe)), default=0.0)
+    if grpo.engine == "vllm":  # the server samples; a ZeRO-3 push gathers one module at a time on every rank
+        return Generation(0.0, 0.0, 0.0, largest_module(shape) * a if stage == 3 else 0.0, scoring)
     return Generation(kv_cache(seq_len),
                       kv_cache(seq_len if static else prompt) + layer_pass(shape, completions, prompt, a, 4) + head,
                       kv_cache(seq_len) * (1 + 1 / (2 * shape.num_layers))
                       + max(sampling, head + 3 * logits if head else 0.0), whole, scoring)
+
+
+def largest_module(shape: ModelShape) -> int:
+    """The parameters of the model's largest module (its own, not its children's): what a ZeRO-3 push gathers at once
+    (vllm_engine.py, engine_weights): the embedding or the head (V x h), or an MLP projection (h x i)."""
+    return max(shape.vocab_size * shape.hidden_size, shape.hidden_size * shape.intermediate_size)
+
+
+@dataclass(frozen=True)
+class VllmEngine:
+    """grpo.generation_engine=vllm's server and its weight pushes (vllm_engine.py), beside the ranks."""
+    weights: float  # the server's copy of the weights, in the engine's dtype (the run's compute dtype)
+    kv_cache: float | None  # on a CPU: grpo.vllm_kv_cache_gib; None on a GPU, whose share the server takes
+    # (grpo.vllm_gpu_memory_utilization) holds the weights and the KV cache in the rest
+    kv_per_completion: float  # one completion's KV cache at its longest (seq_len tokens)
+    completions: int  # a generation's, over every rank: what the server samples at once, where its cache holds them
+    push: float  # bytes rank 0 gathers on the host, writes to /dev/shm and the server reloads, per push (one
+    # before each generation that follows an optimizer step)
+
+    @property
+    def concurrent(self) -> int | None:
+        """The completions the CPU server's KV cache holds at their longest at once (None on a GPU)."""
+        return None if self.kv_cache is None else int(self.kv_cache // self.kv_per_completion)
+
+
+def vllm_engine(recipe: Recipe, precision: Precision, shape: ModelShape) -> VllmEngine:
+    """The vLLM server's memory and the push's traffic (grpo.generation_engine=vllm):
+      weights   P*e                   e: the engine's dtype (fp32 runs fp32, fp16 fp16, the others bf16)
+      KV cache  grpo.vllm_kv_cache_gib on a CPU; 2*L*c*e per token, s = seq_len tokens a completion at most
+      push      P*e per push, rank 0's host copy while written
+    A push under ZeRO-3 gathers one module at a time on every rank (largest_module, in generation's gathered
+    weights)."""
+    grpo = recipe.grpo
+    e = 4 if precision == Precision.FP32 else 2
+    weights = shape.parameters * e
+    kv_cache = None if torch.cuda.is_available() else grpo.vllm_kv_cache_gib * 2 ** 30
+    completions = grpo.generation_batch_size or recipe.training.global_batch_size
+    return VllmEngine(weights, kv_cache, kv_cache_bytes(shape, e, 1, recipe.data.seq_len), completions, weights)
 
 
 def grpo_memory(recipe: Recipe, precision: Precision, shape: ModelShape, stage: int, ranks: int) -> ObjectiveMemory:

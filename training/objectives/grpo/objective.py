@@ -52,10 +52,11 @@ from training.objectives.grpo.loss import (
 )
 from training.objectives.grpo.report import console_line, plan_lines, summary_rows
 from training.objectives.grpo.rewards import RewardLog, check_rewarded, reward_functions, score
-from training.objectives.grpo.rollout import Rollout, completion_logps, completion_rows
+from training.objectives.grpo.rollout import Rollout, completion_logps, completion_rows, completion_values
 from training.objectives.grpo.sampling import decoding, sample, sampling_seed
 from training.objectives.grpo.settings import entropy_control, eval_generations, loss_settings, steps_per_generation
 from training.objectives.grpo.spec import COMPLETIONS_FILE, GrpoSection
+from training.objectives.grpo.vllm_engine import SERVER_LOG, Engine, check_vllm
 from training.objectives.reference import SyncedReference, load_reference, partitioned
 from training.parallel import distributed
 from training.planning.kernels import replaced_head
@@ -67,7 +68,7 @@ class Grpo(Objective):
     """training.objective=grpo: a step's completions generated, scored and trained on (module docstring)."""
     name = "grpo"
     carried = ("reward", "rewards/", "completions/", "kl", "clip_ratio/", "entropy", "frac_reward_zero_std",
-               "generation_time_s", "eval_")
+               "generation_time_s", "sampling/", "eval_")
 
     def __init__(self, plan: RunPlan):
         super().__init__(plan)
@@ -80,6 +81,7 @@ class Grpo(Objective):
         self.steps_per_generation = steps_per_generation(plan.recipe)
         self.entropy_control = entropy_control(self.section) if self.section.use_adaptive_entropy else None
         self.entropy_window = []  # the step's [entropy sum, tokens] per micro-batch, for adaptive entropy control
+        self.vllm, self.pushed = None, False  # grpo.generation_engine=vllm's server; whether it has the weights
 
     @staticmethod
     def check(recipe: Recipe, model_config: PretrainedConfig | None, world_size: int | None = None) -> None:
@@ -113,6 +115,8 @@ class Grpo(Objective):
              "own to mix the policy into (TRL refuses it alike)")) if condition]
         if refused:
             raise ConfigError(f"training.objective=grpo does not support {refused[0]}")
+        if grpo.engine == "vllm":
+            check_vllm(grpo, model_config, world_size is not None)
         reward_functions(recipe)
         # every rank is data-parallel: its spec refuses the other degrees (training/parallel/support.py, run first)
         per_rank = recipe.training.global_batch_size // (world_size or 1)
@@ -165,6 +169,10 @@ class Grpo(Objective):
             if grpo.sync_ref_model:
                 self.synced = SyncedReference(self.reference, grpo.ref_model_mixup_alpha, grpo.ref_model_sync_steps,
                                               "grpo.sync_ref_model")
+        if grpo.engine == "vllm":
+            self.vllm = Engine(grpo, plan.precision, plan.recipe.data.seq_len, plan.output_dir / SERVER_LOG)
+            self.vllm.start(engine.module, plan.tokenizer, engine.zero_optimization_stage() == 3)
+            self.pushed = grpo.vllm_server_host is None  # a started server starts from the weights
         if grpo.cast_lm_head_to_fp32:
             for model in (engine.module, self.reference):
                 if model is not None:
@@ -196,6 +204,8 @@ class Grpo(Objective):
             batch = completion_rows(rollout.prompt_ids[part], rollout.completions[part], self.pad_id, data.seq_len,
                                     data.packing)
             batch.update(advantages=advantages[part], truncated=torch.tensor(rollout.truncated[part]))
+            if rollout.sampling_logps is not None:
+                batch["sampling_logps"] = completion_values(rollout.sampling_logps[part], batch["completion_mask"])
             batches.append(self.with_fixed_logps(engine, batch))
         steps = self.steps_per_generation
         if steps > 1 and self.section.loss_type in STEP_TOKEN_MEAN:
@@ -219,14 +229,22 @@ class Grpo(Objective):
         grpo, generations = self.section, len(seeds) // len(prompts["prompt_ids"])
         prompt_ids = [torch.from_numpy(ids) for ids in prompts["prompt_ids"] for _ in range(generations)]
         zero3 = engine.zero_optimization_stage() == 3
-        whole = zero3 and grpo.ds3_gather_for_generation
-        engine.module.eval()
-        with zero3_whole_weights(engine) if whole else nullcontext(), \
-                decoding(engine.module, self.plan.recipe.model.attn_implementation):
-            completions, truncated = sample(engine.module, [ids.to(engine.device) for ids in prompt_ids], seeds, grpo,
-                                            self.eos_id, self.pad_id, synced=zero3 and not whole,
-                                            tokenizer=self.plan.tokenizer)
-        engine.module.train()
+        sampling_logps = None
+        if self.vllm:
+            if not self.pushed:
+                self.vllm.push(engine.module, zero3)
+                self.pushed = True
+            completions, truncated, sampling_logps = self.vllm.sample([ids.tolist() for ids in prompt_ids], seeds,
+                                                                      self.eos_id)
+        else:
+            whole = zero3 and grpo.ds3_gather_for_generation
+            engine.module.eval()
+            with zero3_whole_weights(engine) if whole else nullcontext(), \
+                    decoding(engine.module, self.plan.recipe.model.attn_implementation):
+                completions, truncated = sample(engine.module, [ids.to(engine.device) for ids in prompt_ids], seeds,
+                                                grpo, self.eos_id, self.pad_id, synced=zero3 and not whole,
+                                                tokenizer=self.plan.tokenizer)
+            engine.module.train()
         texts = [self.plan.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
         given = [json.loads(p) for p in prompts["prompt"] for _ in range(generations)]
         replies = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(given, texts)]
@@ -236,7 +254,7 @@ class Grpo(Objective):
         per_function = score(self.functions, given, replies, row_fields, where, trainer_state=state,
                              log_metric=log.metric, log_extra=log.extra,
                              completion_ids=[c.tolist() for c in completions])
-        return Rollout(prompt_ids, given, completions, texts, truncated, per_function, log)
+        return Rollout(prompt_ids, given, completions, texts, truncated, per_function, log, sampling_logps)
 
     def advantages(self, engine: deepspeed.DeepSpeedEngine, generation: int, rollout: Rollout,
                    where: str) -> torch.Tensor:
@@ -321,6 +339,7 @@ class Grpo(Objective):
         logps, entropies = completion_logps(engine, batch, engine.device, self.section.temperature,
                                             entropy_gradient=settings.entropy_bonus)
         mask = self.completion_mask(batch).to(engine.device)
+        sampling = batch["sampling_logps"].to(engine.device) if "sampling_logps" in batch else None
         high_entropy = None
         if settings.top_entropy_quantile < 1.0:
             high_entropy = entropy_threshold(distributed.all_gather_ragged(entropies[mask]),
@@ -328,7 +347,7 @@ class Grpo(Objective):
         loss, sums = grpo_loss(logps, batch.get("old_logps"), batch.get("ref_logps"),
                                batch["advantages"].to(engine.device), mask, settings,
                                tokens_per_micro_batch=max(per_micro_batch, 1e-8), entropies=entropies,
-                               high_entropy=high_entropy)
+                               high_entropy=high_entropy, sampling_per_token_logps=sampling)
         self.sums.append(sums)
         if control:
             kept = kept_tokens(mask, entropies, high_entropy)
@@ -344,7 +363,12 @@ class Grpo(Objective):
                 self.entropy_control.update(entropy_sum / max(tokens, 1.0))
         if self.synced:
             self.synced.end_step(engine.module, step, applied)
+        self.pushed = self.pushed and not applied  # the server samples the next generation from the new weights
         self.last_step = step
+
+    def finish(self) -> None:
+        if self.vllm:
+            self.vllm.close()
 
     def state_dict(self) -> dict:
         return self.entropy_control.state_dict() if self.entropy_control else {}

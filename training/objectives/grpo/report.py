@@ -5,7 +5,7 @@ import torch
 from training.config.precision import Precision
 from training.loop.metrics import device_name
 from training.objectives.grpo.loss import CLIPPED
-from training.objectives.grpo.memory import decoding_reads, generation, reward_model_bytes
+from training.objectives.grpo.memory import decoding_reads, generation, reward_model_bytes, vllm_engine
 from training.objectives.grpo.settings import loss_settings, steps_per_generation
 from training.objectives.grpo.spec import GrpoSection
 from training.objectives.reference import reference_place, synced_note
@@ -24,7 +24,8 @@ def plan_lines(plan: RunPlan) -> list[str]:
     memory = generation(plan.recipe, plan.precision, plan.shape, plan.zero_stage, plan.dims.dp_size)
     ignored = (f" (grpo.ds3_gather_for_generation is ZeRO-3's and does nothing at ZeRO-{plan.zero_stage})"
                if grpo.ds3_gather_for_generation else "")
-    gathered = (f"the rank's own full weights{ignored}" if plan.zero_stage != 3 else
+    gathered = (pushed(plan, memory.gathered_weights) if grpo.engine == "vllm" else
+                f"the rank's own full weights{ignored}" if plan.zero_stage != 3 else
                 "ZeRO-3, gathered whole once per generation (grpo.ds3_gather_for_generation)"
                 if grpo.ds3_gather_for_generation else
                 "ZeRO-3: each layer's weights gathered for its forward pass, as in training (no full copy)")
@@ -43,21 +44,58 @@ def plan_lines(plan: RunPlan) -> list[str]:
             f"{sampling(grpo)}, up to {grpo.max_completion_length} decoding passes (new tokens), "
             f"{ENGINES[grpo.engine]} (grpo.generation_engine={grpo.generation_engine}); weights: "
             f"{gathered}; reference: {reference}",
-            f"generation memory per rank, between the steps (in the memory table's peak where larger than the "
-            f"activations): {format_bytes(memory.total)} = the larger of the prompts' pass "
+            *(engine_lines(plan) if grpo.engine == "vllm" else [
+              f"generation memory per rank, between the steps (in the memory table's peak where larger than the "
+              f"activations): {format_bytes(memory.total)} = the larger of the prompts' pass "
             f"({format_bytes(memory.prefill)}) and the last decoding pass ({format_bytes(memory.decoding)}, of "
             f"which KV cache {format_bytes(memory.kv_cache)})"
             + (f" + the whole weights gathered ({format_bytes(memory.gathered_weights)})"
                if memory.gathered_weights else "")
             + (f"; or a reward model's pass over one group, if larger ({format_bytes(memory.scoring)})"
-               if memory.scoring else ""),
+               if memory.scoring else "")]),
             *([f"reward models: a whole frozen copy on each rank, {format_bytes(models)} in the model states"]
               if (models := reward_model_bytes(plan.recipe, plan.precision)) else []),
             generation_cost(plan, per_rank)]
 
 
 ENGINES = {"generate": "transformers' generate, its KV cache growing in each pass",
-           "static": "transformers' generate with a static KV cache, allocated once at full length"}
+           "static": "transformers' generate with a static KV cache, allocated once at full length",
+           "vllm": "a vLLM server's continuous batching, one seeded request per completion (vllm_engine.py)"}
+
+
+def pushed(plan: RunPlan, gathered: float) -> str:
+    """The plan's words for the weights a vllm run samples from."""
+    how = (f"ZeRO-3: gathered one module at a time on every rank, at most {format_bytes(gathered)} at once"
+           if plan.zero_stage == 3 else "each module's from rank 0")
+    lora = ", LoRA's adapters merged" if plan.recipe.lora.enabled else ""
+    return f"pushed to the server before each generation that follows an optimizer step ({how}{lora})"
+
+
+def engine_lines(plan: RunPlan) -> list[str]:
+    """grpo.generation_engine=vllm's memory, on the ranks and in the server, and its weight pushes' traffic."""
+    grpo, engine = plan.recipe.grpo, vllm_engine(plan.recipe, plan.precision, plan.shape)
+    memory = generation(plan.recipe, plan.precision, plan.shape, plan.zero_stage, plan.dims.dp_size)
+    on_ranks = (f"{format_bytes(memory.total)}: a push's gathered module" if memory.gathered_weights else "none")
+    if memory.scoring:
+        on_ranks += f"; a reward model's pass over one group, {format_bytes(memory.scoring)}"
+    where = (f"at {grpo.vllm_server_host}:{grpo.vllm_server_port}, already running" if grpo.vllm_server_host else
+             f"started by rank 0 from {grpo.vllm_environment} on port {grpo.vllm_server_port}")
+    if engine.kv_cache is None:
+        held = (f"{grpo.vllm_gpu_memory_utilization:g} of its GPU's memory (grpo.vllm_gpu_memory_utilization; on "
+                f"rank 0's GPU unless it runs on GPUs of its own): the weights and the KV cache in the rest")
+    else:
+        fits = min(engine.concurrent, engine.completions)
+        held = (f"{format_bytes(engine.weights + engine.kv_cache)} of host memory: the weights "
+                f"({format_bytes(engine.weights)}) and a KV cache of {format_bytes(engine.kv_cache)} "
+                f"(grpo.vllm_kv_cache_gib), room for {fits} of the generation's {engine.completions} completions at "
+                f"full length at once ({format_bytes(engine.kv_per_completion)} each)"
+                + ("" if fits == engine.completions else "; the others wait for room: raise grpo.vllm_kv_cache_gib"))
+    per_step = 1 / (steps_per_generation(plan.recipe) * grpo.num_iterations)
+    return [f"generation memory per rank: {on_ranks} (the vLLM server samples, beside the ranks)",
+            f"vLLM server ({where}): {held}",
+            f"weight push: {format_bytes(engine.push)} per push (rank 0 holds that copy on the host, writes it to "
+            f"/dev/shm and the server reloads it), {per_step:g} push(es) per optimizer step: "
+            f"{format_bytes(engine.push * per_step)} per step"]
 
 
 def sampling(section: GrpoSection) -> str:
@@ -119,14 +157,15 @@ def generation_cost(plan: RunPlan, completions: int) -> str:
     flops = 2 * shape.matmul_parameters * completions * seq_len
     weights = shape.parameters * weights_dtype(plan.precision, plan.zero_stage).itemsize
     passes = section.max_completion_length
-    gathered = "" if plan.zero_stage != 3 else (
+    gathered = "" if plan.zero_stage != 3 or section.engine == "vllm" else (
         f"; under ZeRO-3 gathered once per generation ({format_bytes(weights)}, held whole on each rank while it "
         f"generates)" if section.ds3_gather_for_generation else
         f"; under ZeRO-3 every pass gathers them: {format_bytes(passes * weights)} gathered per {when} "
         f"(grpo.ds3_gather_for_generation: once, holding them whole)")
     share = 2 * shape.matmul_parameters / training_flops
     return (f"generation cost per {when} and rank: {flops:.3e} FLOPs at most ({share:.0%} of training on the same "
-            f"tokens), in {passes} decoding passes that each read the weights "
+            f"tokens), in {passes} decoding passes{' in the vLLM server' if section.engine == 'vllm' else ''} "
+            f"that each read the weights "
             f"({format_bytes(weights)}){gathered}{generation_floor(plan, completions, flops)}")
 
 

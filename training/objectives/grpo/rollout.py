@@ -20,6 +20,8 @@ class Rollout(NamedTuple):
     truncated: list[bool]
     per_function: torch.Tensor  # [completions, functions], NaN: no opinion
     log: RewardLog  # what the reward functions logged (log_metric, log_extra)
+    sampling_logps: list[torch.Tensor] | None = None  # the engine's log-probability of each completion token, where
+    # it reports them (vllm)
 
 
 def completion_rows(prompts: list[torch.Tensor], completions: list[torch.Tensor], pad_id: int, seq_len: int,
@@ -52,6 +54,15 @@ def completion_rows(prompts: list[torch.Tensor], completions: list[torch.Tensor]
         mask[index, :len(completion)] = True
     return {"input_ids": input_ids, "position_ids": position_ids, "slots": slots, "completion_mask": mask,
             "length": torch.from_numpy(fill)}
+
+
+def completion_values(values: list[torch.Tensor], completion_mask: torch.Tensor) -> torch.Tensor:
+    """Per-token values of a micro-batch's completions in their layout [completions, longest completion], NaN past
+    each one's end."""
+    out = torch.full(completion_mask.shape, float("nan"))
+    for row, value in enumerate(values):
+        out[row, :len(value)] = value
+    return out
 
 
 def unpack(values: torch.Tensor, batch: dict) -> torch.Tensor:

@@ -9,10 +9,13 @@ from training.objectives.grpo.spec import GrpoSection
 
 def loss_settings(section: GrpoSection) -> LossSettings:
     """The grpo section's loss settings: those of the same name (TRL's), and its `epsilon` as the lower bound, which
-    epsilon_high defaults to."""
+    epsilon_high defaults to; the engine mismatch's correction only where an engine other than the trainer samples
+    (vllm)."""
     named = {field.name for field in fields(LossSettings)} & set(GrpoSection.model_fields) - {"epsilon_high"}
+    settings = section.model_dump(include=named)
+    settings["vllm_importance_sampling_correction"] &= section.engine == "vllm"
     return LossSettings(epsilon_low=section.epsilon, epsilon_high=section.epsilon_high or section.epsilon,
-                        entropy_bonus=section.entropy_bonus, **section.model_dump(include=named))
+                        entropy_bonus=section.entropy_bonus, **settings)
 
 
 def eval_generations(section: GrpoSection) -> int:

@@ -77,11 +77,31 @@ class GrpoSection(StrictModel):
     repetition_penalty: PositiveFloat = 1.0  # > 1: the logits of tokens already in the prompt or completion divided
     # by it (multiplied where negative; CTRL's penalty, transformers')
     generation_kwargs: GenerationKwargs = GenerationKwargs()  # stop strings, token bans and biases, other warpers
-    generation_engine: Literal["auto", "generate", "static"] = "auto"  # what samples the completions (training/
-    # objectives/grpo/sampling.py): generate, transformers' generate with its dynamic KV cache; static, the same with
-    # transformers' static KV cache, allocated once at its full length (no cache growing by concatenation in each
-    # pass), the same completions; auto: generate (side by side on a CPU the two are within 8% of each other:
-    # benchmarks/README.md; unmeasured on a GPU)
+    generation_engine: Literal["auto", "generate", "static", "vllm"] = "auto"  # what samples the completions
+    # (training/objectives/grpo/sampling.py): generate, transformers' generate with its dynamic KV cache; static, the
+    # same with transformers' static KV cache, allocated once at its full length (no cache growing by concatenation in
+    # each pass), the same completions; vllm, a vLLM server from its own environment (vllm_engine.py; the weights
+    # pushed to it before each generation that follows an optimizer step), its own seeded samples; auto: generate
+    # (side by side on a CPU the in-process engines are within 8% of each other: benchmarks/README.md; unmeasured on
+    # a GPU)
+    vllm_server_host: str | None = None  # vllm: the host of a vLLM server already running (its model of the run's
+    # architecture; the run pushes its weights into it); None: train.py starts one on this machine from
+    # vllm_environment, on vllm_server_port, and stops it at the end
+    vllm_server_port: PositiveInt = 8000
+    vllm_server_timeout: PositiveFloat = 240.0  # seconds to wait for the server to answer /health (TRL's), and for
+    # any one request
+    vllm_environment: str = ".venv-vllm"  # the virtual environment the server starts from (tools/vllm_env.sh
+    # builds it), relative to the repository's root or absolute
+    vllm_kv_cache_gib: PositiveFloat = 1.0  # the KV cache a started server allocates on a CPU (VLLM_CPU_KVCACHE_SPACE)
+    vllm_gpu_memory_utilization: float = Field(0.3, gt=0, le=1)  # and the share of its GPU it takes on one (TRL's)
+    vllm_importance_sampling_correction: bool = True  # vllm: each completion's loss weighed by the trainer's over
+    # the engine's probability of it (TRL's truncated or masked importance sampling), the engine being slightly
+    # off-policy; its mismatch logged as sampling/* (loss.py)
+    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate",
+                                           "sequence_mask"] = "sequence_mask"  # TRL's: per token or per
+    # completion; ratios outside [clip_min, clip_max] clipped to it (truncate) or zeroed (mask)
+    vllm_importance_sampling_clip_max: PositiveFloat | None = 3.0
+    vllm_importance_sampling_clip_min: NonNegativeFloat | None = None
     beta: NonNegativeFloat = 0.0  # the KL term's weight, against the starting model (LoRA: the base); 0: no reference
     sync_ref_model: bool = False  # TR-DPO: every ref_model_sync_steps steps the reference becomes
     # ref_model_mixup_alpha x the policy + (1 - alpha) x itself (beta > 0, a full fine-tune; saved with each checkpoint)
@@ -144,14 +164,14 @@ class GrpoSection(StrictModel):
         **dict.fromkeys(("log_completions", "num_completions_to_print"),
                         "write grpo.log_completions_every (steps between samples in completions.jsonl)"),
         "shuffle_dataset": "the prompts are always shuffled, seeded by training.seed",
-        **dict.fromkeys(("use_vllm", "vllm_mode", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size",
-                         "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
-                         "vllm_importance_sampling_cap", "vllm_importance_sampling_clip_min",
-                         "vllm_importance_sampling_clip_max", "vllm_model_impl", "vllm_enable_sleep_mode",
-                         "vllm_max_model_length", "vllm_structured_outputs_regex", "vllm_server_base_url",
-                         "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port"),
-                        "not built: no vLLM release installs beside this product's pins; generation runs on "
-                        "transformers' generate (docs/grpo.md)"),
+        "use_vllm": "write grpo.generation_engine=vllm",
+        "vllm_mode": "write grpo.generation_engine=vllm: a server, started by train.py (or vllm_server_host's); "
+                     "colocated generation is not built",
+        "vllm_server_base_url": "write grpo.vllm_server_host and vllm_server_port",
+        "vllm_importance_sampling_cap": "write grpo.vllm_importance_sampling_clip_max (TRL's newer name)",
+        **dict.fromkeys(("vllm_tensor_parallel_size", "vllm_model_impl", "vllm_enable_sleep_mode",
+                         "vllm_max_model_length", "vllm_structured_outputs_regex", "vllm_group_port"),
+                        "not built: the vLLM server runs one process, as started (docs/grpo.md)"),
         **dict.fromkeys(("use_transformers_paged", "use_transformers_continuous_batching",
                          "transformers_continuous_batching_config"),
                         "not built: generation runs on transformers' generate, batched"),
@@ -181,6 +201,15 @@ class GrpoSection(StrictModel):
         if self.use_adaptive_entropy and self.entropy_coef_min > self.entropy_coef_max:
             raise ValueError(f"grpo.entropy_coef_min={self.entropy_coef_min} is above grpo.entropy_coef_max="
                              f"{self.entropy_coef_max}: adaptive entropy control keeps the coefficient between them")
+        return self
+
+    @model_validator(mode="after")
+    def vespo_corrected_per_token(self) -> "GrpoSection":
+        if self.loss_type == "vespo" and self.engine == "vllm" and self.vllm_importance_sampling_correction and \
+                not self.vllm_importance_sampling_mode.startswith("token_"):
+            raise ValueError(f"grpo.loss_type=vespo weighs whole completions itself: with generation_engine=vllm's "
+                             f"correction set grpo.vllm_importance_sampling_mode to token_truncate or token_mask "
+                             f"(not {self.vllm_importance_sampling_mode}), as TRL requires")
         return self
 
     @model_validator(mode="after")
