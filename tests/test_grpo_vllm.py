@@ -190,4 +190,4 @@ def test_a_killed_server_ends_the_run_and_resume_starts_a_new_one_on_the_same_cu
     for step in (3, 4):
         assert after[step]["reward"] == whole[step - 1]["reward"], step
         assert after[step]["loss"] == pytest.approx(whole[step - 1]["loss"], rel=1e-5, abs=1e-5), step
-    assert subprocess.run(["pgrep", "-f", f"--port {port}"], capture_output=True).returncode == 1  # none left
+    assert subprocess.run(["pgrep", "-f", "--", f"--port {port}"], capture_output=True).returncode == 1  # none left
