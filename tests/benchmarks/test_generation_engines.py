@@ -12,7 +12,8 @@ import generation_engines  # noqa: E402
 def test_each_batch_gets_a_row_per_engine(tmp_path, monkeypatch):
     config = str(REPO / "recipes/tiny_llama/config.json")
     monkeypatch.setattr(sys, "argv", ["generation_engines.py", "--model-config", config, "--batches", "2,4",
-                                      "--prompt-len", "3", "--completion-len", "4", "--output", str(tmp_path)])
+                                      "--prompt-len", "3", "--completion-len", "4", "--engines", "generate,static",
+                                      "--output", str(tmp_path)])
     generation_engines.main()
     table = (tmp_path / "table.md").read_text()
     rows = re.findall(r"^\| (\d+) \| (\w+) \| [\d.]+ \| [\d,.]+ \| [\d,]+ \| [\d.]+ \| ([\d.]+)x \| - \| - \|$", table,
