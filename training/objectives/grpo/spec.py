@@ -92,7 +92,8 @@ class GrpoSection(StrictModel):
     # any one request
     vllm_environment: str = ".venv-vllm"  # the virtual environment the server starts from (tools/vllm_env.sh
     # builds it), relative to the repository's root or absolute
-    vllm_kv_cache_gib: PositiveFloat = 1.0  # the KV cache a started server allocates on a CPU (VLLM_CPU_KVCACHE_SPACE)
+    vllm_kv_cache_gib: PositiveInt = 1  # the KV cache a started server allocates on a CPU, in whole GiB
+    # (VLLM_CPU_KVCACHE_SPACE, which vLLM reads as an integer)
     vllm_gpu_memory_utilization: float = Field(0.3, gt=0, le=1)  # and the share of its GPU it takes on one (TRL's)
     vllm_importance_sampling_correction: bool = True  # vllm: each completion's loss weighed by the trainer's over
     # the engine's probability of it (TRL's truncated or masked importance sampling), the engine being slightly

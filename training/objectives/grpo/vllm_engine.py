@@ -187,7 +187,7 @@ class Engine:
                    "--seed", "0", *(["--gpu-memory-utilization", str(section.vllm_gpu_memory_utilization)]
                                     if gpu else ["--enforce-eager"])]
         env = {**os.environ, "PYTHONPATH": str(SHIM), "VLLM_SERVER_DEV_MODE": "1",
-               "VLLM_CPU_KVCACHE_SPACE": f"{section.vllm_kv_cache_gib:g}"}
+               "VLLM_CPU_KVCACHE_SPACE": str(section.vllm_kv_cache_gib)}
         for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
             env.pop(name, None)  # the launcher's, not the server's
         with open(self.log, "a") as log:

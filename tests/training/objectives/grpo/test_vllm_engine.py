@@ -172,3 +172,11 @@ def test_a_started_server_that_exits_is_named_with_its_log(tmp_path):
                                           r".log\) exited with code 3 before it was ready"):
         engine.sample([[1, 2]], [1], 2)
     assert engine.process is None  # closed
+
+
+def test_a_cpu_kv_cache_is_whole_gib_as_vllm_reads_it():
+    """vLLM reads VLLM_CPU_KVCACHE_SPACE as an integer: a started server given 0.5 would exit before it answers."""
+    from training.config.recipe import load_recipe
+    assert load_recipe("tiny_llama_grpo", ["grpo.vllm_kv_cache_gib=2"]).grpo.vllm_kv_cache_gib == 2
+    with pytest.raises(ConfigError, match="grpo.vllm_kv_cache_gib"):
+        load_recipe("tiny_llama_grpo", ["grpo.vllm_kv_cache_gib=0.5"])
