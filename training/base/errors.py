@@ -27,8 +27,8 @@ class ConfigError(ValueError):
 
 
 class EngineError(RuntimeError):
-    """A service the run depends on (grpo's vLLM server) died or stopped answering: the message names it, its log and
-    how to continue."""
+    """A service the run depends on (an objective's generation server) died or stopped answering: the message names
+    it, its log and how to continue."""
 
 
 def read_text(path: Path) -> str:
