@@ -26,7 +26,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,7 +48,7 @@ from training.objectives.grpo.memory import decoding_reads  # noqa: E402
 from training.objectives.grpo.sampling import decoding, sample  # noqa: E402
 from training.objectives.grpo.spec import GrpoSection  # noqa: E402
 from training.objectives.grpo.vllm_engine import SERVER_LOG, Engine, server_python  # noqa: E402
-from training.parallel.launch import launcher_command  # noqa: E402
+from training.parallel.launch import free_port, launcher_command  # noqa: E402
 from training.planning.flops import gpu_spec  # noqa: E402
 from training.planning.shape import model_shape  # noqa: E402
 
@@ -63,12 +62,6 @@ def sampler(model: torch.nn.Module, prompts: torch.Tensor, section: GrpoSection,
         with decoding(model, "sdpa"):
             sample(model, rows, list(range(len(rows))), section, eos_id, pad_id=0, synced=False)
     return call
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def word_per_id(vocab_size: int) -> PreTrainedTokenizerFast:

