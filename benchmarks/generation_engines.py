@@ -52,14 +52,14 @@ from training.parallel.launch import free_port, launcher_command  # noqa: E402
 from training.planning.flops import gpu_spec  # noqa: E402
 from training.planning.shape import model_shape  # noqa: E402
 
-ENGINES = ("generate", "static", "vllm")
+ENGINES = ("generate", "static", "compiled", "vllm")
 
 
 def sampler(model: torch.nn.Module, prompts: torch.Tensor, section: GrpoSection, eos_id: int) -> Callable[[], object]:
     rows = list(prompts)
 
     def call() -> None:
-        with decoding(model, "sdpa"):
+        with decoding(model, "sdpa", section.engine):
             sample(model, rows, list(range(len(rows))), section, eos_id, pad_id=0, synced=False)
     return call
 

@@ -91,8 +91,10 @@ def runs(tmp_path_factory) -> dict:
                        ranks=1, script="tests/helpers/train_with_probes.py")
     assert result.returncode != 0 and (killed / "checkpoints/latest").read_text() == "global_step2"
     shutil.copytree(killed, resumed)
+    # resumed at ZeRO-3 with the whole weights gathered for each generation, on the compiled engine: `whole`'s
+    # completions, in training and in evaluation
     result = run_train(["--output-dir", str(resumed), "--resume", *common, "deepspeed.config=zero3",
-                        "grpo.ds3_gather_for_generation=true"], ranks=2)
+                        "grpo.ds3_gather_for_generation=true", "grpo.generation_engine=compiled"], ranks=2)
     assert result.returncode == 0, result.stderr[-3000:]
     result = run_train(["--output-dir", str(lora), *common, "deepspeed.config=zero2", "lora.enabled=true",
                         "grpo.beta=0.04", "grpo.loss_type=grpo", "training.max_steps=2", "grpo.sync_ref_model=false",

@@ -32,8 +32,8 @@ def check_layout(recipe: Recipe, model_config: PretrainedConfig, raw_ds_config: 
     """The checks of the ranks' layout, the ZeRO stage, the precision, the optimizer and the objective together:
     first what each feature runs with in each layout (training/parallel/support.py), every refusal at once."""
     check_support(recipe, model_config, ParallelDims.of(recipe.parallelism, world_size))
-    objective_class(recipe.training.spec).check(recipe, model_config, world_size)
     stage, parallelism = zero_stage(raw_ds_config), recipe.parallelism
+    objective_class(recipe.training.spec).check(recipe, model_config, world_size, stage)
     if precision == Precision.FP8 and stage == 0:
         raise ConfigError(f"precision=fp8 with ZeRO-0 ({ds_config_file(recipe.deepspeed.config).name}): ZeRO-0 runs "
                           f"mixed precision as torch autocast over fp32 weights, which this FP8 path does not "

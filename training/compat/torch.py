@@ -2,7 +2,8 @@
 import os
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +45,13 @@ PATCHES = (
           "https://github.com/pytorch/pytorch/issues/189245 (fixed on main by pytorch/pytorch#190543: an OS lock)",
           "tests/training/compat/test_torch.py::test_load_waits_without_limit_on_the_lock_in_the_build_root",
           proofs=("tests/training/parallel/test_op_builds.py::test_train_py_names_a_stale_build_lock_and_exits_2",)),
+    Patch("uncompiled", "torch", VERIFIED_FOR,
+          "nn.Module.compile keeps the compiled call in the private _compiled_call_impl, which __call__ runs in place "
+          "of the module's own; GRPO's compiled decoding compiles the whole model and sets it to None on training's "
+          "compiled layers for the duration, so that their graphs are never traced from the decoding graph", NO_ISSUE,
+          "tests/training/compat/test_torch.py::test_a_modules_compiled_call_lives_in_a_private_attribute",
+          proofs=("tests/training/objectives/grpo/test_sampling.py::"
+                  "test_compiled_decoding_never_runs_trainings_compiled_layers",)),
 )
 
 
@@ -107,3 +115,17 @@ def extension_build_root() -> Path:
         f"cu{version.cuda.replace('.', '')}" if version.cuda else "cpu"
     python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
     return Path(get_default_build_root()) / f"{python}_{accelerator}"
+
+
+@contextmanager
+def uncompiled(model: torch.nn.Module) -> Iterator[None]:
+    """Every module of the model that nn.Module.compile compiled runs its own forward for the duration."""
+    compiled = {module: module._compiled_call_impl for module in model.modules()
+                if module._compiled_call_impl is not None}
+    for module in compiled:
+        module._compiled_call_impl = None
+    try:
+        yield
+    finally:
+        for module, call in compiled.items():
+            module._compiled_call_impl = call

@@ -23,10 +23,12 @@ class Objective:
         self.plan = plan
 
     @staticmethod
-    def check(recipe: Recipe, model_config: PretrainedConfig | None, world_size: int | None = None) -> None:
+    def check(recipe: Recipe, model_config: PretrainedConfig | None, world_size: int | None = None,
+              zero_stage: int | None = None) -> None:
         """What the objective refuses to train with this model and layout, before anything is built (a ConfigError
         that names the setting and the fix). The schema's checks of its section alone: training/config/recipe.py.
-        `python -m data_pipeline` calls it with no model_config and world_size (its refusals of the data settings)."""
+        `python -m data_pipeline` calls it with no model_config, world_size and zero_stage (its refusals of the data
+        settings)."""
 
     @staticmethod
     def describe(plan: RunPlan) -> list[str]:

@@ -12,6 +12,7 @@ from training.compat.torch import (
     plain_optimizer_states,
     rebuilt_optimizer_states,
     replace_forward,
+    uncompiled,
 )
 
 
@@ -32,6 +33,28 @@ def test_an_instance_forward_replaces_the_class_forward():
     module.register_forward_hook(lambda *_: seen.append("hook"))
     replace_forward(module, lambda self, x: x * 3)
     assert torch.equal(module(torch.ones(2)), torch.full((2,), 3.0)) and seen == ["hook"]
+
+
+def test_a_modules_compiled_call_lives_in_a_private_attribute():
+    """nn.Module.compile's call is _compiled_call_impl, run in place of the module's own while set: `uncompiled` sets
+    it aside for its duration and puts it back."""
+    class Sine(torch.nn.Module):  # dynamo traces a module of ours, not one of torch.nn's own files
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.sin() + 1
+    inner, calls = Sine(), []
+    outer = torch.nn.Sequential(inner)
+
+    def backend(graph, inputs):
+        calls.append(graph)
+        return graph.forward
+    inner.compile(backend=backend)
+    assert inner._compiled_call_impl is not None and outer._compiled_call_impl is None
+    with uncompiled(outer):
+        assert inner._compiled_call_impl is None
+        outer(torch.ones(2))
+    assert not calls and inner._compiled_call_impl is not None
+    outer(torch.ones(2))
+    assert len(calls) == 1
 
 
 def test_a_callable_map_location_cannot_load_a_tensor_subclass(tmp_path):

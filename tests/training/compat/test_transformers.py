@@ -34,3 +34,18 @@ def test_the_checkpoint_function_reaches_every_layer():
     model.train()
     model(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
     assert len(calls) == model.config.num_hidden_layers
+
+
+def test_generate_compiles_on_a_cpu_only_when_told_to():
+    """generate compiles its decoding passes on a static KV cache where _valid_auto_compile_criteria says so: on a
+    CPU only with the CompileConfig's private _compile_all_devices, which compiled_decoding sets (and a config built
+    by hand leaves unset)."""
+    from transformers import CompileConfig, GenerationConfig, StaticCache
+
+    from training.compat.transformers import compiled_decoding
+    model = AutoModelForCausalLM.from_config(small_config())
+    cache = {"past_key_values": StaticCache(config=model.config, max_cache_len=8)}
+    assert CompileConfig()._compile_all_devices is None
+    assert not model._valid_auto_compile_criteria(cache, GenerationConfig(compile_config=CompileConfig()))
+    assert model._valid_auto_compile_criteria(cache, GenerationConfig(compile_config=compiled_decoding("cpu")))
+    assert "_compile_all_devices" not in compiled_decoding("cpu").to_dict()  # torch.compile is never handed it

@@ -344,6 +344,14 @@ def test_the_generation_rule_matches_the_allocations(tmp_path, shape_of, dtype, 
     assert measured <= planned.total <= 1.1 * measured, (measured, planned)
 
 
+@pytest.mark.slow  # compiling the decoding pass takes about 6 s on 2 cores, beyond the fast tier's share
+def test_the_generation_rule_matches_compiled_decodings_allocations(tmp_path):
+    """The same rule for the compiled engine, whose prompts (14 tokens here) are padded to a power-of-two width (16):
+    its KV cache and prompts' pass are the static engine's at that width, with every sampling setting."""
+    test_the_generation_rule_matches_the_allocations(tmp_path, SAMPLING, torch.float32, 30, 16, {
+        "top_k": 50, "top_p": 0.9, "min_p": 0.05, "repetition_penalty": 1.2}, "compiled")
+
+
 def test_the_entropy_bonus_keeps_what_the_plan_adds():
     """GRPO's entropy bonus takes the entropies' gradient: autograd keeps the fp32 probabilities beside the
     log-probabilities, one more [tokens, vocabulary] fp32 tensor, which activation_bytes adds

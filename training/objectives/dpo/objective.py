@@ -45,7 +45,8 @@ class Dpo(Objective):
         self.synced: SyncedReference | None = None
 
     @staticmethod
-    def check(recipe: Recipe, model_config: PretrainedConfig | None, world_size: int | None = None) -> None:
+    def check(recipe: Recipe, model_config: PretrainedConfig | None, world_size: int | None = None,
+              zero_stage: int | None = None) -> None:
         data, tiles = recipe.data, recipe.long_context.logits_tile_tokens
         synced = recipe.dpo.sync_ref_model
         refused = [reason for condition, reason in (

@@ -14,6 +14,7 @@ from transformers import AutoConfig
 from training.base.errors import ConfigError
 from training.config.precision import Precision
 from training.config.recipe import Recipe
+from training.objectives.grpo.spec import prompt_width
 from training.objectives.reference_memory import reference_bytes
 from training.planning.objective_memory import ObjectiveMemory
 from training.planning.precision import DTYPES, weights_dtype
@@ -80,8 +81,9 @@ def decoding_reads(shape: ModelShape, itemsize: int, rows: int, prompt: int, pas
 def generation(recipe: Recipe, precision: Precision, shape: ModelShape, stage: int, ranks: int) -> Generation:
     """A generation's memory per rank (training/objectives/grpo/objective.py, sample): the rank's
     B = generation_batch_size / ranks completions (global_batch_size where unset) in one batch, each after a prompt
-    of at most p = seq_len - max_completion_length tokens (what the data stage lets in), with c = kv_heads x head_dim,
-    L layers, a the weights' bytes (weights_dtype):
+    of at most p = seq_len - max_completion_length tokens (what the data stage lets in; compiled decoding pads it to the
+    next power of two, and seq_len below is then p + max_completion_length), with c = kv_heads x head_dim, L layers,
+    a the weights' bytes (weights_dtype):
       KV cache of t tokens:  2*L*c*a*B*t
       prefill:   KV(p) + B*p*((3i + 4h + 2d)*a + p)   (the MLP's three intermediates of width i; the residual
                                               stream, the normed input, the attention's output and the embedding's, of
@@ -110,15 +112,17 @@ def generation(recipe: Recipe, precision: Precision, shape: ModelShape, stage: i
     Read off transformers' Llama modules and generate, and checked against a measurement of the allocations on CPU
     (tests/training/planning/test_memory.py). Not counted: the attention's p x p scores, which CPU's math kernel
     makes for a padded batch and CUDA's memory-efficient kernel does not."""
-    grpo, seq_len = recipe.grpo, recipe.data.seq_len
+    grpo = recipe.grpo
     generated = grpo.generation_batch_size or recipe.training.global_batch_size  # over all ranks, at once
-    completions, prompt = generated // ranks, seq_len - grpo.max_completion_length
+    completions = generated // ranks
+    prompt = prompt_width(recipe.data.seq_len - grpo.max_completion_length, grpo.engine)
+    seq_len = prompt + grpo.max_completion_length
     a = weights_dtype(precision, stage).itemsize
 
     def kv_cache(tokens: int) -> float:
         return kv_cache_bytes(shape, a, completions, tokens)
 
-    static = grpo.engine == "static"
+    static = grpo.engine in ("static", "compiled")
 
     logits = completions * shape.vocab_size * 4
     more = grpo.generation_kwargs
@@ -132,7 +136,7 @@ def generation(recipe: Recipe, precision: Precision, shape: ModelShape, stage: i
         return rows * tokens * ((3 * model.intermediate_size + hidden_wide * model.hidden_size + 2 * model.head_dim)
                                 * itemsize + tokens)
 
-    scoring = max((layer_pass(model, grpo.num_generations, seq_len, DTYPES[precision].itemsize, 6)
+    scoring = max((layer_pass(model, grpo.num_generations, recipe.data.seq_len, DTYPES[precision].itemsize, 6)
                    for model in reward_models(recipe)), default=0.0)
     if grpo.engine == "vllm":  # the server samples; a ZeRO-3 push gathers one module at a time on every rank
         return Generation(0.0, 0.0, 0.0, largest_module(shape) * a if stage == 3 else 0.0, scoring)

@@ -84,7 +84,8 @@ class Grpo(Objective):
         self.vllm, self.pushed = None, False  # grpo.generation_engine=vllm's server; whether it has the weights
 
     @staticmethod
-    def check(recipe: Recipe, model_config: PretrainedConfig | None, world_size: int | None = None) -> None:
+    def check(recipe: Recipe, model_config: PretrainedConfig | None, world_size: int | None = None,
+              zero_stage: int | None = None) -> None:
         data, grpo = recipe.data, recipe.grpo
         cycle = grpo.num_iterations * max(1, steps_per_generation(recipe))  # 0 steps: refused below
         refused = [reason for condition, reason in (
@@ -110,6 +111,11 @@ class Grpo(Objective):
                                                                       recipe.lora.target_modules)),
              "grpo.cast_lm_head_to_fp32 with another module in the LM head's place (LoRA on lm_head, "
              "lora.modules_to_save, fp8.lm_head): it casts a plain linear head (TRL refuses LoRA on the head alike)"),
+            (zero_stage == 3 and grpo.engine == "compiled" and not grpo.ds3_gather_for_generation,
+             "grpo.generation_engine=compiled under ZeRO-3 without grpo.ds3_gather_for_generation: each decoding pass "
+             "would gather the layers through DeepSpeed's hooks, which a compiled graph cannot hold; set "
+             "grpo.ds3_gather_for_generation=true (the whole weights gathered once per generation), or "
+             "generation_engine=static"),
             (grpo.sync_ref_model and recipe.lora.enabled,
              "grpo.sync_ref_model with lora: the reference is the base with the adapters disabled, not a model of its "
              "own to mix the policy into (TRL refuses it alike)")) if condition]
@@ -240,7 +246,7 @@ class Grpo(Objective):
             whole = zero3 and grpo.ds3_gather_for_generation
             engine.module.eval()
             with zero3_whole_weights(engine) if whole else nullcontext(), \
-                    decoding(engine.module, self.plan.recipe.model.attn_implementation):
+                    decoding(engine.module, self.plan.recipe.model.attn_implementation, grpo.engine):
                 completions, truncated = sample(engine.module, [ids.to(engine.device) for ids in prompt_ids], seeds,
                                                 grpo, self.eos_id, self.pad_id, synced=zero3 and not whole,
                                                 tokenizer=self.plan.tokenizer)

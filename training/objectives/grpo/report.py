@@ -60,6 +60,8 @@ def plan_lines(plan: RunPlan) -> list[str]:
 
 ENGINES = {"generate": "transformers' generate, its KV cache growing in each pass",
            "static": "transformers' generate with a static KV cache, allocated once at full length",
+           "compiled": "transformers' generate with a static KV cache, each decoding pass compiled (CUDA graphs on a "
+                       "GPU), the prompts padded to a power-of-two width",
            "vllm": "a vLLM server's continuous batching, one seeded request per completion (vllm_engine.py)"}
 
 

@@ -1,7 +1,8 @@
 """How GRPO samples a completion: with a random stream of its own (sampling_seed, SeededSampling), so that a
-completion is the same under any layout and after a resume, through transformers' `generate` (sample), eagerly and
-with sdpa (decoding), on the engine grpo.generation_engine names: generate's dynamic KV cache, or its static one
-(`static`), which samples the same completions."""
+completion is the same under any layout and after a resume, through transformers' `generate` (sample), with sdpa
+(decoding), on the in-process engine grpo.generation_engine names: generate's dynamic KV cache; its static one
+(`static`), eagerly; or the static one with each decoding pass compiled (`compiled`: torch.compile, CUDA graphs on a
+GPU). All three sample the same completions."""
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -26,7 +27,9 @@ from transformers import (
     TypicalLogitsWarper,
 )
 
-from training.objectives.grpo.spec import GrpoSection
+from training.compat.torch import uncompiled
+from training.compat.transformers import compiled_decoding
+from training.objectives.grpo.spec import GrpoSection, prompt_width
 
 
 def sampling_seed(seed: int, generation: int, row: int, index: int, evaluation: bool = False) -> int:
@@ -87,11 +90,14 @@ class StopStrings(StoppingCriteria):
         return done
 
 
-def generation_config(section: GrpoSection, eos_id: int | None, pad_id: int) -> GenerationConfig:
+def generation_config(section: GrpoSection, eos_id: int | None, pad_id: int,
+                      device_type: str = "cpu") -> GenerationConfig:
     """generate's settings for sample: greedy search over SeededSampling's scores, with generation_kwargs' token bans
-    and biases, which generate applies before it; the engine's KV cache (static: allocated at the batch's prompt width
-    plus max_completion_length, and never compiled: decoding runs eagerly)."""
-    engine = {"static": {"cache_implementation": "static", "disable_compile": True}}.get(section.engine, {})
+    and biases, which generate applies before it; the engine's KV cache (static and compiled: allocated at the batch's
+    prompt width plus max_completion_length) and whether its decoding passes are compiled (compiled alone)."""
+    engine = {"static": {"cache_implementation": "static", "disable_compile": True},
+              "compiled": {"cache_implementation": "static", "disable_compile": False,
+                           "compile_config": compiled_decoding(device_type)}}.get(section.engine, {})
     return GenerationConfig(do_sample=False, max_new_tokens=section.max_completion_length, eos_token_id=eos_id,
                             pad_token_id=pad_id, use_cache=True, **engine, **section.generation_kwargs.passed())
 
@@ -102,13 +108,13 @@ def sample(model: torch.nn.Module, prompts: list[torch.Tensor], seeds: list[int]
     """One completion per prompt (1-D tensors; the same prompt repeated for a group), sampled in one batch, the
     prompts left-padded: each completion ends at its first EOS (kept), where it completes one of
     generation_kwargs.stop_strings (the tokenizer's), or at max_completion_length (truncated)."""
-    device, width = prompts[0].device, max(len(p) for p in prompts)
+    device, width = prompts[0].device, prompt_width(max(len(p) for p in prompts), section.engine)
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     inputs = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
     mask = torch.zeros_like(inputs)
     for row, prompt in enumerate(prompts):
         inputs[row, width - len(prompt):], mask[row, width - len(prompt):] = prompt, 1
-    config = generation_config(section, eos_id, pad_id)
+    config = generation_config(section, eos_id, pad_id, device.type)
     stops = section.generation_kwargs.stop_strings
     stop = StopStrings(tokenizer, stops, len(prompts)) if stops else None
     with torch.no_grad():
@@ -127,15 +133,16 @@ def sample(model: torch.nn.Module, prompts: list[torch.Tensor], seeds: list[int]
 
 
 @contextmanager
-def decoding(model: torch.nn.Module, attention: str) -> Iterator[None]:
-    """Generation runs eagerly, and with sdpa where training runs FlexAttention. Compiled decoder layers
+def decoding(model: torch.nn.Module, attention: str, engine: str) -> Iterator[None]:
+    """Generation runs with sdpa where training runs FlexAttention: FlexAttention's path builds a block mask in every
+    decoding pass; sdpa takes the padding's mask as it is. The eager engines run eagerly: compiled decoder layers
     (training/models/compile.py) would be traced again for each layer's KV cache, whose state dynamo guards on, until
-    dynamo's recompile limit: the first generation of a 1.24B Llama on an H200 took 34.5 s instead of 4 (docs/grpo.md).
-    FlexAttention's path builds a block mask in every decoding pass; sdpa takes the padding's mask as it is."""
+    dynamo's recompile limit (the first generation of a 1.24B Llama on an H200 took 34.5 s instead of 4: docs/grpo.md).
+    Compiled decoding compiles the whole model's call, with those layers' own compiled calls set aside."""
     if attention == "flex_attention":
         model.set_attn_implementation("sdpa")
     try:
-        with torch.compiler.set_stance("force_eager"):
+        with uncompiled(model) if engine == "compiled" else torch.compiler.set_stance("force_eager"):
             yield
     finally:
         if attention == "flex_attention":

@@ -77,13 +77,15 @@ class GrpoSection(StrictModel):
     repetition_penalty: PositiveFloat = 1.0  # > 1: the logits of tokens already in the prompt or completion divided
     # by it (multiplied where negative; CTRL's penalty, transformers')
     generation_kwargs: GenerationKwargs = GenerationKwargs()  # stop strings, token bans and biases, other warpers
-    generation_engine: Literal["auto", "generate", "static", "vllm"] = "auto"  # what samples the completions
-    # (training/objectives/grpo/sampling.py): generate, transformers' generate with its dynamic KV cache; static, the
-    # same with transformers' static KV cache, allocated once at its full length (no cache growing by concatenation in
-    # each pass), the same completions; vllm, a vLLM server from its own environment (vllm_engine.py; the weights
-    # pushed to it before each generation that follows an optimizer step), its own seeded samples; auto: generate
-    # (side by side on a CPU the in-process engines are within 8% of each other: benchmarks/README.md; unmeasured on
-    # a GPU)
+    generation_engine: Literal["auto", "generate", "static", "compiled", "vllm"] = "auto"  # what samples the
+    # completions (training/objectives/grpo/sampling.py): generate, transformers' generate with its dynamic KV cache;
+    # static, the same with transformers' static KV cache, allocated once at its full length (no cache growing by
+    # concatenation in each pass); compiled, the static cache with each decoding pass compiled (torch.compile; CUDA
+    # graphs on a GPU; the prompts padded to a power-of-two width, a graph per width; under ZeRO-3 with
+    # ds3_gather_for_generation); the three sample the same completions; vllm, a vLLM server from its own environment
+    # (vllm_engine.py; the weights pushed to it before each generation that follows an optimizer step), its own
+    # seeded samples; auto: generate (side by side on a CPU the in-process engines are within 15% of each other, the
+    # compiled one the slowest: benchmarks/README.md; unmeasured on a GPU)
     vllm_server_host: str | None = None  # vllm: the host of a vLLM server already running (its model of the run's
     # architecture; the run pushes its weights into it); None: train.py starts one on this machine from
     # vllm_environment, on vllm_server_port, and stops it at the end
@@ -176,8 +178,8 @@ class GrpoSection(StrictModel):
         **dict.fromkeys(("use_transformers_paged", "use_transformers_continuous_batching",
                          "transformers_continuous_batching_config"),
                         "not built: generation runs on transformers' generate, batched"),
-        "cache_implementation": "write grpo.generation_engine=static (transformers' static KV cache) or generate "
-                                "(its dynamic one, auto's choice)",
+        "cache_implementation": "write grpo.generation_engine=static (transformers' static KV cache), compiled "
+                                "(the same, its decoding compiled) or generate (its dynamic one, auto's choice)",
         **dict.fromkeys(("tools", "max_tool_calling_iterations"), "not built: tool calling"),
         **dict.fromkeys(("log_unique_prompts", "log_completions_hub_repo"),
                         "write grpo.log_completions_every (samples in the run's completions.jsonl)"),
@@ -193,8 +195,8 @@ class GrpoSection(StrictModel):
 
     @property
     def engine(self) -> str:
-        """The engine generation_engine names, auto decided: generate, which the static cache does not beat on a CPU
-        (benchmarks/results/generation_engines_cpu; unmeasured on a GPU)."""
+        """The engine generation_engine names, auto decided: generate, which neither the static cache nor compiled
+        decoding beats on a CPU (benchmarks/results/generation_engines_cpu; unmeasured on a GPU)."""
         return "generate" if self.generation_engine == "auto" else self.generation_engine
 
     @model_validator(mode="after")
@@ -258,3 +260,10 @@ GRPO = ObjectiveSpec(name="grpo", runtime="training.objectives.grpo.objective:Gr
                      generation_length="grpo.max_completion_length", run_files=(COMPLETIONS_FILE,),
                      settings=GrpoSection, head_traits=head_traits, check_recipe=check_recipe,
                      refused_layouts=REFUSED_LAYOUTS)
+
+
+def prompt_width(longest: int, engine: str) -> int:
+    """The width the prompts are left-padded to: the longest one's; for compiled decoding the next power of two, since
+    each KV cache length is a graph of its own (static shapes) and dynamo stops compiling a function after
+    torch._dynamo.config.recompile_limit graphs: a few widths for every prompt length a run meets."""
+    return 1 << (longest - 1).bit_length() if engine == "compiled" else longest

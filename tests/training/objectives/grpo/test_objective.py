@@ -530,6 +530,20 @@ def test_each_rank_must_hold_whole_groups(tmp_path):
         Grpo.check(recipe, None, world_size=16)
 
 
+def test_compiled_decoding_under_zero_3_gathers_the_whole_weights(tmp_path):
+    """A compiled decoding graph cannot hold ZeRO-3's per-layer gathering hooks: the compiled engine runs at ZeRO-3
+    only with the whole weights gathered once per generation (the hooks off), and at any other stage as it is."""
+    compiled = grpo_recipe(tmp_path, "grpo.generation_engine=compiled")
+    with pytest.raises(ConfigError, match="compiled under ZeRO-3 without grpo.ds3_gather_for_generation.*set "
+                                          "grpo.ds3_gather_for_generation=true"):
+        Grpo.check(compiled, None, world_size=8, zero_stage=3)
+    for stage in (0, 1, 2):
+        Grpo.check(compiled, None, world_size=8, zero_stage=stage)
+    Grpo.check(grpo_recipe(tmp_path, "grpo.generation_engine=compiled", "grpo.ds3_gather_for_generation=true"), None,
+               world_size=8, zero_stage=3)
+    Grpo.check(grpo_recipe(tmp_path, "grpo.generation_engine=static"), None, world_size=8, zero_stage=3)
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_the_memory_plan_holds_the_reference_whole_at_zero_0_to_2_and_a_share_of_it_at_zero_3(tmp_path, precision):
     """beta > 0 without LoRA: the starting checkpoint in the trained weights' dtype (fp32 at ZeRO-0, which runs 16-bit
@@ -666,7 +680,7 @@ def test_decoding_runs_compiled_layers_eagerly_and_flex_attention_models_with_sd
         torch.manual_seed(0)
         model = LlamaForCausalLM(LlamaConfig(**shape, attn_implementation=attention)).eval()
         compile_layers(model, backend=counting_backend)
-        with decoding(model, attention):
+        with decoding(model, attention, "generate"):
             assert model.config._attn_implementation == "sdpa"
             completions[attention], _ = sample(model, prompts, [1, 2], SECTION, eos_id=2, pad_id=0, synced=False)
         assert model.config._attn_implementation == attention and not traced
