@@ -99,9 +99,9 @@ def generation(recipe: Recipe, precision: Precision, shape: ModelShape, stage: i
                                               draws, the scores it returns), 6.5 (measured 6.1-6.4), and the largest
                                               warper's more: generation_kwargs.typical_p's 8, top_p's sort 3,
                                               eta_cutoff's 3; top_k's, min_p's, top_h's, epsilon_cutoff's and the
-                                              repetition penalty's stay within the 6.5; with any of generation_kwargs' token
-                                              bans or biases, generate's processors, one more and their index over
-                                              the vocabulary, 8*V)
+                                              repetition penalty's stay within the 6.5; with any of
+                                              generation_kwargs' token bans or biases, generate's processors, one
+                                              more and their index over the vocabulary, 8*V)
       the larger of the two, plus the whole weights (P*a) under ZeRO-3 with grpo.ds3_gather_for_generation.
       With grpo.cast_lm_head_to_fp32 in a run whose weights are not fp32, each pass's fp32 copy of the head's weight
       (4*V*h) is live while the head runs: in prefill, and in decoding in place of the sampling's copies (when larger)

@@ -84,8 +84,8 @@ class GrpoSection(StrictModel):
     # graphs on a GPU; the prompts padded to a power-of-two width, a graph per width; under ZeRO-3 with
     # ds3_gather_for_generation); the three sample the same completions; vllm, a vLLM server from its own environment
     # (vllm_engine.py; the weights pushed to it before each generation that follows an optimizer step), its own
-    # seeded samples; auto: generate (side by side on a CPU the in-process engines are within 15% of each other, the
-    # compiled one the slowest: benchmarks/README.md; unmeasured on a GPU)
+    # seeded samples; auto: generate (side by side on a CPU no in-process engine is faster at every size, within
+    # 0.85-1.31x of it: benchmarks/README.md; unmeasured on a GPU)
     vllm_server_host: str | None = None  # vllm: the host of a vLLM server already running (its model of the run's
     # architecture; the run pushes its weights into it); None: train.py starts one on this machine from
     # vllm_environment, on vllm_server_port, and stops it at the end
