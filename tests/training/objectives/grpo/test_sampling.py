@@ -67,6 +67,23 @@ def test_auto_is_generate_and_each_engine_is_its_config():
     assert [prompt_width(n, engine) for n in (5, 9) for engine in ("generate", "static")] == [5, 5, 9, 9]
 
 
+def counting_backend(traced: dict, name: str):
+    """A torch.compile backend that counts the graphs it is handed under traced[name] and runs them as traced."""
+    def backend(graph, inputs):
+        traced[name] += 1
+        return graph.forward
+    return backend
+
+
+def decoding_compiled_by(backend):
+    """torch.compile as transformers' get_compiled_call calls it, with `backend` in inductor's place."""
+    real_compile = torch.compile
+
+    def compile_with(function, **options):
+        return real_compile(function, fullgraph=options["fullgraph"], dynamic=options["dynamic"], backend=backend)
+    return mock.patch("torch.compile", compile_with)
+
+
 def test_compiled_decoding_never_runs_trainings_compiled_layers(small):
     """Under `decoding` the compiled engine compiles the whole model's call (one graph for the batch's shape), and the
     layers training compiled (training/models/compile.py) are never traced from it, nor run: their own compiled calls
@@ -75,28 +92,32 @@ def test_compiled_decoding_never_runs_trainings_compiled_layers(small):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(small[0].config).eval()  # a model of its own, compiled
     traced = {"layers": 0, "decoding": 0}
-
-    def counting(name):
-        def backend(graph, inputs):
-            traced[name] += 1
-            return graph.forward
-        return backend
-    compile_layers(model, backend=counting("layers"))
-    real_compile = torch.compile
-
-    def decoding_compile(function, **options):  # transformers' get_compiled_call: our backend in inductor's place
-        return real_compile(function, fullgraph=options["fullgraph"], dynamic=options["dynamic"],
-                            backend=counting("decoding"))
+    compile_layers(model, backend=counting_backend(traced, "layers"))
     prompts, seeds = [torch.tensor([5, 6, 7]), torch.tensor([8, 9])], [1, 2]
     section = GrpoSection(max_completion_length=6)
     with decoding(model, "sdpa", "generate"):
         expected = sample(model, prompts, seeds, section, eos_id=2, pad_id=0, synced=False)[0]
-    with decoding(model, "sdpa", "compiled"), mock.patch("torch.compile", decoding_compile):
+    with decoding(model, "sdpa", "compiled"), decoding_compiled_by(counting_backend(traced, "decoding")):
         compiled = sample(model, prompts, seeds, section.model_copy(update={"generation_engine": "compiled"}),
                           eos_id=2, pad_id=0, synced=False)[0]
     assert traced == {"layers": 0, "decoding": 1} and all(map(torch.equal, expected, compiled))
     model(input_ids=torch.tensor([[5, 6]]))  # outside the generation each layer runs its own compiled call
     assert traced["layers"] >= 1
+
+
+def test_compiled_decoding_samples_a_lora_models_completions(small):
+    """A LoRA model, peft's layers inside the compiled graph as in a LoRA run's generation, samples generate's
+    completions on the compiled engine, from one graph."""
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_config(small[0].config),
+                           LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)).eval()
+    prompts, seeds, traced = [torch.tensor([5, 6, 7]), torch.tensor([8, 9])], [1, 2], {"decoding": 0}
+    section = GrpoSection(max_completion_length=6)
+    expected = sample(model, prompts, seeds, section, eos_id=2, pad_id=0, synced=False)[0]
+    with decoding(model, "sdpa", "compiled"), decoding_compiled_by(counting_backend(traced, "decoding")):
+        compiled = sample(model, prompts, seeds, section.model_copy(update={"generation_engine": "compiled"}),
+                          eos_id=2, pad_id=0, synced=False)[0]
+    assert traced == {"decoding": 1} and all(map(torch.equal, expected, compiled))
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
