@@ -1,10 +1,11 @@
 """Every workaround of upstream behaviour, in one guarded place: a module per library (torch.py, transformers.py,
-peft.py, datasets.py, datatrove.py, wandb.py, lm_eval.py; DeepSpeed's are a package, deepspeed/, a module per part of
-DeepSpeed: sequence_parallel.py, engine_step.py, zero.py, autoep.py, initialize.py, checkpoint_files.py, universal.py),
-and the only place that reads upstream's private names (tests/training/compat/test_private_names.py). Each library's
-module declares its PATCHES: what upstream does, in which version the workaround was verified, the upstream issue, the
-canary test (tests/training/compat/) that fails when the patched name disappears, when upstream stops calling it, or
-when upstream fixes the behaviour, and the tests that prove the workaround (they fail without it).
+peft.py, datasets.py, datatrove.py, wandb.py, lm_eval.py, trl.py; DeepSpeed's are a package, deepspeed/, a module per
+part of DeepSpeed: sequence_parallel.py, engine_step.py, zero.py, autoep.py, initialize.py, checkpoint_files.py,
+universal.py), and the only place that reads upstream's private names (tests/training/compat/test_private_names.py).
+Each library's module declares its PATCHES: what upstream does, in which version the workaround was verified, the
+upstream issue, the canary test (tests/training/compat/) that fails when the patched name disappears, when upstream
+stops calling it, or when upstream fixes the behaviour, and the tests that prove the workaround (they fail without
+it).
 
 check_versions, called once at start-up, warns in one line when an installed library is another version than
 the one its patches were verified for (docs/compat.md: what to do on a pin bump)."""
@@ -17,7 +18,7 @@ from importlib.machinery import ModuleSpec
 
 NO_ISSUE = "no upstream issue found"
 # each a module (or package) here, named as on PyPI (lm-eval as lm_eval, the name it is imported by)
-LIBRARIES = ("torch", "deepspeed", "transformers", "peft", "datasets", "datatrove", "wandb", "lm_eval")
+LIBRARIES = ("torch", "deepspeed", "transformers", "peft", "datasets", "datatrove", "wandb", "lm_eval", "trl")
 
 
 @dataclass(frozen=True)

@@ -388,6 +388,8 @@ def recipe_inputs(recipe: Recipe) -> list[Path]:
     for source in data.sources + data.eval.sources:
         paths += matching_files(source.path) if source.path else []
     paths += [spec.local_model for spec in data.filters]
+    spec = recipe.training.spec
+    paths += spec.input_paths(getattr(recipe, spec.name)) if spec.input_paths else []
     return [Path(path) for path in paths if path and Path(path).exists()]
 
 

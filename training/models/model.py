@@ -193,12 +193,14 @@ def weights_digest(name_or_path: str) -> str | None:
 
 
 def from_checkpoint(recipe: Recipe, config: PretrainedConfig, ds_config: dict, dtype: torch.dtype,
-                    **options) -> PreTrainedModel:
-    """The checkpoint at model.name_or_path with `config`, the run's attention and trust_remote_code, in `dtype`;
-    under a ZeRO-3 `ds_config` loaded inside zero.Init (build_model's docstring), partitioned over the ranks."""
+                    name_or_path: str | None = None, **options) -> PreTrainedModel:
+    """The checkpoint at `name_or_path` (default model.name_or_path) with `config`, the run's attention and
+    trust_remote_code, in `dtype`; under a ZeRO-3 `ds_config` loaded inside zero.Init (build_model's docstring),
+    partitioned over the ranks."""
     zero3 = HfDeepSpeedConfig(ds_config) if zero_stage(ds_config) == 3 else None  # noqa: F841 (held by a weak reference)
     return AutoModelForCausalLM.from_pretrained(
-        recipe.model.name_or_path, config=config, dtype=dtype, trust_remote_code=recipe.model.trust_remote_code,
+        name_or_path or recipe.model.name_or_path, config=config, dtype=dtype,
+        trust_remote_code=recipe.model.trust_remote_code,
         attn_implementation=attention_for(recipe.model.attn_implementation, config, on_gpu=device_type() == "cuda"),
         **options)
 

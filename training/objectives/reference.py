@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
+from transformers import PretrainedConfig
 
 from training.base.errors import ConfigError
 from training.models.model import from_checkpoint
@@ -59,15 +60,23 @@ def load_reference(plan: RunPlan, engine: deepspeed.DeepSpeedEngine) -> torch.nn
     weights from every rank: so every rank must run it together, which they do (each rank's GRPO generation makes the
     same number of micro-batches, as many completions over the same micro_batch_size; each rank's DPO step and
     evaluation as many micro-batches of pairs, padded where short)."""
+    return load_frozen(plan, engine, plan.recipe.model.name_or_path, plan.model_config)
+
+
+def load_frozen(plan: RunPlan, engine: deepspeed.DeepSpeedEngine, name_or_path: str,
+                config: PretrainedConfig) -> torch.nn.Module:
+    """The checkpoint at `name_or_path`, of `config`, frozen beside the trained model as load_reference holds the
+    reference (a distill run's teacher too): a copy on each rank at ZeRO 0-2, partitioned and run by an engine of
+    its own under ZeRO-3."""
     zero3 = engine.zero_optimization_stage() == 3
-    config = reference_ds_config(plan.ds_config) if zero3 else plan.ds_config
-    model = from_checkpoint(plan.recipe, plan.model_config, config, next(engine.module.parameters()).dtype)
+    ds_config = reference_ds_config(plan.ds_config) if zero3 else plan.ds_config
+    model = from_checkpoint(plan.recipe, config, ds_config, next(engine.module.parameters()).dtype, name_or_path)
     model.requires_grad_(False)
     if not zero3:
         return model.to(engine.device).eval()
-    reference, *_ = deepspeed.initialize(model=model, config=config)
-    reference.eval()  # DeepSpeedEngine.eval returns None
-    return reference
+    frozen, *_ = deepspeed.initialize(model=model, config=ds_config)
+    frozen.eval()  # DeepSpeedEngine.eval returns None
+    return frozen
 
 
 def weights(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:

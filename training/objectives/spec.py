@@ -17,6 +17,10 @@ class HeadTraits:
     # log-probabilities, one more [tokens, vocabulary] fp32 tensor
     fp32_head: bool = False  # the head computes in fp32 in a run of lower precision: its input saved in fp32 and
     # its logits made in fp32, beside an fp32 copy of its weight
+    divergence_tile: tuple[int, int] | None = None  # the loss projects the head, and another model's beside it, over
+    # tiles of (tokens, vocabulary entries) in fp32, in the forward pass and again in the backward (distill: TRL's
+    # chunked divergence), from a copy of the target tokens' hidden states: no logits saved; two fp32 tiles and the
+    # fp32 gradients of the hidden states and of the head's weight live
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,8 @@ class ObjectiveSpec:
     # memory plan; None: nothing
     check_recipe: Callable[[Any], None] | None = None  # its section against the rest of the validated recipe: raises
     # ValueError (reported as the recipe's problem); may fill the data section's settings that follow from it
+    input_paths: Callable[[Any], list[str | None]] | None = None  # its section -> the checkpoints it reads beside
+    # the model's (a teacher, reward models), which no output may hold or go inside (recipe_inputs)
     refused_layouts: dict[str, str] = field(default_factory=dict)  # a parallel degree (parallelism.<key>) -> why
     # the objective does not run with it above 1; a degree absent runs (training/parallel/support.py's table)
 

@@ -157,7 +157,10 @@ def activation_bytes(shape: ModelShape, inputs: ActivationInputs) -> Activations
     (entropy_gradient) keeps the fp32 probabilities beside the log-probabilities for its gradient; an fp32 head
     (fp32_head) in a bf16 run saves its input in fp32 (in place of the run dtype's) and an fp32 copy of its weight
     (4*V*h, once per micro-batch; none needed at ZeRO-0, whose weights are fp32: an upper bound there), and makes
-    the logits in fp32 from the start, without the run-dtype logits beside their fp32 copy. An objective that reads
+    the logits in fp32 from the start, without the run-dtype logits beside their fp32 copy. A loss over tiles of
+    both models' logits (divergence_tile, distill) saves no logits but a copy of the hidden states it projects, and
+    holds two fp32 tiles, then the fp32 gradients of the hidden states and of the head's weight and their casts to the
+    run's dtype (an upper bound: every token a target). An objective that reads
     statistics of the logits without a gradient (statistics_chunk_tokens) holds 12 bytes per token and vocabulary
     entry (the fp32 logits, and each logsumexp's) of one chunk of that many tokens at a time."""
     tokens, seq_len, a = inputs.tokens, inputs.seq_len, inputs.dtype_bytes
@@ -181,6 +184,10 @@ def activation_bytes(shape: ModelShape, inputs: ActivationInputs) -> Activations
     elif with_head and inputs.fused_loss:
         outside -= (a + 8) * vocab + 8  # and the loss's int64 targets; the gradient a*h takes the head input's place
         transient = max(transient, min(tokens, CHUNK_TOKENS) * 2 * a * vocab + (4 + a) * vocab * h)
+    elif with_head and head.divergence_tile:
+        rows, columns = head.divergence_tile
+        outside -= (a + 8) * vocab + 8 - a * h  # no logits; the target tokens' hidden states copied for the loss
+        transient = max(transient, 2 * min(tokens, rows) * columns * 4 + (4 + a) * (tokens + vocab) * h)
     if with_head and head.fp32_head and a < 4:
         outside += (4 - a) * h - a * vocab
         transient += 4 * vocab * h

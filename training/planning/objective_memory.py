@@ -17,8 +17,8 @@ from training.planning.shape import ModelShape
 @dataclass(frozen=True)
 class ObjectiveMemory:
     """What an objective's memory term (its spec's `memory`) returns: bytes per rank, and what a checkpoint holds."""
-    reference: float = 0.0  # the frozen reference model: on the device, or in the nodes' memory where ZeRO-3
-    # offloads the parameters
+    reference: float = 0.0  # the frozen reference model (distill: the teacher): on the device, or in the nodes'
+    # memory where ZeRO-3 offloads the parameters
     reward_models: float = 0.0  # on the device
     generation: float = 0.0  # between the steps, in place of the activations
     saved_reference: float = 0.0  # the synced reference each checkpoint holds, whole (reference.safetensors)

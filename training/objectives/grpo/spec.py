@@ -247,6 +247,10 @@ def head_traits(grpo: GrpoSection) -> HeadTraits:
 COMPLETIONS_FILE = "completions.jsonl"  # in the output folder: samples of prompts, completions and rewards
 # (training/objectives/grpo/objective.py)
 
+def input_paths(section: GrpoSection) -> list[str | None]:
+    return [reward.model for reward in section.rewards]
+
+
 REFUSED_LAYOUTS = {  # the parallel degrees GRPO does not run with (training/parallel/support.py)
     "pipeline_stages": "generation runs the whole model on each rank",
     "tensor_parallel": "not built",
@@ -259,7 +263,7 @@ GRPO = ObjectiveSpec(name="grpo", runtime="training.objectives.grpo.objective:Gr
                      examples="prompts", memory="training.objectives.grpo.memory:grpo_memory",
                      generation_length="grpo.max_completion_length", run_files=(COMPLETIONS_FILE,),
                      settings=GrpoSection, head_traits=head_traits, check_recipe=check_recipe,
-                     refused_layouts=REFUSED_LAYOUTS)
+                     input_paths=input_paths, refused_layouts=REFUSED_LAYOUTS)
 
 
 def prompt_width(longest: int, engine: str) -> int:

@@ -1,0 +1,48 @@
+"""distill's memory beside the trained model's states, estimated before a run (its spec's `memory`, distill_memory):
+the frozen teacher. Plan-time code, at the planning layer (tests/test_import_order.py); the teacher's config, which
+the plan and the run's checks read, is read here."""
+from functools import cache
+
+from transformers import AutoConfig, PretrainedConfig
+
+from training.base.errors import ConfigError
+from training.config.precision import Precision
+from training.config.recipe import Recipe
+from training.planning.objective_memory import ObjectiveMemory
+from training.planning.precision import weights_dtype
+from training.planning.shape import ModelShape, model_shape
+
+
+@cache
+def teacher_config(name_or_path: str, trust_remote_code: bool) -> PretrainedConfig:
+    """The teacher's architecture (its config.json), without a KV cache: with one, transformers stops deriving each
+    packed document's attention mask from position_ids (training/models/model.py, load_model_config)."""
+    try:
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"distill.teacher_model_name_or_path={name_or_path}: cannot read a model config from it "
+                          f"({error}); point it at a checkpoint written by save_pretrained, or a hub id") from None
+    config.use_cache = False
+    return config
+
+
+@cache
+def teacher_shape(name_or_path: str, trust_remote_code: bool) -> ModelShape:
+    return model_shape(teacher_config(name_or_path, trust_remote_code))
+
+
+def teacher_bytes(recipe: Recipe, precision: Precision, stage: int, ranks: int) -> float:
+    """The teacher per rank (training/objectives/distill/teacher.py): frozen, in the trained weights' dtype
+    (weights_dtype: fp32 at ZeRO-0, where 16-bit precision is torch autocast), a full copy on each rank at ZeRO 0-2;
+    at ZeRO-3 partitioned over the `ranks` ranks, and its head's weight whole on each, which the loss reads beside
+    the student's (on the device, also where ZeRO-3 offloads the parameters)."""
+    shape = teacher_shape(recipe.distill.teacher_model_name_or_path, recipe.model.trust_remote_code)
+    itemsize = weights_dtype(precision, stage).itemsize
+    if stage != 3:
+        return shape.parameters * itemsize
+    return shape.parameters * itemsize / ranks + shape.vocab_size * shape.hidden_size * itemsize
+
+
+def distill_memory(recipe: Recipe, precision: Precision, shape: ModelShape, stage: int, ranks: int) -> ObjectiveMemory:
+    """What distill holds per rank beside the trained model at ZeRO `stage` over `ranks` ranks: its teacher."""
+    return ObjectiveMemory(reference=teacher_bytes(recipe, precision, stage, ranks))
