@@ -82,7 +82,9 @@ def distilling(model: PreTrainedModel) -> None:
                 teacher: Teacher | None = None, hidden_only: bool = False,
                 num_items_in_batch: float | torch.Tensor | None = None, **kwargs):
         if teacher is None and not hidden_only:
-            return own_forward(input_ids=input_ids, labels=labels, num_items_in_batch=num_items_in_batch, **kwargs)
+            if num_items_in_batch is not None:
+                kwargs["num_items_in_batch"] = num_items_in_batch
+            return own_forward(input_ids=input_ids, labels=labels, **kwargs)
         hidden = self.base_model(input_ids=input_ids, **kwargs).last_hidden_state
         if hidden_only:
             return hidden

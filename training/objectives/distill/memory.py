@@ -8,6 +8,8 @@ from transformers import AutoConfig, PretrainedConfig
 from training.base.errors import ConfigError
 from training.config.precision import Precision
 from training.config.recipe import Recipe
+from training.objectives.distill.spec import samples, sampling_section
+from training.objectives.grpo.memory import generation
 from training.planning.objective_memory import ObjectiveMemory
 from training.planning.precision import weights_dtype
 from training.planning.shape import ModelShape, model_shape
@@ -43,6 +45,22 @@ def teacher_bytes(recipe: Recipe, precision: Precision, stage: int, ranks: int) 
     return shape.parameters * itemsize / ranks + shape.vocab_size * shape.hidden_size * itemsize
 
 
+def sampling_bytes(recipe: Recipe, precision: Precision, shape: ModelShape, stage: int, ranks: int) -> float:
+    """A step's sampling (training/objectives/distill/on_policy.py) per rank, GRPO's generation rule
+    (grpo/memory.py, generation) for the rank's rows at once, each a prompt as long as a row and max_new_tokens more
+    (an upper bound), by the student (lmbda > 0) and by the teacher (seq_kd), the larger; 0 where none samples."""
+    section = recipe.distill
+    if not samples(section):
+        return 0.0
+    data = recipe.data.model_copy(update={"seq_len": recipe.data.seq_len + section.max_new_tokens})
+    as_generation = recipe.model_copy(update={"grpo": sampling_section(section), "data": data})
+    shapes = [shape] * (section.lmbda > 0) + [teacher_shape(section.teacher_model_name_or_path,
+                                                            recipe.model.trust_remote_code)] * section.seq_kd
+    return max(generation(as_generation, precision, sampler, stage, ranks).total for sampler in shapes)
+
+
 def distill_memory(recipe: Recipe, precision: Precision, shape: ModelShape, stage: int, ranks: int) -> ObjectiveMemory:
-    """What distill holds per rank beside the trained model at ZeRO `stage` over `ranks` ranks: its teacher."""
-    return ObjectiveMemory(reference=teacher_bytes(recipe, precision, stage, ranks))
+    """What distill holds per rank beside the trained model at ZeRO `stage` over `ranks` ranks: its teacher, and
+    between the steps what its sampling takes."""
+    return ObjectiveMemory(reference=teacher_bytes(recipe, precision, stage, ranks),
+                           generation=sampling_bytes(recipe, precision, shape, stage, ranks))

@@ -14,14 +14,18 @@ import torch
 from transformers import PretrainedConfig
 
 from data_pipeline.loader import EvalBatches, model_inputs
+from data_pipeline.prepare import pad_token_id
 from training.base.errors import ConfigError
 from training.config.recipe import Recipe
 from training.models.model import disable_dropout
 from training.objectives.distill.loss import Teacher, distilling, target_mask
-from training.objectives.distill.memory import teacher_bytes, teacher_shape
+from training.objectives.distill.memory import sampling_bytes, teacher_bytes, teacher_shape
+from training.objectives.distill.on_policy import SeededRows, sample_sequences
+from training.objectives.distill.spec import samples
 from training.objectives.distill.teacher import TeacherModel
 from training.objectives.distill.vocabulary import check_vocabulary
 from training.objectives.lm.objective import LanguageModel
+from training.objectives.reference import partitioned
 from training.parallel import distributed
 from training.planning.ds_config import params_offloaded
 from training.planning.plan import RunPlan
@@ -39,13 +43,14 @@ def divergence_name(beta: float) -> str:
 class Distill(LanguageModel):
     """training.objective=distill: packed rows, the teacher beside the student, the divergence as the loss."""
     name = "distill"
-    carried = ("eval_", "divergence", "entropy", "lm_loss")
+    carried = ("eval_", "divergence", "entropy", "lm_loss", "sampled/")
 
     def __init__(self, plan: RunPlan):
         super().__init__(plan)
         self.section = plan.recipe.distill
         self.teacher: TeacherModel | None = None
         self.sums: list[torch.Tensor] = []
+        self.sampled: dict[str, int] = {}  # the rank's rows of the step, and how many each model completed
 
     @staticmethod
     def check(recipe: Recipe, model_config: PretrainedConfig | None, world_size: int | None = None,
@@ -80,12 +85,22 @@ class Distill(LanguageModel):
             place = (f"frozen, partitioned over the {plan.dims.dp_size} ranks by ZeRO-3, {where}, and its head's "
                      f"weight whole on each: {per_rank} per rank")
         mixed = f" + {section.lm_loss_weight:g} x the next-token loss" if section.lm_loss_weight else ""
+        sampled = []
+        if samples(section):
+            others = "by the teacher (seq_kd)" if section.seq_kd else "the data's"
+            memory = sampling_bytes(recipe, plan.precision, plan.shape, plan.zero_stage, plan.dims.dp_size)
+            sampled = [f"sampled: each conversation's completion with probability {section.lmbda:g} the student's "
+                       f"(on-policy), the others {others}, at temperature {section.temperature:g}, up to "
+                       f"{section.max_new_tokens} new tokens, a batch per model and rank each step (GRPO's sampling, "
+                       f"transformers' generate): {format_bytes(memory)} per rank between the steps (in the memory "
+                       f"table's peak where larger than the activations)"]
         return [*LanguageModel.describe(plan),
                 f"distill: {divergence_name(section.beta)} at temperature {section.temperature:g}{mixed}, over the "
                 f"target tokens (a chat's completion tokens, every token of a document), both heads projected in "
                 f"fp32 tiles of TRL's chunked divergence",
                 f"teacher: {path}: {shape.parameters:,} parameters, {place}; one forward pass per micro-batch without "
-                f"gradients ({2 * shape.parameters:.3e} FLOPs per token more than the training FLOPs below)"]
+                f"gradients ({2 * shape.parameters:.3e} FLOPs per token more than the training FLOPs below)",
+                *sampled]
 
     def start(self, engine: deepspeed.DeepSpeedEngine, batches, evaluation, resume: bool) -> None:
         """The student's dropout off (distill.disable_dropout), its forward the distilling one, the teacher loaded."""
@@ -94,6 +109,27 @@ class Distill(LanguageModel):
         module = engine.module
         distilling(module.get_base_model() if hasattr(module, "get_base_model") else module)
         self.teacher = TeacherModel(self.plan, engine)
+
+    def batches(self, prepared, rank: int) -> tuple[SeededRows, EvalBatches | None]:
+        """The rows as an lm run's, each micro-batch with its rows' indices and the data position, which seed the
+        sampled sequences (on_policy.py)."""
+        steps, evaluation = super().batches(prepared, rank)
+        plan, training = self.plan, self.plan.recipe.training
+        return SeededRows(prepared["train"], training.micro_batch_size, plan.accumulation_steps, rank,
+                          plan.dims.dp_size, training.seed), evaluation
+
+    def step_batches(self, engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict]) -> list[dict]:
+        """With distill.lmbda > 0 or seq_kd, the drawn rows' completions sampled by the student or the teacher."""
+        if not samples(self.section):
+            return micro_batches
+        teacher = self.teacher.model
+        models = {"student": engine.module, "teacher": teacher.module if partitioned(teacher) else teacher}
+        tokenizer = self.plan.tokenizer
+        batches, self.sampled = sample_sequences(
+            micro_batches, self.section, self.plan.recipe.training.seed, models, engine.zero_optimization_stage() == 3,
+            self.plan.recipe.model.attn_implementation, tokenizer.eos_token_id, pad_token_id(tokenizer))
+        self.sampled["rows"] = sum(len(batch["row"]) for batch in micro_batches)
+        return batches
 
     def start_step(self, micro_batches: list[dict]) -> None:
         self.sums = []
@@ -121,9 +157,17 @@ class Distill(LanguageModel):
         return divergence / tokens, entropy / tokens, next_token / tokens
 
     def metrics(self) -> dict:
+        """The token means, and with sampling the shares of the step's rows (every rank's) that the student and the
+        teacher completed (sampled/student, sampled/teacher)."""
         divergence, entropy, next_token = self.token_means()
+        shares = {}
+        if self.sampled:
+            student, teacher, rows = distributed.all_reduce_on_host(
+                [self.sampled["student"], self.sampled["teacher"], self.sampled["rows"]])
+            shares = {"sampled/student": student / rows, **({"sampled/teacher": teacher / rows}
+                                                            if self.section.seq_kd else {})}
         return {"divergence": divergence, "entropy": entropy,
-                **({"lm_loss": next_token} if self.section.lm_loss_weight else {})}
+                **({"lm_loss": next_token} if self.section.lm_loss_weight else {}), **shares}
 
     def evaluate(self, engine: deepspeed.DeepSpeedEngine, evaluation: EvalBatches, shard: tuple[int, int]) -> dict:
         """The held-out rows' next-token loss and divergence, token means over every rank's rows."""
@@ -140,6 +184,7 @@ class Distill(LanguageModel):
 
     def console(self, record: dict) -> str:
         return ((f"  divergence {record['divergence']:.4f}" if "divergence" in record else "")
+                + (f"  on-policy {record['sampled/student']:.0%}" if "sampled/student" in record else "")
                 + (f"  eval divergence {record['eval_divergence']:.4f}" if "eval_divergence" in record else "")
                 + super().console(record))
 

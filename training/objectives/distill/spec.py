@@ -5,6 +5,7 @@ from typing import ClassVar
 from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt
 
 from training.base.schema import HubIdOrPath, StrictModel
+from training.objectives.grpo.spec import GrpoSection
 from training.objectives.spec import TRL_SHARED_NAMES, HeadTraits, ObjectiveSpec
 
 # TRL's ChunkedDivergenceFunction projects both heads over (tokens, vocabulary entries) tiles of this size, two fp32
@@ -45,10 +46,32 @@ def check_recipe(recipe) -> None:
     if section.teacher_model_name_or_path is None:
         raise ValueError("distill.teacher_model_name_or_path is not set: name the teacher, a causal LM checkpoint "
                          "with the student's tokenizer (a local folder or a hub id)")
-    if section.lmbda > 0 or section.seq_kd:
-        raise ValueError(f"distill.lmbda={section.lmbda:g} (the student's own samples) and distill.seq_kd (the "
-                         f"teacher's) are not built yet: set distill.lmbda=0 and seq_kd=false to distill on the "
-                         f"data's tokens")
+    if not samples(section):
+        return
+    data, why = recipe.data, f"distill.lmbda={section.lmbda:g}" if section.lmbda else "distill.seq_kd"
+    documents = [index for index, source in enumerate(data.sources) if source.messages_field is None]
+    if documents:
+        raise ValueError(f"{why} samples completions of the data's prompts, and data.sources[{documents[0]}] holds "
+                         f"documents (text_field), which have none: give chat data (messages_field), or set "
+                         f"distill.lmbda=0 and seq_kd=false to distill on the documents' tokens")
+    if data.packing != "none":
+        raise ValueError(f"{why} replaces a conversation's completion with a sample of another length: set "
+                         f"data.packing=none (a row per conversation), or distill.lmbda=0 and seq_kd=false")
+    if section.max_new_tokens >= data.seq_len:
+        raise ValueError(f"distill.max_new_tokens={section.max_new_tokens} leaves no room for a prompt in a row of "
+                         f"data.seq_len={data.seq_len}: lower it")
+
+
+def samples(section: DistillSection) -> bool:
+    """Whether a step samples sequences (on-policy, or the teacher's with seq_kd)."""
+    return section.lmbda > 0 or section.seq_kd
+
+
+def sampling_section(section: DistillSection) -> GrpoSection:
+    """GRPO's sampling settings for distill's samples (training/objectives/distill/on_policy.py): GKD's temperature
+    and max_new_tokens, no top-k or top-p; every rank decoding together under ZeRO-3, its weights partitioned."""
+    return GrpoSection(temperature=section.temperature, max_completion_length=section.max_new_tokens,
+                       ds3_gather_for_generation=False)
 
 
 def head_traits(section: DistillSection) -> HeadTraits:
