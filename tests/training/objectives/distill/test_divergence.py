@@ -110,3 +110,25 @@ def test_without_a_teacher_each_forward_is_the_models_own():
     torch.testing.assert_close(output.logits, expected.logits)
     hidden = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], hidden_only=True)
     torch.testing.assert_close(F.linear(hidden, model.lm_head.weight), expected.logits)
+
+
+def test_a_lora_student_distills_through_its_adapters():
+    """peft's model around the student (distilling patched on the model inside it, as the run does): the loss and
+    the adapters' gradients are TRL's on the whole logits; the frozen head takes none."""
+    from peft import LoraConfig, get_peft_model
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    student, teacher, batch = get_peft_model(tiny(1), config), tiny(2), rows()
+    expected = trl_loss(student, teacher, batch, 0.5, 0.9)
+    expected.backward()
+    expected_grads = {name: p.grad.clone() for name, p in student.named_parameters() if p.requires_grad}
+    student.zero_grad()
+    distilling(student.get_base_model())
+    distilling(teacher)
+    output = distilled_loss(student, teacher, batch, 0.5, 0.9)
+    output.loss.backward()
+    torch.testing.assert_close(output.loss, expected, rtol=1e-5, atol=1e-7)
+    for name, parameter in student.named_parameters():
+        if parameter.requires_grad:
+            torch.testing.assert_close(parameter.grad, expected_grads[name], rtol=1e-4,
+                                       atol=1e-5 * expected_grads[name].abs().max().item())
+    assert student.get_base_model().lm_head.weight.grad is None
