@@ -1,7 +1,8 @@
-"""Every shipped model recipe (tiny_llama and tiny_llama_sft have tests of their own; tiny_llama_dpo, which starts
-from tiny_llama_sft's export, has its own below): its config.json is the published architecture, its model family
-keeps attention inside each document of a packed row, its full-size plan fits the hardware it is written for, and
-the recipe itself trains on CPU with the model shrunk and local data in place of the hub."""
+"""Every shipped model recipe (tiny_llama and tiny_llama_sft have tests of their own, tiny_llama_distill in
+tests/training/objectives/distill/; tiny_llama_dpo, which starts from tiny_llama_sft's export, has its own below):
+its config.json is the published architecture, its model family keeps attention inside each document of a packed row,
+its full-size plan fits the hardware it is written for, and the recipe itself trains on CPU with the model shrunk and
+local data in place of the hub."""
 import importlib.util
 import json
 import math
@@ -20,7 +21,7 @@ from training.models.attention import attention_for
 from training.models.model import load_model_config
 
 RECIPES = [name for name in available_recipes()
-           if name not in ("tiny_llama", "tiny_llama_sft", "tiny_llama_dpo", "tiny_llama_grpo")]
+           if name not in ("tiny_llama", "tiny_llama_sft", "tiny_llama_dpo", "tiny_llama_grpo", "tiny_llama_distill")]
 
 # Parameter counts of the published checkpoints (tied embeddings counted once).
 PUBLISHED_PARAMETERS = {

@@ -93,6 +93,16 @@ def test_the_dry_run_shows_the_teacher_and_the_sampling(models, no_model_buildin
     assert "sampled: each conversation's completion with probability 0.5 the student's" in result.stdout
 
 
+def test_the_recipe_plans_with_its_teacher(models, no_model_building):
+    """tiny_llama_distill's plan, its teacher (tiny_llama's export, which a fresh checkout has not trained yet) in
+    place: the student from config, the forward KL, no sampling over documents."""
+    result = train_in_process(["--recipe", "tiny_llama_distill",
+                               f"distill.teacher_model_name_or_path={models / 'teacher'}", "--dry-run"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "distill: forward KL(teacher || student) (beta 0) at temperature 1" in result.stdout
+    assert "1,411,712 parameters" in result.stdout and "sampled:" not in result.stdout
+
+
 def rows_of(count: int) -> dict:
     """Rows of one conversation each: a 3-token prompt, a 4-token completion (the targets), padding."""
     input_ids = torch.arange(10, 10 + count * 12).reshape(count, 12)
