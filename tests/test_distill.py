@@ -8,7 +8,8 @@ seeds (on_policy.py: the sampling itself is GRPO's, proven against generate in i
 - 1 rank, ZeRO-1, 4 steps: the uninterrupted curve, against the loop;
 - 2 ranks, ZeRO-3 (the teacher partitioned, its head gathered once), activation checkpointing, checkpoints every 2
   steps, SIGKILLed in the middle of step 4's save, so `latest` stays at step 2; then resumed on 1 rank with ZeRO-2
-  (another layout: through a universal checkpoint) to step 4.
+  (another layout: through a universal checkpoint) to step 4;
+- 2 ranks, ZeRO-3 with CPU offload, LoRA on the student, 4 steps: against the loop with the same adapters.
 Tolerance (fp32; the engine sums the same terms in another order): 1e-5 absolute on the steps' losses, divergences
 and the held-out loss and divergence at steps 2 and 4; the samples are the same tokens.
 """
@@ -20,12 +21,15 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
+from peft import get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl.experimental.gkd import GKDTrainer
 
 from tests.conftest import REPO, run_train, save_small_checkpoint
+from training.config.recipe import LoraSection
 from training.objectives.distill.on_policy import sample_sequences
 from training.objectives.distill.spec import DistillSection
+from training.planning.shape import lora_config
 
 pytestmark = pytest.mark.slow
 
@@ -56,12 +60,19 @@ def losses(student, teacher, batch: dict) -> tuple[torch.Tensor, float, float]:
     return divergence + LM_WEIGHT * next_token, divergence.item(), next_token.item()
 
 
-def reference_loop(folder: Path) -> list[dict]:
+def reference_loop(folder: Path, lora: bool = False) -> list[dict]:
+    """Each step's loss and divergence, and the held-out loss and divergence at steps 2 and 4 (after the update);
+    lora: the student's adapters (the run's LoRA settings, seeded as training/models/lora.py seeds them) trained."""
     rows = prepared(folder / "cache")
     tokenizer = AutoTokenizer.from_pretrained(folder / "student")
-    student = AutoModelForCausalLM.from_pretrained(folder / "student", use_cache=False).train()
+    student = AutoModelForCausalLM.from_pretrained(folder / "student", use_cache=False)
+    if lora:
+        torch.manual_seed(SEED)
+        student = get_peft_model(student, lora_config(LoraSection(enabled=True)))
+    student.train()
     teacher = AutoModelForCausalLM.from_pretrained(folder / "teacher", use_cache=False).eval()
-    optimizer = torch.optim.AdamW(student.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=LR, betas=(0.9, 0.95),
+                                  eps=1e-8, weight_decay=0.0)
     section = DistillSection(teacher_model_name_or_path="teacher", beta=BETA, temperature=TEMPERATURE, lmbda=0.5,
                              seq_kd=True, max_new_tokens=NEW_TOKENS, lm_loss_weight=LM_WEIGHT)
     train, held_out = rows["train"][:], rows["eval"][:]
@@ -101,7 +112,7 @@ def runs(tmp_path_factory) -> dict:
               "training.schedule=constant", "training.warmup_steps=0", "training.grad_clip=0",
               "training.eval_every_steps=2", "logging.every_steps=1", "precision=fp32", "logging.report_to=[]",
               f"training.max_steps={STEPS}"]
-    whole, killed, resumed = (folder / name for name in ("whole", "killed", "resumed"))
+    whole, killed, resumed, lora = (folder / name for name in ("whole", "killed", "resumed", "lora"))
     result = run_train(["--output-dir", str(whole), *common, "deepspeed.config=zero1"], ranks=1)
     assert result.returncode == 0, result.stderr[-3000:]
     result = run_train(["--kill-after-deepspeed-save", "4", "--output-dir", str(killed), *common,
@@ -111,7 +122,11 @@ def runs(tmp_path_factory) -> dict:
     shutil.copytree(killed, resumed)
     result = run_train(["--output-dir", str(resumed), "--resume", *common, "deepspeed.config=zero2"], ranks=1)
     assert result.returncode == 0, result.stderr[-3000:]
-    return {"folder": folder, "whole": metrics(whole), "killed": metrics(killed), "resumed": metrics(resumed)}
+    result = run_train(["--output-dir", str(lora), *common, "deepspeed.config=zero3_offload", "lora.enabled=true"],
+                       ranks=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {"folder": folder, "whole": metrics(whole), "killed": metrics(killed), "resumed": metrics(resumed),
+            "lora": metrics(lora)}
 
 
 def close(run: list[dict], expected: list[dict], steps) -> None:
@@ -136,3 +151,9 @@ def test_zero3_on_two_ranks_and_a_resume_in_another_layout_stay_on_the_curve(run
     curve; killed in step 4's save and resumed from step 2 on 1 rank with ZeRO-2, steps 3-4 of it."""
     close(runs["killed"], runs["whole"], (1, 2))
     close(runs["resumed"], runs["whole"], (3, 4))
+
+
+def test_a_lora_student_under_zero3_with_offload_is_the_loops(runs):
+    """LoRA on the student, 2 ranks, ZeRO-3 with the parameters and optimizer offloaded to CPU (the teacher
+    partitioned and offloaded as the student): the loop's curve with the same adapters."""
+    close(runs["lora"], reference_loop(runs["folder"], lora=True), range(1, STEPS + 1))
