@@ -9,9 +9,12 @@ seeds (on_policy.py: the sampling itself is GRPO's, proven against generate in i
 - 2 ranks, ZeRO-3 (the teacher partitioned, its head gathered once), activation checkpointing, checkpoints every 2
   steps, SIGKILLed in the middle of step 4's save, so `latest` stays at step 2; then resumed on 1 rank with ZeRO-2
   (another layout: through a universal checkpoint) to step 4;
-- 2 ranks, ZeRO-3 with CPU offload, LoRA on the student, 4 steps: against the loop with the same adapters.
+- 2 ranks, ZeRO-3 with CPU offload, LoRA on the student, 4 steps: against the loop with the same adapters;
+- 1 rank, ZeRO-0, offline (lmbda 0) at temperature 1, one micro-batch of all 8 rows a step: against TRL's GKDTrainer
+  itself on the same rows (its loss takes temperature 1), step by step.
 Tolerance (fp32; the engine sums the same terms in another order): 1e-5 absolute on the steps' losses, divergences
-and the held-out loss and divergence at steps 2 and 4; the samples are the same tokens.
+and the held-out loss and divergence at steps 2 and 4; the samples are the same tokens; against GKDTrainer 1e-5
+relative (its divergence in fp32 from the whole logits, ours from TRL's fp32 tiles).
 """
 import json
 import math
@@ -112,7 +115,8 @@ def runs(tmp_path_factory) -> dict:
               "training.schedule=constant", "training.warmup_steps=0", "training.grad_clip=0",
               "training.eval_every_steps=2", "logging.every_steps=1", "precision=fp32", "logging.report_to=[]",
               f"training.max_steps={STEPS}"]
-    whole, killed, resumed, lora = (folder / name for name in ("whole", "killed", "resumed", "lora"))
+    whole, killed, resumed, lora, offline = (folder / name for name in ("whole", "killed", "resumed", "lora",
+                                                                         "offline"))
     result = run_train(["--output-dir", str(whole), *common, "deepspeed.config=zero1"], ranks=1)
     assert result.returncode == 0, result.stderr[-3000:]
     result = run_train(["--kill-after-deepspeed-save", "4", "--output-dir", str(killed), *common,
@@ -125,8 +129,12 @@ def runs(tmp_path_factory) -> dict:
     result = run_train(["--output-dir", str(lora), *common, "deepspeed.config=zero3_offload", "lora.enabled=true"],
                        ranks=2)
     assert result.returncode == 0, result.stderr[-3000:]
+    gkd = ["distill.lmbda=0", "distill.seq_kd=false", "distill.temperature=1", "distill.lm_loss_weight=0",
+           "training.micro_batch_size=8", "training.betas=[0.9,0.999]"]  # GKDTrainer's loss, one micro-batch a step
+    result = run_train(["--output-dir", str(offline), *common, *gkd, "deepspeed.config=zero0"], ranks=1)
+    assert result.returncode == 0, result.stderr[-3000:]
     return {"folder": folder, "whole": metrics(whole), "killed": metrics(killed), "resumed": metrics(resumed),
-            "lora": metrics(lora)}
+            "lora": metrics(lora), "offline": metrics(offline)}
 
 
 def close(run: list[dict], expected: list[dict], steps) -> None:
@@ -157,3 +165,41 @@ def test_a_lora_student_under_zero3_with_offload_is_the_loops(runs):
     """LoRA on the student, 2 ranks, ZeRO-3 with the parameters and optimizer offloaded to CPU (the teacher
     partitioned and offloaded as the student): the loop's curve with the same adapters."""
     close(runs["lora"], reference_loop(runs["folder"], lora=True), range(1, STEPS + 1))
+
+
+def gkd_trainer_losses(folder: Path) -> list[float]:
+    """TRL's GKDTrainer on the rows the runs trained on (right-padded with their attention mask), offline (lmbda 0),
+    beta 0.5, its loss at temperature 1, the same optimizer: each step's logged loss."""
+    from trl.experimental.gkd import GKDConfig
+
+    from tests.helpers.trl_state import left_as_found
+    rows = prepared(folder / "cache")["train"][:]
+    train = datasets.Dataset.from_dict({name: rows[name].tolist() for name in ("input_ids", "labels", "length")})
+
+    def collate(examples: list[dict]) -> dict:
+        ids = torch.tensor([example["input_ids"] for example in examples])
+        mask = (torch.arange(ids.shape[1])[None] < torch.tensor([e["length"] for e in examples])[:, None]).long()
+        return {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([e["labels"] for e in examples])}
+    config = GKDConfig(output_dir=str(folder / "trl"), per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                       max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
+                       weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, optim="adamw_torch",
+                       max_grad_norm=0.0, beta=BETA, lmbda=0.0, seq_kd=False, logging_steps=1, report_to="none",
+                       save_strategy="no", use_cpu=True, bf16=False, fp16=False, dataloader_num_workers=0,
+                       seed=SEED, remove_unused_columns=False)
+    with left_as_found():
+        trainer = GKDTrainer(model=AutoModelForCausalLM.from_pretrained(folder / "student", use_cache=False),
+                             teacher_model=AutoModelForCausalLM.from_pretrained(folder / "teacher", use_cache=False),
+                             args=config, train_dataset=train, data_collator=collate,
+                             processing_class=AutoTokenizer.from_pretrained(folder / "student"))
+        trainer.train()
+    return [log["loss"] for log in trainer.state.log_history if "loss" in log]
+
+
+def test_offline_distillation_is_trls_gkd_trainer_step_by_step(runs):
+    """lmbda 0 at temperature 1: every step's loss is GKDTrainer's on the same rows (TRL's whole logits and mask,
+    our chunked divergence over the target tokens; the same AdamW)."""
+    ours = [record["loss"] for record in runs["offline"]]
+    theirs = gkd_trainer_losses(runs["folder"])
+    assert len(ours) == len(theirs) == STEPS and ours[-1] < ours[0], (ours, theirs)
+    for step, (mine, trl) in enumerate(zip(ours, theirs), start=1):
+        assert mine == pytest.approx(trl, rel=1e-5, abs=1e-6), f"step {step}: {ours} vs {theirs}"
