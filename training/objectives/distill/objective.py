@@ -19,7 +19,7 @@ from training.base.errors import ConfigError
 from training.config.recipe import Recipe
 from training.models.model import disable_dropout
 from training.objectives.distill.loss import Teacher, distilling, target_mask
-from training.objectives.distill.memory import sampling_bytes, teacher_bytes, teacher_shape
+from training.objectives.distill.memory import sampling_bytes, teacher_bytes, teacher_ids, teacher_shape
 from training.objectives.distill.on_policy import SeededRows, sample_sequences
 from training.objectives.distill.spec import samples
 from training.objectives.distill.teacher import TeacherModel
@@ -70,6 +70,10 @@ class Distill(LanguageModel):
             raise ConfigError("training.objective=distill with the router's load-balancing loss: the loss has no place "
                               "for it; set moe.aux_loss_coef=0")
         check_vocabulary(recipe, model_config)
+        if recipe.distill.seq_kd and teacher_ids(recipe):
+            raise ConfigError(f"distill.seq_kd with a teacher that numbers the tokens otherwise than the run's "
+                              f"tokenizer ({recipe.distill.teacher_model_name_or_path}): its samples would need "
+                              f"mapping back to the run's ids, which is not built; use seq_kd=false")
 
     @staticmethod
     def describe(plan: RunPlan) -> list[str]:

@@ -3,14 +3,16 @@ fine-tune's reference is (training/objectives/reference.py, load_frozen): a copy
 ZeRO-3 partitioned over the ranks and run by a DeepSpeed engine of its own, whose forward every rank runs together
 (each rank's step and evaluation run as many micro-batches). Its head's weight is read whole by the loss beside the
 student's: under ZeRO-3 gathered once, at the start, into a copy of its own (a frozen weight: the copy never goes
-stale), which the plan counts (training/objectives/distill/memory.py)."""
+stale), which the plan counts (training/objectives/distill/memory.py). A teacher that numbers the run's tokens
+otherwise (memory.py, teacher_ids) is read through the mapping: its inputs in its own numbering, its head's rows in
+the run's order (a copy)."""
 import copy
 
 import deepspeed
 import torch
 
 from training.objectives.distill.loss import Logits, distilling
-from training.objectives.distill.memory import teacher_config
+from training.objectives.distill.memory import teacher_config, teacher_ids
 from training.objectives.reference import gathered, load_frozen, partitioned
 from training.planning.plan import RunPlan
 
@@ -23,13 +25,24 @@ class TeacherModel:
         zero3 = partitioned(self.model)
         module = self.model.module if zero3 else self.model
         distilling(module)
+        ids = teacher_ids(plan.recipe)
+        self.ids = None if ids is None else torch.tensor(ids, device=engine.device)
         head = module.get_output_embeddings().weight
         with gathered([head], zero3, modified=False):
-            self.head_weight = head.detach().clone() if zero3 else head
+            self.head_weight = in_run_order(head.detach(), self.ids, copy=zero3)
         self.logits = Logits.of(module.config)
 
     @torch.no_grad()
     def hidden(self, inputs: dict, taken: torch.Tensor) -> torch.Tensor:
         """Its final hidden states at the flat token positions `taken` of the micro-batch's rows."""
-        hidden = self.model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], hidden_only=True)
+        input_ids = inputs["input_ids"] if self.ids is None else self.ids[inputs["input_ids"]]
+        hidden = self.model(input_ids=input_ids, position_ids=inputs["position_ids"], hidden_only=True)
         return hidden.reshape(-1, hidden.shape[-1])[taken]
+
+
+def in_run_order(head: torch.Tensor, ids: torch.Tensor | None, copy: bool) -> torch.Tensor:
+    """The teacher's head's rows for the run's token ids in order: where it numbers them otherwise (`ids`: the
+    teacher's id of each of the run's), those rows, a copy; else the head itself, or a copy of it (`copy`)."""
+    if ids is not None:
+        return head.index_select(0, ids)
+    return head.clone() if copy else head

@@ -1,17 +1,17 @@
 """Whether the teacher scores the student's tokens, checked before anything is built. The divergence compares the two
-next-token distributions entry by entry, so the teacher's token ids must be the student's: its tokenizer (where its
-folder holds one) the run's, token for token, and both heads at least as wide as the tokenizer. Heads of other
-widths are the same vocabulary padded (Qwen2.5's 0.5B and 7B: 151,936 and 152,064 rows for 151,665 tokens): the
-loss reads the first rows of each, as many as the narrower has (loss.py), whose extra rows are no tokens. A teacher
-whose tokenizer numbers the tokens otherwise is refused: its ids would need a mapping, which is not built."""
-from pathlib import Path
-
-from transformers import AutoTokenizer, PretrainedConfig
+next-token distributions entry by entry: the teacher's tokenizer (where its folder holds one) must hold the run's
+tokens, no more and no fewer, and both heads must be at least as wide as the tokenizer. The same tokens numbered
+otherwise are read through a mapping (memory.py's teacher_ids: the teacher's inputs and its head's rows in the run's
+order, teacher.py). Heads of other widths are the same vocabulary padded (Qwen2.5's 0.5B and 7B: 151,936 and 152,064
+rows for 151,665 tokens): the loss reads the first rows of each, as many as the narrower has (loss.py), whose extra
+rows are no tokens. A teacher of other tokens is refused: the two distributions would be over different
+vocabularies (TRL's GOLD and ULD losses are for that, not built)."""
+from transformers import PretrainedConfig
 
 from training.base.errors import ConfigError
 from training.config.recipe import Recipe
 from training.models.model import load_tokenizer
-from training.objectives.distill.memory import teacher_config
+from training.objectives.distill.memory import teacher_config, vocabularies
 
 SETTING = "distill.teacher_model_name_or_path"
 
@@ -20,8 +20,8 @@ def check_vocabulary(recipe: Recipe, student: PretrainedConfig) -> None:
     path = recipe.distill.teacher_model_name_or_path
     teacher = teacher_config(path, recipe.model.trust_remote_code)
     tokenizer = load_tokenizer(recipe.tokenizer_path, recipe.model.trust_remote_code, cached_only=True)
-    if tokenizer is not None and (Path(path) / "tokenizer_config.json").is_file():
-        check_same_tokens(tokenizer.get_vocab(), AutoTokenizer.from_pretrained(path).get_vocab(), recipe, path)
+    if both := vocabularies(recipe.tokenizer_path, path):
+        check_same_tokens(*both, recipe, path)
     width = min(student.vocab_size, teacher.vocab_size)
     if tokenizer is None and student.vocab_size != teacher.vocab_size:
         raise ConfigError(f"{SETTING}={path}: its vocabulary has {teacher.vocab_size} entries, the student's "
@@ -35,11 +35,12 @@ def check_vocabulary(recipe: Recipe, student: PretrainedConfig) -> None:
 
 
 def check_same_tokens(ours: dict[str, int], theirs: dict[str, int], recipe: Recipe, path: str) -> None:
-    """The teacher's tokenizer numbers every token as the run's does."""
-    differ = sorted(token for token in ours.keys() | theirs.keys() if ours.get(token) != theirs.get(token))
+    """The teacher's tokenizer holds the run's tokens, no more and no fewer (numbered alike, or otherwise: then the
+    loss reads the teacher through the mapping, memory.py's teacher_ids)."""
+    differ = sorted(ours.keys() ^ theirs.keys())
     if differ:
         token = differ[0]
-        raise ConfigError(f"{SETTING}={path}: its tokenizer numbers {len(differ)} tokens otherwise than the run's "
-                          f"({recipe.tokenizer_path}), e.g. {token!r}: {ours.get(token)} here, {theirs.get(token)} "
-                          f"there; the divergence compares the two models' distributions token id by token id: use a "
-                          f"teacher trained with the student's tokenizer")
+        raise ConfigError(f"{SETTING}={path}: its tokenizer holds {len(differ)} tokens the run's "
+                          f"({recipe.tokenizer_path}) does not, or lacks them, e.g. {token!r} (id {ours.get(token)} "
+                          f"here, {theirs.get(token)} there); the divergence compares the two models' distributions "
+                          f"token by token, which needs one vocabulary: use a teacher of the student's tokens")

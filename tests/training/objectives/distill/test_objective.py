@@ -1,11 +1,13 @@
 """distill's checks before anything is built (the teacher's vocabulary, the data on-policy sampling needs), what the
 plan counts of the teacher and of the sampling, and the sampled sequences: seeded by the rows, not by where they
 land, and written into the rows as the data's completions are."""
+import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.conftest import REPO, save_small_checkpoint, train_in_process
 from training.base.errors import ConfigError
@@ -59,11 +61,69 @@ def test_a_teacher_of_another_tokenizer_or_a_narrower_head_is_refused(models, tm
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "renumbered")
     tokenizer.add_tokens(["<extra>"])  # one more id than the run's: the vocabularies differ
     tokenizer.save_pretrained(tmp_path / "renumbered")
-    with pytest.raises(ConfigError, match="numbers 1 tokens otherwise than the run's .* '<extra>'"):
+    with pytest.raises(ConfigError, match="holds 1 tokens the run's .* does not, or lacks them, e.g. '<extra>'"):
         check(recipe(models, f"distill.teacher_model_name_or_path={tmp_path / 'renumbered'}"))
     save_small_checkpoint(tmp_path / "narrow", {"vocab_size": 1000})
     with pytest.raises(ConfigError, match="has 4096 tokens, but the teacher's head has 1000 entries"):
         check(recipe(models, f"distill.teacher_model_name_or_path={tmp_path / 'narrow'}"))
+
+
+def renumbered(teacher: Path, folder: Path, swap: tuple[int, int] = (100, 200)) -> Path:
+    """The teacher with two tokens' ids swapped: in its tokenizer, and in its embedding's and head's rows (the same
+    model, its vocabulary numbered otherwise)."""
+    model = AutoModelForCausalLM.from_pretrained(teacher)
+    order = list(range(model.config.vocab_size))
+    order[swap[0]], order[swap[1]] = swap[1], swap[0]
+    with torch.no_grad():
+        for weight in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
+            weight.copy_(weight[order])
+    model.save_pretrained(folder)
+    tokenizer = json.loads((teacher / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    by_id = {index: token for token, index in vocab.items()}
+    vocab[by_id[swap[0]]], vocab[by_id[swap[1]]] = swap[1], swap[0]
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(teacher / name, folder / name)
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return folder
+
+
+def test_a_teacher_numbering_the_tokens_otherwise_is_read_in_the_runs_order(models, tmp_path):
+    """The same teacher with two ids swapped: the check lets it in, the plan counts its head's rows copied in the run's
+    order, and read through the mapping (its inputs in its numbering, its head's rows in the run's) it gives the
+    original teacher's loss exactly."""
+    from training.objectives.distill.loss import Logits, Teacher, distilling, target_mask
+    from training.objectives.distill.memory import teacher_ids
+    from training.objectives.distill.teacher import in_run_order
+    other = renumbered(models / "teacher", tmp_path / "renumbered")
+    run = recipe(models, f"distill.teacher_model_name_or_path={other}")
+    check(run)
+    ids = teacher_ids(run)
+    assert teacher_ids(recipe(models)) is None and (ids[100], ids[200], ids[5]) == (200, 100, 5)
+    shape = teacher_shape(str(other), False)
+    student = model_shape(load_model_config(run.model))
+    copied = shape.vocab_size * shape.hidden_size * 4
+    assert (distill_memory(run, "fp32", student, 2, 1).reference
+            == distill_memory(recipe(models), "fp32", student, 2, 1).reference + copied)
+    with pytest.raises(ConfigError, match="seq_kd with a teacher that numbers the tokens otherwise"):
+        check(recipe(models, f"distill.teacher_model_name_or_path={other}", "distill.seq_kd=true"))
+    torch.manual_seed(0)
+    batch = {"input_ids": torch.randint(0, 4096, (2, 10)), "position_ids": torch.arange(10).repeat(2, 1)}
+    batch["input_ids"][0, 3], batch["input_ids"][1, 4] = 100, 200
+    labels = batch["input_ids"].clone()
+    taken = target_mask(labels)
+    losses = []
+    for path, mapping in ((models / "teacher", None), (other, torch.tensor(ids))):
+        student, teacher = (AutoModelForCausalLM.from_pretrained(p).eval() for p in (models / "student", path))
+        distilling(student)
+        distilling(teacher)
+        inputs = batch["input_ids"] if mapping is None else mapping[batch["input_ids"]]
+        with torch.no_grad():
+            hidden = teacher(input_ids=inputs, position_ids=batch["position_ids"], hidden_only=True)
+            head = in_run_order(teacher.lm_head.weight, mapping, copy=False)
+            states = Teacher(hidden.reshape(-1, hidden.shape[-1])[taken], head, Logits(), 0.5, 0.9, 0.0)
+            losses.append(student(**batch, labels=labels, teacher=states).loss)
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=0)
 
 
 def test_the_teacher_is_an_input_no_output_may_hold(models):
