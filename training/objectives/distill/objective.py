@@ -21,9 +21,10 @@ from training.models.model import disable_dropout
 from training.objectives.distill.loss import Teacher, distilling, target_mask
 from training.objectives.distill.memory import sampling_bytes, teacher_bytes, teacher_ids, teacher_shape
 from training.objectives.distill.on_policy import SeededRows, sample_sequences
-from training.objectives.distill.spec import samples
+from training.objectives.distill.spec import samples, sampling_section
 from training.objectives.distill.teacher import TeacherModel
 from training.objectives.distill.vocabulary import check_vocabulary
+from training.objectives.grpo.report import ENGINES
 from training.objectives.lm.objective import LanguageModel
 from training.objectives.reference import partitioned
 from training.parallel import distributed
@@ -64,6 +65,10 @@ class Distill(LanguageModel):
             if condition]
         if refused:
             raise ConfigError(f"training.objective=distill does not support {refused[0]}")
+        if zero_stage == 3 and samples(recipe.distill) and recipe.distill.generation_engine == "compiled":
+            raise ConfigError("distill.generation_engine=compiled under ZeRO-3: each decoding pass would gather the "
+                              "partitioned weights inside a compiled graph (grpo.generation_engine refuses it alike); "
+                              "use static or generate")
         if model_config is None:
             return
         if getattr(model_config, "output_router_logits", False):
@@ -96,8 +101,8 @@ class Distill(LanguageModel):
             sampled = [f"sampled: each conversation's completion with probability {section.lmbda:g} the student's "
                        f"(on-policy), the others {others}, at temperature {section.temperature:g}, up to "
                        f"{section.max_new_tokens} new tokens, a batch per model and rank each step (GRPO's sampling, "
-                       f"transformers' generate): {format_bytes(memory)} per rank between the steps (in the memory "
-                       f"table's peak where larger than the activations)"]
+                       f"{ENGINES[sampling_section(section).engine]}): {format_bytes(memory)} per rank between "
+                       f"the steps (in the memory table's peak where larger than the activations)"]
         return [*LanguageModel.describe(plan),
                 f"distill: {divergence_name(section.beta)} at temperature {section.temperature:g}{mixed}, over the "
                 f"target tokens (a chat's completion tokens, every token of a document), both heads projected in "

@@ -78,7 +78,7 @@ def generate(module: torch.nn.Module, prompts: list[torch.Tensor], seeds: list[i
     """One seeded completion per prompt, in eval mode (the mode it was in after)."""
     device, training = next(module.parameters()).device, module.training
     module.eval()
-    with decoding(module, attention, "generate"):
+    with decoding(module, attention, settings.engine):
         completions, _ = sample(module, [prompt.to(device) for prompt in prompts], seeds, settings, eos_id, pad_id,
                                 synced=zero3)
     module.train(training)

@@ -1,6 +1,6 @@
 """training.objective=distill before anything is built: its recipe section (TRL's GKDConfig names), traits, and its
 check against the rest of the recipe."""
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt
 
@@ -27,6 +27,8 @@ class DistillSection(StrictModel):
     seq_kd: bool = False  # the off-policy sequences are the teacher's samples of the prompts, not the data's
     # completions (sequence-level KD)
     max_new_tokens: PositiveInt = 128  # a sampled completion's length at most
+    generation_engine: Literal["auto", "generate", "static", "compiled"] = "auto"  # what samples: GRPO's in-process
+    # engines (grpo.generation_engine, docs/grpo.md), which sample the same completions; auto: generate
     lm_loss_weight: NonNegativeFloat = 0.0  # the student's next-token loss over the same tokens, this many times,
     # added to the divergence (0: the divergence alone, as TRL's)
     disable_dropout: bool = True  # the student's dropout off (TRL's default); the teacher runs in eval mode
@@ -69,9 +71,10 @@ def samples(section: DistillSection) -> bool:
 
 def sampling_section(section: DistillSection) -> GrpoSection:
     """GRPO's sampling settings for distill's samples (training/objectives/distill/on_policy.py): GKD's temperature
-    and max_new_tokens, no top-k or top-p; every rank decoding together under ZeRO-3, its weights partitioned."""
+    and max_new_tokens, no top-k or top-p, the engine; every rank decoding together under ZeRO-3, its weights
+    partitioned."""
     return GrpoSection(temperature=section.temperature, max_completion_length=section.max_new_tokens,
-                       ds3_gather_for_generation=False)
+                       generation_engine=section.generation_engine, ds3_gather_for_generation=False)
 
 
 def head_traits(section: DistillSection) -> HeadTraits:

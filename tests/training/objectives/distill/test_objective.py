@@ -207,3 +207,25 @@ def test_the_samples_follow_the_rows_not_the_layout(monkeypatch):
     assert not torch.equal(later, together)
     assert {module for module, _ in calls} == {"S", "T"}
 
+
+
+def test_the_static_engine_samples_the_same_sequences(models):
+    """distill.generation_engine: GRPO's static KV cache samples what generate samples, for the student and the
+    teacher alike (tests/training/objectives/grpo/test_sampling.py proves every engine, compiled too)."""
+    engine = "static"
+    student = AutoModelForCausalLM.from_pretrained(models / "student").eval()
+    teacher = AutoModelForCausalLM.from_pretrained(models / "teacher").eval()
+    batch = {**rows_of(6), "row": torch.arange(6), "position": torch.tensor(0)}
+    done = {}
+    for name in ("generate", engine):
+        section = DistillSection(teacher_model_name_or_path="t", lmbda=0.5, seq_kd=True, max_new_tokens=5,
+                                 generation_engine=name)
+        done[name], counts = sample_sequences([batch], section, 1234, {"student": student, "teacher": teacher},
+                                              False, "sdpa", 2, 0)
+    assert counts["student"] and counts["teacher"]
+    assert torch.equal(done["generate"][0]["input_ids"], done[engine][0]["input_ids"])
+
+
+def test_compiled_sampling_under_zero3_is_refused(models):
+    with pytest.raises(ConfigError, match="generation_engine=compiled under ZeRO-3"):
+        Distill.check(recipe(models, "distill.generation_engine=compiled"), None, 2, 3)
