@@ -1,5 +1,7 @@
 """python -m training export CHECKPOINT OUT_DIR [--dtype bf16|fp16|fp32] [--overwrite]
 python -m training convert CHECKPOINT      (a DeepSpeed universal checkpoint, which any ZeRO-1/2/3 layout loads)
+python -m training average CHECKPOINT CHECKPOINT [...] OUT_DIR [--dtype ...] [--overwrite]
+python -m training average RUN/checkpoints --last K OUT_DIR      (the mean of the checkpoints' weights)
 python -m training evaluate RUN_OR_HF_DIR --tasks python_docs_mc[,hellaswag,...] [--output-dir DIR] [--limit N]
                            [--num-processes N]"""
 import argparse
@@ -11,6 +13,7 @@ from training.base.errors import exit_code, positive_int
 from training.compat import check_versions
 from training.loop.benchmarks import check_evaluation, evaluate_folder, evaluate_in_processes
 from training.planning.precision import DTYPES
+from training.state.average import average_checkpoints
 from training.state.export import export_checkpoint, find_tag
 from training.state.universal import convert
 
@@ -26,6 +29,14 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--dtype", choices=DTYPES, help="default: the run's precision")
     export.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists (once the export is "
                         "complete)")
+    average = commands.add_parser("average", help="the element-wise mean of several checkpoints' weights, as a "
+                                  "Hugging Face folder")
+    average.add_argument("checkpoints", type=Path, nargs="+", help="global_stepN/ folders (of any layouts), or one "
+                         "run's checkpoints/ folder with --last")
+    average.add_argument("out_dir", type=Path)
+    average.add_argument("--last", type=positive_int, help="the last K complete checkpoints of the checkpoints/ folder")
+    average.add_argument("--dtype", choices=DTYPES, help="default: the last checkpoint's precision")
+    average.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if an earlier average wrote it")
     convert_parser = commands.add_parser("convert", help="a saved checkpoint to a DeepSpeed universal checkpoint "
                                          "(what --resume does on another world size, ZeRO stage or precision)")
     convert_parser.add_argument("checkpoint", type=Path, help="a run's checkpoints/ folder (its latest) or one "
@@ -50,6 +61,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"exported {tag_dir} to {args.out_dir}")
         return 0
 
+    def run_average() -> int:
+        tags = average_checkpoints(args.checkpoints, args.out_dir, args.last, args.dtype, args.overwrite)
+        print(f"averaged {len(tags)} checkpoints ({', '.join(tag.name for tag in tags)}) to {args.out_dir}")
+        return 0
+
     def run_convert() -> int:
         checkpoint_dir, tag = find_tag(args.checkpoint)
         print(f"universal checkpoint: {convert(checkpoint_dir, tag)}")
@@ -63,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         evaluate_folder(args.target, tasks, args.output_dir, args.overwrite, args.batch_size, args.limit)
         return 0
 
-    return exit_code({"export": run_export, "convert": run_convert, "evaluate": run_evaluate}[args.command])
+    return exit_code({"export": run_export, "average": run_average, "convert": run_convert,
+                      "evaluate": run_evaluate}[args.command])
 
 
 if __name__ == "__main__":
