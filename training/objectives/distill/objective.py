@@ -26,7 +26,6 @@ from training.objectives.distill.teacher import TeacherModel
 from training.objectives.distill.vocabulary import check_vocabulary
 from training.objectives.grpo.report import ENGINES
 from training.objectives.lm.objective import LanguageModel
-from training.objectives.reference import partitioned
 from training.parallel import distributed
 from training.planning.ds_config import params_offloaded
 from training.planning.plan import RunPlan
@@ -45,6 +44,7 @@ class Distill(LanguageModel):
     """training.objective=distill: packed rows, the teacher beside the student, the divergence as the loss."""
     name = "distill"
     carried = ("eval_", "divergence", "entropy", "lm_loss", "sampled/")
+    row_batches = SeededRows  # each micro-batch with its rows' indices and the data position (on_policy.py)
 
     def __init__(self, plan: RunPlan):
         super().__init__(plan)
@@ -119,20 +119,11 @@ class Distill(LanguageModel):
         distilling(module.get_base_model() if hasattr(module, "get_base_model") else module)
         self.teacher = TeacherModel(self.plan, engine)
 
-    def batches(self, prepared, rank: int) -> tuple[SeededRows, EvalBatches | None]:
-        """The rows as an lm run's, each micro-batch with its rows' indices and the data position, which seed the
-        sampled sequences (on_policy.py)."""
-        steps, evaluation = super().batches(prepared, rank)
-        plan, training = self.plan, self.plan.recipe.training
-        return SeededRows(prepared["train"], training.micro_batch_size, plan.accumulation_steps, rank,
-                          plan.dims.dp_size, training.seed), evaluation
-
     def step_batches(self, engine: deepspeed.DeepSpeedEngine, micro_batches: list[dict]) -> list[dict]:
         """With distill.lmbda > 0 or seq_kd, the drawn rows' completions sampled by the student or the teacher."""
         if not samples(self.section):
             return micro_batches
-        teacher = self.teacher.model
-        models = {"student": engine.module, "teacher": teacher.module if partitioned(teacher) else teacher}
+        models = {"student": engine.module, "teacher": self.teacher.module}
         tokenizer = self.plan.tokenizer
         batches, self.sampled = sample_sequences(
             micro_batches, self.section, self.plan.recipe.training.seed, models, engine.zero_optimization_stage() == 3,

@@ -23,14 +23,14 @@ class TeacherModel:
         config = copy.deepcopy(teacher_config(path, plan.recipe.model.trust_remote_code))
         self.model = load_frozen(plan, engine, path, config)
         zero3 = partitioned(self.model)
-        module = self.model.module if zero3 else self.model
-        distilling(module)
+        self.module = self.model.module if zero3 else self.model  # what generates its samples (seq_kd)
+        distilling(self.module)
         ids = teacher_ids(plan.recipe)
         self.ids = None if ids is None else torch.tensor(ids, device=engine.device)
-        head = module.get_output_embeddings().weight
+        head = self.module.get_output_embeddings().weight
         with gathered([head], zero3, modified=False):
             self.head_weight = in_run_order(head.detach(), self.ids, copy=zero3)
-        self.logits = Logits.of(module.config)
+        self.logits = Logits.of(self.module.config)
 
     @torch.no_grad()
     def hidden(self, inputs: dict, taken: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from training.planning.plan import RunPlan
 
 class LanguageModel(Objective):
     name = "lm"
+    row_batches: type[StepBatches] = StepBatches  # the training batches' class (distill's carry what seeds samples)
 
     @staticmethod
     def describe(plan: RunPlan) -> list[str]:
@@ -28,8 +29,8 @@ class LanguageModel(Objective):
                             f"{data.seq_len}; prepare again with this seq_len or set data.seq_len={row_length}")
         evaluation = EvalBatches(prepared["eval"], training.micro_batch_size, rank, plan.dims.dp_size,
                                  training.eval_max_rows) if "eval" in prepared else None
-        return StepBatches(prepared["train"], training.micro_batch_size, plan.accumulation_steps, rank,
-                           plan.dims.dp_size, training.seed), evaluation
+        return self.row_batches(prepared["train"], training.micro_batch_size, plan.accumulation_steps, rank,
+                                plan.dims.dp_size, training.seed), evaluation
 
     def count(self, batch: dict) -> int:
         return target_count(batch)
