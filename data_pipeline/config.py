@@ -10,6 +10,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    NonNegativeFloat,
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
@@ -126,6 +127,8 @@ class DataSource(StrictModel):
     chosen_field: str = "chosen"  # dpo: the preferred completion (a string, or chat messages)
     rejected_field: str = "rejected"  # dpo: the other completion
     weight: PositiveFloat = 1.0  # a sampling rate, not a probability: 0.5 = a random half, 2 = every document twice
+    label: str | None = None  # what data.phases' weights call it; default: the file's name without its suffix (a
+    # hub data set's name after its last /)
 
     @model_validator(mode="after")
     def one_location_one_kind(self) -> "DataSource":
@@ -140,6 +143,34 @@ class DataSource(StrictModel):
     @property
     def name(self) -> str:
         return self.path or f"{self.hub}:{self.subset or 'default'}:{self.split}"
+
+    @property
+    def key(self) -> str:
+        """The label data.phases' weights use."""
+        if self.label:
+            return self.label
+        return Path(self.path).name.split(".")[0] if self.path else self.hub.rsplit("/", 1)[-1]
+
+
+class PhaseConfig(StrictModel):
+    """One `data.phases` entry: a stretch of the run that draws its rows from the sources by its own weights
+    (data_pipeline/curriculum.py). Its length is `steps`, `tokens` (rounded up to whole steps), `steps: decay` (the
+    WSD schedule's final decay: the last phase then anneals while the learning rate falls) or, for one phase, nothing:
+    the steps the others leave of training.max_steps."""
+    name: str
+    steps: PositiveInt | Literal["decay"] | None = None
+    tokens: PositiveInt | None = None
+    weights: dict[str, NonNegativeFloat]  # by source label; a source left out gets none of the phase's rows
+    order: Literal["shuffled", "shortest_first"] = "shuffled"  # the phase's rows in a seeded random order, or those
+    # with the fewest real tokens first (with packing bfd or none: short documents before long ones)
+
+    @model_validator(mode="after")
+    def one_length(self) -> "PhaseConfig":
+        if self.steps is not None and self.tokens is not None:
+            raise ValueError(f"phase {self.name!r}: set steps or tokens, not both")
+        if not any(self.weights.values()):
+            raise ValueError(f"phase {self.name!r}: its weights are all 0; give a source a positive weight")
+        return self
 
 
 class DedupConfig(StrictModel):
@@ -222,6 +253,9 @@ class DataConfig(StrictModel):
     chat_template_kwargs: dict[str, Any] = {}  # set from grpo.chat_template_kwargs: to the chat template of a prompt
     shuffle_buffer: NonNegativeInt = 10_000  # streaming only: documents held for shuffling (0: read in order)
     cache_dir: LocalPath = Field("~/.cache/deepspeed-recipes/data", validate_default=True)
+    # a mixture that changes over the run (data_pipeline/curriculum.py): each source packed into rows of its own, and
+    # each phase drawing from them by its weights; data.sources' weights stay 1
+    phases: list[PhaseConfig] = []
 
     @model_validator(mode="after")
     def consistent(self) -> "DataConfig":
@@ -239,4 +273,33 @@ class DataConfig(StrictModel):
                 raise ValueError(f"data.streaming does not support {', '.join(unsupported)}: a stream sees each "
                                  f"document once, never the whole data set (deduplicate offline with `python -m "
                                  f"data_pipeline dedup`; set dedup.exact=false)")
+        if self.phases:
+            self.check_phases()
         return self
+
+    def check_phases(self) -> None:
+        """The phases name sources that exist once each, and the sources leave the mixing to them."""
+        if self.streaming:
+            raise ValueError("data.phases draws each phase's rows from the prepared sources: it does not apply to "
+                             "data.streaming (whose mixture is data.sources' weights); prepare the data instead")
+        if self.prepared:
+            return  # its sources are the prepared folder's: checked when the rows are read (curriculum.py)
+        keys = [source.key for source in self.sources]
+        for index, source in enumerate(self.sources):
+            if keys.count(source.key) > 1:
+                raise ValueError(f"data.phases: data.sources {[i for i, k in enumerate(keys) if k == source.key]} "
+                                 f"are all labelled {source.key!r}; give them distinct `label`s")
+            if source.weight != 1:
+                raise ValueError(f"data.sources.{index}.weight is {source.weight:g}, and data.phases sets the "
+                                 f"weights: remove it and weight {source.key!r} in each phase")
+        for index, phase in enumerate(self.phases):
+            unknown = sorted(set(phase.weights) - set(keys))
+            if unknown:
+                raise ValueError(f"data.phases.{index} ({phase.name}) weights {', '.join(unknown)}, not a source "
+                                 f"label; the labels are {', '.join(keys)}")
+        if self.packing == "concat" and any(phase.order == "shortest_first" for phase in self.phases):
+            raise ValueError("data.phases: order shortest_first puts the rows with the fewest real tokens first, and "
+                             "under data.packing=concat every row is full; set data.packing to bfd or none")
+        names = [phase.name for phase in self.phases]
+        if len(set(names)) < len(names):
+            raise ValueError(f"data.phases: two phases share a name ({', '.join(names)}); name each once")

@@ -5,6 +5,7 @@ import datasets
 import numpy as np
 import torch
 
+from data_pipeline.curriculum import PhaseSchedule
 from data_pipeline.preference import pack_pairs
 from training.base.errors import ConfigError, DataError
 
@@ -53,15 +54,17 @@ class StepBatches:
     unit = "rows"
 
     def __init__(self, rows: datasets.Dataset, micro_batch_size: int, accumulation_steps: int,
-                 dp_rank: int, dp_size: int, seed: int):
+                 dp_rank: int, dp_size: int, seed: int, phases: PhaseSchedule | None = None):
         self.rows = rows.with_format("numpy")
         self.micro_batch_size, self.accumulation_steps = micro_batch_size, accumulation_steps
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
         self.global_batch_size = micro_batch_size * accumulation_steps * dp_size
-        self.steps_per_epoch = len(rows) // self.global_batch_size
-        if self.steps_per_epoch == 0:
+        self.phases = phases  # data.phases: the schedule says which rows each batch holds (data_pipeline/curriculum.py)
+        self.batches_per_epoch = len(rows) // self.global_batch_size
+        if self.batches_per_epoch == 0:
             raise DataError(f"the data set has {len(rows)} {self.unit}, fewer than one global batch of "
                              f"{self.global_batch_size}; add data or lower training.global_batch_size")
+        self.steps_per_epoch = phases.steps if phases else self.batches_per_epoch  # phases: the run's
         self._epoch, self._order = None, None
 
     def epoch_order(self, epoch: int) -> np.ndarray:
@@ -71,13 +74,25 @@ class StepBatches:
         return self._order
 
     def micro_batches(self, position: int) -> list[dict[str, torch.Tensor]]:
-        return [self.fetch(np.sort(micro)) for micro in self.rank_rows(*divmod(position, self.steps_per_epoch))]
+        return [self.fetch(np.sort(micro)) for micro in self.rank_rows(position)]
 
-    def rank_rows(self, epoch: int, index: int) -> np.ndarray:
-        """This rank's rows of the epoch's global batch `index`, [accumulation steps, micro-batch]."""
+    def global_rows(self, position: int) -> np.ndarray:
+        """The rows of the global batch at this data position."""
+        if self.phases:
+            return self.phases.global_rows(position)
+        epoch, index = divmod(position, self.batches_per_epoch)
         start = index * self.global_batch_size
-        rows = self.epoch_order(epoch)[start:start + self.global_batch_size]
+        return self.epoch_order(epoch)[start:start + self.global_batch_size]
+
+    def rank_rows(self, position: int) -> np.ndarray:
+        """This rank's rows of the global batch at the position, [accumulation steps, micro-batch]."""
+        rows = self.global_rows(position)
         return rows.reshape(self.accumulation_steps, self.dp_size, self.micro_batch_size)[:, self.dp_rank]
+
+    def metrics(self, position: int) -> dict:
+        """metrics.jsonl's fields of the data for the step before this position: with data.phases, its phase and each
+        source's tokens so far."""
+        return self.phases.metrics(position) if self.phases else {}
 
     def fetch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
         return fetch_rows(self.rows, indices)
@@ -87,11 +102,13 @@ class StepBatches:
 
     # state_dict's fields in the recipe's words, the settings a user changes first (a resume names what changed)
     settings = {"global_batch_size": "training.global_batch_size", "seed": "training.seed",
-                "rows": "the prepared data's rows (data.sources, their filters and data.seq_len)"}
+                "rows": "the prepared data's rows (data.sources, their filters and data.seq_len)",
+                "phases": "data.phases (each phase's name, steps, weights and order)"}
 
     def state_dict(self) -> dict:
         """What a position means, checked when resuming (the position itself is in the run state)."""
-        return {"rows": len(self.rows), "global_batch_size": self.global_batch_size, "seed": self.seed}
+        return {"rows": len(self.rows), "global_batch_size": self.global_batch_size, "seed": self.seed,
+                "phases": self.phases.state_dict() if self.phases else None}
 
     def load_state_dict(self, state: dict) -> None:
         """A ConfigError naming each setting whose value the checkpoint's position was counted under and this run
@@ -211,7 +228,7 @@ class PromptBatches(StepBatches):
 
     def micro_batches(self, position: int) -> list[dict]:
         generation, step = divmod(position, self.cycle)
-        rows = self.rank_rows(*divmod(generation, self.generations_per_epoch)).ravel()  # step by step
+        rows = self.rank_rows(generation).ravel()  # step by step
         batch = self.rows[rows]
         return [{"prompt_ids": [ids.astype(np.int64) for ids in batch["prompt_ids"]], "prompt": list(batch["prompt"]),
                  "fields": list(batch["fields"]), "rows": rows, "generation": generation,

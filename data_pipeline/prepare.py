@@ -60,20 +60,26 @@ def filter_state(config: DataConfig) -> list:
 def fingerprint(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> str:
     """Changes when the data section, a source file, the tokenizer or what the filters decide with changes."""
     meaning = config.model_dump(exclude={"cache_dir", "num_proc", "streaming", "shuffle_buffer", "prepared",
-                                         "filter_samples"})
+                                         "filter_samples", "phases"})
+    meaning["by_source"] = bool(config.phases)  # the phases' weights draw from the rows: they change no row
     key = json.dumps({"version": PIPELINE_VERSION, "data": meaning, "tokenizer": Hasher.hash(tokenizer),
                       "files": file_state(config.sources + config.eval.sources), "filters": filter_state(config)},
                      sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def rows_to_dataset(rows: dict[str, np.ndarray], fingerprint: str) -> datasets.Dataset:
+def rows_to_dataset(rows: dict[str, np.ndarray], fingerprint: str, labels: list[str] | None = None) -> datasets.Dataset:
     """Fixed-length rows as an Arrow table, built from the arrays without a Python loop or a copy. The
-    fingerprint is given because `datasets` would otherwise hash every row to make one."""
+    fingerprint is given because `datasets` would otherwise hash every row to make one. `labels`: the sources' labels,
+    which name the values of a `source` column (rows packed by source)."""
     seq_len = rows["input_ids"].shape[1]
     columns = {name: pa.FixedSizeListArray.from_arrays(pa.array(array.reshape(-1)), seq_len) if array.ndim == 2
                else pa.array(array) for name, array in rows.items()}
-    return datasets.Dataset(pa.table(columns), fingerprint=fingerprint)
+    table = pa.table(columns)
+    features = datasets.Features.from_arrow_schema(table.schema)
+    if labels is not None:
+        features["source"] = datasets.ClassLabel(names=labels)
+    return datasets.Dataset(table, info=datasets.DatasetInfo(features=features), fingerprint=fingerprint)
 
 
 def column_array(dataset: datasets.Dataset, map_function, name: str, num_proc: int, feature) -> np.ndarray:
@@ -229,6 +235,38 @@ def pack(tokenized: datasets.Dataset, rows: np.ndarray | None, config: DataConfi
     return packed, stats
 
 
+def pack_by_source(tokenized: datasets.Dataset, config: DataConfig, pad_id: int,
+                   task: int | None = None) -> tuple[dict | None, dict]:
+    """data.phases' rows: each source's documents once, in a seeded order, packed into rows of their own, with each
+    row's `source`; the counts summed over the sources, and each one's rows and tokens (`source_rows`,
+    `source_tokens`). A source with less than one row of tokens fills none (no source: no rows, None)."""
+    sources = np.asarray(tokenized["source"])
+    order = mixture_rows(sources, [1.0] * len(config.sources), config.seed, task)
+    packed, stats = [], {}
+    for index in range(len(config.sources)):
+        documents = order[sources[order] == index]
+        rows, counts = pack(tokenized, documents, config, pad_id) if enough_tokens(tokenized, documents, config) \
+            else (None, {"documents_out": len(documents), "rows": 0, "tokens_out": 0})
+        if rows is not None:
+            packed.append({**rows, "source": np.full(len(rows["length"]), index, dtype=np.int64)})  # ClassLabel's type
+        for key, value in counts.items():
+            if key != "packing_efficiency":
+                stats[key] = stats.get(key, 0) + value
+        stats.setdefault("source_rows", []).append(counts["rows"])
+        stats.setdefault("source_tokens", []).append(counts["tokens_out"])
+    if not packed:
+        return None, stats
+    rows = {name: np.concatenate([part[name] for part in packed]) for name in packed[0]}
+    stats["packing_efficiency"] = stats["tokens_out"] / max(1, rows["input_ids"].size)
+    return rows, stats
+
+
+def enough_tokens(tokenized: datasets.Dataset, documents: np.ndarray, config: DataConfig) -> bool:
+    """Whether the documents fill at least one row of data.seq_len."""
+    lengths = tokenized.data.table.column("input_ids").combine_chunks().value_lengths().to_numpy()
+    return int(lengths[documents].sum()) >= config.seq_len
+
+
 def source_counts(config: DataConfig, read: np.ndarray, kept: np.ndarray, rows: np.ndarray) -> list[dict]:
     """stats.json's per-source counts: documents read (`read`, per source), kept (`kept`: each kept document's
     source) and in the training mixture (`rows` of the kept)."""
@@ -323,10 +361,19 @@ def build_dataset(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> tup
     sources = np.asarray(tokenized["source"])
     rows = mixture_rows(sources, [s.weight for s in config.sources], config.seed)
     pad_id = pad_token_id(tokenizer)
-    train, train_stats = pack(tokenized, rows, config, pad_id)
-    stats.update(train_stats, seq_len=config.seq_len, packing=config.packing,
-                 sources=source_counts(config, per_source, sources, rows))
-    splits = {"train": rows_to_dataset(train, f"{key}-train")}
+    train, train_stats = pack_by_source(tokenized, config, pad_id) if config.phases else \
+        pack(tokenized, rows, config, pad_id)
+    if train is None:
+        raise DataError(f"no source holds data.seq_len={config.seq_len} tokens, and data.phases packs each source into "
+                        f"rows of its own; add data or lower data.seq_len")
+    counts = source_counts(config, per_source, sources, rows)
+    for index, count in enumerate(counts if config.phases else []):
+        count.update(label=config.sources[index].key, rows=train_stats["source_rows"][index],
+                     tokens=train_stats["source_tokens"][index])
+    train_stats.pop("source_rows", None), train_stats.pop("source_tokens", None)
+    stats.update(train_stats, seq_len=config.seq_len, packing=config.packing, sources=counts)
+    labels = [source.key for source in config.sources] if config.phases else None
+    splits = {"train": rows_to_dataset(train, f"{key}-train", labels)}
     if evaluation is not None:
         eval_rows, eval_stats = pack(tokenize_documents(evaluation, tokenizer, config.num_proc), None, config, pad_id)
         splits["eval"] = rows_to_dataset(eval_rows, f"{key}-eval")

@@ -54,6 +54,7 @@ from data_pipeline.prepare import (
     mixture_rows,
     nothing_left,
     pack,
+    pack_by_source,
     pad_token_id,
     rows_to_dataset,
     save_prepared,
@@ -267,7 +268,8 @@ class TokenizeAndPack(PipelineStep):
             folder = Path(self.work("rows"))
             folder.mkdir(parents=True, exist_ok=True)
             if packed is not None:
-                rows = rows_to_dataset(packed, f"{job_fingerprint(self.work)}-task-{rank}")
+                labels = [source.key for source in self.config.sources] if self.config.phases else None
+                rows = rows_to_dataset(packed, f"{job_fingerprint(self.work)}-task-{rank}", labels)
                 rows.save_to_disk(str(folder / f"train-{rank:05d}"))
             (folder / f"train-{rank:05d}.json").write_text(dumps(stats) + "\n")
             self.stat_update("documents", value=len(documents))
@@ -284,7 +286,10 @@ class TokenizeAndPack(PipelineStep):
         sources = np.asarray(tokenized["source"], dtype=np.int64)
         task = rank if world_size > 1 else None  # one task mixes as the in-process path does
         rows = mixture_rows(sources, [s.weight for s in config.sources], config.seed, task)
-        packed, pack_stats = pack_rows(tokenized, rows, config, pad_token_id(self.tokenizer))
+        if config.phases:
+            packed, pack_stats = pack_by_source(tokenized, config, pad_token_id(self.tokenizer), task)
+        else:
+            packed, pack_stats = pack_rows(tokenized, rows, config, pad_token_id(self.tokenizer))
         stats.update(pack_stats, documents_kept=np.bincount(sources, minlength=len(config.sources)).tolist(),
                      documents_in_mixture=np.bincount(sources[rows], minlength=len(config.sources)).tolist())
         return packed, stats
@@ -316,6 +321,11 @@ def job_stats(config: DataConfig, work: Layout) -> dict:
     stats.update(seq_len=config.seq_len, packing=config.packing, engine="datatrove", tasks=len(tasks), sources=[
         {"name": s.name, "weight": s.weight, "documents_in": read[i].get("documents", 0),
          "documents_kept": int(kept[i]), "documents_in_mixture": int(mixed[i])} for i, s in enumerate(config.sources)])
+    if config.phases:
+        rows, tokens = (np.sum([task.get(f"source_{key}", [0] * readers) for task in tasks], axis=0)
+                        for key in ("rows", "tokens"))
+        for count, source, source_rows, source_tokens in zip(stats["sources"], config.sources, rows, tokens):
+            count.update(label=source.key, rows=int(source_rows), tokens=int(source_tokens))
     return stats
 
 

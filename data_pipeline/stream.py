@@ -112,6 +112,10 @@ class StreamingBatches:
         for _ in range(count):
             self.micro_batches(0)
 
+    def metrics(self, position: int) -> dict:
+        """A stream's mixture is data.sources' weights throughout: no fields of its own in metrics.jsonl."""
+        return {}
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "documents": self.documents.state_dict(), "carry": self.carry}
 

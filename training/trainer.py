@@ -219,7 +219,7 @@ class Loop:
         step, interval = self.state.step, self.interval
         interval.seconds = self.clock.take()
         record = step_record(self.engine, step, lr, loss_share, grad_norm, interval, self.flops, self.router)
-        record.update(self.objective.metrics())
+        record.update(self.objective.metrics(), **self.batches.metrics(self.state.data_position))
         if self.watch and self.watch.before is not None:
             record.update(self.watch.measure())
         if step > self.first_step + 1:  # the first step pays for warm-up and is left out of the mean

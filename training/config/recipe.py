@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from data_pipeline.config import DataConfig, LocalPath, matching_files, prepared_examples
+from data_pipeline.curriculum import phase_steps
 from training.base.errors import ConfigError, read_text
 from training.base.schema import HubIdOrPath, StrictModel
 from training.config.optimizers import OPTIMIZERS
@@ -132,6 +133,10 @@ class TrainingSection(StrictModel):
     def total_steps(self, steps_per_epoch: int) -> int:
         """The run's optimizer steps: max_steps, or epochs of `steps_per_epoch` (the training batches')."""
         return self.max_steps or self.epochs * steps_per_epoch
+
+    def decay_steps(self, total_steps: int) -> int:
+        """The WSD schedule's final decay: its last decay_ratio of the steps, one at least."""
+        return max(1, round(self.decay_ratio * total_steps))
 
     @model_validator(mode="after")
     def steps_or_epochs(self) -> "TrainingSection":
@@ -360,9 +365,28 @@ class RecipeSections(StrictModel):
             raise ValueError(f"data.prepared={self.data.prepared} holds {shown[held]}, but training.objective is "
                              f"{self.training.objective}, which trains on {shown[self.data.examples]}; prepare the "
                              f"data with this recipe")
+        if self.data.phases:
+            self.check_phases()
         if self.data.streaming and self.training.max_steps is None:
             raise ValueError("data.streaming needs training.max_steps: the length of a stream is not known ahead")
         return self
+
+    def check_phases(self) -> None:
+        """data.phases against the run: packed documents, a fixed length, the decay phase last under WSD."""
+        phases, training = self.data.phases, self.training
+        if self.data.examples != "documents":
+            raise ValueError(f"data.phases mixes packed documents (training.objective lm or distill), and "
+                             f"{training.objective} trains on {training.spec.trains_on}; weight its sources with "
+                             f"data.sources' weight")
+        if training.max_steps is None:
+            raise ValueError("data.phases: set training.max_steps (the phases' steps add up to it) in place of "
+                             "training.epochs")
+        for index, phase in enumerate(phases):
+            if phase.steps == "decay" and (index != len(phases) - 1 or training.schedule != "wsd"):
+                raise ValueError(f"data.phases.{index} ({phase.name}) lasts the WSD schedule's decay: it must be the "
+                                 f"last phase and training.schedule wsd (it is {training.schedule})")
+        phase_steps(phases, training.max_steps, training.decay_steps(training.max_steps),
+                    training.global_batch_size * self.data.seq_len)
 
     @property
     def tokenizer_path(self) -> str:

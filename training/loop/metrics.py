@@ -325,7 +325,10 @@ class MetricsLogger:
                         for expert, count in enumerate(tokens):
                             self.writer.add_scalar(f"experts/layer{layer:02d}/expert{expert:02d}", count,
                                                    record["step"])
-                elif key != "step":
+                elif key == "source_tokens":  # data.phases: each source's tokens so far
+                    for source, count in value.items():
+                        self.writer.add_scalar(f"data/source_tokens/{source}", count, record["step"])
+                elif key != "step" and not isinstance(value, str):  # a name (the data phase) is no scalar
                     name = f"eval/{key.removeprefix('eval_')}" if key.startswith("eval_") else f"train/{key}"
                     self.writer.add_scalar(name, value, record["step"])
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)

@@ -126,6 +126,6 @@ def lr_schedule(training: TrainingSection, total_steps: int) -> Callable[[Optimi
         return partial(get_linear_schedule_with_warmup, num_warmup_steps=warmup, num_training_steps=total_steps)
     if training.schedule == "wsd":
         return partial(get_wsd_schedule, num_warmup_steps=warmup, num_training_steps=total_steps,
-                       num_decay_steps=max(1, round(training.decay_ratio * total_steps)),
+                       num_decay_steps=training.decay_steps(total_steps),
                        min_lr_ratio=training.min_lr_ratio)
     return partial(get_constant_schedule_with_warmup, num_warmup_steps=warmup)

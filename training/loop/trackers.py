@@ -36,7 +36,7 @@ def check_trackers(report_to: list[str]) -> None:
 
 def flat(record: dict) -> dict[str, float]:
     """A metrics.jsonl record (or summary.json) as scalars: expert_tokens one per layer and expert, benchmark scores
-    one per task and metric, the other numbers as named."""
+    one per task and metric, source_tokens one per source, the other numbers as named."""
     scalars = {}
     for key, value in record.items():
         if key == "expert_tokens":
@@ -45,6 +45,8 @@ def flat(record: dict) -> dict[str, float]:
         elif key == "benchmarks":
             scalars.update({f"benchmarks/{task}/{metric}": score
                             for task, metrics in value.items() for metric, score in metrics.items()})
+        elif key == "source_tokens":  # data.phases: each source's tokens so far
+            scalars.update({f"data/source_tokens/{source}": count for source, count in value.items()})
         elif key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
             scalars[key] = value
     return scalars

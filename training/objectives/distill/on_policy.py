@@ -28,7 +28,7 @@ class SeededRows(StepBatches):
 
     def micro_batches(self, position: int) -> list[dict[str, torch.Tensor]]:
         batches = super().micro_batches(position)
-        for batch, rows in zip(batches, self.rank_rows(*divmod(position, self.steps_per_epoch)), strict=True):
+        for batch, rows in zip(batches, self.rank_rows(position), strict=True):
             batch["row"], batch["position"] = torch.from_numpy(np.sort(rows)), torch.tensor(position)
         return batches
 

@@ -1,12 +1,42 @@
 """training.objective=lm: the next-token loss over the packed rows' target tokens (pretraining, SFT)."""
 import deepspeed
 import torch
+import torch.distributed as dist
 
+from data_pipeline.config import PREPARE_AGAIN
+from data_pipeline.curriculum import PhaseSchedule, phase_schedule, phase_steps, planned_table, row_labels
 from data_pipeline.loader import EvalBatches, StepBatches, model_inputs, target_count
+from data_pipeline.prepare import load_prepared
 from training.base.errors import DataError
 from training.loop.evaluation import evaluate
 from training.objectives.base import Objective
 from training.planning.plan import RunPlan
+
+
+def phase_lengths(plan: RunPlan) -> list[int]:
+    data, training = plan.recipe.data, plan.recipe.training
+    return phase_steps(data.phases, training.max_steps, training.decay_steps(training.max_steps),
+                       training.global_batch_size * data.seq_len)
+
+
+def planned_phases(plan: RunPlan) -> list[str]:
+    """--dry-run's data phases (data.phases), from the recipe's source labels (a prepared folder's are read)."""
+    data = plan.recipe.data
+    if not data.phases:
+        return []
+    labels = [source.key for source in data.sources] or \
+        row_labels(load_prepared(data.prepared, PREPARE_AGAIN)[0]["train"])
+    return planned_table(data.phases, phase_lengths(plan), labels, plan.recipe.training.global_batch_size, data.seq_len)
+
+
+def run_phases(plan: RunPlan, rows) -> PhaseSchedule:
+    """The run's phase schedule over the prepared rows, its table printed once."""
+    training = plan.recipe.training
+    phases = phase_schedule(rows, plan.recipe.data.phases, phase_lengths(plan), training.global_batch_size,
+                            training.seed)
+    if dist.get_rank() == 0:
+        print("\n".join(phases.table()), flush=True)
+    return phases
 
 
 class LanguageModel(Objective):
@@ -19,7 +49,8 @@ class LanguageModel(Objective):
         return [f"batch: {training.micro_batch_size} rows/rank x {plan.accumulation_steps} accumulation x "
                 f"{plan.dims.dp_size} data-parallel ranks = {training.global_batch_size} rows x {seq_len} tokens = "
                 f"{training.global_batch_size * seq_len:,} tokens per step"
-                + (f"; each row split over {split} ranks, {seq_len // split:,} tokens each" if split > 1 else "")]
+                + (f"; each row split over {split} ranks, {seq_len // split:,} tokens each" if split > 1 else ""),
+                *planned_phases(plan)]
 
     def batches(self, prepared, rank: int) -> tuple[StepBatches, EvalBatches | None]:
         data, training, plan = self.plan.recipe.data, self.plan.recipe.training, self.plan
@@ -29,8 +60,9 @@ class LanguageModel(Objective):
                             f"{data.seq_len}; prepare again with this seq_len or set data.seq_len={row_length}")
         evaluation = EvalBatches(prepared["eval"], training.micro_batch_size, rank, plan.dims.dp_size,
                                  training.eval_max_rows) if "eval" in prepared else None
+        phases = run_phases(self.plan, prepared["train"]) if data.phases else None
         return self.row_batches(prepared["train"], training.micro_batch_size, plan.accumulation_steps, rank,
-                                plan.dims.dp_size, training.seed), evaluation
+                                plan.dims.dp_size, training.seed, phases), evaluation
 
     def count(self, batch: dict) -> int:
         return target_count(batch)
