@@ -15,11 +15,12 @@ run see the same rows in the same order. Positions past the last phase (the stab
 read further phases like the last."""
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import datasets
 import numpy as np
 
-from data_pipeline.config import PhaseConfig
+from data_pipeline.config import PREPARE_AGAIN, PhaseConfig, check_prepared
 from training.base.errors import DataError
 
 SOURCE_STREAM, PHASE_STREAM = 7, 8  # SeedSequence streams: each source's order, each phase's order
@@ -106,13 +107,18 @@ class PhaseSchedule:
             self.add_phase(self.configs[-1], self.phases[-1].steps)
         return next(phase for phase in reversed(self.phases) if position >= phase.first_step)
 
+    def source_part(self, phase: Phase, source: int) -> np.ndarray:
+        """The rows the phase takes from one source: the next `count` of its stream, wrapping around."""
+        stream = self.streams[source]
+        return stream[(phase.offsets[source] + np.arange(phase.counts[source])) % len(stream)]
+
     def phase_rows(self, phase: Phase) -> np.ndarray:
         """The phase's rows in the order its steps take them."""
         index = self.phases.index(phase)
         if self._cached and self._cached[0] == index:
             return self._cached[1]
-        rows = np.concatenate([stream[(offset + np.arange(count)) % len(stream)]
-                               for stream, offset, count in zip(self.streams, phase.offsets, phase.counts) if count])
+        rows = np.concatenate([self.source_part(phase, source) for source, count in enumerate(phase.counts)
+                               if count])
         rows = np.random.default_rng([self.seed, PHASE_STREAM, index]).permutation(rows)
         if phase.order == "shortest_first":
             rows = rows[np.argsort(self.lengths[rows], kind="stable")]
@@ -153,9 +159,9 @@ class PhaseSchedule:
                  "when it upsamples):"]
         for phase in self.phases[:len(self.configs)]:
             cells = []
-            for label, count, stream in zip(self.labels, phase.counts, self.streams):
+            for source, (label, count, stream) in enumerate(zip(self.labels, phase.counts, self.streams)):
                 if count:
-                    rows = stream[(phase.offsets[self.labels.index(label)] + np.arange(count)) % len(stream)]
+                    rows = self.source_part(phase, source)
                     cells.append(f"{label} {count:,} rows, {int(self.lengths[rows].sum()):,} tokens, "
                                  f"{count / len(stream):.2f} passes")
             lines.append(f"  {phase.name}: steps {phase.first_step + 1}-{phase.first_step + phase.steps}: "
@@ -180,19 +186,25 @@ def planned_table(phases: list[PhaseConfig], steps: list[int], labels: list[str]
     return lines
 
 
-def row_labels(rows: datasets.Dataset) -> list[str]:
+def row_labels(features: datasets.Features) -> list[str]:
     """The source labels of prepared rows packed by source, or a DataError saying how to make such rows."""
-    feature = rows.features.get("source")
+    feature = features.get("source")
     if not isinstance(feature, datasets.ClassLabel):
         raise DataError("data.phases draws each phase's rows from the sources, and the prepared rows mix them "
                         "(prepared without data.phases); prepare the data with data.phases set")
     return list(feature.names)
 
 
+def prepared_labels(folder: Path) -> list[str]:
+    """The source labels of a prepared folder, read from its train split's dataset_info.json (no rows loaded)."""
+    check_prepared(folder, PREPARE_AGAIN)
+    return row_labels(datasets.DatasetInfo.from_directory(str(folder / "train")).features)
+
+
 def phase_schedule(rows: datasets.Dataset, phases: list[PhaseConfig], steps: list[int], global_batch_size: int,
                    seed: int) -> PhaseSchedule:
     """The schedule over prepared rows; a DataError when a phase weights a label the rows do not have."""
-    labels = row_labels(rows)
+    labels = row_labels(rows.features)
     for phase in phases:
         unknown = sorted(set(phase.weights) - set(labels))
         if unknown:

@@ -235,6 +235,16 @@ def pack(tokenized: datasets.Dataset, rows: np.ndarray | None, config: DataConfi
     return packed, stats
 
 
+def pack_rows(tokenized: datasets.Dataset, rows: np.ndarray, config: DataConfig,
+              pad_id: int) -> tuple[dict | None, dict]:
+    """pack on some of the documents (a datatrove task's, a source's): with less than one row of tokens, no rows."""
+    tokens = int(tokenized.data.table.column("input_ids").combine_chunks().value_lengths().to_numpy()[rows].sum())
+    if tokens < config.seq_len:
+        return None, {"documents_out": len(rows), "tokens_in": tokens, "tokens_out": 0, "tokens_dropped": tokens,
+                      "rows": 0}
+    return pack(tokenized, rows, config, pad_id)
+
+
 def pack_by_source(tokenized: datasets.Dataset, config: DataConfig, pad_id: int,
                    task: int | None = None) -> tuple[dict | None, dict]:
     """data.phases' rows: each source's documents once, in a seeded order, packed into rows of their own, with each
@@ -245,8 +255,7 @@ def pack_by_source(tokenized: datasets.Dataset, config: DataConfig, pad_id: int,
     packed, stats = [], {}
     for index in range(len(config.sources)):
         documents = order[sources[order] == index]
-        rows, counts = pack(tokenized, documents, config, pad_id) if enough_tokens(tokenized, documents, config) \
-            else (None, {"documents_out": len(documents), "rows": 0, "tokens_out": 0})
+        rows, counts = pack_rows(tokenized, documents, config, pad_id)
         if rows is not None:
             packed.append({**rows, "source": np.full(len(rows["length"]), index, dtype=np.int64)})  # ClassLabel's type
         for key, value in counts.items():
@@ -259,12 +268,6 @@ def pack_by_source(tokenized: datasets.Dataset, config: DataConfig, pad_id: int,
     rows = {name: np.concatenate([part[name] for part in packed]) for name in packed[0]}
     stats["packing_efficiency"] = stats["tokens_out"] / max(1, rows["input_ids"].size)
     return rows, stats
-
-
-def enough_tokens(tokenized: datasets.Dataset, documents: np.ndarray, config: DataConfig) -> bool:
-    """Whether the documents fill at least one row of data.seq_len."""
-    lengths = tokenized.data.table.column("input_ids").combine_chunks().value_lengths().to_numpy()
-    return int(lengths[documents].sum()) >= config.seq_len
 
 
 def source_counts(config: DataConfig, read: np.ndarray, kept: np.ndarray, rows: np.ndarray) -> list[dict]:

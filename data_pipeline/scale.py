@@ -55,6 +55,7 @@ from data_pipeline.prepare import (
     nothing_left,
     pack,
     pack_by_source,
+    pack_rows,
     pad_token_id,
     rows_to_dataset,
     save_prepared,
@@ -238,16 +239,6 @@ def evaluation_documents(config: DataConfig, work: Layout) -> datasets.Dataset:
     return datasets.Dataset.from_dict({"text": [d["text"] for d in held_out],
                                        "messages": [d["metadata"]["messages"] for d in held_out],
                                        "source": [d["metadata"]["source"] for d in held_out]}, features=FEATURES)
-
-
-def pack_rows(tokenized: datasets.Dataset, rows: np.ndarray, config: DataConfig,
-              pad_id: int) -> tuple[dict | None, dict]:
-    """prepare.pack on one task's documents; a task with less than one row of tokens writes no rows."""
-    tokens = int(tokenized.data.table.column("input_ids").combine_chunks().value_lengths().to_numpy()[rows].sum())
-    if tokens < config.seq_len:
-        return None, {"documents_out": len(rows), "tokens_in": tokens, "tokens_out": 0, "tokens_dropped": tokens,
-                      "rows": 0}
-    return pack(tokenized, rows, config, pad_id)
 
 
 class TokenizeAndPack(PipelineStep):

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from data_pipeline.config import DataConfig, PhaseConfig
-from data_pipeline.curriculum import PhaseSchedule, allocate, phase_schedule, phase_steps
+from data_pipeline.curriculum import PhaseSchedule, allocate, phase_schedule, phase_steps, prepared_labels
 from data_pipeline.loader import StepBatches
-from data_pipeline.prepare import prepare_dataset, rows_to_dataset
+from data_pipeline.prepare import cached_path, prepare_dataset, rows_to_dataset
 from tests.data_pipeline.test_prepare import TOKENIZER, documents_of
 from training.base.errors import ConfigError, DataError
 from training.config.recipe import RECIPES_DIR, load_recipe
@@ -160,6 +160,11 @@ def test_prepared_rows_are_packed_by_source_and_labelled(tmp_path):
     # the phases' weights change no row: the same preparation serves another mixture
     again = config.model_copy(update={"phases": [PhaseConfig(name="x", weights={"math": 1})]})
     assert prepare_dataset(again, TOKENIZER)[0]["train"]._fingerprint == train._fingerprint
+    assert prepared_labels(cached_path(config, TOKENIZER)) == ["web", "math"]  # --dry-run's, from the folder's info
+    mixed = prepare_dataset(config.model_copy(update={"phases": []}), TOKENIZER)
+    assert "source" not in mixed[0]["train"].features
+    with pytest.raises(DataError, match="the prepared rows mix them"):
+        prepared_labels(cached_path(config.model_copy(update={"phases": []}), TOKENIZER))
 
 
 CORPUS = RECIPES_DIR / "tiny_llama" / "corpus.jsonl"

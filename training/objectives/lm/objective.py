@@ -1,12 +1,12 @@
 """training.objective=lm: the next-token loss over the packed rows' target tokens (pretraining, SFT)."""
+from pathlib import Path
+
 import deepspeed
 import torch
 import torch.distributed as dist
 
-from data_pipeline.config import PREPARE_AGAIN
-from data_pipeline.curriculum import PhaseSchedule, phase_schedule, phase_steps, planned_table, row_labels
+from data_pipeline.curriculum import PhaseSchedule, phase_schedule, phase_steps, planned_table, prepared_labels
 from data_pipeline.loader import EvalBatches, StepBatches, model_inputs, target_count
-from data_pipeline.prepare import load_prepared
 from training.base.errors import DataError
 from training.loop.evaluation import evaluate
 from training.objectives.base import Objective
@@ -24,8 +24,7 @@ def planned_phases(plan: RunPlan) -> list[str]:
     data = plan.recipe.data
     if not data.phases:
         return []
-    labels = [source.key for source in data.sources] or \
-        row_labels(load_prepared(data.prepared, PREPARE_AGAIN)[0]["train"])
+    labels = [source.key for source in data.sources] or prepared_labels(Path(data.prepared))
     return planned_table(data.phases, phase_lengths(plan), labels, plan.recipe.training.global_batch_size, data.seq_len)
 
 
