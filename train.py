@@ -60,6 +60,7 @@ from training.planning.micro_batch import choose_micro_batch
 from training.planning.plan import Machine, RunPlan, planned_machine
 from training.planning.precision import resolve_precision
 from training.planning.report import print_plan
+from training.state.average import average_run
 from training.state.checkpoint import latest_tag
 from training.state.disk_room import check_room_to_start
 from training.state.export import export_run
@@ -223,6 +224,7 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
         finish_output_dir(plan.output_dir)
         return stopped_early(plan, totals, total_steps)
     export_run(engine, plan)
+    average_run(plan)  # checkpointing.average_last: hf_average/
     totals.benchmarks = benchmark_run(plan)  # eval.benchmarks: lm-eval on hf/
     trackers.finish(write_summary(plan, totals, start.step, total_steps, time.perf_counter() - run_start,
                                   data_stats, flops, objective.table))

@@ -173,6 +173,13 @@ class PhaseConfig(StrictModel):
         return self
 
 
+class LengthWarmupConfig(StrictModel):
+    """`data.seq_len_warmup`: the sequence length grows from `start` to data.seq_len over the first `steps` steps,
+    the tokens per step kept by cutting each row into shorter ones (data_pipeline/length_warmup.py)."""
+    start: PositiveInt  # the first step's sequence length: it divides data.seq_len
+    steps: PositiveInt  # the step from which the rows are data.seq_len long
+
+
 class DedupConfig(StrictModel):
     exact: bool = True  # identical text after lowercasing and collapsing whitespace
     near: bool = False  # MinHash + LSH near duplicates
@@ -256,6 +263,7 @@ class DataConfig(StrictModel):
     # a mixture that changes over the run (data_pipeline/curriculum.py): each source packed into rows of its own, and
     # each phase drawing from them by its weights; data.sources' weights stay 1
     phases: list[PhaseConfig] = []
+    seq_len_warmup: LengthWarmupConfig | None = None  # shorter rows first (data_pipeline/length_warmup.py)
 
     @model_validator(mode="after")
     def consistent(self) -> "DataConfig":
@@ -275,6 +283,11 @@ class DataConfig(StrictModel):
                                  f"data_pipeline dedup`; set dedup.exact=false)")
         if self.phases:
             self.check_phases()
+        warmup = self.seq_len_warmup
+        if warmup and (warmup.start >= self.seq_len or self.seq_len % warmup.start):
+            raise ValueError(f"data.seq_len_warmup.start is {warmup.start}: it must divide data.seq_len="
+                             f"{self.seq_len} and be shorter (each row is cut into rows of the current length), "
+                             f"such as {self.seq_len // next((d for d in (8, 4, 2) if self.seq_len % d == 0), 1)}")
         return self
 
     def check_phases(self) -> None:

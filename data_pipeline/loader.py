@@ -5,7 +5,9 @@ import datasets
 import numpy as np
 import torch
 
+from data_pipeline.config import LengthWarmupConfig
 from data_pipeline.curriculum import PhaseSchedule
+from data_pipeline.length_warmup import cut_rows, length_at
 from data_pipeline.preference import pack_pairs
 from training.base.errors import ConfigError, DataError
 
@@ -54,12 +56,15 @@ class StepBatches:
     unit = "rows"
 
     def __init__(self, rows: datasets.Dataset, micro_batch_size: int, accumulation_steps: int,
-                 dp_rank: int, dp_size: int, seed: int, phases: PhaseSchedule | None = None):
+                 dp_rank: int, dp_size: int, seed: int, phases: PhaseSchedule | None = None,
+                 warmup: LengthWarmupConfig | None = None):
         self.rows = rows.with_format("numpy")
         self.micro_batch_size, self.accumulation_steps = micro_batch_size, accumulation_steps
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
         self.global_batch_size = micro_batch_size * accumulation_steps * dp_size
         self.phases = phases  # data.phases: the schedule says which rows each batch holds (data_pipeline/curriculum.py)
+        self.warmup = warmup  # data.seq_len_warmup: the first steps' rows cut shorter (data_pipeline/length_warmup.py)
+        self.seq_len = len(rows[0]["input_ids"]) if warmup else None
         self.batches_per_epoch = len(rows) // self.global_batch_size
         if self.batches_per_epoch == 0:
             raise DataError(f"the data set has {len(rows)} {self.unit}, fewer than one global batch of "
@@ -74,7 +79,11 @@ class StepBatches:
         return self._order
 
     def micro_batches(self, position: int) -> list[dict[str, torch.Tensor]]:
-        return [self.fetch(np.sort(micro)) for micro in self.rank_rows(position)]
+        batches = [self.fetch(np.sort(micro)) for micro in self.rank_rows(position)]
+        if self.warmup:
+            length = length_at(self.warmup, self.seq_len, position)
+            batches = [cut_rows(batch, length) for batch in batches]
+        return batches
 
     def global_rows(self, position: int) -> np.ndarray:
         """The rows of the global batch at this data position."""
@@ -91,8 +100,11 @@ class StepBatches:
 
     def metrics(self, position: int) -> dict:
         """metrics.jsonl's fields of the data for the step before this position: with data.phases, its phase and each
-        source's tokens so far."""
-        return self.phases.metrics(position) if self.phases else {}
+        source's tokens so far; with data.seq_len_warmup, its sequence length."""
+        record = self.phases.metrics(position) if self.phases else {}
+        if self.warmup:
+            record["seq_len"] = length_at(self.warmup, self.seq_len, max(0, position - 1))
+        return record
 
     def fetch(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
         return fetch_rows(self.rows, indices)
@@ -103,12 +115,14 @@ class StepBatches:
     # state_dict's fields in the recipe's words, the settings a user changes first (a resume names what changed)
     settings = {"global_batch_size": "training.global_batch_size", "seed": "training.seed",
                 "rows": "the prepared data's rows (data.sources, their filters and data.seq_len)",
-                "phases": "data.phases (each phase's name, steps, weights and order)"}
+                "phases": "data.phases (each phase's name, steps, weights and order)",
+                "seq_len_warmup": "data.seq_len_warmup"}
 
     def state_dict(self) -> dict:
         """What a position means, checked when resuming (the position itself is in the run state)."""
         return {"rows": len(self.rows), "global_batch_size": self.global_batch_size, "seed": self.seed,
-                "phases": self.phases.state_dict() if self.phases else None}
+                "phases": self.phases.state_dict() if self.phases else None,
+                "seq_len_warmup": self.warmup.model_dump() if self.warmup else None}
 
     def load_state_dict(self, state: dict) -> None:
         """A ConfigError naming each setting whose value the checkpoint's position was counted under and this run

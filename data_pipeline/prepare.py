@@ -60,7 +60,7 @@ def filter_state(config: DataConfig) -> list:
 def fingerprint(config: DataConfig, tokenizer: PreTrainedTokenizerBase) -> str:
     """Changes when the data section, a source file, the tokenizer or what the filters decide with changes."""
     meaning = config.model_dump(exclude={"cache_dir", "num_proc", "streaming", "shuffle_buffer", "prepared",
-                                         "filter_samples", "phases"})
+                                         "filter_samples", "phases", "seq_len_warmup"})
     meaning["by_source"] = bool(config.phases)  # the phases' weights draw from the rows: they change no row
     key = json.dumps({"version": PIPELINE_VERSION, "data": meaning, "tokenizer": Hasher.hash(tokenizer),
                       "files": file_state(config.sources + config.eval.sources), "filters": filter_state(config)},

@@ -177,3 +177,19 @@ def test_a_conversion_is_made_once_and_one_a_kill_interrupted_is_made_again(runs
     assert convert(checkpoints, tag) == target and fp32.is_file()
     fp32.write_bytes(fp32.read_bytes()[:100])  # and one cut short
     assert convert(checkpoints, tag) == target and fp32.stat().st_size > 100
+
+
+def test_a_universal_conversion_averages_as_its_checkpoint(runs, tmp_path):
+    """python -m training average reads a universal checkpoint's fp32 files: the whole run's last checkpoint converted
+    by DeepSpeed's converter, averaged with the checkpoint before it, gives exactly the two checkpoints' average."""
+    from safetensors.torch import load_file
+
+    from training.__main__ import main
+    checkpoints = runs["whole"] / "checkpoints"
+    before, last = checkpoints / f"global_step{STEPS - 3}", checkpoints / f"global_step{STEPS}"
+    assert main(["convert", str(last)]) == 0
+    universal = checkpoints / "universal" / last.name
+    assert main(["average", str(before), str(last), str(tmp_path / "plain")]) == 0
+    assert main(["average", str(before), str(universal), str(tmp_path / "universal")]) == 0
+    plain, mixed = (load_file(tmp_path / name / "model.safetensors") for name in ("plain", "universal"))
+    assert plain.keys() == mixed.keys() and all(torch.equal(plain[name], mixed[name]) for name in plain)

@@ -229,6 +229,8 @@ class ExportSection(StrictModel):
 class CheckpointingSection(StrictModel):
     every_steps: PositiveInt | None = None  # None: only at the end
     keep_last: PositiveInt | None = None  # None: keep every checkpoint
+    # at the end, hf_average/ beside hf/: the mean of the last K checkpoints' weights (training/state/average.py)
+    average_last: int | None = Field(None, ge=2)
 
 
 class StabilitySection(StrictModel):
@@ -367,6 +369,10 @@ class RecipeSections(StrictModel):
                              f"data with this recipe")
         if self.data.phases:
             self.check_phases()
+        if self.data.seq_len_warmup:
+            self.check_seq_len_warmup()
+        if self.checkpointing.average_last:
+            self.check_average()
         if self.data.streaming and self.training.max_steps is None:
             raise ValueError("data.streaming needs training.max_steps: the length of a stream is not known ahead")
         return self
@@ -387,6 +393,38 @@ class RecipeSections(StrictModel):
                                  f"last phase and training.schedule wsd (it is {training.schedule})")
         phase_steps(phases, training.max_steps, training.decay_steps(training.max_steps),
                     training.global_batch_size * self.data.seq_len)
+
+    def check_average(self) -> None:
+        """checkpointing.average_last: the run saves and keeps that many checkpoints of the model's weights."""
+        checkpointing, max_steps = self.checkpointing, self.training.max_steps
+        last, every = checkpointing.average_last, checkpointing.every_steps
+        if self.lora.enabled:
+            raise ValueError("checkpointing.average_last averages the model's weights, and a LoRA run's checkpoints "
+                             "hold adapters: remove it (or average merged exports with python -m training average)")
+        if every is None:
+            raise ValueError(f"checkpointing.average_last={last} averages the run's last {last} checkpoints: set "
+                             f"checkpointing.every_steps (without it the run saves one, at the end)")
+        if checkpointing.keep_last is not None and checkpointing.keep_last < last:
+            raise ValueError(f"checkpointing.keep_last={checkpointing.keep_last} removes checkpoints that "
+                             f"checkpointing.average_last={last} averages: keep at least {last}")
+        if max_steps is not None and -(-max_steps // every) < last:
+            raise ValueError(f"checkpointing.average_last={last}: training.max_steps={max_steps} with "
+                             f"checkpointing.every_steps={every} saves {-(-max_steps // every)} checkpoints; save more "
+                             f"often or average fewer")
+
+    def check_seq_len_warmup(self) -> None:
+        """data.seq_len_warmup cuts prepared rows of documents, into micro-batches whose shape changes."""
+        start, objective = self.data.seq_len_warmup.start, self.training.objective
+        if objective != "lm" or self.data.streaming:
+            raise ValueError(f"data.seq_len_warmup cuts the prepared rows of packed documents (training.objective lm, "
+                             f"not data.streaming); this run is {objective}"
+                             + (" on data.streaming" if self.data.streaming else "") + ": remove it")
+        if self.parallelism.pipeline_stages > 1:
+            raise ValueError("data.seq_len_warmup changes the micro-batches' shape, and DeepSpeed's pipeline engine "
+                             "passes activations of one shape between stages: remove it or parallelism.pipeline_stages")
+        if start % self.parallelism.sequence_parallel:
+            raise ValueError(f"data.seq_len_warmup.start={start} does not split over parallelism.sequence_parallel="
+                             f"{self.parallelism.sequence_parallel} ranks: use a multiple of it")
 
     @property
     def tokenizer_path(self) -> str:

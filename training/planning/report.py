@@ -112,6 +112,11 @@ def print_checkpoint_size(plan: RunPlan) -> None:
     print(f"checkpoint: {format_bytes(size.total)} per save, {format_bytes(size.largest_rank)} from the busiest rank; "
           f"under the deepspeed launcher a SIGTERM save must finish within its {LAUNCHER_GRACE_S} s "
           f"({format_bytes(size.largest_rank / LAUNCHER_GRACE_S)}/s per rank), under srun within SLURM's grace")
+    checkpointing, max_steps = plan.recipe.checkpointing, plan.recipe.training.max_steps
+    if checkpointing.average_last and max_steps:
+        saves = sorted({*range(checkpointing.every_steps, max_steps + 1, checkpointing.every_steps), max_steps})
+        print(f"checkpoint averaging (checkpointing.average_last): hf_average/, the mean of the checkpoints of steps "
+              f"{', '.join(f'{step:,}' for step in saves[-checkpointing.average_last:])}")
 
 
 def print_memory_plan(plan: RunPlan, shape: ModelShape, machine: Machine) -> None:

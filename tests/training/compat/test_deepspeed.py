@@ -261,6 +261,14 @@ def test_zero_to_fp32_reads_model_parallel_rank_00_only():
         "zero_to_fp32 picks its model-parallel rank's files now: check compat zero_rank_files"
 
 
+def test_universal_fp32_files_hold_the_param_entry():
+    from deepspeed.checkpoint import ds_to_universal
+    from deepspeed.checkpoint.universal_checkpoint import load_hp_checkpoint_state
+    loader = source(load_hp_checkpoint_state)
+    assert 'f"{key}.pt"' in loader and "ckpt_dict[PARAM]" in loader
+    assert '"fp32", "exp_avg", "exp_avg_sq"' in source(ds_to_universal), "the states' file names changed"
+
+
 def test_the_engine_saves_the_models_universal_info():
     from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
     assert "UNIVERSAL_CHECKPOINT_INFO" in source(deepspeed.DeepSpeedEngine._save_checkpoint)

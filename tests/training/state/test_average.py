@@ -2,6 +2,7 @@
 Hugging Face folder, from checkpoints of different layouts (their files as train.py's checkpoints hold them, read as
 the export reads them: tests/training/state/test_export.py), and what it refuses."""
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from tests.conftest import save_small_checkpoint
 from tests.training.state.test_export import SPLIT_DIM
 from training.__main__ import main as training_cli
+from training.base.errors import ConfigError
+from training.config.recipe import load_recipe
 
 
 def saved_checkpoint(run: Path, step: int, seed: int, tensor_parallel: int = 1,
@@ -72,3 +75,44 @@ def test_what_cannot_be_averaged_is_refused_before_anything_is_written(tmp_path,
         out = run / "checkpoints" / "averaged"
     assert training_cli(["average", *map(str, tags), str(out)]) != 0
     assert message in capsys.readouterr().err and not out.exists()
+
+
+def universal_copy(run: Path, step: int, weights: dict[str, torch.Tensor]) -> Path:
+    """checkpoints/universal/global_step{step}/ as ds_to_universal lays it out: each weight's zero/<name>/fp32.pt."""
+    from deepspeed.checkpoint.constants import PARAM
+    folder = run / "checkpoints" / "universal" / f"global_step{step}"
+    for name, tensor in weights.items():
+        (folder / "zero" / name).mkdir(parents=True)
+        torch.save({PARAM: tensor.clone()}, folder / "zero" / name / "fp32.pt")
+    return folder
+
+
+def test_a_universal_checkpoint_averages_as_the_checkpoint_it_was_converted_from(tmp_path, capsys):
+    run = tmp_path / "run"
+    saved_checkpoint(run, 2, 1)
+    universal = universal_copy(run, 4, saved_checkpoint(run, 4, 2))
+    first, second = run / "checkpoints" / "global_step2", run / "checkpoints" / "global_step4"
+    assert training_cli(["average", str(first), str(second), str(tmp_path / "plain")]) == 0
+    assert training_cli(["average", str(first), str(universal), str(tmp_path / "universal")]) == 0
+    plain, mixed = (AutoModelForCausalLM.from_pretrained(tmp_path / name, dtype=torch.float32).state_dict()
+                    for name in ("plain", "universal"))
+    assert all(torch.equal(plain[name], mixed[name]) for name in plain)
+    shutil.rmtree(second)
+    assert training_cli(["average", str(first), str(universal), str(tmp_path / "gone")]) != 0
+    assert "the checkpoint it was converted from, is gone" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("recipe, overrides, message", [
+    ("tiny_llama", ["checkpointing.average_last=2", "checkpointing.every_steps=null"],
+     "set checkpointing.every_steps"),
+    ("tiny_llama", ["checkpointing.average_last=3"],
+     "checkpointing.keep_last=2 removes checkpoints that checkpointing.average_last=3 averages"),
+    ("tiny_llama", ["checkpointing.average_last=5", "checkpointing.every_steps=60", "checkpointing.keep_last=null"],
+     "training.max_steps=200 with checkpointing.every_steps=60 saves 4 checkpoints"),
+    ("llama3_8b_lora", ["checkpointing.average_last=2", "checkpointing.every_steps=50"],
+     "a LoRA run's checkpoints hold adapters"),
+    ("tiny_llama", ["checkpointing.average_last=1"], "greater than or equal to 2"),
+])
+def test_a_run_that_cannot_average_its_last_checkpoints_is_refused_before_it_starts(recipe, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_recipe(recipe, overrides)

@@ -19,7 +19,7 @@ PARTS = {  # this package's modules, each with the workarounds it holds
     "initialize": ("release_shared_memory_buffer", "without_train_batch_size", "muon_flags"),
     "checkpoint_files": ("expert_files", "pipeline_layer_file", "zero_fp32_weights"),
     "universal": ("provide_universal_info", "make_stage_neutral", "universal_load_repaired", "loading_universal",
-                  "convert_with_tensor_parallel"),
+                  "convert_with_tensor_parallel", "universal_weights"),
 }
 
 
@@ -138,6 +138,11 @@ PATCHES = (
                     "(get_model_state_file names mp_rank_00); its private per-stage readers are run here on one "
                     "rank's files at a time", "test_zero_to_fp32_reads_model_parallel_rank_00_only",
                     proofs=("tests/test_parallelism.py::test_the_export_command_gives_the_engines_weights",)),
+    deepspeed_patch("universal_weights", "a universal checkpoint is a file format of ds_to_universal's, with no "
+                    "reader but the engine's load: each parameter's fp32 master weights are zero/<name>/fp32.pt, a "
+                    "dict whose PARAM entry is the whole tensor (load_hp_checkpoint_state reads them so); python -m "
+                    "training average reads them", "test_universal_fp32_files_hold_the_param_entry",
+                    proofs=("tests/test_resume_anywhere.py::test_a_universal_conversion_averages_as_its_checkpoint",)),
     deepspeed_patch("provide_universal_info", "ds_to_universal needs the Megatron-style UNIVERSAL_CHECKPOINT_INFO "
                     "attribute on the saved model, which Hugging Face models lack (train.py's own conversions also "
                     "pass --inject_missing_state, for checkpoints saved without it; a user's run of the converter "

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from deepspeed import DeepSpeedEngine
 from deepspeed.checkpoint.constants import (
+    FP32_WEIGHT_KEY,
     PARAM,
     UNIVERSAL_CHECKPOINT_INFO,
     UNIVERSAL_CHECKPOINT_VERSION_KEY,
@@ -19,6 +20,13 @@ from deepspeed.checkpoint.constants import (
 def provide_universal_info(model: torch.nn.Module) -> None:
     """The entry ds_to_universal needs in the checkpoint (with plain data parallelism its version is all there is)."""
     setattr(model, UNIVERSAL_CHECKPOINT_INFO, {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE})
+
+
+def universal_weights(zero_dir: Path) -> dict[str, torch.Tensor]:
+    """A universal checkpoint's fp32 master weights by parameter name: `zero/<name>/fp32.pt`, each a dict whose PARAM
+    entry is the whole parameter (ds_to_universal writes them so; DeepSpeed's load_hp_checkpoint_state reads them)."""
+    return {folder.name: torch.load(folder / f"{FP32_WEIGHT_KEY}.pt", map_location="cpu", weights_only=False)[PARAM]
+            for folder in sorted(zero_dir.iterdir()) if (folder / f"{FP32_WEIGHT_KEY}.pt").is_file()}
 
 
 def make_stage_neutral(folder: Path) -> None:

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from data_pipeline.curriculum import PhaseSchedule, phase_schedule, phase_steps, planned_table, prepared_labels
+from data_pipeline.length_warmup import warmup_line
 from data_pipeline.loader import EvalBatches, StepBatches, model_inputs, target_count
 from training.base.errors import DataError
 from training.loop.evaluation import evaluate
@@ -49,7 +50,9 @@ class LanguageModel(Objective):
                 f"{plan.dims.dp_size} data-parallel ranks = {training.global_batch_size} rows x {seq_len} tokens = "
                 f"{training.global_batch_size * seq_len:,} tokens per step"
                 + (f"; each row split over {split} ranks, {seq_len // split:,} tokens each" if split > 1 else ""),
-                *planned_phases(plan)]
+                *planned_phases(plan), *([warmup_line(plan.recipe.data.seq_len_warmup, seq_len,
+                                                      training.micro_batch_size)] if plan.recipe.data.seq_len_warmup
+                                         else [])]
 
     def batches(self, prepared, rank: int) -> tuple[StepBatches, EvalBatches | None]:
         data, training, plan = self.plan.recipe.data, self.plan.recipe.training, self.plan
@@ -60,8 +63,10 @@ class LanguageModel(Objective):
         evaluation = EvalBatches(prepared["eval"], training.micro_batch_size, rank, plan.dims.dp_size,
                                  training.eval_max_rows) if "eval" in prepared else None
         phases = run_phases(self.plan, prepared["train"]) if data.phases else None
+        if data.seq_len_warmup and dist.get_rank() == 0:
+            print(warmup_line(data.seq_len_warmup, data.seq_len, training.micro_batch_size), flush=True)
         return self.row_batches(prepared["train"], training.micro_batch_size, plan.accumulation_steps, rank,
-                                plan.dims.dp_size, training.seed, phases), evaluation
+                                plan.dims.dp_size, training.seed, phases, data.seq_len_warmup), evaluation
 
     def count(self, batch: dict) -> int:
         return target_count(batch)
