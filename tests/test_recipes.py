@@ -29,6 +29,7 @@ PUBLISHED_PARAMETERS = {
     "llama2_7b_sft": 6_738_415_616,  # the same checkpoint
     "llama3_8b": 8_030_261_248,  # meta-llama/Meta-Llama-3-8B
     "llama3_8b_long": 8_030_261_248,  # the same checkpoint, its RoPE base and context raised
+    "llama3_8b_anneal": 8_030_261_248,  # the same checkpoint, annealed
     "llama3_8b_lora": 8_030_261_248,  # the same checkpoint, frozen under adapters
     "llama3_8b_dpo": 8_030_261_248,  # princeton-nlp/Llama-3-Base-8B-SFT: Meta-Llama-3-8B fine-tuned
     "llama3_70b": 70_553_706_496,  # meta-llama/Meta-Llama-3-70B
@@ -41,7 +42,8 @@ PUBLISHED_PARAMETERS = {
 }
 
 # The GPUs each recipe is written for (its header and README): H100s, 80 GB.
-TARGET_GPUS = {"llama2_7b": 8, "llama2_7b_sft": 8, "llama3_8b": 8, "llama3_8b_long": 8, "llama3_8b_lora": 1,
+TARGET_GPUS = {"llama2_7b": 8, "llama2_7b_sft": 8, "llama3_8b": 8, "llama3_8b_long": 8, "llama3_8b_anneal": 8,
+               "llama3_8b_lora": 1,
                "llama3_8b_dpo": 8, "llama3_70b": 32, "mistral_7b": 8, "qwen2_5_1_5b": 1,
                "qwen2_5_1_5b_grpo": 8, "gpt2": 1, "mixtral_8x7b": 32,
                "qwen3_30b_a3b": 16}
@@ -168,6 +170,13 @@ def local_data(name: str, folder) -> list[str]:
     if any(source.messages_field for source in recipe.data.sources):
         return ["data.sources=[{path: recipes/tiny_llama_sft/chat.jsonl, messages_field: messages}]",
                 "data.seq_len=256", "data.num_proc=1"]  # 256: an assistant reply inside every row
+    if recipe.data.phases:  # the corpus under each of the recipe's labels; a step for each phase, each one saved
+        labels = [source.key for source in recipe.data.sources]
+        return ["data.sources=[" + ", ".join(f"{{path: recipes/tiny_llama/corpus.jsonl, label: {label}}}"
+                                             for label in labels) + "]",
+                "data.seq_len=64", "data.num_proc=1", "training.decay_ratio=0.5", "checkpointing.every_steps=1",
+                "checkpointing.keep_last=2", "checkpointing.average_last=2", "logging.every_steps=1",
+                "data.dedup.exact=false"]  # the same documents under each label
     return ["data.sources=[{path: recipes/tiny_llama/corpus.jsonl}]", "data.seq_len=64", "data.num_proc=1"]
 
 
@@ -222,6 +231,10 @@ def test_recipe_trains_two_steps_on_cpu(name, tmp_path, data_cache):
     assert exported["model_type"] == model_config(name).model_type
     assert {key: exported[key] for key in recipe.model.config_overrides} == recipe.model.config_overrides
     assert (out / "hf" / "model.safetensors").is_file()
+    if recipe.data.phases:
+        assert [record["phase"] for record in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+                if "loss" in record] == [phase.name for phase in recipe.data.phases]
+        assert (out / "hf_average" / "model.safetensors").is_file()
 
 
 @pytest.mark.slow
