@@ -3,6 +3,8 @@
     python tools/compare.py --recipe tiny_llama --vary optimizer.name=adamw,lion,muon --num-gpus 2
     python tools/compare.py --recipe tiny_llama --vary deepspeed.config=zero1,zero3 --vary precision=fp32,bf16
     python tools/compare.py --recipe llama2_7b --vary activation_checkpointing=false,true --num-gpus 8 --steps 30
+    python tools/compare.py --recipe llama3_8b_anneal --vary data.phases.1.weights.math=0.3,0.5 --num-gpus 8 \
+        checkpointing.average_last=null            # a phase's weight (a 30-step cell saves no 3 checkpoints)
 
 Each --vary KEY=V1,V2,... is a recipe key and its values (commas inside [...] or {...} belong to the value);
 several --vary make a grid, every combination a cell. Every cell runs the same recipe, seed and data through
@@ -10,7 +12,8 @@ the real `deepspeed` launcher and train.py, for --steps steps, logging every ste
   comparison.md / comparison.csv  per cell: tokens/s (mean after step 1), TFLOP/s and MFU (GPU), peak memory per
                                   rank (GPU: allocated and reserved; CPU: resident set size), model-state memory
                                   measured in the run, the plan's estimate for the same cell and its peak, (GRPO) the
-                                  seconds a step spent generating and the first and last reward, final loss and the
+                                  seconds a step spent generating and the first and last reward, (data.phases) each
+                                  source's tokens read, the eval loss (with an eval split), final loss and the
                                   largest loss difference from the first cell that ran
   comparison.png                  loss curves, throughput and memory bars
   <cell>/, <cell>.log             each run's own output folder and console log
@@ -54,7 +57,7 @@ from training.base.output_guard import (  # noqa: E402
     way_out,
     written_by,
 )
-from training.base.strict_json import number  # noqa: E402
+from training.base.strict_json import dumps, number  # noqa: E402
 from training.config.overrides import parse_override  # noqa: E402
 from training.config.recipe import load_recipe, recipe_inputs  # noqa: E402
 from training.parallel.launch import failure_reason, launcher_command  # noqa: E402
@@ -65,8 +68,8 @@ OUTPUT_ROOT = REPO / "outputs"
 REPORTS = ("comparison.csv", "comparison.md", "comparison.png")
 COLUMNS = ("cell", "status", "tokens_per_s", "tflops", "mfu", "peak_mem_bytes", "peak_mem_reserved_bytes",
            "model_states_bytes", "model_states_host_bytes", "estimated_model_states_bytes", "estimate_source",
-           "planned_peak_bytes", "generation_time_s", "first_reward", "final_reward", "final_loss", "max_loss_diff",
-           "error")
+           "planned_peak_bytes", "generation_time_s", "first_reward", "final_reward", "source_tokens", "eval_loss",
+           "final_loss", "max_loss_diff", "error")
 
 
 def parse_args(argv: list[str] | None, labels: dict[str, str] | None = None) -> argparse.Namespace:
@@ -355,7 +358,10 @@ def read_run(run_dir: Path) -> tuple[dict, dict[int, float]]:
            "model_states_host_bytes": measured.get("cpu") if device == "cuda" else None,
            "generation_time_s": sum(generation) / len(generation) if generation else summary.get("generation_time_s"),
            "first_reward": summary.get("first_reward"),
-           "final_reward": summary.get("reward"), "final_loss": number(summary["final_loss"])}
+           "final_reward": summary.get("reward"), "final_loss": number(summary["final_loss"]),
+           "eval_loss": summary.get("eval_loss"),
+           "source_tokens": next((record["source_tokens"] for record in reversed(records) if "source_tokens" in record),
+                                 None)}  # data.phases: each source's tokens read
     return row, losses
 
 
@@ -396,10 +402,12 @@ def gib(value: float | None) -> str:
 def markdown(rows: list[dict], args: argparse.Namespace, reference: str | None) -> str:
     on_gpu = any(row.get("tflops") is not None for row in rows)
     generating = any(row.get("generation_time_s") is not None for row in rows)
+    phased, evaluated = (any(row.get(key) is not None for row in rows) for key in ("source_tokens", "eval_loss"))
     memory = "peak alloc. / reserved GiB" if on_gpu else "peak RSS GiB"
     header = ["setting", "tokens/s", *(["TFLOP/s", "MFU"] if on_gpu else []), memory, "planned peak GiB",
               "model states GiB (measured)", "estimated GiB (by)",
               *(["generation s/step", "reward (first -> last)"] if generating else []),
+              *(["tokens per source"] if phased else []), *(["eval loss"] if evaluated else []),
               "final loss", f"max loss diff vs {reference}"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
@@ -416,6 +424,9 @@ def markdown(rows: list[dict], args: argparse.Namespace, reference: str | None) 
                  peak, gib(row.get("planned_peak_bytes")), states, estimate,
                  *([f"{row['generation_time_s']:.2f}", f"{row['first_reward']:.3f} -> {row['final_reward']:.3f}"]
                    if generating else []),
+                 *([", ".join(f"{label} {tokens:,}" for label, tokens in (row.get("source_tokens") or {}).items())
+                    or "-"] if phased else []),
+                 *([f"{row['eval_loss']:.4f}" if row.get("eval_loss") is not None else "-"] if evaluated else []),
                  f"{row['final_loss']:.4f}", f"{row['max_loss_diff']:.2e}"]
         lines.append("| " + " | ".join(cells) + " |")
     command = " ".join(["python tools/compare.py", "--recipe", args.recipe, *[f"--vary {vary}" for vary in args.vary],
@@ -481,7 +492,8 @@ def compare_and_report(args: argparse.Namespace) -> int:
     with (args.output_dir / "comparison.csv").open("w", newline="") as file:
         writer = csv.DictWriter(file, fieldnames=COLUMNS, extrasaction="ignore")
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows({**row, "source_tokens": dumps(row["source_tokens"])} if row.get("source_tokens") else row
+                         for row in rows)
     (args.output_dir / "comparison.md").write_text(markdown(rows, args, reference))
     plot(rows, curves, reference, args.output_dir / "comparison.png",
          f"{args.recipe}: {args.num_gpus} rank(s), {args.steps} steps")

@@ -277,3 +277,31 @@ def test_each_cell_carries_the_plans_peak(tmp_path):
                                                  .at_setting(plan.zero_setting)).peak(False)}
         assert added[grows_by] > added[next(other for other in added if other != grows_by)]
         assert estimate["planned_peak_bytes"] == states.device_bytes + added[grows_by] - states.made_in_backward
+
+
+def test_a_phase_weight_varies_and_the_table_shows_each_sources_tokens(tmp_path, no_launch):
+    """--vary data.phases.1.weights.pydoc (a key the fixed phases leave out, as test_a_varied_key_may_go_inside_a_fixed_
+    mapping): each cell's anneal phase weighs the source as its label says, every check passes; the table adds each
+    source's tokens read (the last logged step's) and the eval loss."""
+    import json
+    corpus = REPO / "recipes" / "tiny_llama" / "corpus.jsonl"
+    argv = ["--recipe", "tiny_llama", "--vary", "data.phases.1.weights.pydoc=1,3",
+            f"data.sources=[{{path: {corpus}, label: docstring}}, {{path: {corpus}, label: pydoc}}]",
+            "data.phases=[{name: main, weights: {docstring: 4, pydoc: 1}}, {name: anneal, steps: decay, "
+            "weights: {docstring: 1}}]", "training.schedule=wsd", "--output-dir", str(tmp_path / "out")]
+    with pytest.raises(Launched):
+        compare.main(argv)
+    args = compare.parse_args(argv)
+    assert [load_recipe(args.recipe, compare.cell_overrides(args, cell)).data.phases[1].weights
+            for cell in args.cells] == [{"docstring": 1, "pydoc": 1}, {"docstring": 1, "pydoc": 3}]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"mean_tokens_per_s": 10.0, "peak_mem_bytes": 1, "final_loss": 5.0,
+                                                  "eval_loss": 5.25}))
+    lines = [{"step": 1, "loss": 5.5, "source_tokens": {"docstring": 3072, "pydoc": 1024}},
+             {"step": 2, "loss": 5.0, "source_tokens": {"docstring": 4096, "pydoc": 4096}}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    row, _ = compare.read_run(run)
+    table = compare.markdown([{"cell": "x", **row, "max_loss_diff": 0.0}], args, "x")
+    assert "| tokens per source | eval loss | final loss |" in table
+    assert "| docstring 4,096, pydoc 4,096 | 5.2500 | 5.0000 |" in table
