@@ -129,6 +129,8 @@ class DataSource(StrictModel):
     weight: PositiveFloat = 1.0  # a sampling rate, not a probability: 0.5 = a random half, 2 = every document twice
     label: str | None = None  # what data.phases' weights call it; default: the file's name without its suffix (a
     # hub data set's name after its last /)
+    score_field: str | None = None  # a numeric field of each record, the document's quality score (FineWeb-Edu's
+    # `score`), which data.phases' order highest_score_first sorts by (data_pipeline/curriculum.py)
 
     @model_validator(mode="after")
     def one_location_one_kind(self) -> "DataSource":
@@ -161,13 +163,19 @@ class PhaseConfig(StrictModel):
     steps: PositiveInt | Literal["decay"] | None = None
     tokens: PositiveInt | None = None
     weights: dict[str, NonNegativeFloat]  # by source label; a source left out gets none of the phase's rows
-    order: Literal["shuffled", "shortest_first"] = "shuffled"  # the phase's rows in a seeded random order, or those
-    # with the fewest real tokens first (with packing bfd or none: short documents before long ones)
+    # the phase's rows in a seeded random order; those with the fewest real tokens first (with packing bfd or none:
+    # short documents before long ones); or those whose documents score highest first (data.sources' score_field, or
+    # the classifier filter's score)
+    order: Literal["shuffled", "shortest_first", "highest_score_first"] = "shuffled"
+    buckets: PositiveInt | None = None  # an ordered phase read in this many buckets, each in a seeded random order
 
     @model_validator(mode="after")
     def one_length(self) -> "PhaseConfig":
         if self.steps is not None and self.tokens is not None:
             raise ValueError(f"phase {self.name!r}: set steps or tokens, not both")
+        if self.buckets and self.order == "shuffled":
+            raise ValueError(f"phase {self.name!r}: buckets split an ordered phase (order shortest_first or "
+                             f"highest_score_first), and its order is shuffled")
         if not any(self.weights.values()):
             raise ValueError(f"phase {self.name!r}: its weights are all 0; give a source a positive weight")
         return self
@@ -290,6 +298,12 @@ class DataConfig(StrictModel):
                              f"such as {self.seq_len // next((d for d in (8, 4, 2) if self.seq_len % d == 0), 1)}")
         return self
 
+    @property
+    def scores_rows(self) -> bool:
+        """Whether prepared rows carry a `score` (data.phases over scored documents: a score_field or a classifier)."""
+        return bool(self.phases) and (any(source.score_field for source in self.sources)
+                                      or any(spec.type == "classifier" for spec in self.filters))
+
     def check_phases(self) -> None:
         """The phases name sources that exist once each, and the sources leave the mixing to them."""
         if self.streaming:
@@ -310,6 +324,14 @@ class DataConfig(StrictModel):
             if unknown:
                 raise ValueError(f"data.phases.{index} ({phase.name}) weights {', '.join(unknown)}, not a source "
                                  f"label; the labels are {', '.join(keys)}")
+        scored = {source.key for source in self.sources if source.score_field} if not any(
+            spec.type == "classifier" for spec in self.filters) else set(keys)
+        for index, phase in enumerate(self.phases):
+            unscored = sorted(label for label, weight in phase.weights.items() if weight and label not in scored)
+            if phase.order == "highest_score_first" and unscored:
+                raise ValueError(f"data.phases.{index} ({phase.name}) orders its rows by their documents' scores, and "
+                                 f"{', '.join(unscored)} has none: set its data.sources score_field (a numeric "
+                                 f"field of its records), or score every source with a classifier filter")
         if self.packing == "concat" and any(phase.order == "shortest_first" for phase in self.phases):
             raise ValueError("data.phases: order shortest_first puts the rows with the fewest real tokens first, and "
                              "under data.packing=concat every row is full; set data.packing to bfd or none")

@@ -7,8 +7,9 @@ as a stream: its rows in a seeded order, from the start again once they are used
 S x global_batch_size rows, split over the sources by its weights (largest remainders: the counts are exact
 integers), each source's share being the next rows of its stream. So no row repeats within a phase unless the phase
 asks a source for more rows than it holds (upsampling: counted in `passes`), and a later phase goes on with rows the
-earlier ones did not take. The phase's rows are put in a seeded random order (or shortest first), and step s of the
-phase takes the next global batch of them.
+earlier ones did not take. The phase's rows are put in a seeded random order (or shortest first, or highest score
+first: a row's score is the token-weighted mean of its documents'), optionally in buckets, and step s of the phase
+takes the next global batch of them.
 
 Everything follows from the data position (the batches consumed), never from an iterator: every layout and a resumed
 run see the same rows in the same order. Positions past the last phase (the stability guard passes over batches)
@@ -23,7 +24,7 @@ import numpy as np
 from data_pipeline.config import PREPARE_AGAIN, PhaseConfig, check_prepared
 from training.base.errors import DataError
 
-SOURCE_STREAM, PHASE_STREAM = 7, 8  # SeedSequence streams: each source's order, each phase's order
+SOURCE_STREAM, PHASE_STREAM, BUCKET_STREAM = 7, 8, 9  # SeedSequence streams: each source's, phase's, bucket's order
 
 
 def phase_steps(phases: list[PhaseConfig], max_steps: int, decay_steps: int, tokens_per_step: int) -> list[int]:
@@ -69,15 +70,15 @@ class Phase:
     first_step: int  # the data position of its first batch
     counts: np.ndarray  # rows from each source
     offsets: np.ndarray  # where in each source's stream they start
-    order: str
+    config: PhaseConfig
 
 
 class PhaseSchedule:
     """Which rows each global batch of a phased run holds (the module's docstring)."""
 
     def __init__(self, sources: np.ndarray, lengths: np.ndarray, labels: list[str], phases: list[PhaseConfig],
-                 steps: list[int], global_batch_size: int, seed: int):
-        self.sources, self.lengths, self.labels = sources, lengths, labels
+                 steps: list[int], global_batch_size: int, seed: int, scores: np.ndarray | None = None):
+        self.sources, self.lengths, self.labels, self.scores = sources, lengths, labels, scores
         self.configs, self.global_batch_size, self.seed = phases, global_batch_size, seed
         self.streams = [np.random.default_rng([seed, SOURCE_STREAM, index]).permutation(
             np.flatnonzero(sources == index)) for index in range(len(labels))]
@@ -99,7 +100,7 @@ class PhaseSchedule:
         last = self.phases[-1] if self.phases else None
         offsets = last.offsets + last.counts if last else np.zeros(len(self.labels), dtype=np.int64)
         self.phases.append(Phase(config.name, steps, last.first_step + last.steps if last else 0,
-                                 allocate(steps * self.global_batch_size, weights), offsets, config.order))
+                                 allocate(steps * self.global_batch_size, weights), offsets, config))
 
     def phase_at(self, position: int) -> Phase:
         """The phase whose batch is at this data position (past the last: as many more like it as needed)."""
@@ -120,10 +121,21 @@ class PhaseSchedule:
         rows = np.concatenate([self.source_part(phase, source) for source, count in enumerate(phase.counts)
                                if count])
         rows = np.random.default_rng([self.seed, PHASE_STREAM, index]).permutation(rows)
-        if phase.order == "shortest_first":
-            rows = rows[np.argsort(self.lengths[rows], kind="stable")]
+        if phase.config.order != "shuffled":
+            rows = self.ordered(rows, phase.config, index)
         self._cached = (index, rows)
         return rows
+
+    def ordered(self, rows: np.ndarray, config: PhaseConfig, index: int) -> np.ndarray:
+        """A phase's rows (in their seeded order, which breaks ties) with the fewest real tokens or the highest
+        scores first (unscored rows last); with buckets, cut into that many equal parts, read in order, each in a
+        seeded random order: a curriculum in stages."""
+        key = self.lengths[rows] if config.order == "shortest_first" else np.nan_to_num(-self.scores[rows], nan=np.inf)
+        rows = rows[np.argsort(key, kind="stable")]
+        if not config.buckets:
+            return rows
+        rng = np.random.default_rng([self.seed, BUCKET_STREAM, index])
+        return np.concatenate([rng.permutation(part) for part in np.array_split(rows, config.buckets)])
 
     def global_rows(self, position: int) -> np.ndarray:
         phase = self.phase_at(position)
@@ -169,8 +181,8 @@ class PhaseSchedule:
         return lines
 
     def state_dict(self) -> list:
-        """What the positions mean: each phase's name, steps, weights and order."""
-        return [[phase.name, phase.steps, dict(config.weights), config.order]
+        """What the positions mean: each phase's name, steps, weights and order (and buckets, when it has them)."""
+        return [[phase.name, phase.steps, dict(config.weights), config.order, *filter(None, [config.buckets])]
                 for phase, config in zip(self.phases, self.configs)]
 
 
@@ -211,5 +223,16 @@ def phase_schedule(rows: datasets.Dataset, phases: list[PhaseConfig], steps: lis
             raise DataError(f"data.phases: phase {phase.name!r} weights {', '.join(unknown)}, and the prepared "
                             f"data's sources are labelled {', '.join(labels)}")
     table = rows.data.table
-    return PhaseSchedule(table.column("source").to_numpy(), table.column("length").to_numpy().astype(np.int64), labels,
-                         phases, steps, global_batch_size, seed)
+    sources = table.column("source").to_numpy()
+    scores = table.column("score").to_numpy() if "score" in table.column_names else None
+    for phase in phases:
+        if phase.order != "highest_score_first":
+            continue
+        unscored = [label for index, label in enumerate(labels) if phase.weights.get(label) and
+                    (scores is None or np.isnan(scores[sources == index]).all())]
+        if unscored:
+            raise DataError(f"data.phases: phase {phase.name!r} orders its rows by their documents' scores, and the "
+                            f"prepared rows of {', '.join(unscored)} carry none; prepare the data with data.sources' "
+                            f"score_field (or a classifier filter) for them")
+    return PhaseSchedule(sources, table.column("length").to_numpy().astype(np.int64), labels, phases, steps,
+                         global_batch_size, seed, scores)

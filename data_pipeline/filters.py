@@ -9,6 +9,7 @@ or dropped whole. Each filter's parameters are its library's, with the library's
 stats.json and a seeded sample of what each filter removed.
 """
 import inspect
+import math
 import re
 from importlib import resources
 from pathlib import Path
@@ -253,15 +254,16 @@ class FilterChain:
 
     def __call__(self, texts: list[str], editable: list[bool]) -> dict[str, list]:
         """Per document: its text after the filters (when kept) or when removed, the index of the filter that removed
-        it (-1: kept), datatrove's reason, and the tokens each filter removed from it (all of them when it dropped
-        the document; the lines it cut when it kept an edited one)."""
+        it (-1: kept), datatrove's reason, the tokens each filter removed from it (all of them when it dropped
+        the document; the lines it cut when it kept an edited one), and the score a classifier filter gave it (NaN
+        where none did)."""
         if self.filters is None:
             self.filters = [build(kind, parameters) for kind, parameters in self.specs]
         with warm_word_tokenizers(self.languages if self.warm else set()):
             return self.judge(list(texts), editable)
 
     def judge(self, texts: list[str], editable: list[bool]) -> dict[str, list]:
-        removed_by, reasons = [-1] * len(texts), [""] * len(texts)
+        removed_by, reasons, scores = [-1] * len(texts), [""] * len(texts), [math.nan] * len(texts)
         cut = np.zeros((len(texts), len(self.filters)), dtype=np.int64)
         alive = list(range(len(texts)))
         for index, (spec, step) in enumerate(zip(self.specs, self.filters)):
@@ -269,6 +271,7 @@ class FilterChain:
             dropped, edited = [], []
             for i, doc, verdict in zip(alive, docs, step.filter_batch(docs)):
                 keep, reason = get_filter_result(verdict)
+                scores[i] = doc.metadata.get("classifier_score", scores[i])
                 if not keep:
                     removed_by[i], reasons[i] = index, reason or spec[0]
                     dropped.append(i)
@@ -281,7 +284,13 @@ class FilterChain:
                 for i, text in edited:
                     texts[i] = text
             alive = [i for i in alive if removed_by[i] < 0]
-        return {"text": texts, "removed_by": removed_by, "reason": reasons, "tokens_removed": cut.tolist()}
+        return {"text": texts, "removed_by": removed_by, "reason": reasons, "tokens_removed": cut.tolist(),
+                "classifier_score": scores}
+
+
+def document_scores(scores: list[float], classifier_scores: list[float]) -> list[float]:
+    """Each document's score: its source's score_field, else the classifier filter's (NaN: neither scored it)."""
+    return [score if not math.isnan(score) else judged for score, judged in zip(scores, classifier_scores)]
 
 
 def kept_documents(chain: FilterChain, batch: dict[str, list]) -> dict[str, list]:

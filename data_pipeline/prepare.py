@@ -160,12 +160,17 @@ def filter_documents(documents: datasets.Dataset, config: DataConfig, tokenizer:
                      stats: dict) -> tuple[datasets.Dataset, list[dict]]:
     """The documents `data.filters` keep (with C4's edits), their counts in stats["filters"] and the sample of removed
     documents. datatrove and spaCy are imported here, by recipes that filter only."""
-    from data_pipeline.filters import FilterChain, check_models, summarize
+    from data_pipeline.filters import FilterChain, check_models, document_scores, summarize
     check_models([(f.type, f.parameters) for f in config.filters])
     chain = FilterChain([(f.type, f.parameters) for f in config.filters], tokenizer)
-    judged = documents.map(lambda texts, messages: chain(texts, [m is None for m in messages]), batched=True,
-                           batch_size=256, input_columns=["text", "messages"], num_proc=processes(config.num_proc),
-                           load_from_cache_file=False, desc="quality filters")  # a model may change at the same path
+
+    def judge(texts: list[str], messages: list, scores: list[float]) -> dict[str, list]:
+        verdicts = chain(texts, [m is None for m in messages])
+        return {**verdicts, "score": document_scores(scores, verdicts.pop("classifier_score"))}
+
+    judged = documents.map(judge, batched=True, batch_size=256, input_columns=["text", "messages", "score"],
+                           num_proc=processes(config.num_proc), load_from_cache_file=False,
+                           desc="quality filters")  # a model may change at the same path
     removed_by = judged.data.table.column("removed_by").to_numpy()
     tokens_removed = judged.data.table.column("tokens_removed").combine_chunks().flatten().to_numpy()
     removed = judged.select(np.flatnonzero(removed_by >= 0)).select_columns(["reason", "text", "source"]).to_dict()
@@ -216,23 +221,48 @@ def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
 
 
 def pack(tokenized: datasets.Dataset, rows: np.ndarray | None, config: DataConfig, pad_id: int) -> tuple[dict, dict]:
+    """The documents (`rows` of tokenized, or all) packed into rows of data.seq_len, and the counts. With scored
+    phases (data.phases and a score), each row's `score` too: the token-weighted mean of its documents' scores."""
     tokens, labels, lengths = token_stream(tokenized, rows)
     if len(tokens) < config.seq_len:
         raise DataError(f"the data holds {len(tokens)} tokens after tokenization, less than one row of "
                         f"data.seq_len={config.seq_len}; add data or lower data.seq_len")
     stats = {"documents_out": len(lengths), "tokens_in": int(len(tokens))}
-    if config.packing == "concat":
-        packed = pack_concat(tokens, lengths, config.seq_len, labels)
-    else:
-        tokens, labels, lengths, too_long = fit_to_length(tokens, labels, lengths, config.seq_len,
-                                                          config.long_documents)
-        stats[LONG_DOCUMENT_STATS[config.long_documents]] = too_long
-        packer = pack_bfd if config.packing == "bfd" else pack_padded
-        packed = packer(tokens, lengths, config.seq_len, pad_id, labels)
+    packed = pack_tokens(tokens, labels, lengths, config, pad_id, stats)
     real_tokens = int(packed["length"].sum())
-    stats.update(tokens_out=real_tokens, tokens_dropped=int(len(tokens)) - real_tokens, rows=len(packed["length"]),
-                 packing_efficiency=real_tokens / max(1, packed["input_ids"].size))
+    stats.update(tokens_out=real_tokens, tokens_dropped=stats.pop("tokens_fitted") - real_tokens,
+                 rows=len(packed["length"]), packing_efficiency=real_tokens / max(1, packed["input_ids"].size))
+    if config.scores_rows:
+        scores = np.asarray(tokenized["score"], dtype=np.float64)
+        packed["score"] = row_scores(tokens, lengths, scores if rows is None else scores[rows], config, pad_id)
     return packed, stats
+
+
+def pack_tokens(tokens: np.ndarray, labels: np.ndarray, lengths: np.ndarray, config: DataConfig, pad_id: int,
+                stats: dict) -> dict[str, np.ndarray]:
+    """The packer of data.packing on documents laid end to end (`labels` placed as their tokens are); the documents
+    cut or dropped to fit data.seq_len, and the tokens left (`tokens_fitted`), counted in `stats`."""
+    if config.packing == "concat":
+        stats["tokens_fitted"] = len(tokens)
+        return pack_concat(tokens, lengths, config.seq_len, labels)
+    tokens, labels, lengths, too_long = fit_to_length(tokens, labels, lengths, config.seq_len, config.long_documents)
+    stats[LONG_DOCUMENT_STATS[config.long_documents]], stats["tokens_fitted"] = too_long, len(tokens)
+    packer = pack_bfd if config.packing == "bfd" else pack_padded
+    return packer(tokens, lengths, config.seq_len, pad_id, labels)
+
+
+def row_scores(tokens: np.ndarray, lengths: np.ndarray, scores: np.ndarray, config: DataConfig,
+               pad_id: int) -> np.ndarray:
+    """Each packed row's score: the mean of its documents' scores over its target tokens, found by packing the
+    documents' indices as their labels (the packer places them as it places the tokens). NaN: no scored target."""
+    document = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
+    slots = pack_tokens(tokens, document, lengths, config, pad_id, {})["labels"]
+    placed = slots >= 0
+    values = np.where(placed, scores[np.where(placed, slots, 0)], 0.0)
+    counted = placed & ~np.isnan(values)
+    totals = np.where(counted, values, 0.0).sum(axis=1)
+    count = counted.sum(axis=1)
+    return np.divide(totals, count, out=np.full(len(count), np.nan), where=count > 0).astype(np.float32)
 
 
 def pack_rows(tokenized: datasets.Dataset, rows: np.ndarray, config: DataConfig,

@@ -43,7 +43,7 @@ from transformers import PreTrainedTokenizerBase
 from data_pipeline.config import DataConfig, DataSource, matching_files
 from data_pipeline.dedup import lsh_bands, normalize, normalized_bytes
 from data_pipeline.files import check_lines, field_problem, is_json_lines
-from data_pipeline.filters import FilterChain, check_models, merge, summarize
+from data_pipeline.filters import FilterChain, check_models, document_scores, merge, summarize
 from data_pipeline.prepare import (
     EMPTY_SOURCES,
     FILTERED_ALL,
@@ -60,7 +60,7 @@ from data_pipeline.prepare import (
     rows_to_dataset,
     save_prepared,
 )
-from data_pipeline.sources import FEATURES, chat_document, load_documents, load_source, source_field
+from data_pipeline.sources import FEATURES, NO_SCORE, chat_document, load_documents, load_source, source_field
 from data_pipeline.tokenize import tokenize_documents
 from data_pipeline.work_folder import Layout, claim_work_folder, job_fingerprint, reopen_for_rerun, work_folder
 from training.base.errors import DataError
@@ -93,21 +93,33 @@ class JobOptions:
     mem_per_cpu_gb: float = 2.0
 
 
-def as_document(settings: tuple[int, str, bool], reader, data: dict, path: str, id_in_file) -> dict:
+def as_document(settings: tuple[int, str, bool, str | None], reader, data: dict, path: str, id_in_file) -> dict:
     """A reader adapter: a record of source `index` as a Document with the in-process path's fields
-    (sources.to_documents): the text (a chat's turns joined), its messages and its source. check_sources
-    has read every local file's lines before the job; a hub record of the wrong kind is met here."""
-    index, field, chat = settings
+    (sources.to_documents): the text (a chat's turns joined), its messages, its source and its score (the score
+    field's value, else NaN). check_sources has read every local file's lines before the job; a hub record of the
+    wrong kind is met here."""
+    index, field, chat, score_field = settings
     if problem := field_problem(data.get(field), field, chat):
         raise DataError(f"{path}, record {id_in_file}: {problem}")
+    score = data.get(score_field) if score_field else NO_SCORE
+    if isinstance(score, bool) or not isinstance(score, (int, float)):
+        raise DataError(f"{path}, record {id_in_file}: score_field '{score_field}' is {score!r}, not a number; every "
+                        f"document needs a numeric score")
     messages, text = chat_document(data.get(field)) if chat else (None, data.get(field) or "")
-    return {"text": text, "id": f"{path}/{id_in_file}", "metadata": {"source": index, "messages": messages}}
+    return {"text": text, "id": f"{path}/{id_in_file}",
+            "metadata": {"source": index, "messages": messages, "score": float(score)}}
+
+
+def document_score(doc: Document) -> float:
+    """A document's score as the reader set it (JSON writes a NaN back as null)."""
+    score = doc.metadata.get("score")
+    return NO_SCORE if score is None else score
 
 
 def reader(source: DataSource, index: int) -> PipelineStep:
     """A datatrove reader of one recipe source; a local path may be a glob of shards (tasks split the files)."""
     field = source.messages_field or source.text_field
-    adapter = partial(as_document, (index, field, source.messages_field is not None))
+    adapter = partial(as_document, (index, field, source.messages_field is not None, source.score_field))
     if source.hub:
         return HuggingFaceDatasetReader(source.hub, {"name": source.subset, "split": source.split}, streaming=True,
                                         adapter=adapter)
@@ -169,10 +181,11 @@ class QualityFilters(PipelineStep):
                        "source": [batch[i].metadata["source"] for i in gone]}
             summary = merge([summary, summarize(kinds, removed_by, verdicts["tokens_removed"], removed, seed, samples)],
                             samples)
-            for doc, text, by in zip(batch, verdicts["text"], removed_by):
+            scores = document_scores([document_score(doc) for doc in batch], verdicts["classifier_score"])
+            for doc, text, by, score in zip(batch, verdicts["text"], removed_by, scores):
                 self.stat_update("forwarded" if by < 0 else "dropped")
                 if by < 0:
-                    doc.text = text
+                    doc.text, doc.metadata["score"] = text, score
                     yield doc
         folder = Path(self.work("filters"))
         folder.mkdir(parents=True, exist_ok=True)
@@ -238,7 +251,8 @@ def evaluation_documents(config: DataConfig, work: Layout) -> datasets.Dataset:
     held_out = datasets.load_dataset("json", data_files=[str(f) for f in files], split="train") if files else []
     return datasets.Dataset.from_dict({"text": [d["text"] for d in held_out],
                                        "messages": [d["metadata"]["messages"] for d in held_out],
-                                       "source": [d["metadata"]["source"] for d in held_out]}, features=FEATURES)
+                                       "source": [d["metadata"]["source"] for d in held_out],
+                                       "score": [NO_SCORE] * len(held_out)}, features=FEATURES)
 
 
 class TokenizeAndPack(PipelineStep):
@@ -253,7 +267,7 @@ class TokenizeAndPack(PipelineStep):
         self.config, self.tokenizer, self.work = config, tokenizer, work
 
     def run(self, data, rank: int = 0, world_size: int = 1):
-        documents = [(doc.text, doc.metadata["messages"], doc.metadata["source"]) for doc in data]
+        documents = [(doc.text, doc.metadata["messages"], doc.metadata["source"], document_score(doc)) for doc in data]
         with self.track_time():
             packed, stats = self.pack(documents, rank, world_size) if documents else (None, {"rows": 0})
             folder = Path(self.work("rows"))
@@ -268,8 +282,9 @@ class TokenizeAndPack(PipelineStep):
 
     def pack(self, documents: list[tuple], rank: int, world_size: int) -> tuple[dict | None, dict]:
         config, stats = self.config, {}
-        texts, messages, sources = zip(*documents)
-        kept = datasets.Dataset.from_dict({"text": texts, "messages": messages, "source": sources}, features=FEATURES)
+        texts, messages, sources, scores = zip(*documents)
+        kept = datasets.Dataset.from_dict({"text": texts, "messages": messages, "source": sources, "score": scores},
+                                          features=FEATURES)
         if (config.eval.sources or config.eval.fraction) and config.eval.decontaminate:
             kept = decontaminate(kept, evaluation_documents(config, self.work), config, stats)
         tokenized = tokenize_documents(kept, self.tokenizer)

@@ -1,8 +1,10 @@
 """Load the recipe's data sources into one `datasets.Dataset` of documents.
 
 Every document gets `text` (for chat, the turns' contents joined: what deduplication compares),
-`messages` (chat only, else null) and `source` (its source's index in the recipe).
+`messages` (chat only, else null), `source` (its source's index in the recipe) and `score` (its source's
+score_field, else NaN: the classifier filter may give it one).
 """
+import math
 from pathlib import Path
 
 import datasets
@@ -17,7 +19,8 @@ BUILDERS = {".jsonl": ("json", {}), ".json": ("json", {}), ".parquet": ("parquet
             ".txt": ("text", {"sample_by": "document"})}
 MESSAGES = datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")})
 FEATURES = datasets.Features({"text": datasets.Value("string"), "messages": MESSAGES,
-                              "source": datasets.Value("int32")})
+                              "source": datasets.Value("int32"), "score": datasets.Value("float32")})
+NO_SCORE = math.nan
 
 
 def read_source(source: DataSource, streaming: bool = False) -> datasets.Dataset | datasets.IterableDataset:
@@ -85,12 +88,30 @@ def chat_document(conversation: list | None) -> tuple[list[dict], str]:
     return messages, "\n".join(str(m["content"] or "") for m in messages)
 
 
-def to_documents(values: list, chat: bool, index: int) -> dict:
-    """One column's values as documents (only that column is decoded: another may hold anything)."""
+def to_documents(values: list, *scores: list, chat: bool, index: int) -> dict:
+    """One column's values as documents, with the score field's values when the source has one (only those columns
+    are decoded: another may hold anything)."""
+    kept = {"source": [index] * len(values), "score": scores[0] if scores else [NO_SCORE] * len(values)}
     if not chat:
-        return {"text": values, "messages": [None] * len(values), "source": [index] * len(values)}
+        return {"text": values, "messages": [None] * len(values), **kept}
     messages, texts = zip(*map(chat_document, values)) if values else ((), ())
-    return {"text": list(texts), "messages": list(messages), "source": [index] * len(values)}
+    return {"text": list(texts), "messages": list(messages), **kept}
+
+
+def check_score_field(table: datasets.Dataset, source: DataSource, columns: list[str]) -> None:
+    """The source's score_field is a numeric field that every record has."""
+    field = source.score_field
+    if field not in columns:
+        raise DataError(f"{source.name}: no field '{field}' (fields present: {', '.join(columns)}); set score_field "
+                        f"in the recipe's data source to the numeric field that scores its documents")
+    feature = table.features[field]
+    if not (isinstance(feature, datasets.Value) and feature.dtype.startswith(("int", "uint", "float"))):
+        kind = feature.dtype if isinstance(feature, datasets.Value) else type(feature).__name__
+        raise DataError(f"{source.name}: score_field '{field}' holds {kind} values, not numbers; name a numeric "
+                        f"field")
+    if missing := table.data.column(field).null_count:
+        raise DataError(f"{source.name}: score_field '{field}' is missing in {missing} of {len(table)} records; every "
+                        f"document needs a score (fill them, or drop those records)")
 
 
 def load_source(source: DataSource, index: int, streaming: bool = False) -> datasets.Dataset | datasets.IterableDataset:
@@ -99,7 +120,10 @@ def load_source(source: DataSource, index: int, streaming: bool = False) -> data
     field = document_field(source, columns)
     if not streaming:
         check_column(table, source, field)
-    return table.map(to_documents, batched=True, input_columns=[field], remove_columns=columns, features=FEATURES,
+        if source.score_field:
+            check_score_field(table, source, columns)
+    inputs = [field, source.score_field] if source.score_field else [field]
+    return table.map(to_documents, batched=True, input_columns=inputs, remove_columns=columns, features=FEATURES,
                      fn_kwargs={"chat": source_field(source)[1], "index": index},
                      **({} if streaming else {"desc": f"reading {Path(source.name).name}"}))
 

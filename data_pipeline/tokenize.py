@@ -8,7 +8,8 @@ from data_pipeline import processes
 from data_pipeline.chat import render_chat
 
 TOKENIZED = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
-                               "labels": datasets.List(datasets.Value("int32")), "source": datasets.Value("int32")})
+                               "labels": datasets.List(datasets.Value("int32")), "source": datasets.Value("int32"),
+                               "score": datasets.Value("float32")})
 
 
 def encode_batch(batch: dict, tokenizer: PreTrainedTokenizerBase) -> dict:
@@ -17,10 +18,10 @@ def encode_batch(batch: dict, tokenizer: PreTrainedTokenizerBase) -> dict:
     are the tokens themselves, stored as an empty list. Chat: the template's rendering, labels -100
     except on the assistant replies; a conversation with no assistant reply is left out."""
     eos = tokenizer.eos_token_id
-    out = {"input_ids": [], "labels": [], "source": []}
+    out = {"input_ids": [], "labels": [], "source": [], "score": []}
     texts = [t for t, m in zip(batch["text"], batch["messages"]) if m is None]
     encoded = iter(tokenizer(texts, add_special_tokens=True, verbose=False)["input_ids"] if texts else [])
-    for messages, source in zip(batch["messages"], batch["source"]):
+    for messages, source, score in zip(batch["messages"], batch["source"], batch["score"]):
         if messages is None:
             ids = next(encoded)
             ids = ids + [eos] if eos is not None and (not ids or ids[-1] != eos) else ids
@@ -33,6 +34,7 @@ def encode_batch(batch: dict, tokenizer: PreTrainedTokenizerBase) -> dict:
         out["input_ids"].append(ids)
         out["labels"].append(labels)
         out["source"].append(source)
+        out["score"].append(score)
     return out
 
 

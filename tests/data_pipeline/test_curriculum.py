@@ -2,6 +2,7 @@
 alone; no repeat within a phase unless it upsamples; the same rows for every layout and a resumed loader; and rows
 packed by source."""
 import json
+import re
 from collections import Counter
 
 import numpy as np
@@ -19,7 +20,7 @@ SEQ = 4
 SIZES = {"web": 300, "code": 60, "math": 20}  # rows per source
 
 
-def labelled_rows(sizes: dict[str, int] = SIZES, lengths: np.ndarray | None = None):
+def labelled_rows(sizes: dict[str, int] = SIZES, lengths: np.ndarray | None = None, scores: np.ndarray | None = None):
     """Row i holds the token i everywhere; the first rows are the first source's, and so on."""
     n = sum(sizes.values())
     ids = np.repeat(np.arange(n, dtype=np.int32)[:, None], SEQ, axis=1)
@@ -27,7 +28,8 @@ def labelled_rows(sizes: dict[str, int] = SIZES, lengths: np.ndarray | None = No
     return rows_to_dataset({"input_ids": ids, "labels": ids,
                             "position_ids": np.tile(np.arange(SEQ, dtype=np.int32), (n, 1)),
                             "length": np.full(n, SEQ, dtype=np.int32) if lengths is None else lengths,
-                            "source": source}, f"labelled-{n}", list(sizes))
+                            "source": source, **({} if scores is None else {"score": scores.astype(np.float32)})},
+                           f"labelled-{n}-{scores is not None}", list(sizes))
 
 
 def phases(*specs: tuple) -> list[PhaseConfig]:
@@ -108,6 +110,24 @@ def test_shortest_first_orders_a_phase_by_real_tokens():
     assert (np.diff(lengths[read]) >= 0).all() and len(set(read)) == 240
 
 
+def test_highest_score_first_orders_a_phase_by_its_rows_scores_and_buckets_cut_that_order():
+    scores = np.random.default_rng(3).random(sum(SIZES.values()))
+    rows = labelled_rows(scores=scores)
+    ordered = PhaseConfig(name="main", steps=30, weights={"web": 1, "code": 1}, order="highest_score_first")
+    plain, bucketed = (schedule(rows, [ordered.model_copy(update=update)]) for update in ({}, {"buckets": 4}))
+    read = plain.phase_rows(plain.phase_at(0))
+    assert np.all(np.diff(scores[read]) <= 0) and {source_of(r) for r in read} == {"web", "code"}
+    in_buckets = bucketed.phase_rows(bucketed.phase_at(0))
+    parts = np.array_split(in_buckets, 4)
+    assert [set(part) for part in parts] == [set(part) for part in np.array_split(read, 4)]  # the same cut
+    assert all(scores[a].min() >= scores[b].max() for a, b in zip(parts, parts[1:]))
+    assert not all(np.all(np.diff(scores[part]) <= 0) for part in parts)  # each bucket in a seeded random order
+    assert bucketed.state_dict()[0][-1] == 4 and plain.state_dict()[0][-1] == "highest_score_first"
+    with pytest.raises(DataError, match="phase 'main' orders its rows by their documents' scores, and the prepared "
+                                        "rows of web, code carry none"):
+        schedule(labelled_rows(), [ordered])
+
+
 def test_counts_split_by_largest_remainders_and_lengths_add_up():
     assert allocate(10, np.array([1.0, 1.0, 1.0])).tolist() == [4, 3, 3]
     assert allocate(7, np.array([0.5, 0.0, 0.25])).tolist() == [5, 0, 2]
@@ -167,6 +187,56 @@ def test_prepared_rows_are_packed_by_source_and_labelled(tmp_path):
         prepared_labels(cached_path(config.model_copy(update={"phases": []}), TOKENIZER))
 
 
+def scored_sources(tmp_path) -> tuple[dict[str, list[tuple[str, float]]], list[dict]]:
+    """Two sources whose records have a `quality` field, and one without; each document's text and score."""
+    rng, documents, sources = np.random.default_rng(7), {}, []
+    for name, count in (("web", 40), ("math", 12), ("wiki", 10)):
+        documents[name] = [(f"{name} number {i} " * (i % 5 + 1), round(float(rng.random()), 4)) for i in range(count)]
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"text": text, "quality": score}) + "\n" for text, score in documents[name]))
+        sources.append({"path": str(path), **({"score_field": "quality"} if name != "wiki" else {})})
+    return documents, sources
+
+
+def test_prepared_rows_carry_the_score_of_their_documents_weighted_by_their_targets(tmp_path):
+    """A row's score, computed here from its documents: the mean of their scores over their target tokens (a
+    document's first token is none); a source without score_field gives NaN."""
+    documents, sources = scored_sources(tmp_path)
+    config = DataConfig(sources=sources, seq_len=64, packing="bfd", cache_dir=str(tmp_path / "cache"),
+                        phases=[{"name": "main", "weights": {"web": 1, "math": 1}, "order": "highest_score_first"}])
+    prepared, _ = prepare_dataset(config, TOKENIZER)
+    rows = prepared["train"].with_format("numpy")[:]
+    score_of = {tuple(ids + [TOKENIZER.eos_token_id]): score for name in documents
+                for ids, (_, score) in zip(TOKENIZER([t for t, _ in documents[name]]).input_ids, documents[name])}
+    for index in range(len(rows["length"])):
+        row = {key: value[index:index + 1] for key, value in rows.items()}
+        placed = documents_of(row)
+        if rows["source"][index] == 2:
+            assert np.isnan(rows["score"][index])
+            continue
+        expected = sum(score_of[d] * (len(d) - 1) for d in placed) / sum(len(d) - 1 for d in placed)
+        assert rows["score"][index] == pytest.approx(expected, rel=1e-6)
+    ordered = phase_schedule(prepared["train"], config.phases, [10], BATCH, seed=5)
+    read = ordered.phase_rows(ordered.phase_at(0))
+    assert np.all(np.diff(rows["score"][read]) <= 0)
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"text": "a document"}, "no field 'quality' (fields present: text); set score_field"),
+    ({"text": "a document", "quality": "high"}, "score_field 'quality' holds string values, not numbers"),
+])
+def test_a_score_field_that_is_not_a_number_of_every_record_is_named(tmp_path, record, message):
+    path = tmp_path / "web.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    config = DataConfig(sources=[{"path": str(path), "score_field": "quality"}], seq_len=8,
+                        cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(DataError, match=re.escape(message)):
+        prepare_dataset(config, TOKENIZER)
+    path.write_text(json.dumps({"text": "a", "quality": 1}) + "\n" + json.dumps({"text": "b", "quality": None}) + "\n")
+    with pytest.raises(DataError, match="score_field 'quality' is missing in 1 of 2 records"):
+        prepare_dataset(config, TOKENIZER)
+
+
 CORPUS = RECIPES_DIR / "tiny_llama" / "corpus.jsonl"
 RECIPE = [f"data.sources=[{{path: {CORPUS}, label: web}}, {{path: {CORPUS}, label: math}}]", "training.schedule=wsd"]
 
@@ -183,6 +253,10 @@ RECIPE = [f"data.sources=[{{path: {CORPUS}, label: web}}, {{path: {CORPUS}, labe
      "under data.packing=concat every row is full"),
     (["data.phases=[{name: a, weights: {web: 1}}]", "training.objective=dpo"], "data.phases mixes packed documents"),
     (["data.phases=[{name: a, weights: {web: 0}}]"], "its weights are all 0"),
+    (["data.phases=[{name: a, weights: {web: 1}, order: highest_score_first}]"],
+     r"data.phases.0 \(a\) orders its rows by their documents' scores, and web has none: set its data.sources "
+     "score_field"),
+    (["data.phases=[{name: a, weights: {web: 1}, buckets: 4}]"], "buckets split an ordered phase"),
 ])
 def test_recipe_phases_are_checked_before_any_work(overrides, message):
     with pytest.raises(ConfigError, match=message):

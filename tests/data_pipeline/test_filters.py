@@ -172,6 +172,7 @@ def test_the_classifier_keeps_what_its_scores_pass_scored_in_batches(corpus, cla
     chain.specs, chain.filters = [("classifier", {})], [step]
     verdicts = chain(texts, [True] * len(texts))
     np.testing.assert_array_equal(np.asarray(verdicts["removed_by"]) < 0, expected >= threshold)
+    np.testing.assert_allclose(verdicts["classifier_score"], expected, atol=1e-5)  # what data.phases may order by
     from datatrove.data import Document
     documents = [Document(text=text, id=str(i)) for i, text in enumerate(texts)]
     step.filter_batch(documents)
@@ -280,3 +281,28 @@ def test_a_language_the_model_does_not_know_is_named(corpus, tmp_path, capsys):
     assert main(["prepare", "--recipe", "tiny_llama", "--output", str(tmp_path / "out"), corpus["source"],
                  "data.filters=[{type: language, languages: [eng]}]"]) == 2
     assert "data.filters.0 (language): eng not among the labels of lid.176.ftz (af, als, am" in capsys.readouterr().err
+
+
+def test_the_classifier_scores_the_rows_a_phase_orders_by(corpus, classifier, tmp_path):
+    """A classifier filter scores every document it keeps: with data.phases the prepared rows carry the mean of their
+    documents' scores over their target tokens, which order: highest_score_first sorts by."""
+    from data_pipeline.curriculum import phase_schedule
+    from data_pipeline.prepare import prepare_dataset
+    from tests.data_pipeline.test_prepare import documents_of
+    texts = corpus["texts"][:60]
+    path = tmp_path / "web.jsonl"
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    config = DataConfig(sources=[{"path": str(path)}], seq_len=256, packing="bfd", long_documents="drop",
+                        cache_dir=str(tmp_path / "cache"), dedup={"exact": False},
+                        filters=[{"type": "classifier", "model": str(classifier), "threshold": -1e9, "max_length": 64}],
+                        phases=[{"name": "main", "weights": {"web": 1}, "order": "highest_score_first"}])
+    prepared, _ = prepare_dataset(config, TOKENIZER)
+    rows = prepared["train"].with_format("numpy")[:]
+    score_of = {tuple(ids + [TOKENIZER.eos_token_id]): score
+                for ids, score in zip(TOKENIZER(texts).input_ids, direct_scores(classifier, texts))}
+    for index in range(len(rows["length"])):
+        placed = documents_of({key: value[index:index + 1] for key, value in rows.items()})
+        expected = sum(score_of[d] * (len(d) - 1) for d in placed) / sum(len(d) - 1 for d in placed)
+        assert rows["score"][index] == pytest.approx(expected, abs=1e-4)
+    ordered = phase_schedule(prepared["train"], config.phases, [1], len(rows["length"]), seed=5)
+    assert np.all(np.diff(rows["score"][ordered.phase_rows(ordered.phase_at(0))]) <= 0)

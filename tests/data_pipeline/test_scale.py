@@ -1,6 +1,7 @@
 """`python -m data_pipeline prepare --engine datatrove`: the data stage as a datatrove job, checked against
 the in-process path on the same corpus (2 files, so 2 tasks each read one), with the local executor."""
 import json
+import math
 import os
 import shutil
 import signal
@@ -177,6 +178,31 @@ def test_one_task_writes_the_in_process_rows_row_for_row(corpus, job, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_phased_job_writes_the_in_process_rows_with_their_sources_and_scores(tmp_path):
+    """data.phases over scored sources: one task packs each source apart, with each row's source and score, as the
+    in-process engine does, row for row."""
+    lines = (REPO / "recipes/tiny_llama/corpus.jsonl").read_text().splitlines()
+    sources = []
+    for name, part in (("first", lines[:300]), ("second", lines[300:500])):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"text": json.loads(line)["text"], "quality": (i * 37 % 101) / 100}) + "\n"
+                                for i, line in enumerate(part)))
+        sources.append(f"{{path: {path}, label: {name}, score_field: quality}}")
+    overrides = [f"data.sources=[{', '.join(sources)}]",
+                 "data.phases=[{name: main, weights: {first: 1, second: 2}, order: highest_score_first}]"]
+    output = tmp_path / "prepared"
+    run_job(output, *overrides, tasks=1, workers=1)
+    config = load_recipe("tiny_llama", overrides).data
+    expected, _, _ = build_dataset(config, load_tokenizer(load_recipe("tiny_llama").tokenizer_path, False))
+    written = datasets.load_from_disk(str(output))
+    assert_same_rows(written, expected, "train")
+    for column in ("source", "score"):
+        assert np.array_equal(np.asarray(written["train"][column]), np.asarray(expected["train"][column])), column
+    assert written["train"].features["source"].names == ["first", "second"]
+    assert not np.isnan(np.asarray(written["train"]["score"])).any()
+
+
+@pytest.mark.slow
 def test_chat_sources_are_tokenized_with_their_template_and_packed_as_in_process(tmp_path):
     """tiny_llama_sft's conversations (loss on the assistant replies only), bfd packing, one task."""
     chat = ["data.sources=[{path: recipes/tiny_llama_sft/chat.jsonl, messages_field: messages}]",
@@ -345,7 +371,9 @@ def test_each_kind_of_source_gets_its_datatrove_reader(tmp_path):
     assert isinstance(hub, HuggingFaceDatasetReader) and hub.dataset_options == {"name": "sample-10BT",
                                                                                  "split": "train"}
     document = hub.adapter({"text": "a document"}, "hub", 3)
+    score = document["metadata"].pop("score")
     assert document["text"] == "a document" and document["metadata"] == {"source": 1, "messages": None}
+    assert math.isnan(score)  # no score_field
 
 
 def test_slurm_stages_are_chained_jobs_with_the_options(corpus, tmp_path):
