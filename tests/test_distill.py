@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl.experimental.gkd import GKDTrainer
 
 from tests.conftest import REPO, run_train, save_small_checkpoint
-from training.config.recipe import LoraSection
+from training.config.sections import LoraSection
 from training.objectives.distill.on_policy import sample_sequences
 from training.objectives.distill.spec import DistillSection
 from training.planning.shape import lora_config

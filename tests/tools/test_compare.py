@@ -17,6 +17,8 @@ sys.path.insert(0, str(REPO / "tools"))
 import compare  # noqa: E402
 import compare_zero  # noqa: E402
 
+from tools import comparison_report  # noqa: E402
+
 LR = "--vary", "training.lr=0.001,0.002"
 
 
@@ -251,7 +253,7 @@ def test_a_grpo_cell_shows_its_reward_from_first_to_last(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     row, _ = compare.read_run(tmp_path)
     args = compare.parse_args(["--recipe", "tiny_llama_grpo", "--vary", "grpo.loss_type=dapo,cispo"])
-    table = compare.markdown([{"cell": "grpo.loss_type=dapo", **row, "max_loss_diff": 0.0}], args,
+    table = comparison_report.markdown([{"cell": "grpo.loss_type=dapo", **row, "max_loss_diff": 0.0}], args,
                              "grpo.loss_type=dapo")
     assert "| reward (first -> last) |" in table and "| 0.50 | 0.125 -> 0.750 |" in table
 
@@ -302,6 +304,6 @@ def test_a_phase_weight_varies_and_the_table_shows_each_sources_tokens(tmp_path,
              {"step": 2, "loss": 5.0, "source_tokens": {"docstring": 4096, "pydoc": 4096}}]
     (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     row, _ = compare.read_run(run)
-    table = compare.markdown([{"cell": "x", **row, "max_loss_diff": 0.0}], args, "x")
+    table = comparison_report.markdown([{"cell": "x", **row, "max_loss_diff": 0.0}], args, "x")
     assert "| tokens per source | eval loss | final loss |" in table
     assert "| docstring 4,096, pydoc 4,096 | 5.2500 | 5.0000 |" in table

@@ -37,7 +37,8 @@ from training.base.errors import ConfigError
 from training.base.loader import load
 from training.compat.deepspeed.initialize import muon_flags
 from training.config.optimizers import OPTIMIZERS
-from training.config.recipe import Recipe, TrainingSection
+from training.config.recipe import Recipe
+from training.config.sections import TrainingSection
 from training.loop.shaped_optimizer import ShapedOptimizer
 from training.planning.shape import decoder_layers
 

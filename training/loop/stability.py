@@ -31,7 +31,7 @@ from deepspeed import DeepSpeedEngine
 
 from data_pipeline.loader import StepBatches
 from data_pipeline.stream import StreamingBatches
-from training.config.recipe import StabilitySection
+from training.config.sections import StabilitySection
 from training.parallel import distributed
 from training.planning.layout import Layout
 from training.state.checkpoint import latest_tag, load_checkpoint

@@ -10,7 +10,7 @@ from fnmatch import fnmatch
 
 import torch
 
-from training.config.recipe import Fp8Section
+from training.config.sections import Fp8Section
 
 
 def convert_linears_to_fp8(model: torch.nn.Module, section: Fp8Section, vocab_size: int) -> list[str]:

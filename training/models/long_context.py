@@ -20,7 +20,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from training.compat.torch import replace_forward
 from training.compat.transformers import set_checkpointing_function
-from training.config.recipe import LongContextSection
+from training.config.sections import LongContextSection
 from training.planning.precision import device_type
 
 

@@ -17,7 +17,8 @@ from training.base.errors import ConfigError
 from training.compat.peft import quiet_gradient_checkpointing_warning
 from training.config.optimizers import OPTIMIZERS
 from training.config.precision import Precision
-from training.config.recipe import LoraSection, Recipe
+from training.config.recipe import Recipe
+from training.config.sections import LoraSection
 from training.planning.precision import device_type
 from training.planning.shape import adapted_parameters, lora_config
 

@@ -19,7 +19,8 @@ from transformers.integrations import HfDeepSpeedConfig
 from training.base.errors import ConfigError
 from training.compat.torch import replace_forward
 from training.config.precision import Precision
-from training.config.recipe import ModelSection, Recipe
+from training.config.recipe import Recipe
+from training.config.sections import ModelSection
 from training.models.attention import attention_for
 from training.models.lora import nf4_quantization
 from training.planning.ds_config import zero_stage

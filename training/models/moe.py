@@ -18,7 +18,8 @@ from deepspeed.utils import set_z3_leaf_modules
 from transformers import PretrainedConfig
 
 from training.base.errors import ConfigError
-from training.config.recipe import MoeSection, Recipe
+from training.config.recipe import Recipe
+from training.config.sections import MoeSection
 from training.planning.shape import expert_count
 
 SPARSE_BLOCK_SUFFIX = "SparseMoeBlock"

@@ -24,7 +24,8 @@ from training.compat.deepspeed.initialize import without_train_batch_size
 from training.config.families import family_of
 from training.config.optimizers import OPTIMIZERS
 from training.config.precision import Precision
-from training.config.recipe import Recipe, TrainingSection
+from training.config.recipe import Recipe
+from training.config.sections import TrainingSection
 from training.planning.precision import fp16_block
 
 DS_CONFIGS_DIR = Path(__file__).resolve().parents[2] / "ds_configs"

@@ -114,7 +114,7 @@ def print_checkpoint_size(plan: RunPlan) -> None:
           f"({format_bytes(size.largest_rank / LAUNCHER_GRACE_S)}/s per rank), under srun within SLURM's grace")
     checkpointing, max_steps = plan.recipe.checkpointing, plan.recipe.training.max_steps
     if checkpointing.average_last and max_steps:
-        saves = sorted({*range(checkpointing.every_steps, max_steps + 1, checkpointing.every_steps), max_steps})
+        saves = checkpointing.save_steps(max_steps)
         print(f"checkpoint averaging (checkpointing.average_last): hf_average/, the mean of the checkpoints of steps "
               f"{', '.join(f'{step:,}' for step in saves[-checkpointing.average_last:])}")
 

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from training.base.errors import ConfigError
 from training.compat.deepspeed.zero import weight_shape
-from training.config.recipe import LoraSection
+from training.config.sections import LoraSection
 
 
 @dataclass(frozen=True)

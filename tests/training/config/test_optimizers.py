@@ -12,7 +12,8 @@ from transformers import AutoConfig
 from training.base.errors import ConfigError
 from training.base.loader import load
 from training.config.optimizers import OPTIMIZERS, SHAPED_RULES, OptimizerRecord
-from training.config.recipe import OptimizerSection, load_recipe
+from training.config.recipe import load_recipe
+from training.config.sections import OptimizerSection
 from training.loop.optimizer import client_optimizer
 from training.models.lora import check_lora
 from training.parallel import support

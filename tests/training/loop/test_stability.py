@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from training.compat.deepspeed.engine_step import withheld_step
-from training.config.recipe import StabilitySection
+from training.config.sections import StabilitySection
 from training.loop.stability import StabilityGuard
 
 

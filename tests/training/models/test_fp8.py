@@ -9,7 +9,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import train
 from tests.conftest import SMALL_MODEL, run_train
 from training.base.errors import ConfigError
-from training.config.recipe import Fp8Section, load_recipe
+from training.config.recipe import load_recipe
+from training.config.sections import Fp8Section
 from training.models.fp8 import convert_linears_to_fp8
 from training.planning import precision
 from training.planning.ds_config import load_ds_config, resolve_ds_config

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from training.config.recipe import LongContextSection
+from training.config.sections import LongContextSection
 from training.models.long_context import apply_long_context
 from training.planning.activations import ActivationInputs, activation_bytes
 from training.planning.shape import model_shape

@@ -109,7 +109,7 @@ def test_adapters_on_a_checkpointed_model_warn_nothing_on_every_rank():
     import warnings
 
     from training.compat.peft import quiet_gradient_checkpointing_warning
-    from training.config.recipe import LoraSection
+    from training.config.sections import LoraSection
     from training.models.lora import with_lora
     config = AutoConfig.from_pretrained(REPO / "recipes/tiny_llama/config.json", num_hidden_layers=1, hidden_size=32,
                                         intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16)

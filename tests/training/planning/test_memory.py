@@ -142,7 +142,7 @@ def test_zero_setting_of_the_shipped_configs(name, expected):
 def test_tiling_rules_match_the_saved_tensors(tiled_mlp, logits_tile_tokens):
     """training/models/long_context.py's tiles: the MLPs' and the head's wide activations are no longer saved; one
     tile's are live at a time."""
-    from training.config.recipe import LongContextSection
+    from training.config.sections import LongContextSection
     section = LongContextSection(tiled_mlp=tiled_mlp, logits_tile_tokens=logits_tile_tokens)
     shape, measured = measure("llama", torch.bfloat16, checkpointing=False, tiling=section)
     tokens, a, vocab = BATCH * SEQ_LEN, 2, shape.vocab_size
