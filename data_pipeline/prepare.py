@@ -220,9 +220,11 @@ def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
 
 
-def pack(tokenized: datasets.Dataset, rows: np.ndarray | None, config: DataConfig, pad_id: int) -> tuple[dict, dict]:
-    """The documents (`rows` of tokenized, or all) packed into rows of data.seq_len, and the counts. With scored
-    phases (data.phases and a score), each row's `score` too: the token-weighted mean of its documents' scores."""
+def pack(tokenized: datasets.Dataset, rows: np.ndarray | None, config: DataConfig, pad_id: int,
+         scored: bool = False) -> tuple[dict, dict]:
+    """The documents (`rows` of tokenized, or all) packed into rows of data.seq_len, and the counts; `scored`
+    (a training phase's rows, DataConfig.scores_rows), each row's `score` too: the token-weighted mean of its
+    documents' scores."""
     tokens, labels, lengths = token_stream(tokenized, rows)
     if len(tokens) < config.seq_len:
         raise DataError(f"the data holds {len(tokens)} tokens after tokenization, less than one row of "
@@ -232,7 +234,7 @@ def pack(tokenized: datasets.Dataset, rows: np.ndarray | None, config: DataConfi
     real_tokens = int(packed["length"].sum())
     stats.update(tokens_out=real_tokens, tokens_dropped=stats.pop("tokens_fitted") - real_tokens,
                  rows=len(packed["length"]), packing_efficiency=real_tokens / max(1, packed["input_ids"].size))
-    if config.scores_rows:
+    if scored:
         scores = np.asarray(tokenized["score"], dtype=np.float64)
         packed["score"] = row_scores(tokens, lengths, scores if rows is None else scores[rows], config, pad_id)
     return packed, stats
@@ -265,14 +267,14 @@ def row_scores(tokens: np.ndarray, lengths: np.ndarray, scores: np.ndarray, conf
     return np.divide(totals, count, out=np.full(len(count), np.nan), where=count > 0).astype(np.float32)
 
 
-def pack_rows(tokenized: datasets.Dataset, rows: np.ndarray, config: DataConfig,
-              pad_id: int) -> tuple[dict | None, dict]:
+def pack_rows(tokenized: datasets.Dataset, rows: np.ndarray, config: DataConfig, pad_id: int,
+              scored: bool = False) -> tuple[dict | None, dict]:
     """pack on some of the documents (a datatrove task's, a source's): with less than one row of tokens, no rows."""
     tokens = int(tokenized.data.table.column("input_ids").combine_chunks().value_lengths().to_numpy()[rows].sum())
     if tokens < config.seq_len:
         return None, {"documents_out": len(rows), "tokens_in": tokens, "tokens_out": 0, "tokens_dropped": tokens,
                       "rows": 0}
-    return pack(tokenized, rows, config, pad_id)
+    return pack(tokenized, rows, config, pad_id, scored)
 
 
 def pack_by_source(tokenized: datasets.Dataset, config: DataConfig, pad_id: int,
@@ -285,7 +287,7 @@ def pack_by_source(tokenized: datasets.Dataset, config: DataConfig, pad_id: int,
     packed, stats = [], {}
     for index in range(len(config.sources)):
         documents = order[sources[order] == index]
-        rows, counts = pack_rows(tokenized, documents, config, pad_id)
+        rows, counts = pack_rows(tokenized, documents, config, pad_id, config.scores_rows)
         if rows is not None:
             packed.append({**rows, "source": np.full(len(rows["length"]), index, dtype=np.int64)})  # ClassLabel's type
         for key, value in counts.items():

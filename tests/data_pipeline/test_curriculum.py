@@ -200,11 +200,14 @@ def scored_sources(tmp_path) -> tuple[dict[str, list[tuple[str, float]]], list[d
 
 def test_prepared_rows_carry_the_score_of_their_documents_weighted_by_their_targets(tmp_path):
     """A row's score, computed here from its documents: the mean of their scores over their target tokens (a
-    document's first token is none); a source without score_field gives NaN."""
+    document's first token is none); a source without score_field gives NaN. The eval split, read in no phase,
+    has no score."""
     documents, sources = scored_sources(tmp_path)
     config = DataConfig(sources=sources, seq_len=64, packing="bfd", cache_dir=str(tmp_path / "cache"),
+                        eval={"fraction": 0.1},
                         phases=[{"name": "main", "weights": {"web": 1, "math": 1}, "order": "highest_score_first"}])
     prepared, _ = prepare_dataset(config, TOKENIZER)
+    assert "score" not in prepared["eval"].features
     rows = prepared["train"].with_format("numpy")[:]
     score_of = {tuple(ids + [TOKENIZER.eos_token_id]): score for name in documents
                 for ids, (_, score) in zip(TOKENIZER([t for t, _ in documents[name]]).input_ids, documents[name])}

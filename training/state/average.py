@@ -76,17 +76,17 @@ def average_checkpoints(paths: list[Path], out_dir: Path, last: int | None = Non
     if len(tags) < 2:
         raise ConfigError(f"{COMMAND} takes two or more checkpoints; to write one, use python -m training export")
     check_output(out_dir, COMMAND, [tag.parent for tag in tags], overwrite, option="OUT_DIR")
-    check_averageable(tags)
+    run_states = check_averageable(tags)
     with staged_folder(out_dir, COMMAND) as staging:
-        write_average(tags, staging, dtype)
+        write_average(tags, run_states, staging, dtype)
     return tags
 
 
-def check_averageable(tags: list[Path]) -> None:
-    """Checkpoints train.py wrote, of one model, holding its weights (not LoRA adapters)."""
+def check_averageable(tags: list[Path]) -> list[dict]:
+    """Checkpoints train.py wrote, of one model, holding its weights (not LoRA adapters); their run states (a
+    universal checkpoint's: of the checkpoint it was converted from)."""
     sources = [written_from(tag) for tag in tags]
-    for tag in sources:
-        written_by_train_py(tag)
+    run_states = [written_by_train_py(tag) for tag in sources]
     configs = [AutoConfig.from_pretrained(tag / "hf").to_diff_dict() for tag in sources]
     if any(config != configs[0] for config in configs):
         other = next(tag for tag, config in zip(tags, configs) if config != configs[0])
@@ -95,21 +95,23 @@ def check_averageable(tags: list[Path]) -> None:
     if lora := next((tag for tag in sources if is_lora_checkpoint(tag)), None):
         raise ConfigError(f"{lora} holds LoRA adapters, not the model's weights: export each checkpoint merged, or "
                           f"average the adapters of one rank and alpha yourself")
+    return run_states
 
 
-def write_average(tags: list[Path], out_dir: Path, dtype: str | None = None) -> None:
+def write_average(tags: list[Path], run_states: list[dict], out_dir: Path, dtype: str | None = None) -> None:
     """out_dir (config, safetensors, tokenizer) from the mean of the checkpoints' weights, in `dtype` (default: the
-    last checkpoint's precision)."""
+    last checkpoint's precision); `run_states`: check_averageable's."""
     last = written_from(tags[-1])
     config = AutoConfig.from_pretrained(last / "hf")
-    mean = mean_weights(tags, lambda tag: tag_weights(tag, config))
-    save_full_model(last, config, mean, out_dir, DTYPES[dtype or written_by_train_py(last)["precision"]])
+    state_of = dict(zip(tags, run_states))
+    mean = mean_weights(tags, lambda tag: tag_weights(tag, config, state_of[tag]))
+    save_full_model(last, config, mean, out_dir, DTYPES[dtype or run_states[-1]["precision"]])
 
 
-def tag_weights(tag: Path, config: PretrainedConfig) -> dict[str, torch.Tensor]:
+def tag_weights(tag: Path, config: PretrainedConfig, run_state: dict) -> dict[str, torch.Tensor]:
     if is_universal(tag):
         return universal_weights(tag / "zero")
-    return checkpoint_weights(tag.parent, tag.name, config, written_by_train_py(tag))
+    return checkpoint_weights(tag.parent, tag.name, config, run_state)
 
 
 def mean_weights(tags: list[Path], read: Callable[[Path], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -132,9 +134,9 @@ def average_run(plan: RunPlan) -> None:
         return
     if dist.get_rank() == 0:
         tags = chosen_tags([plan.output_dir / "checkpoints"], plan.recipe.checkpointing.average_last)
-        check_averageable(tags)
+        run_states = check_averageable(tags)
         staging = Path(tempfile.mkdtemp(prefix=".hf_average.partial-", dir=plan.output_dir))
-        write_average(tags, staging, plan.precision)
+        write_average(tags, run_states, staging, plan.precision)
         staging.rename(plan.output_dir / "hf_average")
         print(f"hf_average/: the mean of the weights of {', '.join(tag.name for tag in tags)}", flush=True)
     patient_barrier()

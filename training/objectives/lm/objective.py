@@ -29,6 +29,13 @@ def planned_phases(plan: RunPlan) -> list[str]:
     return planned_table(data.phases, phase_lengths(plan), labels, plan.recipe.training.global_batch_size, data.seq_len)
 
 
+def planned_warmup(plan: RunPlan) -> list[str]:
+    """--dry-run's sequence lengths (data.seq_len_warmup)."""
+    data = plan.recipe.data
+    return [warmup_line(data.seq_len_warmup, data.seq_len, plan.recipe.training.micro_batch_size)] \
+        if data.seq_len_warmup else []
+
+
 def run_phases(plan: RunPlan, rows) -> PhaseSchedule:
     """The run's phase schedule over the prepared rows, its table printed once."""
     training = plan.recipe.training
@@ -50,9 +57,7 @@ class LanguageModel(Objective):
                 f"{plan.dims.dp_size} data-parallel ranks = {training.global_batch_size} rows x {seq_len} tokens = "
                 f"{training.global_batch_size * seq_len:,} tokens per step"
                 + (f"; each row split over {split} ranks, {seq_len // split:,} tokens each" if split > 1 else ""),
-                *planned_phases(plan), *([warmup_line(plan.recipe.data.seq_len_warmup, seq_len,
-                                                      training.micro_batch_size)] if plan.recipe.data.seq_len_warmup
-                                         else [])]
+                *planned_phases(plan), *planned_warmup(plan)]
 
     def batches(self, prepared, rank: int) -> tuple[StepBatches, EvalBatches | None]:
         data, training, plan = self.plan.recipe.data, self.plan.recipe.training, self.plan
