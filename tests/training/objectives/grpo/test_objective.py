@@ -292,7 +292,8 @@ def test_packed_completions_take_the_loss_and_gradient_they_take_one_per_row(sma
         torch.testing.assert_close(packed_loss, loss, rtol=1e-6, atol=1e-7)  # float32's last bits: summed in rows
         torch.testing.assert_close(packed_sums, sums, rtol=1e-6, atol=1e-6)
         for packed_grad, grad in zip(packed_grads, grads):
-            torch.testing.assert_close(packed_grad, grad, rtol=1e-5, atol=1e-7)
+            # summed over the tokens in another order: measured 1.3e-7 on one element of 262,144 with one thread
+            torch.testing.assert_close(packed_grad, grad, rtol=1e-5, atol=1e-6)
 
 
 def test_under_lora_the_reference_is_the_base_with_the_adapters_disabled(small):
