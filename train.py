@@ -61,7 +61,7 @@ from training.planning.plan import Machine, RunPlan, planned_machine
 from training.planning.precision import resolve_precision
 from training.planning.report import print_plan
 from training.state.average import average_run
-from training.state.checkpoint import latest_tag
+from training.state.checkpoint import latest_tag, resume_hint
 from training.state.disk_room import check_room_to_start
 from training.state.export import export_run
 from training.state.output_dir import (
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             show_plan(plan, plan.planned_for)  # why this DeepSpeed config or micro-batch
     except Exception as error:  # noqa: BLE001 (report_once raises again what is not a user error)
         return distributed.report_once(error)
-    return distributed.run_in_process_group(lambda: run(plan, args))
+    return distributed.run_in_process_group(lambda: run(plan, args), lambda: resume_hint(plan.output_dir))
 
 
 def run(plan: RunPlan, args: argparse.Namespace) -> int:

@@ -60,7 +60,7 @@ def test_an_output_dir_another_node_cannot_see_is_refused(tmp_path, data_cache):
     output = result.stdout + result.stderr
     assert result.returncode == 2, output[-3000:]
     assert output.count("is not on a file system every node sees") == 1
-    assert f"{socket.gethostname()} cannot read the file rank 0 wrote there" in output
+    assert f"({socket.gethostname()}) cannot read the file rank 0 wrote there" in output  # node_name()
     assert not list((tmp_path / "out").glob(".shared-check-*"))
 
 

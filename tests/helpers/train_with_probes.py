@@ -2,6 +2,7 @@
 
     deepspeed tests/helpers/train_with_probes.py [--kill-after-deepspeed-save STEP] [--record-logits]
         [--fail-on-rank RANK] [--blind-node-on-rank RANK] [--slow-save SECONDS] [--sigterm-in-step STEP]
+        [--hold-in-step STEP:RANK:MARKER] [--hold-in-save STEP:RANK:MARKER]
         <train.py args>
 
 --kill-after-deepspeed-save STEP: every rank SIGKILLs itself once DeepSpeed has written its files for
@@ -14,6 +15,9 @@
     folder (a node-local disk).
 --slow-save SECONDS: DeepSpeed takes that much longer to write every checkpoint.
 --sigterm-in-step STEP: rank 0 is sent SIGTERM as that step begins.
+--hold-in-step STEP:RANK:MARKER, --hold-in-save STEP:RANK:MARKER: that rank writes the file MARKER and sleeps (HOLD_S)
+    as that step begins, or in that step's checkpoint save once DeepSpeed has written its files (before `latest`
+    moves): the other ranks wait for it in a collective, and a test kills or stops its node there.
 --record-routing [--route-by-rank | --route-across]: the experts each MoE router picks in the first step, per rank
     (routing_rank{r}.json); with --route-by-rank the ranks' tokens go to disjoint experts, with --route-across to
     the next rank's experts.
@@ -83,6 +87,40 @@ def sigterm_in_step(step: int) -> None:
         return run_step(engine, *args, **kwargs)
 
     trainer.train_step = step_with_sigterm
+
+
+HOLD_S = 300.0
+
+
+def hold_here(rank: int, marker: str) -> None:
+    if dist.get_rank() == rank:
+        Path(marker).write_text(str(os.getpid()))
+        time.sleep(HOLD_S)
+
+
+def hold_in_step(spec: str) -> None:
+    step, rank, marker = spec.split(":", 2)
+    run_step = trainer.train_step
+
+    def step_with_hold(engine, *args, **kwargs):
+        if engine.global_steps == int(step) - 1:
+            hold_here(int(rank), marker)
+        return run_step(engine, *args, **kwargs)
+
+    trainer.train_step = step_with_hold
+
+
+def hold_in_save(spec: str) -> None:
+    step, rank, marker = spec.split(":", 2)
+    save = DeepSpeedEngine.save_checkpoint
+
+    def save_with_hold(engine, save_dir, tag=None, **kwargs):
+        result = save(engine, save_dir, tag=tag, **kwargs)
+        if tag == f"global_step{step}":
+            hold_here(int(rank), marker)
+        return result
+
+    DeepSpeedEngine.save_checkpoint = save_with_hold
 
 
 def blind_node_on_rank(rank: int) -> None:
@@ -204,6 +242,7 @@ PROBES = {"--kill-after-deepspeed-save": lambda value: kill_after_deepspeed_save
           "--blind-node-on-rank": lambda value: blind_node_on_rank(int(value)),
           "--slow-save": lambda value: slow_save(float(value)),
           "--sigterm-in-step": lambda value: sigterm_in_step(int(value)),
+          "--hold-in-step": hold_in_step, "--hold-in-save": hold_in_save,
           "--insert-poisoned-batches": insert_poisoned_batches}
 
 

@@ -20,7 +20,7 @@ from deepspeed.accelerator import get_accelerator
 
 from training.base.errors import ConfigError, failure, report
 from training.compat.deepspeed.initialize import release_shared_memory_buffer
-from training.parallel.failure import FailureWatch, attempt_key, launch_store
+from training.parallel.failure import FailureWatch, attempt_key, launch_store, node_name
 from training.parallel.launch import free_port
 
 started_by_srun = threading.Event()  # set once adopt_srun_environment has taken the ranks from SLURM
@@ -107,12 +107,13 @@ def report_once(error: BaseException) -> int:
     return code
 
 
-def run_in_process_group(body: Callable[[], int]) -> int:
+def run_in_process_group(body: Callable[[], int], resume_hint: Callable[[], str] = lambda: "") -> int:
     """Run `body` in the launcher's process group and return its exit code. An exception on any rank ends
-    every rank within seconds with one exit code (2 for a user error, 1 for a bug) and its message printed
-    once (training/parallel/failure.py); the group is torn down either way."""
+    every rank within seconds with one exit code (2 for a user error, 1 for a bug, 4 for a lost node) and its
+    message printed once (training/parallel/failure.py); `resume_hint` says where the run continues from after a
+    lost node. The group is torn down either way."""
     init_distributed()
-    watch = FailureWatch(rank(), local_rank(), world_size()) if world_size() > 1 else None
+    watch = FailureWatch(rank(), local_rank(), world_size(), resume_hint) if world_size() > 1 else None
     try:
         code = body()
     except BaseException as error:  # noqa: BLE001 (every failure must end every rank)
@@ -209,10 +210,10 @@ def check_shared_folder(folder: Path) -> None:
     marker = folder / name[0]
     if rank() == 0:
         folder.mkdir(parents=True, exist_ok=True)
-        marker.write_text(socket.gethostname())
+        marker.write_text(node_name())
     dist.barrier(group=host_group())
     blind = [None] * dist.get_world_size()
-    dist.all_gather_object(blind, None if local_rank() != 0 or marker_seen(marker) else socket.gethostname(),
+    dist.all_gather_object(blind, None if local_rank() != 0 or marker_seen(marker) else node_name(),
                            group=host_group())
     if rank() == 0:
         marker.unlink()

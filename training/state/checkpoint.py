@@ -54,6 +54,16 @@ def latest_tag(checkpoint_dir: Path) -> str | None:
     return latest.read_bytes().decode("utf-8", errors="replace").strip() if latest.is_file() else None
 
 
+def resume_hint(output_dir: Path) -> str:
+    """Where a run that lost a node continues from: its last complete checkpoint (`latest` moves only once a save is
+    complete)."""
+    checkpoints = output_dir / "checkpoints"
+    if (tag := latest_tag(checkpoints)) is None:
+        return "No checkpoint is saved yet: start the run again"
+    return (f"The last complete checkpoint is {checkpoints / tag}: continue with --resume --output-dir {output_dir} "
+            f"on the nodes left (in another layout it resumes through a universal checkpoint)")
+
+
 def rng_states() -> dict:
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
             "accelerator": get_accelerator().get_rng_state()}
