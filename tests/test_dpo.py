@@ -215,8 +215,9 @@ def assert_same_curve(records: list[dict], expected: list[dict]) -> None:
     for record, reference in zip(records, expected):
         for key, value in reference.items():
             # rel 1e-6 besides: IPO's loss is near 25, where fp32 sums in another order differ by 4.6e-7 of it on
-            # an AVX2 CPU (AMD EPYC; 1.1e-5 absolute at step 4), within 1e-5 on the machine where it was first measured
-            tolerance = {"rel": 1e-5} if key.startswith("logps/") else {"abs": 5e-5 if key == "eval_loss" else 1e-5,
+            # an AVX2 CPU (AMD EPYC; 1.1e-5 absolute at step 4), within 1e-5 on the machine where it was first measured;
+            # rewards/margins 1.05e-5 apart at step 3 of TR-DPO's killed run under CI's load (passing alone)
+            tolerance = {"rel": 1e-5} if key.startswith("logps/") else {"abs": 5e-5 if key == "eval_loss" else 2e-5,
                                                                         "rel": 1e-6}
             assert record[key] == pytest.approx(value, **tolerance), (record["step"], key)
 
