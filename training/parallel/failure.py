@@ -33,6 +33,7 @@ BEAT_S = 1.0  # how often each rank counts itself alive
 LOST_AFTER_S = 20.0  # a rank whose count has not moved for this long is lost (rank 0's watch ends the run)
 STALL_CHECK_S = 3.0  # how long a failing rank watches the counts for ranks that stand still
 LOST_CODE = 4  # the exit code of a run that lost a node: resume it (a scheduler may retry without a human)
+LOST_CAUSES = "the node was killed, hangs or is cut off from the network"
 
 
 def node_name() -> str:
@@ -116,16 +117,18 @@ class FailureWatch:
             nodes.setdefault(name.decode(), []).append(other)
         shown = "; ".join(f"{name}, rank(s) {', '.join(map(str, ranks))}" for name, ranks in nodes.items())
         hint = self.resume_hint()
-        return (f"error: lost {shown}: no heartbeat for {seconds:.0f} s (the node was killed, hangs or is cut off "
-                f"from the network); the other ranks are stopping" + (f". {hint}" if hint else ""))
+        return (f"error: lost {shown}: no heartbeat for {seconds:.0f} s ({LOST_CAUSES}); the other ranks are "
+                f"stopping" + (f". {hint}" if hint else ""))
 
     def fail(self, code: int, message: str, lost: list[int] | None = None) -> None:
         """Called by a rank whose main thread failed (or by rank 0's watch, for `lost` ranks): never returns. An
         error that is not bad input (code 2) may be a collective that lost its peers: if some ranks' counts stand
-        still, the message names them instead."""
+        still, the message names them instead; a rank that finds the failure reported already skips the look."""
         self.failing.set()
         if lost is None and code != 2:
             try:
+                if self.store.add(self.count_key, 0) > 0:
+                    self.follow()  # a node lost breaks every rank's collective: one rank looks, the others follow
                 if lost := self.stalled_ranks():
                     code, message = LOST_CODE, self.lost_message(lost, STALL_CHECK_S)
             except Exception:  # noqa: BLE001 (rank 0 and its store are gone: the error stands as it is)
@@ -171,9 +174,8 @@ class FailureWatch:
         if self.local_rank == 0:
             hint = self.resume_hint()
             print(f"error: lost rank 0's node: the process group's store at {os.environ['MASTER_ADDR']}:"
-                  f"{os.environ['MASTER_PORT']} stopped answering (the node was killed, hangs or is cut off from the "
-                  f"network); stopping {node_name()}'s ranks" + (f". {hint}" if hint else ""), file=sys.stderr,
-                  flush=True)
+                  f"{os.environ['MASTER_PORT']} stopped answering ({LOST_CAUSES}); stopping {node_name()}'s ranks"
+                  + (f". {hint}" if hint else ""), file=sys.stderr, flush=True)
         os._exit(LOST_CODE)
 
     def stop(self) -> None:

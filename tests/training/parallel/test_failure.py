@@ -52,3 +52,20 @@ def test_the_message_names_the_lost_node_its_ranks_and_the_checkpoint(watches):
     assert message.startswith("error: lost node 1 (")
     assert "), rank(s) 2: no heartbeat for 20 s" in message
     assert message.endswith(". The last complete checkpoint is out/global_step4")
+
+
+def test_a_rank_that_fails_after_another_follows_it_without_looking(watches, monkeypatch):
+    """A lost node breaks every rank's collective at once: the first to fail looks for ranks that stand still; the
+    others find the failure counted and leave with its code, without their own 3 s look."""
+    looked, left = [], []
+    monkeypatch.setattr(FailureWatch, "stalled_ranks", lambda watch: looked.append(watch.rank) or [])
+    monkeypatch.setattr(FailureWatch, "follow", lambda watch: left.append(watch.rank) or exit_now())
+    monkeypatch.setattr(failure.os, "_exit", lambda code: exit_now())
+    watches[1].store.add(watches[1].count_key, 1)  # rank 1 failed first
+    with pytest.raises(SystemExit):
+        watches[0].fail(1, "error: Connection reset by peer")
+    assert looked == [] and left == [0]
+
+
+def exit_now():
+    raise SystemExit
