@@ -7,7 +7,7 @@ prompts) and pack.py packs them into rows, which loader.py serves as determinist
 data-parallel ranks (curriculum.py: which rows, when data.phases changes the mixture over the run; length_warmup.py:
 the first steps' rows cut shorter). stream.py does
 the same on the fly, for data that does not fit on disk; scale.py as a datatrove job, for corpora one machine cannot
-prepare, in the work folder of work_folder.py."""
+prepare, in the work folder of work_folder.py (ray_job.py: its stages on a Ray cluster)."""
 
 
 def processes(num_proc: int) -> int | None:

@@ -130,9 +130,9 @@ def prepare(args: argparse.Namespace) -> int:
 
 
 def job_not_finished(output: Path, work: Path, executor: str) -> int:
-    """Slurm and Ray run the stages after the command returns; the local executor has run them all, so a job that
-    returns without stats.json has failed."""
-    if executor != "local":
+    """Slurm runs the stages after the command returns; the local and Ray executors have run them all, so a job that
+    returns without stats.json there has failed."""
+    if executor == "slurm":
         print(f"submitted; {output}/stats.json appears when the last stage ends (logs: {work}/logs)")
         return 0
     print(f"error: the datatrove job ended without writing {output}/stats.json; its logs are in {work}/logs. Run the "

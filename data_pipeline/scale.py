@@ -40,6 +40,7 @@ from datatrove.utils.batching import batched
 from datatrove.utils.hashing import HashConfig
 from transformers import PreTrainedTokenizerBase
 
+from data_pipeline import ray_job
 from data_pipeline.config import DataConfig, DataSource, matching_files
 from data_pipeline.dedup import lsh_bands, normalize, normalized_bytes
 from data_pipeline.files import check_lines, field_problem, is_json_lines
@@ -417,7 +418,7 @@ def executor(options: JobOptions, name: str, steps: list[PipelineStep], tasks: i
                                      cpus_per_task=options.cpus_per_task, mem_per_cpu_gb=options.mem_per_cpu_gb,
                                      job_name=f"{job_name}-{name}", venv_path=f"{sys.prefix}/bin/activate")
     from datatrove.executor import RayPipelineExecutor
-    return RayPipelineExecutor(steps, tasks=tasks, workers=workers, logging_dir=logs, depends=depends,
+    return RayPipelineExecutor(steps, tasks=tasks, workers=workers, logging_dir=logs,  # ray_job runs them in order
                                cpus_per_task=options.cpus_per_task, mem_per_cpu_gb=options.mem_per_cpu_gb)
 
 
@@ -425,8 +426,8 @@ def check_options(options: JobOptions) -> None:
     if options.executor == "slurm" and not options.slurm_partition:
         raise DataError("--executor slurm needs --slurm-partition (the partition the jobs run on)")
     if options.executor == "ray" and importlib.util.find_spec("ray") is None:
-        raise DataError("--executor ray needs Ray on this machine and the cluster: pip install 'ray[default]'; "
-                            "start or join a cluster (ray start --head) before running")
+        raise DataError("--executor ray needs Ray on this machine and the cluster (pip install -r requirements.txt "
+                        "installs it); start or join a cluster (ray start --head) before running")
 
 
 def check_sources(config: DataConfig) -> None:
@@ -454,14 +455,21 @@ def run_job(config: DataConfig, tokenizer: PreTrainedTokenizerBase, output: Path
     check_sources(config)
     check_models([(f.type, f.parameters) for f in config.filters])
     work = Layout(work_folder(output))
+    if options.executor == "ray":
+        ray_job.connect(work.root / "tmp")
     claim_work_folder(work, {"fingerprint": fingerprint(config, tokenizer), "tasks": options.tasks,
                              "stages": STAGES_VERSION})
     reopen_for_rerun(work, output, held_out=bool(config.eval.fraction))
-    previous, plan = None, []
+    previous, plan, executors = None, [], []
     for name, steps, tasks in stages(config, tokenizer, work, output, options.tasks):
         previous = executor(options, name, steps, tasks, work.logs(name), previous, job_name)
+        executors.append((name, previous))
         forked_pool = options.executor == "local" and previous.workers > 1 and previous.start_method == "fork"
         plan.append((name, tasks, previous.workers if forked_pool else 0))  # forkserver adds processes of its own
+    if options.executor == "ray":
+        (work.root / "tmp").mkdir(exist_ok=True)
+        ray_job.run_stages(executors, work.logs)
+        return Path(work.root)
     if options.executor == "local" and options.workers != 1:
         # datatrove's local pool waits forever for the task of a worker that died (training/compat/datatrove.py)
         threading.Thread(target=end_if_a_worker_dies, args=(work.logs, plan), daemon=True).start()

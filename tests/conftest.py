@@ -178,8 +178,8 @@ def save_small_reward_model(path: Path) -> None:
 
 def launch_in(command) -> str | None:
     """What a command line starts that only the slow tier may start: train.py or a script of tests/helpers/ (which
-    wrap train.py or run under the launcher), the deepspeed or accelerate launcher, or a datatrove job; None for
-    anything else."""
+    wrap train.py or run under the launcher), the deepspeed or accelerate launcher, a datatrove job or a Ray node;
+    None for anything else."""
     words = [command] if isinstance(command, (str, bytes, os.PathLike)) else list(command)
     words = [str(word) for word in words]
     if len(words) == 1:  # a shell command line
@@ -193,6 +193,8 @@ def launch_in(command) -> str | None:
         return "train.py"
     if "--engine=datatrove" in words or any(pair == ("--engine", "datatrove") for pair in zip(words, words[1:])):
         return "a datatrove job"
+    if "ray" in names and "start" in words:
+        return "a Ray node"
     return None
 
 

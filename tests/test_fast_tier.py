@@ -25,6 +25,8 @@ from training.parallel.launch import launcher_command
     ([sys.executable, "-m", "data_pipeline", "prepare", "--engine", "in-process"], None),
     ([sys.executable, "-m", "data_pipeline", "dedup", "in.jsonl", "out.jsonl"], None),
     ([sys.executable, "-m", "training", "export", "run/checkpoints", "out"], None),
+    (["/venv/bin/ray", "start", "--head", "--block"], "a Ray node"),
+    ("ray status --address 127.0.0.1:6379", None),
     (["git", "status"], None),
 ])
 def test_the_guard_knows_what_only_the_slow_tier_starts(command, what):

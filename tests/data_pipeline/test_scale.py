@@ -337,6 +337,17 @@ def test_bad_job_options_are_refused_before_any_stage_runs(corpus, tmp_path, cap
     assert not (tmp_path / "prepared.datatrove").exists()
 
 
+def test_no_ray_cluster_is_named_before_anything_is_written(corpus, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # where Ray looks for the address of a cluster `ray start` left
+    output = tmp_path / "prepared"
+    assert main(["prepare", "--recipe", "tiny_llama", "--output", str(output), "--engine", "datatrove", "--executor",
+                 "ray", corpus["sources"]]) == 2
+    error = capsys.readouterr().err
+    assert "--executor ray: no Ray cluster at auto" in error and "ray start --head" in error
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 @pytest.mark.slow
 def test_a_rerun_with_other_settings_is_refused(corpus, job, capsys):
     work = job.with_name("prepared.datatrove")
