@@ -31,9 +31,10 @@ from training.parallel import distributed
 from training.parallel.pipeline import pipeline_batches
 from training.parallel.tensor_parallel import loss_copies
 from training.planning.plan import RunPlan
-from training.state.checkpoint import latest_tag, record_position, save_checkpoint
+from training.state.checkpoint import latest_tag, record_position
 from training.state.disk_room import check_room_to_save
 from training.state.run_state import RunState
+from training.state.saving import Saving
 
 stop_requested = threading.Event()  # set by SIGTERM: the run saves a checkpoint at the end of the step (or a later
 # one the objective waits for, e.g. the end of a generation: Objective.may_stop_after) and exits
@@ -124,6 +125,7 @@ class Loop:
             if recipe.stability.enabled else None
         self.watch = WeightWatch(engine) if plan.dims.pipeline_stages == plan.dims.tensor_parallel == 1 else None
         self.records, self.saves, self.stopped = [], [], None
+        self.saving = Saving(engine, self.checkpoints, recipe.checkpointing.asynchronous)
         self.interval, self.timed = Throughput(), Throughput()
 
     def evaluate_at(self, step: int) -> bool:
@@ -143,6 +145,7 @@ class Loop:
         self.clock.start()
         try:
             self.train_steps()
+            self.note_save(self.saving.finish())
         finally:
             self.logger.close()  # an error that ends the run is printed below the progress bar, not on its line
         return self.totals()
@@ -150,6 +153,7 @@ class Loop:
     def train_steps(self) -> None:
         while self.state.step < self.total_steps:
             lr, loss_share, grad_norm, tokens, stop, event = self.step()
+            self.note_save(self.saving.poll())
             if event and event["event"] != "spike":
                 if self.guard_event(event):
                     break
@@ -168,6 +172,8 @@ class Loop:
                 if save_now:
                     self.save()
                     if not stop and self.state.step < self.total_steps:  # periodic (the final one is scored at the end)
+                        if self.plan.recipe.eval.benchmark_checkpoints:
+                            self.note_save(self.saving.finish())  # the export reads the files
                         benchmark_checkpoint(self.plan, self.state.step, self.logger)
                 if stop:
                     break
@@ -196,6 +202,8 @@ class Loop:
         saved); returns whether the run stops."""
         self.clock.stop()
         state = self.state
+        if event["event"] in ("rewind", "stop"):
+            self.note_save(self.saving.finish())  # a rewind loads the latest checkpoint; a stop reads which it is
         if event["event"] == "rewind":
             restored = rewind(self.engine, self.batches, self.checkpoints, state.data_position, self.plan.layout())
             state.step, state.tokens_seen = restored.step, restored.tokens_seen
@@ -234,11 +242,20 @@ class Loop:
     def save(self) -> None:
         plan, engine, step = self.plan, self.engine, self.state.step
         hf_files = (plan.model_config, plan.tokenizer, *lora_files(engine.module))
+        self.note_save(self.saving.finish())  # the save before, written in the background
         check_room_to_save(plan, step, latest_tag(self.checkpoints))
-        self.saves.append(save_checkpoint(engine, self.checkpoints, self.run_state(), self.batches.state_dict(),
-                                          hf_files, plan.recipe.checkpointing.keep_last, self.objective.save))
-        self.logger.note(f"checkpoint global_step{step}: {self.saves[-1]['bytes'] / 2**20:,.1f} MiB in "
-                         f"{self.saves[-1]['seconds']:.2f} s")
+        self.note_save(self.saving.save(self.run_state(), self.batches.state_dict(), hf_files,
+                                        plan.recipe.checkpointing.keep_last, self.objective.save))
+
+    def note_save(self, records: list[dict]) -> None:
+        """Complete saves: their records for the run's totals, and their console lines (with the seconds the step
+        waited, where a save was written in the background)."""
+        for record in records:
+            self.saves.append(record)
+            waited = (f" ({record['stall_seconds']:.2f} s of them in the step)"
+                      if record["stall_seconds"] < record["seconds"] else "")
+            self.logger.note(f"checkpoint global_step{record['step']}: {record['bytes'] / 2**20:,.1f} MiB in "
+                             f"{record['seconds']:.2f} s{waited}")
 
     def run_state(self) -> RunState:
         """What a checkpoint records besides DeepSpeed's states (training/state/run_state.py): where the run is (the

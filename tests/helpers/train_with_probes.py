@@ -2,7 +2,7 @@
 
     deepspeed tests/helpers/train_with_probes.py [--kill-after-deepspeed-save STEP] [--record-logits]
         [--fail-on-rank RANK] [--blind-node-on-rank RANK] [--slow-save SECONDS] [--sigterm-in-step STEP]
-        [--hold-in-step STEP:RANK:MARKER] [--hold-in-save STEP:RANK:MARKER]
+        [--hold-in-step STEP:RANK:MARKER] [--hold-in-save STEP:RANK:MARKER] [--hold-in-write STEP:SECONDS:MARKER]
         <train.py args>
 
 --kill-after-deepspeed-save STEP: every rank SIGKILLs itself once DeepSpeed has written its files for
@@ -18,6 +18,8 @@
 --hold-in-step STEP:RANK:MARKER, --hold-in-save STEP:RANK:MARKER: that rank writes the file MARKER and sleeps (HOLD_S)
     as that step begins, or in that step's checkpoint save once DeepSpeed has written its files (before `latest`
     moves): the other ranks wait for it in a collective, and a test kills or stops its node there.
+--hold-in-write STEP:SECONDS:MARKER: every rank's background writer (checkpointing.asynchronous) holds that step's
+    files unwritten for SECONDS while training goes on; rank 0 writes the file MARKER as it begins to hold.
 --record-routing [--route-by-rank | --route-across]: the experts each MoE router picks in the first step, per rank
     (routing_rank{r}.json); with --route-by-rank the ranks' tokens go to disjoint experts, with --route-across to
     the next rank's experts.
@@ -46,9 +48,16 @@ sys.path.insert(0, str(REPO))
 import train  # noqa: E402
 from data_pipeline.loader import StepBatches  # noqa: E402
 from training import trainer  # noqa: E402
+from training.compat.deepspeed.background_save import BackgroundWriter  # noqa: E402
 from training.models.moe import AUTOEP_ROUTER, routed_experts  # noqa: E402
 from training.parallel import distributed  # noqa: E402
 from training.parallel.pipeline import pipeline_batches  # noqa: E402
+
+
+def files_written(engine: DeepSpeedEngine) -> None:
+    """DeepSpeed's files of the save on disk, also where a background writer writes them."""
+    if isinstance(engine.checkpoint_engine, BackgroundWriter):
+        engine.checkpoint_engine.wait()
 
 
 def kill_after_deepspeed_save(step: int) -> None:
@@ -57,6 +66,7 @@ def kill_after_deepspeed_save(step: int) -> None:
     def save_then_die(engine, save_dir, tag=None, **kwargs):
         result = save(engine, save_dir, tag=tag, **kwargs)
         if tag == f"global_step{step}":
+            files_written(engine)
             for path in (Path(save_dir) / tag).glob(f"*rank_{dist.get_rank()}_*.pt"):
                 path.write_bytes(path.read_bytes()[:100])  # as if the kill came mid-write
             os.kill(os.getpid(), signal.SIGKILL)
@@ -117,10 +127,25 @@ def hold_in_save(spec: str) -> None:
     def save_with_hold(engine, save_dir, tag=None, **kwargs):
         result = save(engine, save_dir, tag=tag, **kwargs)
         if tag == f"global_step{step}":
+            files_written(engine)
             hold_here(int(rank), marker)
         return result
 
     DeepSpeedEngine.save_checkpoint = save_with_hold
+
+
+def hold_in_write(spec: str) -> None:
+    step, seconds, marker = spec.split(":", 2)
+    write = BackgroundWriter.write
+
+    def write_with_hold(writer, jobs):
+        if any(f"/global_step{step}/" in str(getattr(job, "args", ("", ""))[1:2]) for job in jobs):
+            if dist.get_rank() == 0:
+                Path(marker).write_text(str(os.getpid()))
+            time.sleep(float(seconds))
+        return write(writer, jobs)
+
+    BackgroundWriter.write = write_with_hold
 
 
 def blind_node_on_rank(rank: int) -> None:
@@ -242,7 +267,7 @@ PROBES = {"--kill-after-deepspeed-save": lambda value: kill_after_deepspeed_save
           "--blind-node-on-rank": lambda value: blind_node_on_rank(int(value)),
           "--slow-save": lambda value: slow_save(float(value)),
           "--sigterm-in-step": lambda value: sigterm_in_step(int(value)),
-          "--hold-in-step": hold_in_step, "--hold-in-save": hold_in_save,
+          "--hold-in-step": hold_in_step, "--hold-in-save": hold_in_save, "--hold-in-write": hold_in_write,
           "--insert-poisoned-batches": insert_poisoned_batches}
 
 

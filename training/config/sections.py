@@ -215,6 +215,9 @@ class ExportSection(StrictModel):
 class CheckpointingSection(StrictModel):
     every_steps: PositiveInt | None = None  # None: only at the end
     keep_last: PositiveInt | None = None  # None: keep every checkpoint
+    # written in the background while training goes on; `latest` moves once every rank's files are on disk
+    # (training/state/saving.py, docs/checkpoints.md)
+    asynchronous: bool = True
     # at the end, hf_average/ beside hf/: the mean of the last K checkpoints' weights (training/state/average.py)
     average_last: int | None = Field(None, ge=2)
 

@@ -35,6 +35,13 @@ def checkpoint_bytes(params: float, stage: int, ranks: int, precision: Precision
 
 
 
+def async_host_bytes(size: CheckpointSize, ranks: int, gpus_per_node: int) -> float:
+    """The host memory an asynchronous save's copies hold on the busiest node (the first: it holds the busiest rank)
+    while they are written: the busiest rank's share and its node's other ranks' (the rest, shared evenly)."""
+    others = (size.total - size.largest_rank) / (ranks - 1) if ranks > 1 else 0.0
+    return size.largest_rank + others * (min(gpus_per_node, ranks) - 1)
+
+
 def planned_checkpoint(plan: RunPlan) -> CheckpointSize:
     """What one save of this run writes (a LoRA run's checkpoints leave the frozen base weights out), with what the
     objective saves beside it (e.g. a synced reference: reference.safetensors, whole, written by rank 0; its memory

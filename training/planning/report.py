@@ -13,7 +13,7 @@ from training.planning.activations import (
     all_to_all_bytes_per_token,
     micro_batch_rows,
 )
-from training.planning.checkpoint_size import LAUNCHER_GRACE_S, planned_checkpoint
+from training.planning.checkpoint_size import LAUNCHER_GRACE_S, async_host_bytes, planned_checkpoint
 from training.planning.flops import flops_per_token
 from training.planning.memory import HEADROOM, MemoryPlan, fits, memory_plan, stage_bounds, state_bytes
 from training.planning.model_states import ModelStates, whole_gradient_bytes, zero_arithmetic
@@ -83,7 +83,7 @@ def print_plan(plan: RunPlan, machine: Machine, objective_lines: list[str]) -> N
         print_pipeline_plan(plan, shape, machine)
     else:
         print_memory_plan(plan, shape, machine)
-        print_checkpoint_size(plan)
+        print_checkpoint_size(plan, machine.gpus_per_node)
     print(f"output: {plan.output_dir}")
 
 
@@ -106,13 +106,18 @@ def print_micro_batch_choice(plan: RunPlan) -> None:
           f"{unit} per rank and step that fits: {budget}; {larger}")
 
 
-def print_checkpoint_size(plan: RunPlan) -> None:
-    """What a save writes, against the time a preempted run has to write it (docs/checkpoints.md#preemption)."""
+def print_checkpoint_size(plan: RunPlan, gpus_per_node: int) -> None:
+    """What a save writes, against the time a preempted run has to write it (docs/checkpoints.md#preemption), and
+    the host memory an asynchronous save's copies hold on the busiest node while they are written."""
     size = planned_checkpoint(plan)
     print(f"checkpoint: {format_bytes(size.total)} per save, {format_bytes(size.largest_rank)} from the busiest rank; "
           f"under the deepspeed launcher a SIGTERM save must finish within its {LAUNCHER_GRACE_S} s "
           f"({format_bytes(size.largest_rank / LAUNCHER_GRACE_S)}/s per rank), under srun within SLURM's grace")
     checkpointing, max_steps = plan.recipe.checkpointing, plan.recipe.training.max_steps
+    if checkpointing.asynchronous:
+        print(f"checkpoint saves in the background (checkpointing.asynchronous): their copies hold "
+              f"{format_bytes(async_host_bytes(size, plan.dims.world_size, gpus_per_node))} of host memory on the "
+              f"busiest node while they are written")
     if checkpointing.average_last and max_steps:
         saves = checkpointing.save_steps(max_steps)
         print(f"checkpoint averaging (checkpointing.average_last): hf_average/, the mean of the checkpoints of steps "

@@ -11,6 +11,7 @@ naming a partial checkpoint, or nothing.
 A checkpoint resumes in the layout (ranks, ZeRO stage, precision) that wrote it as it is, and in another one
 through a universal checkpoint (training/state/universal.py).
 """
+import copy
 import json
 import os
 import pickle
@@ -19,6 +20,7 @@ import re
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -93,33 +95,49 @@ def save_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, run_state: Ru
     the tag's folder (every rank calls it, before the run state completes the save).
     Returns the save's `seconds` (until `latest` names it) and the `bytes` of its folder (counted on rank 0, else 0)."""
     started = time.perf_counter()
+    write_files(engine, checkpoint_dir, run_state, data_state, hf_files, write_more)
+    os.sync()  # this node's files are on disk before the run state and `latest` can name them complete
+    dist.barrier()
+    size = complete(checkpoint_dir, run_state, keep_last) if dist.get_rank() == 0 else 0
+    seconds = time.perf_counter() - started
+    dist.barrier()
+    return {"seconds": seconds, "bytes": size}
+
+
+def write_files(engine: DeepSpeedEngine, checkpoint_dir: Path, run_state: RunState, data_state: dict,
+                hf_files: tuple, write_more: Callable[[Path], None] | None,
+                defer: Callable[[Callable[[], object]], None] = lambda write: write()) -> None:
+    """This rank's files of the save (DeepSpeed's through its checkpoint engine), all but the run state. `defer`
+    takes the writes of this rank's state and of `hf/` (a background save's thread writes them)."""
     tag, rank = f"global_step{run_state.step}", dist.get_rank()
     tag_dir = checkpoint_dir / tag
     tag_dir.mkdir(parents=True, exist_ok=True)
-    torch.save(rank_state(engine, data_state), tag_dir / f"rank_state{rank}.pt")
+    state = copy.deepcopy(rank_state(engine, data_state))  # a snapshot: the data position moves on
+    defer(partial(torch.save, state, tag_dir / f"rank_state{rank}.pt"))
     engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state={"step": run_state.step}, save_latest=False,
                            exclude_frozen_parameters=has_frozen_parameters(engine))
     if rank == 0:
         for item in hf_files:
-            item.save_pretrained(tag_dir / "hf")
+            defer(partial(item.save_pretrained, tag_dir / "hf"))
     if write_more:
         write_more(tag_dir)
-    os.sync()  # this node's files are on disk before the run state and `latest` can name them complete
-    dist.barrier()
-    size = 0
-    if rank == 0:
-        write_atomically(tag_dir / RUN_STATE, run_state.file_text())  # last: the tag is complete
-        write_atomically(checkpoint_dir / "latest", tag)
-        size = sum(path.stat().st_size for path in tag_dir.rglob("*") if path.is_file())
-        if keep_last:
-            saved = [t for t in checkpoint_tags(checkpoint_dir) if int(TAG.fullmatch(t).group(1)) <= run_state.step]
-            for old in saved[:-keep_last]:
-                remove_run_folder(checkpoint_dir, old)
-                universal = universal_folder(checkpoint_dir, old).relative_to(checkpoint_dir)
-                remove_run_folder(checkpoint_dir, str(universal))
-    seconds = time.perf_counter() - started
-    dist.barrier()
-    return {"seconds": seconds, "bytes": size}
+
+
+def complete(checkpoint_dir: Path, run_state: RunState, keep_last: int | None) -> int:
+    """Rank 0, once every rank's files of the save are on disk: the run state, then `latest` (each atomically), then
+    the checkpoints past `keep_last` removed. Returns the bytes of the tag's folder."""
+    tag = f"global_step{run_state.step}"
+    tag_dir = checkpoint_dir / tag
+    write_atomically(tag_dir / RUN_STATE, run_state.file_text())  # last: the tag is complete
+    write_atomically(checkpoint_dir / "latest", tag)
+    size = sum(path.stat().st_size for path in tag_dir.rglob("*") if path.is_file())
+    if keep_last:
+        saved = [t for t in checkpoint_tags(checkpoint_dir) if int(TAG.fullmatch(t).group(1)) <= run_state.step]
+        for old in saved[:-keep_last]:
+            remove_run_folder(checkpoint_dir, old)
+            universal = universal_folder(checkpoint_dir, old).relative_to(checkpoint_dir)
+            remove_run_folder(checkpoint_dir, str(universal))
+    return size
 
 
 def record_position(engine: DeepSpeedEngine, checkpoint_dir: Path, run_state: RunState, data_state: dict) -> None:

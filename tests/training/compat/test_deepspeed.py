@@ -389,3 +389,54 @@ def test_expert_files_are_named_by_layer_and_expert(tmp_path):
     for name in [*names, "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]:
         (tmp_path / name).touch()
     assert [path.name for path in expert_files(tmp_path)] == [names[2], names[1], names[0]]
+
+
+# --- checkpoints written in the background -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 3])
+def test_every_file_of_a_save_goes_through_the_checkpoint_engine(one_rank, tmp_path, zero_stage):
+    """write_in_background replaces engine.checkpoint_engine: a save through it writes DeepSpeed's own files, the
+    same names, which load to the same states; none is written before start()."""
+    from training.compat.deepspeed.background_save import write_in_background
+    engine = tiny_engine(zero_stage)
+    backward(engine)
+    engine.step()
+    engine.save_checkpoint(str(tmp_path / "direct"), tag="t", save_latest=False)
+    writer = write_in_background(engine)
+    assert writer.zipfile_serialization  # DeepSpeed's default format, read from the engine it replaces
+    engine.save_checkpoint(str(tmp_path / "background"), tag="t", save_latest=False)
+    assert not (tmp_path / "background" / "t").exists() or not any((tmp_path / "background" / "t").iterdir())
+    writer.start()
+    writer.wait()
+    names = {kind: sorted(p.name for p in (tmp_path / kind / "t").iterdir()) for kind in ("direct", "background")}
+    assert names["direct"] == names["background"] and len(names["direct"]) >= (1 if zero_stage == 0 else 2), names
+    for name in names["direct"]:
+        if name.endswith(".pt"):
+            direct, background = (torch.load(tmp_path / kind / "t" / name, weights_only=False)
+                                  for kind in ("direct", "background"))
+            assert_same_states(direct, background)
+    assert "self.checkpoint_engine.commit(commit_info)" in source(DeepSpeedEngine.save_checkpoint)
+
+
+def assert_same_states(a, b) -> None:
+    if torch.is_tensor(a):
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert_same_states(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same_states(x, y)
+
+
+def test_the_host_copy_is_a_snapshot_that_keeps_tied_tensors_one():
+    from training.compat.deepspeed.background_save import host_copy
+    weight = torch.ones(4, 4)
+    state = {"embed": weight, "head": weight, "groups": [{"lr": 0.1, "params": [0, 1]}], "step": 3}
+    copied, held = host_copy(state)
+    weight.add_(1)
+    state["groups"][0]["lr"] = 0.2
+    assert torch.equal(copied["embed"], torch.ones(4, 4)) and copied["embed"] is copied["head"]
+    assert copied["groups"][0]["lr"] == 0.1 and held == 4 * 4 * 4

@@ -4,7 +4,8 @@ that they work around (PARTS): sequence_parallel.py (ZeRO-3's reduce-scatter, Ul
 optimizer step at ZeRO-0 and in the pipeline: fp16's loss scale, the gradient norm, a withheld step), zero.py (how ZeRO
 holds the weights: each rank's share, the whole weights gathered), autoep.py (AutoEP's MoE layers), initialize.py
 (what deepspeed.initialize checks and sets up: the batch size, Muon's flags, the CPU all-reduce's shared memory),
-checkpoint_files.py (the files' names and zero_to_fp32) and universal.py (the universal conversion and its loading).
+checkpoint_files.py (the files' names and zero_to_fp32), background_save.py (saves written while training goes on)
+and universal.py (the universal conversion and its loading).
 Each is declared here in PATCHES with the canary test (tests/training/compat/test_deepspeed.py) that fails when it is
 no longer right."""
 from training.compat import NO_ISSUE, Patch
@@ -18,6 +19,7 @@ PARTS = {  # this package's modules, each with the workarounds it holds
     "autoep": ("autoep_output_recorders", "autoep_layers"),
     "initialize": ("release_shared_memory_buffer", "without_train_batch_size", "muon_flags"),
     "checkpoint_files": ("expert_files", "pipeline_layer_file", "zero_fp32_weights"),
+    "background_save": ("write_in_background",),
     "universal": ("provide_universal_info", "make_stage_neutral", "universal_load_repaired", "loading_universal",
                   "convert_with_tensor_parallel", "universal_weights"),
 }
@@ -164,6 +166,15 @@ PATCHES = (
                             "test_a_run_resumed_through_a_universal_conversion_loads_its_own_checkpoints",
                             "tests/test_resume_anywhere.py::"
                             "test_a_rewind_after_a_resume_in_another_layout_loads_the_universal_conversion")),
+    deepspeed_patch("write_in_background", "engine.save_checkpoint writes each file through engine.checkpoint_engine"
+                    " (save per file, commit at the end), an attribute set at initialize from the config's built-in "
+                    "engines; a BackgroundWriter set there copies each state dict to host memory and writes the "
+                    "copies in a thread once commit is called",
+                    "test_every_file_of_a_save_goes_through_the_checkpoint_engine",
+                    proofs=("tests/training/state/test_saving.py::"
+                            "test_asynchronous_saves_train_the_synchronous_curve_at_every_zero_stage",
+                            "tests/training/state/test_saving.py::"
+                            "test_a_kill_while_a_save_is_written_leaves_the_previous_checkpoint_latest")),
     deepspeed_patch("convert_with_tensor_parallel", "the engine records parallel_dims.tp_degree as the mpu's "
                     "model-parallel size (Ulysses' sequence-parallel size); the converter reads it through the "
                     "private DeepSpeedCheckpoint._lightweight_parallel_dimensions, replaced here",

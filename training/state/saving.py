@@ -1,0 +1,109 @@
+"""A run's checkpoint saves, synchronous or written in the background (checkpointing.asynchronous).
+
+Asynchronous: the step waits while each rank copies its states to host memory (DeepSpeed's files go through
+training/compat/deepspeed/background_save.py); a thread writes and syncs them while training goes on, then counts
+the rank's files written in the launch's key-value store. A thread of rank 0's completes the save (the run state,
+`latest`, `keep_last`) once every rank has counted, so `latest` moves only to a save whose every file is on disk: a
+kill meanwhile leaves the previous checkpoint `latest` and whole. A save waits for the one before it, and
+the end of the run, a rewind and a stop wait for the one being written (`finish`).
+"""
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+from deepspeed import DeepSpeedEngine
+
+from training.compat.deepspeed.background_save import write_in_background
+from training.parallel.failure import attempt_key, launch_store
+from training.state.checkpoint import complete, save_checkpoint, write_files
+from training.state.run_state import RunState
+
+STORE_TIMEOUT = timedelta(seconds=60)
+POLL_S = 0.1  # how often rank 0 looks whether every rank has written its files
+
+
+def counted(store, key: str) -> None:
+    """This rank's files of the save are on disk (the ones written before the background's too): count them."""
+    os.sync()
+    store.add(key, 1)
+
+
+@dataclass
+class Pending:
+    """The save being written: what completes it, and when it started and how long the step waited for it."""
+    run_state: RunState
+    keep_last: int | None
+    key: str
+    started: float
+    stall_seconds: float
+
+
+class Saving:
+    def __init__(self, engine: DeepSpeedEngine, checkpoint_dir: Path, asynchronous: bool):
+        self.engine, self.checkpoint_dir, self.rank = engine, checkpoint_dir, dist.get_rank()
+        self.writer = write_in_background(engine) if asynchronous else None
+        self.store = launch_store(STORE_TIMEOUT) if asynchronous else None
+        self.pending: Pending | None = None
+        self.started = 0  # saves started, the same count on every rank
+        self.completer: threading.Thread | None = None  # rank 0's: completes the pending save once it is written
+        self.completed: queue.SimpleQueue = queue.SimpleQueue()  # rank 0: the records of saves completed since
+
+    def save(self, run_state: RunState, data_state: dict, hf_files: tuple, keep_last: int | None,
+             write_more) -> list[dict]:
+        """Every rank. Synchronous: the save's record (`seconds`, `stall_seconds`, `bytes` on rank 0, `step`).
+        Asynchronous: the record of the save before it, once complete (rank 0); this one's comes from a later
+        poll() or finish()."""
+        if self.writer is None:
+            record = save_checkpoint(self.engine, self.checkpoint_dir, run_state, data_state, hf_files, keep_last,
+                                     write_more)
+            return [{**record, "stall_seconds": record["seconds"], "step": run_state.step}]
+        done = self.finish()
+        started = time.perf_counter()
+        self.started += 1  # not the step: a rewind saves a step again
+        key = attempt_key(f"checkpoint-written/{self.started}")
+        write_files(self.engine, self.checkpoint_dir, run_state, data_state, hf_files, write_more,
+                    self.writer.defer)
+        self.writer.start()
+        self.pending = Pending(run_state, keep_last, key, started, time.perf_counter() - started)
+        self.writer.when_written(lambda: counted(self.store, key))  # this rank's every file of the save
+        if self.rank == 0:
+            self.completer = threading.Thread(target=self.complete_when_written, args=(self.pending,),
+                                              name="checkpoint-completer", daemon=True)
+            self.completer.start()
+        return done
+
+    def complete_when_written(self, pending: Pending) -> None:
+        """Rank 0's thread: once every rank has counted its files written, the run state and `latest`."""
+        while self.store.add(pending.key, 0) < dist.get_world_size():
+            time.sleep(POLL_S)
+        size = complete(self.checkpoint_dir, pending.run_state, pending.keep_last)
+        self.completed.put({"seconds": time.perf_counter() - pending.started, "bytes": size,
+                               "stall_seconds": pending.stall_seconds, "step": pending.run_state.step})
+
+    def poll(self) -> list[dict]:
+        """Every rank, after each step: a failed write raises here; rank 0 returns the saves completed since."""
+        if self.writer is not None and self.writer.error is not None:
+            self.writer.wait()  # raises it
+        done = []
+        while not self.completed.empty():
+            done.append(self.completed.get())
+        return done
+
+    def finish(self) -> list[dict]:
+        """Every rank, at the same point of the run: wait for the save being written to be complete (rank 0 returns
+        the records of the saves completed since the last poll)."""
+        if self.pending is None:
+            return self.poll()
+        self.writer.wait()
+        dist.barrier()  # every rank has counted its files
+        if self.completer is not None:
+            self.completer.join()
+            self.completer = None
+        dist.barrier()  # `latest` names the save on every rank's view of the folder
+        self.pending = None
+        return self.poll()
