@@ -34,6 +34,19 @@ LOST_AFTER_S = 20.0  # a rank whose count has not moved for this long is lost (r
 STALL_CHECK_S = 3.0  # how long a failing rank watches the counts for ranks that stand still
 LOST_CODE = 4  # the exit code of a run that lost a node: resume it (a scheduler may retry without a human)
 LOST_CAUSES = "the node was killed, hangs or is cut off from the network"
+EXIT_WAIT_S = 5.0  # how long a failing run's rank waits for each of exit_waits before it ends
+exit_waits: list[Callable[[float], None]] = []  # what a rank waits for before it ends: the completion of a checkpoint
+# written in the background (training/state/saving.py), so that a failure just after a save keeps it
+
+
+def leave(code: int) -> None:
+    """End this process with `code`, once what must finish first has had up to EXIT_WAIT_S each (`exit_waits`)."""
+    for wait in exit_waits:
+        try:
+            wait(EXIT_WAIT_S)
+        except Exception:  # noqa: BLE001 (the exit code and message stand as they are)
+            pass
+    os._exit(code)
 
 
 def node_name() -> str:
@@ -147,7 +160,7 @@ class FailureWatch:
             self.store.set(self.done_key, "1")  # rank 0 may now take the store down
         except Exception:  # noqa: BLE001 (the store went away meanwhile: the others are ending anyway)
             pass
-        os._exit(code)
+        leave(code)
 
     def follow(self) -> None:
         """Leave with the code another rank posted, once it is posted; rank 0, which hosts the store, only once
@@ -160,7 +173,7 @@ class FailureWatch:
                 self.linger(lambda: self.store.check([self.done_key]))
         except Exception:  # noqa: BLE001 (the store went away while reading: the failing rank has left)
             code = 1
-        os._exit(code)
+        leave(code)
 
     @staticmethod
     def linger(until: Callable[[], bool]) -> None:
@@ -176,7 +189,7 @@ class FailureWatch:
             print(f"error: lost rank 0's node: the process group's store at {os.environ['MASTER_ADDR']}:"
                   f"{os.environ['MASTER_PORT']} stopped answering ({LOST_CAUSES}); stopping {node_name()}'s ranks"
                   + (f". {hint}" if hint else ""), file=sys.stderr, flush=True)
-        os._exit(LOST_CODE)
+        leave(LOST_CODE)
 
     def stop(self) -> None:
         """Stop watching (every rank, before the process group is torn down: then a vanished store is no failure)."""

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from deepspeed import DeepSpeedEngine
 
 from training.compat.deepspeed.background_save import write_in_background
+from training.parallel import failure
 from training.parallel.failure import attempt_key, launch_store
 from training.state.checkpoint import complete, save_checkpoint, write_files
 from training.state.run_state import RunState
@@ -52,6 +53,8 @@ class Saving:
         self.started = 0  # saves started, the same count on every rank
         self.completer: threading.Thread | None = None  # rank 0's: completes the pending save once it is written
         self.completed: queue.SimpleQueue = queue.SimpleQueue()  # rank 0: the records of saves completed since
+        if asynchronous:
+            failure.exit_waits.append(self.drain)
 
     def save(self, run_state: RunState, data_state: dict, hf_files: tuple, keep_last: int | None,
              write_more) -> list[dict]:
@@ -84,6 +87,13 @@ class Saving:
         size = complete(self.checkpoint_dir, pending.run_state, pending.keep_last)
         self.completed.put({"seconds": time.perf_counter() - pending.started, "bytes": size,
                                "stall_seconds": pending.stall_seconds, "step": pending.run_state.step})
+
+    def drain(self, timeout: float) -> None:
+        """A failing run, before its ranks end: the save being written gets up to `timeout` to be written and, on
+        rank 0, completed (a lost node's ranks never count theirs: `latest` then stays at the save before)."""
+        for thread in (self.writer.thread, self.completer):
+            if thread is not None:
+                thread.join(timeout)
 
     def poll(self) -> list[dict]:
         """Every rank, after each step: a failed write raises here; rank 0 returns the saves completed since."""
