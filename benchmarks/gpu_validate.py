@@ -66,7 +66,7 @@ def parts(args: argparse.Namespace) -> list[Part]:
         ["--only", args.throughput_runs, "--steps", str(args.throughput_steps), "--timeout", "300"]
     small = ["model.config_overrides={num_hidden_layers: 1, hidden_size: 32, intermediate_size: 64}"]
     model = REPO / ("recipes/tiny_llama/config.json" if args.smoke else "benchmarks/llama_1b/config.json")
-    grpo = ["--vary", "data.packing=none,bfd", "deepspeed.config=zero3", "data.seq_len=32",
+    grpo = ["--vary", "data.packing=bfd", "deepspeed.config=zero3", "data.seq_len=32",
             "grpo.max_completion_length=16"] if args.smoke else \
         ["--vary", "deepspeed.config=zero2,zero3", "data.packing=none", "data.seq_len=160",
          "grpo.max_completion_length=128"]

@@ -157,14 +157,14 @@ def test_a_killed_server_ends_the_run_and_resume_starts_a_new_one_on_the_same_cu
            "grpo.rewards=[{function: length_penalty, params: {target: 40}}, {function: exact_answer}, "
            f"{{function: 'tests.helpers.vllm_probes:kill_server', weight: 0, params: {{port: {port}, step: 2, "
            f"marker: {marker}}}}}]"]
-    killed = run_train(["--output-dir", str(out), *own], ranks=1, launch=True)
+    killed = run_train(["--output-dir", str(out), *own], ranks=1)
     assert killed.returncode == 2, killed.stderr[-3000:]
     assert marker.exists()
     message = [line for line in killed.stderr.splitlines() if "vLLM server" in line]
     assert len(message) == 1 and f"http://127.0.0.1:{port} (started by this run; its output: {out / SERVER_LOG})" \
         in message[0] and "--resume" in message[0], killed.stderr[-3000:]
     assert (out / "checkpoints/latest").read_text() == "global_step2"
-    resumed = run_train(["--resume", "--output-dir", str(out), *own], ranks=1, launch=True)
+    resumed = run_train(["--resume", "--output-dir", str(out), *own], ranks=1)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     records, whole = metrics(out), metrics(runs["vllm"])
     after = {r["step"]: r for r in records}  # the resumed run's steps 3 and 4 after the killed run's

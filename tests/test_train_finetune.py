@@ -180,7 +180,7 @@ def test_resume_after_sigkill_continues_the_uninterrupted_run(sft_args, uninterr
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint_latest(sft_args, uninterrupted, tmp_path):
     out = tmp_path / "killed_saving"
     result = run_train([*sft_args, "--output-dir", str(out), "training.max_steps=10", "checkpointing.every_steps=3",
-                        "--kill-after-deepspeed-save", "6"], ranks=2, script=PROBES, launch=True)
+                        "--kill-after-deepspeed-save", "6"], ranks=2, script=PROBES)
     assert result.returncode != 0
     assert (out / "checkpoints" / "latest").read_text() == "global_step3"
     assert (out / "checkpoints" / "global_step6").is_dir()  # the unfinished save, with truncated files

@@ -1,6 +1,7 @@
 """The warm ranks (tests/warm_ranks.py) give what fresh processes give: a run in the pool after runs that patched
 DeepSpeed and transformers (Ulysses' attention wrapper and ZeRO-3's summing reduce-scatter under sequence
-parallelism, the probes' patches of train.py and DeepSpeedEngine) computes bit for bit what a launch computes."""
+parallelism; the probes' patches of train.py and DeepSpeedEngine in the earlier tests' runs) computes bit for bit what
+a launch computes."""
 import json
 import shutil
 import signal
@@ -20,19 +21,17 @@ def test_a_run_after_other_runs_in_the_pool_computes_what_a_fresh_launch_compute
     common = ["--recipe", "tiny_llama", SMALL_MODEL, data_cache, "training.max_steps=3", "logging.every_steps=1",
               "deepspeed.config=zero3", "precision=fp32"]
     probed = ["--insert-poisoned-batches", "spike:1", "--record-logits"]
-    runs = {"probed warm": (probed, common, False),
-            "sp warm": ([], [*common, "parallelism.sequence_parallel=2"], False),
-            "plain warm": ([], common, False), "probed launched": (probed, common, True),
-            "plain launched": ([], common, True)}
+    # the probed run last in the pool, after runs that changed what a run can change (probes, another layout)
+    runs = {"plain warm": ([], common, False), "sp warm": ([], [*common, "parallelism.sequence_parallel=2"], False),
+            "probed warm": (probed, common, False), "probed launched": (probed, common, True)}
     for name, (probes, args, launch) in runs.items():
         out = tmp_path / name.replace(" ", "_")
         result = run_train([*probes, *args, "--output-dir", str(out)], ranks=2, launch=launch,
                            script="tests/helpers/train_with_probes.py" if probes else "train.py")
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
         assert result.stdout.count("peak memory per rank") == 1  # rank 0's summary, once, as the launcher shows it
-    for kind in ("probed", "plain"):
-        warm, launched = records(tmp_path / f"{kind}_warm"), records(tmp_path / f"{kind}_launched")
-        assert len(warm) == 3 and warm == launched
+    warm, launched = records(tmp_path / "probed_warm"), records(tmp_path / "probed_launched")
+    assert len(warm) == 3 and warm == launched
     flat = [[value for record in records(tmp_path / f"{kind}_warm") for value in record] for kind in ("sp", "plain")]
     assert flat[0] == pytest.approx(flat[1], rel=1e-5)  # tests/test_parallelism.py's tolerance for SP
     assert (tmp_path / "probed_warm" / "engine_logits.pt").exists()
