@@ -11,7 +11,6 @@ naming a partial checkpoint, or nothing.
 A checkpoint resumes in the layout (ranks, ZeRO stage, precision) that wrote it as it is, and in another one
 through a universal checkpoint (training/state/universal.py).
 """
-import copy
 import json
 import os
 import pickle
@@ -107,13 +106,13 @@ def save_checkpoint(engine: DeepSpeedEngine, checkpoint_dir: Path, run_state: Ru
 def write_files(engine: DeepSpeedEngine, checkpoint_dir: Path, run_state: RunState, data_state: dict,
                 hf_files: tuple, write_more: Callable[[Path], None] | None,
                 defer: Callable[[Callable[[], object]], None] = lambda write: write()) -> None:
-    """This rank's files of the save (DeepSpeed's through its checkpoint engine), all but the run state. `defer`
-    takes the writes of this rank's state and of `hf/` (a background save's thread writes them)."""
+    """This rank's files of the save, all but the run state: DeepSpeed's and this rank's state through the engine's
+    checkpoint engine (a background save's copies them to host memory), `hf/` through `defer` (a background save's
+    thread writes it)."""
     tag, rank = f"global_step{run_state.step}", dist.get_rank()
     tag_dir = checkpoint_dir / tag
     tag_dir.mkdir(parents=True, exist_ok=True)
-    state = copy.deepcopy(rank_state(engine, data_state))  # a snapshot: the data position moves on
-    defer(partial(torch.save, state, tag_dir / f"rank_state{rank}.pt"))
+    engine.checkpoint_engine.save(rank_state(engine, data_state), str(tag_dir / f"rank_state{rank}.pt"))
     engine.save_checkpoint(str(checkpoint_dir), tag=tag, client_state={"step": run_state.step}, save_latest=False,
                            exclude_frozen_parameters=has_frozen_parameters(engine))
     if rank == 0:

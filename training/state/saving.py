@@ -53,19 +53,16 @@ class Saving:
         self.started = 0  # saves started, the same count on every rank
         self.completer: threading.Thread | None = None  # rank 0's: completes the pending save once it is written
         self.completed: queue.SimpleQueue = queue.SimpleQueue()  # rank 0: the records of saves completed since
-        if asynchronous:
-            failure.exit_waits.append(self.drain)
 
     def save(self, run_state: RunState, data_state: dict, hf_files: tuple, keep_last: int | None,
              write_more) -> list[dict]:
-        """Every rank. Synchronous: the save's record (`seconds`, `stall_seconds`, `bytes` on rank 0, `step`).
-        Asynchronous: the record of the save before it, once complete (rank 0); this one's comes from a later
-        poll() or finish()."""
+        """Every rank, after finish(). Synchronous: the save's record (`seconds`, `stall_seconds`, `bytes` on rank 0,
+        `step`). Asynchronous: none; its record comes from a later poll() or finish()."""
         if self.writer is None:
             record = save_checkpoint(self.engine, self.checkpoint_dir, run_state, data_state, hf_files, keep_last,
                                      write_more)
             return [{**record, "stall_seconds": record["seconds"], "step": run_state.step}]
-        done = self.finish()
+        assert self.pending is None, "finish() the save being written first"
         started = time.perf_counter()
         self.started += 1  # not the step: a rewind saves a step again
         key = attempt_key(f"checkpoint-written/{self.started}")
@@ -74,11 +71,12 @@ class Saving:
         self.writer.start()
         self.pending = Pending(run_state, keep_last, key, started, time.perf_counter() - started)
         self.writer.when_written(lambda: counted(self.store, key))  # this rank's every file of the save
+        failure.exit_waits.append(self.drain)  # while it is written
         if self.rank == 0:
             self.completer = threading.Thread(target=self.complete_when_written, args=(self.pending,),
                                               name="checkpoint-completer", daemon=True)
             self.completer.start()
-        return done
+        return []
 
     def complete_when_written(self, pending: Pending) -> None:
         """Rank 0's thread: once every rank has counted its files written, the run state and `latest`."""
@@ -116,4 +114,5 @@ class Saving:
             self.completer = None
         dist.barrier()  # `latest` names the save on every rank's view of the folder
         self.pending = None
+        failure.exit_waits.remove(self.drain)
         return self.poll()

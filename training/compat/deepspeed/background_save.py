@@ -31,17 +31,16 @@ def tensors_in(item: object) -> Iterator[torch.Tensor]:
             yield from tensors_in(value)
 
 
-def host_copy(state: object) -> tuple[object, int]:
+def host_copy(state: object) -> object:
     """`state` with every tensor copied to host memory, each once (a tensor held twice, as tied weights are, stays
-    one), and its containers and other values deep-copied; and the bytes of the copied tensors."""
+    one), and its containers and other values deep-copied."""
     copies = {}
     for tensor in tensors_in(state):
         if id(tensor) not in copies:
             copies[id(tensor)] = tensor.detach().to("cpu", copy=True)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    held = sum(t.numel() * t.element_size() for t in copies.values())
-    return copy.deepcopy(state, memo=copies), held
+    return copy.deepcopy(state, memo=copies)
 
 
 class BackgroundWriter(TorchCheckpointEngine):
@@ -51,7 +50,6 @@ class BackgroundWriter(TorchCheckpointEngine):
         super().__init__(None)
         self.zipfile_serialization = zipfile_serialization
         self.jobs: list[Callable[[], object]] = []  # the writes of the save being handed over
-        self.held_bytes = 0  # host memory the copies of the save being written hold
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.lock, self.done = threading.Lock(), True  # done: the files handed over last are on disk
@@ -61,9 +59,8 @@ class BackgroundWriter(TorchCheckpointEngine):
         return False  # save() copies every tensor apart: DeepSpeed need not clone them first
 
     def save(self, state_dict: object, path: str) -> None:
-        copied, held = host_copy(state_dict)
-        self.defer(partial(torch.save, copied, path, _use_new_zipfile_serialization=self.zipfile_serialization))
-        self.held_bytes += held
+        self.defer(partial(torch.save, host_copy(state_dict), path,
+                           _use_new_zipfile_serialization=self.zipfile_serialization))
 
     def defer(self, job: Callable[[], object]) -> None:
         """A write of the save for the thread (its data must not change meanwhile: a copy, or an object that
@@ -105,7 +102,7 @@ class BackgroundWriter(TorchCheckpointEngine):
         """Until the save being written is on disk; raises what stopped its writing."""
         if self.thread is not None:
             self.thread.join()
-            self.thread, self.held_bytes = None, 0
+            self.thread = None
         if self.error is not None:
             error, self.error = self.error, None
             raise error
