@@ -25,6 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.tables import write_table  # noqa: E402
 from training.parallel.launch import launcher_command  # noqa: E402
 
 MODELS = {  # name: train.py overrides
@@ -73,10 +74,7 @@ def main() -> None:
                      f"{background['step_s'] + background['waited_s']:.2f} s | {background['after_save_s']:.2f} s | "
                      f"{background['waited_s'] / sync['save_s']:.0%} |")
         print(lines[-1], flush=True)
-    table = "\n".join(lines)
-    print(table)
-    args.output.mkdir(parents=True, exist_ok=True)
-    (args.output / "table.md").write_text(table + "\n")
+    write_table(lines, args.output)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import train  # noqa: E402
+from benchmarks.tables import write_table  # noqa: E402
 from training.parallel.launch import launcher_command  # noqa: E402
 from training.planning.checkpoint_size import LAUNCHER_GRACE_S, checkpoint_bytes  # noqa: E402
 from training.planning.report import format_bytes  # noqa: E402
@@ -77,10 +78,7 @@ def main() -> None:
              f"| recipe | run | checkpoint | busiest rank writes | seconds at {rate:,.0f} MiB/s | within the "
              f"launcher's {LAUNCHER_GRACE_S} s |", "|---|---|---|---|---|---|"]
     lines += ["| " + " | ".join(row) + " |" for row in recipe_rows(rate)]
-    table = "\n".join(lines)
-    print(table)
-    args.output.mkdir(parents=True, exist_ok=True)
-    (args.output / "table.md").write_text(table + "\n")
+    write_table(lines, args.output)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.tables import write_table  # noqa: E402
 from training.objectives.grpo.memory import decoding_reads  # noqa: E402
 from training.objectives.grpo.sampling import sample  # noqa: E402
 from training.objectives.grpo.spec import GrpoSection  # noqa: E402
@@ -114,15 +115,6 @@ def main() -> None:
                      f"{floor_cells} |")
         print(lines[-1], flush=True)
     write_table(lines, args.output)
-
-
-def write_table(lines: list[str], output: Path | None) -> None:
-    """The table printed whole, and written to output/table.md where a folder is given."""
-    table = "\n".join(lines)
-    print("\n" + table)
-    if output:
-        output.mkdir(parents=True, exist_ok=True)
-        (output / "table.md").write_text(table + "\n")
 
 
 if __name__ == "__main__":

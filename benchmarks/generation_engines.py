@@ -40,7 +40,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.generation_batch import seconds, write_table  # noqa: E402
+from benchmarks.generation_batch import seconds  # noqa: E402
+from benchmarks.tables import write_table  # noqa: E402
 from training.base.errors import EngineError  # noqa: E402
 from training.config.precision import Precision  # noqa: E402
 from training.config.recipe import load_recipe  # noqa: E402
