@@ -192,7 +192,7 @@ class Engine:
             env.pop(name, None)  # the launcher's, not the server's
         with open(self.log, "a") as log:
             return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.folder,
-                                    preexec_fn=_die_with_parent)
+                                    preexec_fn=_die_with_parent, start_new_session=True)
 
     def where(self) -> str:
         started = f" (started by this run; its output: {self.log})" if self.process else ""
@@ -269,13 +269,20 @@ class Engine:
         return completions, truncated, logps
 
     def close(self) -> None:
-        """The server this run started stopped, and its weights folder removed."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
+        """The server this run started stopped, with every process of its session (a server killed -9 leaves its
+        engine's processes running, each holding the model), and its weights folder removed."""
+        if self.process is not None:
+            if self.process.poll() is None:
+                self.process.terminate()
+                try:
+                    self.process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    pass
             try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
+                os.killpg(self.process.pid, signal.SIGKILL)  # the server's session: it leads it (start_new_session)
+            except ProcessLookupError:  # none of it is left
+                pass
+            self.process.wait()
         self.process = None
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
