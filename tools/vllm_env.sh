@@ -13,8 +13,8 @@ cd "$(dirname "$0")/.."
 ENV=${1:-.venv-vllm}
 python3 -m venv "$ENV"
 if command -v nvidia-smi >/dev/null && nvidia-smi >/dev/null 2>&1; then
-  "$ENV/bin/pip" install -q --no-compile vllm==0.32.0
+  "$ENV/bin/pip" install -q vllm==0.32.0
 else
-  "$ENV/bin/pip" install -q --no-compile -r requirements-vllm.txt
+  "$ENV/bin/pip" install -q -r requirements-vllm.txt
 fi
 PYTHONPATH=training/objectives/grpo/vllm_shim "$ENV/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
