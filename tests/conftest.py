@@ -11,6 +11,7 @@ from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from functools import cache
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -336,6 +337,23 @@ def only_slow_tests_launch() -> list[str]:
 def data_cache(tmp_path_factory) -> str:
     """One prepared-data cache for the whole session, so each run does not re-tokenize the corpus."""
     return f"data.cache_dir={tmp_path_factory.mktemp('data_cache')}"
+
+
+def left_in_session(leader: int, wait_s: float = 10.0) -> list[psutil.Process]:
+    """The processes of the session `leader` started still alive (a zombie is gone) after up to `wait_s` (a SIGKILLed
+    process takes a moment to end)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        alive = []
+        for process in psutil.process_iter():
+            try:
+                if os.getsid(process.pid) == leader and process.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(process)
+            except (ProcessLookupError, psutil.Error):
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
 
 
 def strict_loads(text: str):

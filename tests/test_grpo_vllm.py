@@ -10,17 +10,14 @@ checkpoint intact, and --resume, on a new server, continues on the uninterrupted
 """
 import json
 import math
-import os
 import subprocess
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.conftest import REPO, run_train, save_small_checkpoint, small_grpo_run
+from tests.conftest import REPO, left_in_session, run_train, save_small_checkpoint, small_grpo_run
 from training.config.precision import Precision
 from training.objectives.grpo.loss import token_logps
 from training.objectives.grpo.spec import GrpoSection
@@ -59,23 +56,6 @@ def server(tmp_path_factory):
         yield {"engine": engine, "model": model, "tokenizer": tokenizer, "folder": folder}
     finally:
         engine.close()
-
-
-def session_of(leader: int, wait_s: float = 10.0) -> list[psutil.Process]:
-    """The processes of the session `leader` started (the server's engine processes outlive a kill -9 of it) still
-    alive after up to `wait_s` (a SIGKILLed process takes a moment to end)."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        found = []
-        for process in psutil.process_iter():
-            try:
-                if os.getsid(process.pid) == leader and process.status() != psutil.STATUS_ZOMBIE:
-                    found.append(process)
-            except (ProcessLookupError, psutil.Error):
-                pass
-        if not found or time.monotonic() > deadline:
-            return found
-        time.sleep(0.2)
 
 
 def mismatch(engine: Engine, model: torch.nn.Module, prompts: list[list[int]]) -> float:
@@ -169,7 +149,7 @@ def test_lora_pushes_the_merged_weights(runs):
 def test_a_killed_server_ends_the_run_and_resume_starts_a_new_one_on_the_same_curve(runs, tmp_path):
     """The run starts its own server; a reward function kills it (kill -9) while step 3's completions are scored;
     the next push fails, every rank stops with one error, no process of the killed server is left (its engine's
-outlive it: the run ends the server's whole session), the step-2 checkpoint is the latest and whole, and
+    outlive it: the run ends the server's whole session), the step-2 checkpoint is the latest and whole, and
     --resume starts a new server and ends on the uninterrupted run's curve."""
     out, port, marker = tmp_path / "killed", free_port(), tmp_path / "killed_once"
     own = [*runs["common"], "grpo.generation_engine=vllm", f"grpo.vllm_server_port={port}",
@@ -181,7 +161,7 @@ outlive it: the run ends the server's whole session), the step-2 checkpoint is t
     killed = run_train(["--output-dir", str(out), *own], ranks=1)
     assert killed.returncode == 2, killed.stderr[-3000:]
     killed_server = int(marker.read_text().split()[0])
-    assert not session_of(killed_server), "the killed server's engine processes were left running"
+    assert not left_in_session(killed_server), "the killed server's engine processes were left running"
     message = [line for line in killed.stderr.splitlines() if "vLLM server" in line]
     assert len(message) == 1 and f"http://127.0.0.1:{port} (started by this run; its output: {out / SERVER_LOG})" \
         in message[0] and "--resume" in message[0], killed.stderr[-3000:]

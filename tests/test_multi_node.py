@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import REPO, SMALL_MODEL, TRAIN_ENV, deepspeed_ops_built, run_train
+from tests.conftest import REPO, SMALL_MODEL, TRAIN_ENV, deepspeed_ops_built, left_in_session, run_train
 from training.parallel.failure import LOST_AFTER_S, LOST_CODE
 from training.parallel.launch import free_port, launcher_command
 from training.state.checkpoint import latest_tag
@@ -87,23 +87,9 @@ class Nodes:
     def signal(self, node: int, signum: int) -> None:
         os.killpg(self.processes[node].pid, signum)
 
-    def left(self, node: int, wait_s: float = 10.0) -> list[psutil.Process]:
-        """The processes of the node's session still alive (a zombie is gone) after up to `wait_s` (a SIGKILLed
-        process takes a moment to end)."""
-        deadline = time.monotonic() + wait_s
-        while (alive := self.alive(node)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        return alive
-
-    def alive(self, node: int) -> list[psutil.Process]:
-        alive = []
-        for process in psutil.process_iter(["pid", "status"]):
-            try:
-                if os.getsid(process.pid) == self.processes[node].pid and process.status() != psutil.STATUS_ZOMBIE:
-                    alive.append(process)
-            except (ProcessLookupError, psutil.Error):
-                pass
-        return alive
+    def left(self, node: int) -> list[psutil.Process]:
+        """The processes of the node's session still alive, after up to 10 s."""
+        return left_in_session(self.processes[node].pid)
 
 
 def wait_for(path: Path, nodes: Nodes, timeout: float = 300) -> None:
