@@ -34,13 +34,13 @@ LOST_AFTER_S = 20.0  # a rank whose count has not moved for this long is lost (r
 STALL_CHECK_S = 3.0  # how long a failing rank watches the counts for ranks that stand still
 LOST_CODE = 4  # the exit code of a run that lost a node: resume it (a scheduler may retry without a human)
 LOST_CAUSES = "the node was killed, hangs or is cut off from the network"
-EXIT_WAIT_S = 5.0  # how long a failing run's rank waits for each of exit_waits before it ends
+EXIT_WAIT_S = 5.0  # how long a failing run's rank waits in each of exit_waits for what other ranks must do
 exit_waits: list[Callable[[float], None]] = []  # what a rank waits for before it ends: the completion of a checkpoint
 # written in the background (training/state/saving.py), so that a failure just after a save keeps it
 
 
 def leave(code: int) -> None:
-    """End this process with `code`, once what must finish first has had up to EXIT_WAIT_S each (`exit_waits`)."""
+    """End this process with `code`, once what must finish first has (`exit_waits`, each given EXIT_WAIT_S)."""
     for wait in exit_waits:
         try:
             wait(EXIT_WAIT_S)

@@ -9,6 +9,7 @@ the end of the run, a rewind and a stop wait for the one being written (`finish`
 """
 import os
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -87,11 +88,17 @@ class Saving:
                                "stall_seconds": pending.stall_seconds, "step": pending.run_state.step})
 
     def drain(self, timeout: float) -> None:
-        """A failing run, before its ranks end: the save being written gets up to `timeout` to be written and, on
-        rank 0, completed (a lost node's ranks never count theirs: `latest` then stays at the save before)."""
-        for thread in (self.writer.thread, self.completer):
-            if thread is not None:
-                thread.join(timeout)
+        """A failing run, before its ranks end: this rank's files of the save being written are written to the end,
+        however long that takes (a synchronous save would have taken as long, and every rank writes its share at
+        the same time); rank 0 then gives the other ranks up to `timeout` to count theirs and completes the save (a
+        lost node's ranks never count theirs: `latest` then stays at the save before)."""
+        if self.writer.thread is not None and self.writer.thread.is_alive():
+            if self.rank == 0:
+                print(f"the checkpoint of step {self.pending.run_state.step} is being written: the run ends once "
+                      "it is", file=sys.stderr, flush=True)
+            self.writer.thread.join()
+        if self.completer is not None:
+            self.completer.join(timeout)
 
     def poll(self) -> list[dict]:
         """Every rank, after each step: a failed write raises here; rank 0 returns the saves completed since."""

@@ -4,20 +4,22 @@ At every ZeRO stage, step 2's files are held unwritten while steps 3 and 4 chang
 holds step 2's states (a resume from it trains steps 3-4 to the same losses). A kill -9 of every rank while a save is
 being written, after training has moved past it, leaves the previous checkpoint `latest` and whole, and the run
 resumes from it on the curve. (Every other test that saves and resumes runs asynchronous saves too: the default.)
+A failing run writes the save being written to the end before its ranks end (fast).
 """
 import json
 import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from tests.conftest import REPO, SMALL_MODEL, TRAIN_ENV, deepspeed_ops_built, run_train, train_command
-
-pytestmark = pytest.mark.slow
+from training.state.saving import Saving
 
 PROBES = "tests/helpers/train_with_probes.py"
 
@@ -41,6 +43,7 @@ def back_to(out: Path, tag: str) -> None:
     (checkpoints / "latest").write_text(tag)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
 def test_asynchronous_saves_train_the_synchronous_curve_at_every_zero_stage(tmp_path, data_cache, zero_stage):
     out = tmp_path / "run"
@@ -59,6 +62,7 @@ def test_asynchronous_saves_train_the_synchronous_curve_at_every_zero_stage(tmp_
     assert max(abs(after[step] - before[step]) for step in (3, 4)) <= 1e-6, (before, after)
 
 
+@pytest.mark.slow
 def test_a_kill_while_a_save_is_written_leaves_the_previous_checkpoint_latest(tmp_path, data_cache):
     """Step 4's files are held unwritten; once step 5 is logged (training went on), every rank is SIGKILLed."""
     out, marker = tmp_path / "run", tmp_path / "held"
@@ -98,3 +102,21 @@ def losses_so_far(out: Path) -> dict[int, float]:
         if "loss" in record:
             found[record["step"]] = record["loss"]
     return found
+
+
+def test_a_failing_run_writes_the_save_being_written_to_the_end_however_long_that_takes(capsys):
+    """The drain a failing rank runs before it ends (failure.exit_waits) joins this rank's writer past its timeout
+    (a loaded machine once took more than the 5 s to write a tiny save, and `latest` was lost), and then gives rank
+    0's completer, which waits for the other ranks' counts, only the timeout."""
+    written = threading.Event()
+    writer = threading.Thread(target=lambda: (time.sleep(0.5), written.set()))
+    completer = threading.Thread(target=time.sleep, args=(30,), daemon=True)
+    writer.start()
+    completer.start()
+    saving = Saving.__new__(Saving)
+    saving.rank, saving.writer, saving.completer = 0, SimpleNamespace(thread=writer), completer
+    saving.pending = SimpleNamespace(run_state=SimpleNamespace(step=2))
+    started = time.monotonic()
+    saving.drain(0.05)
+    assert written.is_set() and completer.is_alive() and time.monotonic() - started < 5
+    assert capsys.readouterr().err == "the checkpoint of step 2 is being written: the run ends once it is\n"
