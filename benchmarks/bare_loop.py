@@ -21,7 +21,7 @@ from training.base.strict_json import dumps  # noqa: E402
 from training.loop.metrics import Stopwatch  # noqa: E402  (train.py's clock: synchronized at both ends)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-config", required=True)
     parser.add_argument("--ds-config", required=True)
@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--result", required=True)
     parser.add_argument("--local_rank", type=int)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     deepspeed.init_distributed()
     ds_config = json.load(open(args.ds_config))
@@ -57,7 +57,8 @@ def main() -> None:
     tokens = (args.steps - 1) * ds_config["train_batch_size"] * seq_len
     if torch.distributed.get_rank() == 0:
         Path(args.result).write_text(dumps({"mean_tokens_per_s": tokens / elapsed}))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

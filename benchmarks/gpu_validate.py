@@ -194,7 +194,7 @@ def report(out: Path, head: str, done: list[Part]) -> None:
     (out / "validate.md").write_text("\n".join(lines))
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", type=Path, required=True, help="a new or empty folder for every result")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, runs on a CPU: checks the plumbing only")
@@ -210,15 +210,20 @@ def main() -> int:
     parser.add_argument("--throughput-steps", type=int, default=20)
     parser.add_argument("--stage-steps", type=int, default=20)
     parser.add_argument("--grpo-steps", type=int, default=3)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.output = args.output.resolve()
     if args.output.exists() and any(args.output.iterdir()):
         parser.error(f"--output {args.output} is not empty: name a new folder")
-    args.output.mkdir(parents=True, exist_ok=True)
-    chosen = args.parts.split(",")
-    unknown = [name for name in chosen if name not in PARTS]
+    unknown = [name for name in args.parts.split(",") if name not in PARTS]
     if unknown:
         parser.error(f"--parts: unknown {', '.join(unknown)}; choose from {', '.join(PARTS)}")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    args.output.mkdir(parents=True, exist_ok=True)
+    chosen = args.parts.split(",")
     start, done = time.perf_counter(), []
     head = device()
     print(f"gpu_validate: {head}", flush=True)

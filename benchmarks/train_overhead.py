@@ -47,14 +47,14 @@ def run_bare(model_config: str, ds_config: Path, rows: Path, steps: int, num_gpu
     return json.loads(result.read_text())["mean_tokens_per_s"]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default="tiny_llama")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--num-gpus", type=int, default=1, help="ranks per run (CPU ranks without a GPU)")
     parser.add_argument("overrides", nargs="*", metavar="key.path=value")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     recipe = load_recipe(args.recipe, args.overrides)
     if recipe.model.config is None:
         sys.exit("train_overhead.py builds the model from model.config; this recipe loads a checkpoint")
@@ -86,7 +86,8 @@ def main() -> None:
     for name, values in speeds.items():
         median = statistics.median(values)
         print(f"| {name} | {', '.join(f'{v:,.0f}' for v in values)} | {median:,.0f} | {median / baseline:.3f} |")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

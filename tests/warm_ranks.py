@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 WORKER = "tests/helpers/warm_rank.py"
 SCRIPTS = ("train.py", *(f"tests/helpers/{name}.py" for name in  # those the ranks can run: their main(argv)
                           ("train_with_probes", "train_fp8_on_cpu", "lora_steps", "optimizer_steps", "pipeline_loss",
-                           "sequence_parallel_row", "upstream_bugs")))
+                           "sequence_parallel_row", "upstream_bugs")), "benchmarks/bare_loop.py")
 PROCESS_PROBES = ("--fail-on-rank",)  # a crash on one rank: how the launcher ends the others is the subject
 START_TIMEOUT_S = 1800.0  # imports, and on a clean machine the build of DeepSpeed's CPU ops (minutes)
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "MASTER_ADDR",

@@ -320,18 +320,27 @@ def start_output(output_dir: Path, replace: bool) -> None:
     begin_in_place(output_dir, COMMAND, set())
 
 
+def train_args(args: argparse.Namespace, cell: list[str], output_dir: Path) -> list[str]:
+    """train.py's arguments for the cell: the recipe, the cell's own folder and its overrides."""
+    return ["--recipe", args.recipe, "--output-dir", str(output_dir / args.folders[tuple(cell)]),
+            *cell_overrides(args, cell)]
+
+
 def run_cell(args: argparse.Namespace, cell: list[str], output_dir: Path) -> str | None:
     """Train the cell through the deepspeed launcher, the console going to <cell>.log; the error or None. The cell's
     folder is new (the comparison's folder is), so train.py runs without --overwrite: it can replace nothing."""
-    folder = args.folders[tuple(cell)]
-    command = launcher_command(args.num_gpus, str(REPO / "train.py"), [
-        "--recipe", args.recipe, "--output-dir", str(output_dir / folder), *cell_overrides(args, cell)])
+    command = launcher_command(args.num_gpus, str(REPO / "train.py"), train_args(args, cell, output_dir))
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.num_gpus)))
-    log_path = output_dir / f"{folder}.log"
+    log_path = output_dir / f"{args.folders[tuple(cell)]}.log"
     print(f"{cell_name(cell)}: {' '.join(command)}", flush=True)
     with log_path.open("w") as log:
         returncode = subprocess.run(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    return cell_error(returncode, log_path)
+
+
+def cell_error(returncode: int, log_path: Path) -> str | None:
+    """A cell run's error, from its exit code and console log, or None."""
     if returncode == 0:
         return None
     return f"exit {returncode}: {failure_reason(log_path.read_text())} (log: {log_path})"

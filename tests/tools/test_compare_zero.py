@@ -1,11 +1,12 @@
-"""tools/compare_zero.py (compare.py's short form for ZeRO stages) on 2 CPU ranks: every stage through the real
-launcher, one table, one CSV, one picture; compare.py's grid of --vary values."""
+"""tools/compare_zero.py (compare.py's short form for ZeRO stages) on 2 CPU ranks: every stage, one table, one CSV,
+one picture; compare.py's grid of --vary values. The cells run on the session's warm ranks (the comparison is the
+subject; tests/tools/test_compare.py's slow test and gpu_validate's smoke launch theirs through the real launcher)."""
 import csv
 import sys
 
 import pytest
 
-from tests.conftest import REPO, SMALL_MODEL
+from tests.conftest import REPO, SMALL_MODEL, run_train
 
 sys.path.insert(0, str(REPO / "tools"))
 import compare_zero  # noqa: E402
@@ -17,12 +18,21 @@ def read_rows(output_dir):
 
 
 @pytest.fixture
-def one_thread_per_rank(monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+def warm_cells(monkeypatch):
+    """compare.run_cell on the warm ranks: train.py's arguments and the cell's log and error as compare.py's own."""
+    compare = compare_zero.compare
+
+    def run_warm(args, cell, output_dir):
+        result = run_train(compare.train_args(args, cell, output_dir), ranks=args.num_gpus)
+        log_path = output_dir / f"{args.folders[tuple(cell)]}.log"
+        log_path.write_text(result.stdout + result.stderr)
+        return compare.cell_error(result.returncode, log_path)
+
+    monkeypatch.setattr(compare, "run_cell", run_warm)
 
 
 @pytest.mark.slow
-def test_compare_stages_on_tiny_llama(tmp_path, data_cache, monkeypatch, one_thread_per_rank):
+def test_compare_stages_on_tiny_llama(tmp_path, data_cache, monkeypatch, warm_cells):
     """Losses agree across ZeRO 0-3, ZeRO-3 holds less model state per rank than ZeRO-0, each stage's measured model
     states are its estimate within 5% (fp32, AdamW; ZeRO-1 in tests/test_optimizers.py), and a stage that fails (here
     ZeRO-1, made to fail as an out-of-memory run would) is a row with its error while the others run."""
@@ -57,7 +67,7 @@ def test_compare_stages_on_tiny_llama(tmp_path, data_cache, monkeypatch, one_thr
 
 
 @pytest.mark.slow
-def test_compare_understands_pipeline_stages(tmp_path, data_cache, one_thread_per_rank):
+def test_compare_understands_pipeline_stages(tmp_path, data_cache, warm_cells):
     """With 2 pipeline stages on 2 ranks ZeRO-2 is refused before anything runs; ZeRO 0 and 1 run as pipelines
     and are estimated per stage."""
     out = tmp_path / "compare"
