@@ -280,6 +280,15 @@ def pytest_configure(config: pytest.Config) -> None:
     LocalPipelineExecutor.run = guarded_run
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """An xdist worker with trainings to run starts its warm ranks now, unwaited: their imports and, on a clean
+    machine, the build of DeepSpeed's CPU ops (about 100 s of both cores) go on beside the worker's first tests,
+    which before waited for them idle. (A pytest that a test starts is no worker: it starts none.)"""
+    if hasattr(session.config, "workerinput") and not on_gpu() and any(
+            item.get_closest_marker("slow") for item in session.items):
+        warm_ranks(TRAIN_ENV).spawn()
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """Closes the warm ranks; test-results/launches.json keeps the session's launches and warm runs (docs/testing.md
     quotes them). Under pytest-xdist each worker hands its count to the controller, which writes the sum."""

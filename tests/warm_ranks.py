@@ -38,7 +38,8 @@ RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK"
 
 
 class WarmRanks:
-    """The session's forking process (tests/helpers/warm_rank.py), started at the first run and again if it ends."""
+    """The session's forking process (tests/helpers/warm_rank.py), started at the first run (in an xdist worker, once
+    its tests are collected: conftest.py) and again if it ends."""
 
     def __init__(self, folder: Path, env: dict[str, str]):
         self.folder, self.env = folder, {k: v for k, v in env.items() if k not in RANK_VARIABLES}
@@ -46,9 +47,8 @@ class WarmRanks:
         self.replies, self.pending, self.ready = -1, b"", False
         self.runs = 0
 
-    def start(self) -> None:
-        """The process started and ready. Past START_TIMEOUT_S it raises TimeoutError and is left running: killing
-        it might leave an op's build lock behind (tests/helpers/warm_rank.py); the next call waits again."""
+    def spawn(self) -> None:
+        """The process started, not waited for (start() waits until it is ready)."""
         if self.process is None or self.process.poll() is not None:
             self.close()
             read, write = os.pipe()
@@ -58,6 +58,11 @@ class WarmRanks:
                                                 pass_fds=(write,))
             os.close(write)
             self.replies, self.pending, self.ready = read, b"", False
+
+    def start(self) -> None:
+        """The process started and ready. Past START_TIMEOUT_S it raises TimeoutError and is left running: killing
+        it might leave an op's build lock behind (tests/helpers/warm_rank.py); the next call waits again."""
+        self.spawn()
         if not self.ready:
             if self.reply(time.monotonic() + START_TIMEOUT_S) is None:
                 raise RuntimeError(f"the warm ranks died while starting (exit {self.process.returncode}): see "
