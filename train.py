@@ -39,7 +39,7 @@ from training.loop.metrics import (
 )
 from training.loop.trackers import Trackers, check_trackers
 from training.models.attention import resolve_attention
-from training.models.compile import resolve_compile
+from training.models.compile import resolve_compile, with_cache_counts
 from training.models.model import (
     check_checkpoint_folder,
     check_checkpoint_matches,
@@ -218,7 +218,7 @@ def run(plan: RunPlan, args: argparse.Namespace) -> int:
                        router_meter(engine.module, plan.accumulation_steps))
     finally:
         objective.finish()
-    totals.model_state_bytes, totals.kernels = measured_model_states(held_tensors), kernels
+    totals.model_state_bytes, totals.kernels = measured_model_states(held_tensors), with_cache_counts(kernels)
     if totals.last_step < total_steps:
         trackers.finish(None)
         finish_output_dir(plan.output_dir)

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 import train
 from tests.conftest import REPO, SMALL_MODEL, run_train, save_small_checkpoint, train_in_process
 from training.objectives.lm.objective import LanguageModel
+from training.parallel.build import describe_kernels
 from training.trainer import train_step
 
 
@@ -435,12 +436,26 @@ def test_shipped_config_and_local_checkpoint_of_another_shape(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_compiled_model_trains_the_same_losses(tmp_path, data_cache):
-    """compile: true (DeepSpeed's engine.compile, inductor on a CPU) gives the eager run's losses."""
+    """compile: true (DeepSpeed's engine.compile, inductor on a CPU) gives the eager run's losses. What it compiled is
+    kept in compile_cache_dir: a resume of the run (a new process) compiles nothing, every graph it needs comes from
+    the cache, and the summary says so."""
+    cache = tmp_path / "compile_cache"
+    common = ["--recipe", "tiny_llama", SMALL_MODEL, data_cache, "logging.every_steps=1", f"compile_cache_dir={cache}"]
     curves = {}
     for compiled in (False, True):
         out = tmp_path / f"compile_{compiled}"
-        result = run_train(["--recipe", "tiny_llama", "--output-dir", str(out), SMALL_MODEL, data_cache,
-                            "training.max_steps=4", "logging.every_steps=1", f"compile={str(compiled).lower()}"])
+        result = run_train([*common, "--output-dir", str(out), "training.max_steps=4",
+                            f"compile={str(compiled).lower()}"])
         assert result.returncode == 0, result.stderr[-3000:]
         curves[compiled] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert curves[True] == pytest.approx(curves[False], rel=1e-5)
+    cold = json.loads((out / "summary.json").read_text())["kernels"]
+    assert cold["compile_cache_dir"] == str(cache) and cold["compiled_layers"] == 2
+    assert cold["compile_cache"]["fx_graph_misses"] > 0 and cold["compile_cache"]["fx_graph_hits"] == 0, cold
+    result = run_train([*common, "--output-dir", str(out), "--resume", "training.max_steps=6", "compile=true"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    kernels = json.loads((out / "summary.json").read_text())["kernels"]
+    warm = kernels["compile_cache"]
+    assert warm["fx_graph_misses"] == warm["aot_autograd_misses"] == 0 and warm["fx_graph_hits"] > 0, warm
+    assert describe_kernels(kernels).endswith(f", {warm['fx_graph_hits']} of {warm['fx_graph_hits']} compiled graphs "
+                                              "from the cache")

@@ -52,6 +52,13 @@ PATCHES = (
           "tests/training/compat/test_torch.py::test_a_modules_compiled_call_lives_in_a_private_attribute",
           proofs=("tests/training/objectives/grpo/test_sampling.py::"
                   "test_compiled_decoding_never_runs_trainings_compiled_layers",)),
+    Patch("compile_cache_counts", "torch", VERIFIED_FOR,
+          "torch.compile says how often its FX-graph cache (inductor's code) and AOT-autograd cache (the forward and "
+          "backward graphs) were hit or missed only in dynamo's private counters (torch._dynamo.utils.counters, "
+          "'inductor' fxgraph_cache_hit/miss/bypass, 'aot_autograd' autograd_cache_hit/miss/bypass): a run's summary "
+          "reads them, to say what its compile reused", NO_ISSUE,
+          "tests/training/compat/test_torch.py::test_the_compile_caches_count_their_hits_and_misses_in_dynamos_counters",
+          proofs=("tests/test_train.py::test_compiled_model_trains_the_same_losses",)),
 )
 
 
@@ -129,3 +136,13 @@ def uncompiled(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for module, call in compiled.items():
             module._compiled_call_impl = call
+
+
+def compile_cache_counts() -> dict[str, int]:
+    """This process's hits, misses and bypasses of torch.compile's FX-graph and AOT-autograd caches so far."""
+    from torch._dynamo.utils import counters
+    outcomes = {"hits": "hit", "misses": "miss", "bypasses": "bypass"}
+    return {f"{cache}_{outcome}": counters[group][f"{key}_{name}"]
+            for cache, group, key in (("fx_graph", "inductor", "fxgraph_cache"),
+                                      ("aot_autograd", "aot_autograd", "autograd_cache"))
+            for outcome, name in outcomes.items()}

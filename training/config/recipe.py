@@ -14,7 +14,7 @@ from pydantic import (
     model_validator,
 )
 
-from data_pipeline.config import DataConfig, matching_files, prepared_examples
+from data_pipeline.config import DataConfig, LocalPath, matching_files, prepared_examples
 from training.base.errors import ConfigError, read_text
 from training.base.schema import StrictModel
 from training.config.cross_checks import check_average, check_phases, check_seq_len_warmup
@@ -57,6 +57,10 @@ class RecipeSections(StrictModel):
     # torch.compile each decoder layer (training/models/compile.py); auto: on where it is proven faster (CUDA,
     # ZeRO 0-2, data parallel), off on CPU
     compile: Literal["auto"] | bool = "auto"
+    # what compiling makes (torch's FX-graph and AOT-autograd caches; on a GPU Triton's kernels too), kept for the next
+    # run of the recipe on this machine and for a resume, which reuse it (training/models/compile.py); null:
+    # TORCHINDUCTOR_CACHE_DIR where it is set, else ~/.cache/deepspeed-recipes/compile
+    compile_cache_dir: LocalPath | None = None
     # the LM head and cross-entropy in chunks of tokens, gradients taken as it goes: the [tokens, vocab] fp32 logits
     # never exist whole (training/models/fused_loss.py); objective lm only
     fused_loss: bool = True

@@ -11,12 +11,23 @@ outside, so the target count that changes every step never reaches a compiled gr
 compiling costs more than it saves for the small models trained there; under ZeRO-3 DeepSpeed's parameter hooks
 break each layer into many graphs; pipeline, tensor, sequence and expert parallelism put collectives or their own
 modules inside the layers. `compile: true` compiles the layers in any layout, graph breaks and all.
+
+What compiling makes is kept in `compile_cache_dir` (torch's FX-graph cache of inductor's code, its AOT-autograd cache
+of the forward and backward graphs, on a GPU Triton's kernels: all under TORCHINDUCTOR_CACHE_DIR), so the next run of
+the recipe on the machine, or a resume, traces its layers again but compiles nothing: summary.json's
+`kernels.compile_cache` counts what the run found there and what it compiled anew.
 """
+import os
+from pathlib import Path
+
 import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from training.compat.torch import compile_cache_counts
 from training.config.recipe import Recipe
 from training.planning.precision import device_type
+
+DEFAULT_CACHE_DIR = "~/.cache/deepspeed-recipes/compile"
 
 
 def resolve_compile(recipe: Recipe, zero_stage: int, for_gpus: bool = False) -> Recipe:
@@ -43,3 +54,18 @@ def compile_layers(model: torch.nn.Module, **options) -> int:
     for layer in layers:
         layer.compile(**options)
     return len(layers)
+
+
+def use_compile_cache(folder: str | None) -> Path:
+    """Where this process's compiles look for and keep what they make: `folder`, else TORCHINDUCTOR_CACHE_DIR where it
+    is set, else DEFAULT_CACHE_DIR. torch reads the variable when it first compiles (the first step), so setting it
+    before then is enough."""
+    path = Path(folder or os.environ.get("TORCHINDUCTOR_CACHE_DIR") or DEFAULT_CACHE_DIR).expanduser()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    return path
+
+
+def with_cache_counts(kernels: dict) -> dict:
+    """The run's kernels with what its compiles found in the compile cache and compiled anew, at the end of the run
+    (its graphs compile at the first step, and again where a guard fails)."""
+    return {**kernels, "compile_cache": compile_cache_counts()}

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from training.compat.deepspeed.universal import provide_universal_info
 from training.config.precision import Precision
-from training.models.compile import compile_layers
+from training.models.compile import compile_layers, use_compile_cache
 from training.models.fp8 import convert_linears_to_fp8, fp8_linear_count
 from training.models.fused_loss import fuse_head_and_loss
 from training.models.long_context import apply_long_context
@@ -44,6 +44,7 @@ def build_run_model(plan: RunPlan) -> tuple[torch.nn.Module, object | None, dict
         convert_linears_to_fp8(model, recipe.fp8, plan.model_config.vocab_size)
     kernels = {"attention": recipe.model.attn_implementation, "fused_loss": fused_loss,
                "compiled_layers": compile_layers(model) if recipe.compile else 0,
+               "compile_cache_dir": str(use_compile_cache(recipe.compile_cache_dir)),
                **({"fp8_linear_layers": fp8_linear_count(model), "fp8_recipe": recipe.fp8.recipe}
                   if plan.precision == Precision.FP8 else {})}
     if dist.get_rank() == 0:
@@ -55,6 +56,10 @@ def describe_kernels(kernels: dict) -> str:
     """One line: 'flex_attention, fused loss, 16 layers compiled, 112 linear layers in FP8 (tensorwise)'."""
     parts = [kernels["attention"], "fused loss" if kernels["fused_loss"] else "plain loss",
              f"{kernels['compiled_layers']} layers compiled" if kernels["compiled_layers"] else "eager"]
+    if cache := kernels.get("compile_cache"):  # at the end of the run: what its compiles found in the cache
+        graphs = cache["fx_graph_hits"] + cache["fx_graph_misses"]
+        if graphs:
+            parts.append(f"{cache['fx_graph_hits']} of {graphs} compiled graphs from the cache")
     if "fp8_linear_layers" in kernels:
         parts.append(f"{kernels['fp8_linear_layers']} linear layers in FP8 ({kernels['fp8_recipe']}), the rest bf16")
     return ", ".join(parts)

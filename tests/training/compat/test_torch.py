@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from training.compat.torch import (
+    compile_cache_counts,
     extension_build_root,
     found_inf,
     is_fake,
@@ -113,3 +114,23 @@ def test_load_waits_without_limit_on_the_lock_in_the_build_root(tmp_path, monkey
     assert waited[0].warn_after_seconds is None
     assert set(inspect.signature(FileBaton.__init__).parameters) == \
         {"self", "lock_file_path", "wait_seconds", "warn_after_seconds"}, "FileBaton has a time limit now"
+
+
+@pytest.mark.slow  # inductor's first compile in a process takes about 3 s, though a matmul needs no C++ of its own
+def test_the_compile_caches_count_their_hits_and_misses_in_dynamos_counters(tmp_path, monkeypatch):
+    """A matmul and its gradient compiled twice (dynamo reset between, as in a new process): the first compile misses
+    both caches and fills them, the second finds both graphs there."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    from torch._dynamo.utils import counters
+    a, b = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4)
+    seen = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.compile(lambda x, y: x @ y)(a, b).sum().backward()
+        seen.append(compile_cache_counts())
+    torch._dynamo.reset()
+    cold, warm = seen
+    assert cold["fx_graph_misses"] > 0 and cold["aot_autograd_misses"] == 1 and cold["fx_graph_hits"] == 0, cold
+    assert warm["fx_graph_misses"] == warm["aot_autograd_misses"] == 0 and warm["aot_autograd_hits"] == 1, warm
+    assert warm["fx_graph_hits"] == cold["fx_graph_misses"], warm
