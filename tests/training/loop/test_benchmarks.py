@@ -150,14 +150,24 @@ def records(out) -> list[dict]:
 
 @LM_EVAL
 def test_every_rank_of_a_run_scores_a_share_of_its_export(runs):
-    """Rank 0 scores 20 of the 40 requests (10 questions x 4 endings), at the checkpoint and at the end, and the
-    final scores are the ones one process gives the same export."""
+    """Rank 0 scores 20 of the 40 requests (10 questions x 4 endings), at the checkpoint and at the end; the summary
+    holds the scores of benchmarks/results.json, the final scores are the ones one process gives the same export,
+    and `evaluate` with another limit replaces them in the summary."""
     out = runs["scored"]
     assert requests_of_rank_0(runs["scored", "console"]) == [20, 20]
+    assert f"benchmark {TASK} (lm-eval)" in runs["scored", "console"]
     at_the_end = json.loads((out / "summary.json").read_text())["benchmarks"][TASK]
+    scored = json.loads((out / "benchmarks" / "results.json").read_text())["results"][TASK]
+    assert at_the_end == {"acc": scored["acc,none"], "acc_norm": scored["acc_norm,none"]}
     again = evaluate(out, "--tasks", TASK, "--limit", "10", "--overwrite")
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads((out / "summary.json").read_text())["benchmarks"][TASK] == pytest.approx(at_the_end, abs=1e-6)
+    again = evaluate(out, "--tasks", TASK, "--limit", "20", "--overwrite")
+    assert again.returncode == 0, again.stderr[-3000:]
+    rescored = json.loads((out / "benchmarks" / "results.json").read_text())
+    assert rescored["n-samples"][TASK]["effective"] == 20
+    assert json.loads((out / "summary.json").read_text())["benchmarks"][TASK]["acc"] == \
+        rescored["results"][TASK]["acc,none"]
 
 
 @LM_EVAL
@@ -198,24 +208,6 @@ def test_scoring_checkpoints_leaves_the_training_as_it_was(runs):
     scored, plain = ([record["loss"] for record in records(runs[name]) if "loss" in record and "event" not in record]
                      for name in ("scored", "plain"))
     assert len(scored) == 4 and scored == plain
-
-
-@LM_EVAL
-def test_a_run_scores_its_export_at_the_end_and_evaluate_adds_to_its_summary(tmp_path, data_cache):
-    out = tmp_path / "run"
-    result = train_in_process(["--recipe", "tiny_llama", "--output-dir", str(out), SMALL_MODEL, data_cache,
-                               "training.max_steps=2", f"eval.benchmarks=[{TASK}]", "eval.limit=10"])
-    assert result.returncode == 0, result.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    scored = json.loads((out / "benchmarks" / "results.json").read_text())["results"][TASK]
-    assert summary["benchmarks"][TASK] == {"acc": scored["acc,none"], "acc_norm": scored["acc_norm,none"]}
-    assert f"benchmark {TASK} (lm-eval)" in result.stdout
-    again = evaluate(out, "--tasks", TASK, "--limit", "20", "--overwrite")
-    assert again.returncode == 0, again.stderr[-3000:]
-    rescored = json.loads((out / "benchmarks" / "results.json").read_text())
-    assert rescored["n-samples"][TASK]["effective"] == 20
-    assert json.loads((out / "summary.json").read_text())["benchmarks"][TASK]["acc"] == \
-        rescored["results"][TASK]["acc,none"]
 
 
 def test_a_lora_run_needs_its_merged_export_to_be_benchmarked(model):
