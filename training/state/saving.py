@@ -84,14 +84,17 @@ class Saving:
         while self.store.add(pending.key, 0) < dist.get_world_size():
             time.sleep(POLL_S)
         size = complete(self.checkpoint_dir, pending.run_state, pending.keep_last)
+        self.store.set(f"{pending.key}/complete", "1")  # a failing run's other ranks wait for this (drain)
         self.completed.put({"seconds": time.perf_counter() - pending.started, "bytes": size,
                                "stall_seconds": pending.stall_seconds, "step": pending.run_state.step})
 
     def drain(self, timeout: float) -> None:
         """A failing run, before its ranks end: this rank's files of the save being written are written to the end,
         however long that takes (a synchronous save would have taken as long, and every rank writes its share at
-        the same time); rank 0 then gives the other ranks up to `timeout` to count theirs and completes the save (a
-        lost node's ranks never count theirs: `latest` then stays at the save before)."""
+        the same time); then up to `timeout` for rank 0 to complete the save once every rank has counted its files.
+        Every rank waits for that, not rank 0 alone: the launcher kills a run's other ranks as soon as one ends with
+        an error, rank 0 among them. (A lost node's ranks never count theirs: `latest` then stays at the save
+        before.)"""
         if self.writer.thread is not None and self.writer.thread.is_alive():
             if self.rank == 0:
                 print(f"the checkpoint of step {self.pending.run_state.step} is being written: the run ends once "
@@ -99,6 +102,11 @@ class Saving:
             self.writer.thread.join()
         if self.completer is not None:
             self.completer.join(timeout)
+        elif self.pending is not None:
+            try:
+                self.store.wait([f"{self.pending.key}/complete"], timedelta(seconds=timeout))
+            except Exception:  # noqa: BLE001 (not completed in time, or rank 0's store is gone: `latest` stays)
+                pass
 
     def poll(self) -> list[dict]:
         """Every rank, after each step: a failed write raises here; rank 0 returns the saves completed since."""
