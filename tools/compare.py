@@ -332,11 +332,16 @@ def run_cell(args: argparse.Namespace, cell: list[str], output_dir: Path) -> str
     command = launcher_command(args.num_gpus, str(REPO / "train.py"), train_args(args, cell, output_dir))
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.num_gpus)))
-    log_path = output_dir / f"{args.folders[tuple(cell)]}.log"
+    log_path = cell_log(args, cell, output_dir)
     print(f"{cell_name(cell)}: {' '.join(command)}", flush=True)
     with log_path.open("w") as log:
         returncode = subprocess.run(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
     return cell_error(returncode, log_path)
+
+
+def cell_log(args: argparse.Namespace, cell: list[str], output_dir: Path) -> Path:
+    """The cell's console log, beside its folder."""
+    return output_dir / f"{args.folders[tuple(cell)]}.log"
 
 
 def cell_error(returncode: int, log_path: Path) -> str | None:

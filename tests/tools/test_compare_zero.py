@@ -24,7 +24,7 @@ def warm_cells(monkeypatch):
 
     def run_warm(args, cell, output_dir):
         result = run_train(compare.train_args(args, cell, output_dir), ranks=args.num_gpus)
-        log_path = output_dir / f"{args.folders[tuple(cell)]}.log"
+        log_path = compare.cell_log(args, cell, output_dir)
         log_path.write_text(result.stdout + result.stderr)
         return compare.cell_error(result.returncode, log_path)
 

@@ -42,9 +42,10 @@ def build_run_model(plan: RunPlan) -> tuple[torch.nn.Module, object | None, dict
                                    recipe.data.seq_len)
     if plan.precision == Precision.FP8:
         convert_linears_to_fp8(model, recipe.fp8, plan.model_config.vocab_size)
+    compile_cache_dir = use_compile_cache(recipe.compile_cache_dir)  # before the first compile (the first step)
     kernels = {"attention": recipe.model.attn_implementation, "fused_loss": fused_loss,
                "compiled_layers": compile_layers(model) if recipe.compile else 0,
-               "compile_cache_dir": str(use_compile_cache(recipe.compile_cache_dir)),
+               "compile_cache_dir": str(compile_cache_dir),
                **({"fp8_linear_layers": fp8_linear_count(model), "fp8_recipe": recipe.fp8.recipe}
                   if plan.precision == Precision.FP8 else {})}
     if dist.get_rank() == 0:
