@@ -47,7 +47,8 @@ class Pending:
 
 class Saving:
     def __init__(self, engine: DeepSpeedEngine, checkpoint_dir: Path, asynchronous: bool):
-        self.engine, self.checkpoint_dir, self.rank = engine, checkpoint_dir, dist.get_rank()
+        self.engine, self.checkpoint_dir = engine, checkpoint_dir
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.writer = write_in_background(engine) if asynchronous else None
         self.store = launch_store(STORE_TIMEOUT) if asynchronous else None
         self.pending: Pending | None = None
@@ -81,7 +82,7 @@ class Saving:
 
     def complete_when_written(self, pending: Pending) -> None:
         """Rank 0's thread: once every rank has counted its files written, the run state and `latest`."""
-        while self.store.add(pending.key, 0) < dist.get_world_size():
+        while self.store.add(pending.key, 0) < self.world_size:
             time.sleep(POLL_S)
         size = complete(self.checkpoint_dir, pending.run_state, pending.keep_last)
         self.store.set(f"{pending.key}/complete", "1")  # a failing run's other ranks wait for this (drain)
@@ -91,22 +92,24 @@ class Saving:
     def drain(self, timeout: float) -> None:
         """A failing run, before its ranks end: this rank's files of the save being written are written to the end,
         however long that takes (a synchronous save would have taken as long, and every rank writes its share at
-        the same time); then up to `timeout` for rank 0 to complete the save once every rank has counted its files.
-        Every rank waits for that, not rank 0 alone: the launcher kills a run's other ranks as soon as one ends with
-        an error, rank 0 among them. (A lost node's ranks never count theirs: `latest` then stays at the save
-        before.)"""
+        the same time); then up to `timeout` for every rank to count its files (a lost node's ranks never do:
+        `latest` then stays at the save before); once they all have, until rank 0 has completed the save, however
+        long its writes take on a loaded disk. Every rank waits for that, not rank 0 alone: the launcher kills a
+        run's other ranks as soon as one ends with an error, rank 0 among them."""
         if self.writer.thread is not None and self.writer.thread.is_alive():
             if self.rank == 0:
                 print(f"the checkpoint of step {self.pending.run_state.step} is being written: the run ends once "
                       "it is", file=sys.stderr, flush=True)
             self.writer.thread.join()
+        deadline = time.monotonic() + timeout
+        while self.store.add(self.pending.key, 0) < self.world_size:
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(POLL_S)
         if self.completer is not None:
-            self.completer.join(timeout)
-        elif self.pending is not None:
-            try:
-                self.store.wait([f"{self.pending.key}/complete"], timedelta(seconds=timeout))
-            except Exception:  # noqa: BLE001 (not completed in time, or rank 0's store is gone: `latest` stays)
-                pass
+            self.completer.join()
+        else:
+            self.store.wait([f"{self.pending.key}/complete"])  # raises once rank 0's store is gone (leave() goes on)
 
     def poll(self) -> list[dict]:
         """Every rank, after each step: a failed write raises here; rank 0 returns the saves completed since."""

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -107,24 +106,33 @@ def losses_so_far(out: Path) -> dict[int, float]:
 
 def test_a_failing_run_writes_the_save_being_written_to_the_end_however_long_that_takes(capsys):
     """The drain a failing rank runs before it ends (failure.exit_waits) joins this rank's writer past its timeout
-    (a loaded machine once took more than the 5 s to write a tiny save, and `latest` was lost), and then gives rank
-    0's completer, which waits for the other ranks' counts, only the timeout. Another rank waits, up to the timeout,
+    (a loaded machine once took more than the 5 s to write a tiny save, and `latest` was lost), gives the other
+    ranks only the timeout to count their files, and once every rank has, waits for rank 0 to complete the save
+    however long that takes (CI lost `latest` when rank 0's fsyncs took more than the timeout). Another rank waits
     for rank 0's word that the save is complete: the launcher kills rank 0 as soon as another rank ends (CI lost
     `latest` that way too)."""
     written = threading.Event()
     writer = threading.Thread(target=lambda: (time.sleep(0.5), written.set()))
-    completer = threading.Thread(target=time.sleep, args=(30,), daemon=True)
+    completer = threading.Thread(target=time.sleep, args=(0.5,), daemon=True)
     writer.start()
     completer.start()
+    counts = {"checkpoint-written/1/0": 2}
     saving = Saving.__new__(Saving)
-    saving.rank, saving.writer, saving.completer = 0, SimpleNamespace(thread=writer), completer
+    saving.rank, saving.world_size, saving.writer, saving.completer = 0, 2, SimpleNamespace(thread=writer), completer
+    saving.store = SimpleNamespace(add=lambda key, amount: counts[key])
     saving.pending = SimpleNamespace(run_state=SimpleNamespace(step=2), key="checkpoint-written/1/0")
+    saving.drain(0.05)
+    assert written.is_set() and not completer.is_alive()
+    assert capsys.readouterr().err == "the checkpoint of step 2 is being written: the run ends once it is\n"
+    counts["checkpoint-written/1/0"] = 1  # a rank lost: it never counts its files, and `latest` stays
+    saving.completer = threading.Thread(target=time.sleep, args=(30,), daemon=True)
+    saving.completer.start()
     started = time.monotonic()
     saving.drain(0.05)
-    assert written.is_set() and completer.is_alive() and time.monotonic() - started < 5
-    assert capsys.readouterr().err == "the checkpoint of step 2 is being written: the run ends once it is\n"
+    assert saving.completer.is_alive() and time.monotonic() - started < 5
     waited = []
+    counts["checkpoint-written/1/0"] = 2
     saving.rank, saving.completer = 1, None
-    saving.store = SimpleNamespace(wait=lambda keys, timeout: waited.append((keys, timeout)))
+    saving.store.wait = lambda keys: waited.append(keys)
     saving.drain(0.05)
-    assert waited == [(["checkpoint-written/1/0/complete"], timedelta(seconds=0.05))]
+    assert waited == [["checkpoint-written/1/0/complete"]]
