@@ -82,12 +82,20 @@ class Saving:
 
     def complete_when_written(self, pending: Pending) -> None:
         """Rank 0's thread: once every rank has counted its files written, the run state and `latest`."""
-        while self.store.add(pending.key, 0) < self.world_size:
-            time.sleep(POLL_S)
+        self.all_counted(pending.key)
         size = complete(self.checkpoint_dir, pending.run_state, pending.keep_last)
         self.store.set(f"{pending.key}/complete", "1")  # a failing run's other ranks wait for this (drain)
         self.completed.put({"seconds": time.perf_counter() - pending.started, "bytes": size,
                                "stall_seconds": pending.stall_seconds, "step": pending.run_state.step})
+
+    def all_counted(self, key: str, timeout: float = float("inf")) -> bool:
+        """Whether every rank has counted its files of the save at `key`, waiting up to `timeout` for it."""
+        deadline = time.monotonic() + timeout
+        while self.store.add(key, 0) < self.world_size:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(POLL_S)
+        return True
 
     def drain(self, timeout: float) -> None:
         """A failing run, before its ranks end: this rank's files of the save being written are written to the end,
@@ -101,11 +109,8 @@ class Saving:
                 print(f"the checkpoint of step {self.pending.run_state.step} is being written: the run ends once "
                       "it is", file=sys.stderr, flush=True)
             self.writer.thread.join()
-        deadline = time.monotonic() + timeout
-        while self.store.add(self.pending.key, 0) < self.world_size:
-            if time.monotonic() >= deadline:
-                return
-            time.sleep(POLL_S)
+        if not self.all_counted(self.pending.key, timeout):
+            return
         if self.completer is not None:
             self.completer.join()
         else:
